@@ -1,0 +1,84 @@
+"""One attention call as the ops see it: tensors, per-call scalars and the resolved mods.
+
+The ops build an `AttentionCall` from their flat argument list and hand it to dispatch, so every
+backend (reference, sm90, sm100) reads the same fields with the same meaning (docs/INTERNALS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # the registry imports torch.fx machinery; keep it out of import time
+    from torch_fa4.mods.registry import ModSet
+
+
+@dataclass
+class AttentionCall:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    causal: bool = False
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1
+    softcap: float = 0.0
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    mod_key: str = ""
+    mods: Optional["ModSet"] = None
+    aux_tensors: Sequence[torch.Tensor] = field(default_factory=tuple)
+    block_mask: Sequence[torch.Tensor] = field(default_factory=tuple)
+    block_mask_q: int = 128
+    block_mask_kv: int = 128
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.numel() - 1 if self.is_varlen else self.q.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def num_heads_kv(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v.shape[-1]
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def score_aux(self) -> Sequence[torch.Tensor]:
+        n = self.mods.num_score_aux if self.mods is not None else 0
+        return tuple(self.aux_tensors[:n])
+
+    @property
+    def mask_aux(self) -> Sequence[torch.Tensor]:
+        n = self.mods.num_score_aux if self.mods is not None else 0
+        return tuple(self.aux_tensors[n:])
+
+    def out_shape(self) -> tuple[int, ...]:
+        return (*self.q.shape[:-1], self.head_dim_v)
+
+    def lse_shape(self) -> tuple[int, ...]:
+        if self.is_varlen:
+            return (self.num_heads, self.q.shape[0])
+        return (self.q.shape[0], self.num_heads, self.q.shape[1])
