@@ -1,1 +1,24 @@
-"""torch_fa4: FlashAttention-4 as a PyTorch-native drop-in."""
+"""torch_fa4: FlashAttention-4 as a PyTorch-native drop-in.
+
+Importing this package registers the `torch_fa4::fwd` / `torch_fa4::bwd` ops and nothing heavier:
+CuTe DSL kernels load on the first CUDA call, and no CUDA context is created here.
+"""
+
+from torch_fa4 import ops as _ops  # noqa: F401  (registers the torch.library ops)
+from torch_fa4.api import attention, flex_attention
+
+__version__ = "0.1.0"
+__all__ = ["attention", "flex_attention", "create_block_mask", "BlockMask", "mods", "sdpa", "__version__"]
+
+
+def __getattr__(name):
+    # Mods pull in torch.fx tracing and SDPA/HF glue pull in their own modules; load them on use.
+    if name in ("create_block_mask", "BlockMask"):
+        from torch_fa4 import mods
+
+        return getattr(mods, name)
+    if name in ("mods", "sdpa", "hf"):
+        import importlib
+
+        return importlib.import_module(f"torch_fa4.{name}")
+    raise AttributeError(f"module 'torch_fa4' has no attribute {name!r}")

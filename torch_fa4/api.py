@@ -1,0 +1,159 @@
+"""Public API: `attention` (flash-attn style, B S H D) and `flex_attention` (torch flex, B H S D).
+
+Both normalise their arguments, check them (`checks`), turn mods into a registry key plus captured
+tensors (`torch_fa4.mods.prepare`) and call the `torch_fa4::fwd` op, which autograd and
+torch.compile understand.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from torch_fa4 import checks
+
+ScoreMod = Callable[..., torch.Tensor]
+MaskMod = Callable[..., torch.Tensor]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[Optional[int], Optional[int]] = (None, None),
+    softcap: float = 0.0,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    block_mask=None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """Exact softmax attention over (B, S, H, D) tensors, flash-attn style.
+
+    q: (B, Sq, Hq, D), or (total_q, Hq, D) with `cu_seqlens_q` (int32, B + 1 offsets).
+    k, v: (B, Sk, Hkv, D) / (B, Sk, Hkv, Dv), or (total_k, Hkv, D) with `cu_seqlens_k`.
+    Hq must be a multiple of Hkv (GQA/MQA). Any strides work as long as the last dim is contiguous.
+
+    scale: defaults to 1/sqrt(D). causal: bottom-right aligned when Sq != Sk (flash-attn).
+    window_size: (left, right) keys visible around the aligned diagonal; None or -1 = unbounded.
+    softcap: s -> softcap * tanh(s / softcap) before score_mod (0 disables).
+    score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx): FlexAttention-style
+    callables, fused into the kernel. block_mask: a `torch_fa4.create_block_mask` result (its
+    mask_mod is applied, its tile map lets kernels skip empty tiles).
+    seqused_k: (B,) int32, keys used per batch (KV caches). return_lse: also return the
+    log-sum-exp (float32, (B, Hq, Sq) or (Hq, total_q); natural log; -inf for fully masked rows;
+    detached: no gradient flows through it). deterministic: deterministic backward.
+
+    Returns out, shaped like q with head dim Dv (and lse if return_lse).
+    """
+    varlen_q = cu_seqlens_q is not None
+    varlen_k = cu_seqlens_k is not None
+    checks.check_qkv(q, k, v, varlen_q=varlen_q, varlen_k=varlen_k)
+    checks.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    window_left, window_right = checks.check_scalars(scale, softcap, window_size)
+    if causal:
+        window_right = 0 if window_right < 0 else min(window_right, 0)
+    if not torch.compiler.is_compiling():
+        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+
+    mask_mod, bm_tensors, bm_q, bm_kv = _unpack_block_mask(block_mask, mask_mod)
+    mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
+    _check_aux_grad(aux_tensors)
+
+    max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q, seq_dim=1)
+    max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k, seq_dim=1)
+    out, lse = torch.ops.torch_fa4.fwd(
+        q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors,
+        max_seqlen_q, max_seqlen_k, float(scale), bool(causal), window_left, window_right,
+        float(softcap), mod_key, bm_q, bm_kv, bool(deterministic),
+    )
+    if return_lse:
+        return out, lse.detach()
+    return out
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Optional[ScoreMod] = None,
+    block_mask=None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    mask_mod: Optional[MaskMod] = None,
+):
+    """torch.nn.attention.flex_attention's signature on (B, H, S, D) tensors, run by torch_fa4.
+
+    The mask comes from `block_mask` (built by `torch_fa4.create_block_mask`, or torch's own
+    `create_block_mask`), as in FlexAttention; `mask_mod` may be given directly instead.
+    Returns out (B, Hq, Sq, Dv) (and lse (B, Hq, Sq), natural log, if return_lse).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"torch_fa4: flex_attention's {name} must be a 4-D (B, H, S, D) tensor, got {shape}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"torch_fa4: query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for GQA/MQA"
+        )
+    result = attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        scale=scale, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, return_lse=return_lse,
+    )
+    if return_lse:
+        out, lse = result
+        return out.transpose(1, 2), lse
+    return result.transpose(1, 2)
+
+
+def _max_seqlen(given, cu_seqlens, t, seq_dim):
+    if given is not None:
+        return int(given)
+    if cu_seqlens is None:
+        return t.shape[seq_dim] if t.dim() == 4 else t.shape[0]
+    if cu_seqlens.numel() < 2:
+        return 0
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def _unpack_block_mask(block_mask, mask_mod):
+    if block_mask is None:
+        return mask_mod, [], 128, 128
+    from torch_fa4.mods import as_block_mask
+
+    bm = as_block_mask(block_mask)
+    if mask_mod is not None and mask_mod is not bm.mask_mod:
+        raise ValueError("torch_fa4: pass either mask_mod or a block_mask built from it, not two different masks")
+    bq, bkv = bm.BLOCK_SIZE
+    return bm.mask_mod, list(bm.as_tensors()), int(bq), int(bkv)
+
+
+def _prepare_mods(score_mod, mask_mod):
+    if score_mod is None and mask_mod is None:
+        return "", []
+    from torch_fa4.mods import prepare
+
+    mod_key, aux = prepare(score_mod, mask_mod)
+    return mod_key, list(aux)
+
+
+def _check_aux_grad(aux_tensors) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in aux_tensors):
+        raise NotImplementedError(
+            "torch_fa4: a tensor captured by score_mod/mask_mod requires grad; gradients for captured "
+            "tensors are not supported yet (detach it, or compute the bias outside attention)"
+        )

@@ -1,0 +1,82 @@
+"""Device and architecture -> backend: the one place that picks who computes a call.
+
+CUDA devices of compute capability 9.x go to `torch_fa4.kernels.sm90`, 10.x to
+`torch_fa4.kernels.sm100` (imported on first use: CuTe DSL stays out of `import torch_fa4`); a
+kernel that cannot take a call says why through `unsupported_reason`, and the call runs on the exact
+reference instead (warned once per reason). Everything else (CPU, other GPUs, float32/float64)
+runs on the reference. `TORCH_FA4_BACKEND=reference` forces the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from torch_fa4 import reference
+from torch_fa4.call import AttentionCall
+
+_ARCH_PACKAGES = {9: "torch_fa4.kernels.sm90", 10: "torch_fa4.kernels.sm100"}
+_warned: set[str] = set()
+
+
+def _arch_package(device: torch.device) -> Optional[str]:
+    major, _ = torch.cuda.get_device_capability(device)
+    return _ARCH_PACKAGES.get(major)
+
+
+def _is_empty(call: AttentionCall) -> bool:
+    seq_k = call.k.shape[-3]
+    return call.q.numel() == 0 or seq_k == 0 or call.batch == 0
+
+
+def kernel_for(call: AttentionCall, direction: str):
+    """Return the kernel module that runs `call` ("forward" or "backward"), or None for the reference."""
+    if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
+        return None
+    if call.q.device.type != "cuda" or _is_empty(call):
+        return None
+    name = _arch_package(call.q.device)
+    if name is None:
+        return None
+    # The architecture package's forward lives in the package itself; its backward in `<pkg>.bwd`.
+    try:
+        module = importlib.import_module(name if direction == "forward" else name + ".bwd")
+    except ModuleNotFoundError as e:
+        if not e.name or not e.name.startswith(name):
+            raise
+        module = None
+    if module is None or getattr(module, direction, None) is None:
+        reason = f"no {direction} kernel for this architecture yet"
+    else:
+        reason = module.unsupported_reason(call)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to the PyTorch reference: {reason}", stacklevel=3)
+        return None
+    return module
+
+
+def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = kernel_for(call, "forward")
+    if kernel is None:
+        return reference.forward(call)
+    out = torch.empty(call.out_shape(), dtype=call.q.dtype, device=call.q.device)
+    lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
+    kernel.forward(call, out, lse)
+    return out, lse
+
+
+def backward(call: AttentionCall, dout, out, lse, deterministic: bool):
+    kernel = kernel_for(call, "backward")
+    if kernel is None:
+        return reference.backward(call, dout, out, lse)
+    dq = torch.empty(call.q.shape, dtype=call.q.dtype, device=call.q.device)
+    dk = torch.empty(call.k.shape, dtype=call.k.dtype, device=call.k.device)
+    dv = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device)
+    kernel.backward(call, dout, out, lse, dq, dk, dv, deterministic)
+    return dq, dk, dv

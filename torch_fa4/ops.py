@@ -1,0 +1,104 @@
+"""The torch.library ops: torch_fa4::fwd and torch_fa4::bwd, their fake kernels and autograd.
+
+Everything torch.compile, FakeTensor and autograd need to know about attention lives here; the
+work itself is handed to `dispatch`, which picks a kernel by device and architecture. Mods arrive
+as a key into the mod registry plus the tensors they captured (a callable cannot be an op argument).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_fa4 import dispatch
+from torch_fa4.call import AttentionCall
+
+
+def _resolve_mods(mod_key: str):
+    if not mod_key:
+        return None
+    from torch_fa4.mods import registry
+
+    return registry.lookup(mod_key)
+
+
+def make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+              max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+              block_mask_kv) -> AttentionCall:
+    return AttentionCall(
+        q=q, k=k, v=v, scale=scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mod_key=mod_key,
+        mods=_resolve_mods(mod_key), aux_tensors=tuple(aux_tensors), block_mask=tuple(block_mask),
+        block_mask_q=block_mask_q, block_mask_kv=block_mask_kv,
+    )
+
+
+@torch.library.custom_op("torch_fa4::fwd", mutates_args=())
+def fwd(
+    q: Tensor, k: Tensor, v: Tensor, aux_tensors: list[Tensor], cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor], block_mask: list[Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, mod_key: str, block_mask_q: int, block_mask_kv: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """Attention forward: returns (out, lse). `deterministic` is kept for the backward."""
+    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
+                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
+                     mod_key, block_mask_q, block_mask_kv)
+    return dispatch.forward(call)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+              max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+              block_mask_kv, deterministic):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("torch_fa4::bwd", mutates_args=())
+def bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux_tensors: list[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+    block_mask: list[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, mod_key: str, block_mask_q: int,
+    block_mask_kv: int, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward: returns (dq, dk, dv), contiguous, shaped like q, k, v."""
+    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
+                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
+                     mod_key, block_mask_q, block_mask_kv)
+    return dispatch.backward(call, dout, out, lse, deterministic)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.rest = inputs[3:]
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # The API returns LSE detached, so no gradient reaches it through torch_fa4's public functions.
+    rest = ctx.rest
+    dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out.contiguous(), q, k, v, out, lse, *rest)
+    # Autograd wants one entry per input with the input's structure: lists get lists of None.
+    return (dq, dk, dv) + tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in rest)
+
+
+torch.library.register_autograd("torch_fa4::fwd", _backward, setup_context=_setup_context)
