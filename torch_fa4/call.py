@@ -75,6 +75,11 @@ class AttentionCall:
         n = self.mods.num_score_aux if self.mods is not None else 0
         return tuple(self.aux_tensors[n:])
 
+    @property
+    def lse_dtype(self) -> torch.dtype:
+        # float32 as flash-attn, except that float64 inputs keep float64 (an exact oracle).
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
     def out_shape(self) -> tuple[int, ...]:
         return (*self.q.shape[:-1], self.head_dim_v)
 

@@ -56,10 +56,11 @@ def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block
               max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
               block_mask_kv, deterministic):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
     else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
     return out, lse
 
 

@@ -99,15 +99,42 @@ class _ScoreBlock:
         return torch.matmul(q, k.transpose(-1, -2)) * self.call.scale
 
     def modded_scores(self, raw: torch.Tensor) -> torch.Tensor:
-        """softcap then score_mod, differentiable in `raw`."""
+        """softcap then score_mod."""
         s = raw
         if self.call.softcap > 0:
             s = self.call.softcap * torch.tanh(s / self.call.softcap)
+        return self._score_mod(s)
+
+    def _score_mod(self, s: torch.Tensor) -> torch.Tensor:
+        mods = self.call.mods
+        if mods is None or mods.score_graph is None:
+            return s
+        out = mods.score_torch(s, self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, self.call.score_aux)
+        return out.to(s.dtype).expand(s.shape)
+
+    def scores_and_vjp(self, raw: torch.Tensor):
+        """modded_scores(raw) and a function mapping dL/ds to dL/draw (elementwise chain rule).
+
+        Op implementations run below the autograd dispatch key, so the derivative is computed
+        without autograd: softcap's analytically, score_mod's by torch.func (functorch's own
+        transform, which works there) from the traced graph.
+        """
+        s, cap_grad = raw, None
+        if self.call.softcap > 0:
+            t = torch.tanh(raw / self.call.softcap)
+            s, cap_grad = self.call.softcap * t, 1 - t * t
         mods = self.call.mods
         if mods is not None and mods.score_graph is not None:
-            s = mods.score_torch(s, self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, self.call.score_aux)
-            s = s.to(raw.dtype)
-        return s
+            s, mod_vjp = torch.func.vjp(self._score_mod, s)
+        else:
+            mod_vjp = None
+
+        def vjp(ds):
+            if mod_vjp is not None:
+                (ds,) = mod_vjp(ds)
+            return ds if cap_grad is None else ds * cap_grad
+
+        return s, vjp
 
     def _visibility(self, sq: int, sk: int) -> Optional[torch.Tensor]:
         call = self.call
@@ -134,7 +161,7 @@ class _ScoreBlock:
 def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (out, lse) with the shapes and dtypes of the torch_fa4::fwd op."""
     out = torch.empty(call.out_shape(), dtype=call.q.dtype, device=call.q.device)
-    lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
+    lse = torch.empty(call.lse_shape(), dtype=call.lse_dtype, device=call.q.device)
     for seg, rows in _segments(call):
         o, l = _forward_segment(call, seg)  # (B, H, Sq, Dv), (B, H, Sq)
         o = o.transpose(1, 2).to(out.dtype)
@@ -240,13 +267,12 @@ def _backward_segment(call: AttentionCall, seg: _Segment, dout, out, lse):
             k1 = min(sk, k0 + kv_chunk)
             blk = _ScoreBlock(call, seg, q0, q1, k0, k1)
             raw = blk.raw_scores(q, k[:, :, k0:k1])
-            # torch.func.vjp, not autograd: op implementations run below the autograd dispatch key.
-            s, score_vjp = torch.func.vjp(blk.modded_scores, raw)
+            s, score_vjp = blk.scores_and_vjp(raw)
             p = torch.exp(blk.masked(s) - lse[:, :, q0:q1].unsqueeze(-1))
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do)
             dp = torch.matmul(do, v[:, :, k0:k1].transpose(-1, -2))
             ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
-            (ds,) = score_vjp(ds)  # chain rule through score_mod and softcap, elementwise
+            ds = score_vjp(ds)  # chain rule through score_mod and softcap, elementwise
             ds = ds * call.scale
             dq[:, :, q0:q1] += torch.matmul(ds, k[:, :, k0:k1])
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q)

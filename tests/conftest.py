@@ -1,0 +1,24 @@
+import os
+import random
+import sys
+import zlib
+
+import pytest
+import torch
+
+# tests/ on sys.path so tests/gpu/* can `from naive import naive_attention` too.
+sys.path.insert(0, os.path.dirname(__file__))
+
+# A new base seed every run (fresh inputs), printed so a failure can be replayed with
+# TORCH_FA4_TEST_SEED=<seed>.
+_BASE_SEED = int(os.environ.get("TORCH_FA4_TEST_SEED", random.randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"torch_fa4 test seed: {_BASE_SEED} (replay with TORCH_FA4_TEST_SEED={_BASE_SEED})"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    torch.manual_seed(_BASE_SEED ^ zlib.crc32(request.node.nodeid.encode()))
+    yield

@@ -1,0 +1,212 @@
+"""sm90 backward kernel against float64 autograd, over the feature matrix.
+
+Each case draws fresh random inputs, computes out/lse with float64 math (what a forward pass
+would hand to backward), poisons dq/dk/dv with NaN, runs the kernel and compares with the
+float64 gradients by relative norm error. Run as a script for a small timing table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torch_fa4.call import AttentionCall
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs an sm_90 GPU",
+    ),
+]
+
+
+def _visible(sq, sk, causal, left, right, device):
+    """(sq, sk) bool: key j visible from query i (bottom-right aligned, as INTERNALS.md)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    diag = sk - sq
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i + diag
+    if right >= 0:
+        ok &= j <= i + diag + right
+    if left >= 0:
+        ok &= j >= i + diag - left
+    return ok
+
+
+def _attend64(q, k, v, scale, softcap, visible):
+    """One sequence, float64: q (Sq, Hq, D), k/v (Sk, Hkv, D). Returns out (Sq,Hq,Dv), lse (Hq,Sq)."""
+    g = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(g, dim=1)
+    vv = v.repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    # Rows that see no key: compute on zeros (finite, so autograd stays NaN-free), then zero P.
+    any_key = visible.any(-1, keepdim=True)
+    s = torch.where(any_key, s.masked_fill(~visible, -math.inf), torch.zeros_like(s))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)) * visible
+    lse = lse.masked_fill(~any_key.squeeze(-1), -math.inf)
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    return out, lse
+
+
+def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
+          strided=False, varlen=False, seqused=False, deterministic=False):
+    from torch_fa4.kernels.sm90 import bwd
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(torch.seed() % (2**31))
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(d)
+    if varlen:
+        lens_q = torch.randint(1, sq + 1, (b,), generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+        lens_k = torch.randint(1, sk + 1, (b,), generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lens_q.cumsum(0)]).to(torch.int32).to(dev)
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lens_k.cumsum(0)]).to(torch.int32).to(dev)
+        q = rnd(int(cu_q[-1]), hq, d).to(dtype)
+        k = rnd(int(cu_k[-1]), hkv, d).to(dtype)
+        v = rnd(int(cu_k[-1]), hkv, dv).to(dtype)
+        do = rnd(int(cu_q[-1]), hq, dv).to(dtype)
+        spans = [(int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(b)]
+        used = None
+    else:
+        if strided:  # (B, H, S, D) storage seen as (B, S, H, D), as SDPA/flex hand it over
+            q = rnd(b, hq, sq, d).to(dtype).transpose(1, 2)
+            k = rnd(b, hkv, sk, d).to(dtype).transpose(1, 2)
+            v = rnd(b, hkv, sk, dv).to(dtype).transpose(1, 2)
+        else:
+            q, k, v = rnd(b, sq, hq, d).to(dtype), rnd(b, sk, hkv, d).to(dtype), rnd(b, sk, hkv, dv).to(dtype)
+        do = rnd(b, sq, hq, dv).to(dtype)
+        used = torch.randint(1, sk + 1, (b,), device=dev, dtype=torch.int32) if seqused else None
+        spans = None
+
+    # float64 forward + autograd reference
+    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    outs, lses = [], []
+    seqs = spans if varlen else list(range(b))
+    for s in seqs:
+        if varlen:
+            qa, qb, ka, kb = s
+            qs, ks, vs = q64[qa:qb], k64[ka:kb], v64[ka:kb]
+        else:
+            kl = int(used[s]) if used is not None else sk
+            qs, ks, vs = q64[s], k64[s, :kl], v64[s, :kl]
+        vis = _visible(qs.shape[0], ks.shape[0], causal, left, right, dev)
+        o, l = _attend64(qs, ks, vs, scale, softcap, vis)
+        outs.append(o)
+        lses.append(l)
+    out64 = torch.cat(outs, 0) if varlen else torch.stack(outs, 0)
+    lse = (torch.cat(lses, 1) if varlen else torch.stack(lses, 0)).float().contiguous()
+    dq64, dk64, dv64 = torch.autograd.grad(out64, (q64, k64, v64), do.to(torch.float64))
+
+    call = AttentionCall(q=q, k=k, v=v, scale=scale, causal=causal, window_left=left,
+                         window_right=right, softcap=softcap,
+                         cu_seqlens_q=cu_q if varlen else None, cu_seqlens_k=cu_k if varlen else None,
+                         seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk)
+    assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
+    out = out64.detach().to(dtype).contiguous()
+    grads = []
+    for _ in range(2 if deterministic else 1):
+        dq = torch.full(q.shape, math.nan, dtype=dtype, device=dev)
+        dk = torch.full(k.shape, math.nan, dtype=dtype, device=dev)
+        dvv = torch.full(v.shape, math.nan, dtype=dtype, device=dev)
+        bwd.backward(call, do, out, lse, dq, dk, dvv, deterministic)
+        torch.cuda.synchronize()
+        grads.append((dq, dk, dvv))
+    dq, dk, dvv = grads[0]
+    if deterministic:
+        for a, c in zip(grads[0], grads[1]):
+            assert torch.equal(a, c), "deterministic mode gave two different results"
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 6e-3
+    for name, got, ref in (("dq", dq, dq64), ("dk", dk, dk64), ("dv", dvv, dv64)):
+        assert not torch.isnan(got).any(), f"{name} has NaN (unwritten or NaN math)"
+        err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err < tol, f"{name}: relative error {err:.3e} >= {tol}"
+
+
+BF, FP = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [BF, FP])
+def test_dense(dtype, d):
+    _case(dtype, 2, 256, 384, 2, 2, d, d)
+
+
+@pytest.mark.parametrize("sq,sk", [(200, 333), (333, 200), (1, 77), (130, 130)])
+def test_causal_odd_lengths(sq, sk):
+    _case(BF, 2, sq, sk, 3, 3, 128, 128, causal=True)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1)])
+def test_gqa_mqa(hq, hkv):
+    _case(BF, 2, 190, 260, hq, hkv, 128, 128, causal=True)
+
+
+def test_strided_inputs():
+    _case(FP, 2, 150, 250, 4, 2, 64, 64, strided=True)
+
+
+@pytest.mark.parametrize("left,right,causal", [(60, 20, False), (100, -1, True), (-1, 40, False)])
+def test_window(left, right, causal):
+    _case(BF, 2, 300, 280, 2, 1, 128, 128, causal=causal, left=left, right=right)
+
+
+def test_softcap():
+    _case(BF, 2, 200, 260, 2, 2, 128, 128, softcap=8.0, causal=True)
+
+
+def test_head_dim_v_differs():
+    _case(BF, 1, 160, 200, 2, 2, 128, 64)
+
+
+def test_varlen():
+    _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True)
+
+
+def test_seqused_k():
+    _case(BF, 3, 150, 300, 2, 2, 64, 64, seqused=True)
+
+
+def test_deterministic():
+    _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True)
+
+
+def _bench():  # pragma: no cover - manual timing on the device machine
+    import triton.testing
+
+    from torch_fa4.kernels.sm90 import bwd
+
+    rows = []
+    for d, s, causal in ((128, 4096, False), (128, 4096, True), (64, 4096, False)):
+        b, h = 16384 // s, 2048 // d
+        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        out = torch.randn_like(q)
+        lse = torch.randn(b, h, s, device="cuda", dtype=torch.float32) + 5
+        call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, causal=causal)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ms = triton.testing.do_bench(lambda: bwd.backward(call, do, out, lse, dq, dk, dv, False), return_mode="median")
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+        rows.append(f"D{d} S{s} causal={causal}: {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s")
+        try:
+            from flash_attn.cute.interface import _flash_attn_bwd  # noqa: F401
+            import flash_attn.cute as fa
+
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            o = fa.flash_attn_func(qq, kk, vv, causal=causal)
+            o = o[0] if isinstance(o, tuple) else o
+            ms_fa = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True), return_mode="median")
+            rows.append(f"   flash-attn-4 fwd-graph bwd: {ms_fa:.3f} ms  {flops / ms_fa / 1e9:.0f} TFLOP/s")
+        except Exception as e:  # the peer is optional
+            rows.append(f"   flash-attn-4 unavailable: {type(e).__name__}: {e}"[:200])
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    _bench()

@@ -1,0 +1,56 @@
+"""Float64 attention written the obvious way (full S×S matrix): the oracle every test compares with.
+
+Kept deliberately independent of torch_fa4/reference.py (no chunking, no online softmax), so the
+two implementations check each other.
+"""
+
+import math
+
+import torch
+
+
+def naive_attention(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                    score_mod=None, mask_mod=None, seqlen_k=None):
+    """q (B, Sq, H, D), k/v (B, Sk, Hkv, D); returns out (B, Sq, H, Dv) and lse (B, H, Sq), float64.
+
+    score_mod(s, b, h, i, j) / mask_mod(b, h, i, j) receive broadcast index grids.
+    seqlen_k: optional list of per-batch key counts (seqused_k).
+    """
+    q, k, v = (x.detach().double().cpu() for x in (q, k, v))
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k = k.repeat_interleave(H // Hkv, dim=2)
+    v = v.repeat_interleave(H // Hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    i = torch.arange(Sq).view(1, 1, Sq, 1)
+    j = torch.arange(Sk).view(1, 1, 1, Sk)
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j).double()
+    visible = torch.ones(B, H, Sq, Sk, dtype=torch.bool)
+    sk_b = torch.tensor(seqlen_k if seqlen_k is not None else [Sk] * B).view(B, 1, 1, 1)
+    diag = i + sk_b - Sq
+    if causal:
+        visible &= j <= diag
+    if window[1] >= 0:
+        visible &= j <= diag + window[1]
+    if window[0] >= 0:
+        visible &= j >= diag - window[0]
+    visible &= j < sk_b
+    if mask_mod is not None:
+        visible &= mask_mod(b, h, i, j).bool()
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse
+
+
+def rel_error(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(x).any(), "NaN in result"
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()

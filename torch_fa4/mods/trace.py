@@ -1,0 +1,394 @@
+"""Trace a FlexAttention-style mod (a plain Python callable) into a ModGraph.
+
+The mod is called once with `TraceValue` stand-ins for score / b / h / q_idx / kv_idx. Python
+operators on them and the torch functions they reach (through `__torch_function__`, which torch
+consults for any argument that defines it, including indices of `tensor[...]`) append nodes to the
+graph. Captured tensors are recognised by identity against the list that capture.py collected, so
+each becomes a numbered aux slot (a kernel argument), never a constant.
+
+Anything outside the supported op set raises ModTraceError naming the operation and listing what
+is supported, at trace time, before any kernel is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torch_fa4.mods.graph import (
+    AUX_DTYPE_KINDS,
+    BOOL,
+    FLOAT,
+    INPUT_KINDS,
+    INT,
+    MASK_INPUTS,
+    SCORE_INPUTS,
+    AuxSpec,
+    ModGraph,
+    Node,
+)
+
+SUPPORTED_OPS_DOC = (
+    "arithmetic (+, -, *, /, unary -), comparisons (==, !=, <, <=, >, >=), "
+    "logical &, |, ^, ~ on booleans (and torch.logical_and/or/not), torch.where, abs, "
+    "torch.exp/log/tanh/sigmoid (or the tensor methods), torch.minimum/maximum/clamp, "
+    "integer // and %, .float() / .to(float dtype), and indexing captured tensors by index values "
+    "(t[h], t[b, q_idx], ...)"
+)
+
+
+class ModTraceError(TypeError):
+    """A mod uses something the tracer cannot turn into a ModGraph."""
+
+
+def _unsupported(what: str) -> ModTraceError:
+    return ModTraceError(f"unsupported operation in a score_mod/mask_mod: {what}. Supported: {SUPPORTED_OPS_DOC}.")
+
+
+class GraphBuilder:
+    def __init__(self, role: str, captured: Sequence[torch.Tensor]):
+        self.role = role
+        self.nodes: list[Node] = []
+        self._memo: dict[tuple, int] = {}  # common-subexpression elimination keeps graphs canonical
+        self.captured = list(captured)
+        self.slot_of = {id(t): i for i, t in enumerate(self.captured)}
+
+    def add(self, op: str, args: tuple[int, ...] = (), attr: Any = None, kind: str = FLOAT) -> "TraceValue":
+        key = (op, args, (type(attr).__name__, repr(attr)), kind)
+        idx = self._memo.get(key)
+        if idx is None:
+            idx = len(self.nodes)
+            self.nodes.append(Node(op, args, attr, kind))
+            self._memo[key] = idx
+        return TraceValue(self, idx)
+
+    def kind(self, idx: int) -> str:
+        return self.nodes[idx].kind
+
+    # ---- operands ----------------------------------------------------------------------------
+    def value(self, x: Any) -> "TraceValue":
+        """Turn an operand (TraceValue, Python number, 0-d captured tensor) into a TraceValue."""
+        if isinstance(x, TraceValue):
+            return x
+        if isinstance(x, bool):
+            return self.add("const", attr=x, kind=BOOL)
+        if isinstance(x, int):
+            return self.add("const", attr=x, kind=INT)
+        if isinstance(x, float):
+            return self.add("const", attr=x, kind=FLOAT)
+        if isinstance(x, torch.Tensor):
+            if x.dim() != 0:
+                raise ModTraceError(
+                    f"a captured tensor of shape {tuple(x.shape)} was used as a value; index it down to one "
+                    "element with index values (e.g. t[h] or t[b, q_idx])"
+                )
+            return self.load(x, ())
+        raise _unsupported(f"operand of type {type(x).__name__}")
+
+    def load(self, tensor: torch.Tensor, index: tuple) -> "TraceValue":
+        slot = self.slot_of.get(id(tensor))
+        if slot is None:
+            raise ModTraceError(
+                "a mod used a tensor that is not captured where torch_fa4 can find it again on every call "
+                "(closure variables, globals the mod names, attributes of a captured object or of a bound "
+                "method's self, functools.partial arguments); tensors created inside the mod are not supported"
+            )
+        if str(tensor.dtype) not in AUX_DTYPE_KINDS:
+            raise ModTraceError(f"captured tensors of dtype {tensor.dtype} are not supported")
+        if len(index) != tensor.dim():
+            raise ModTraceError(
+                f"a captured tensor of rank {tensor.dim()} was indexed with {len(index)} index value(s); "
+                "index every dimension so each access reads one element"
+            )
+        args = []
+        for i in index:
+            if isinstance(i, (slice, type(None), type(Ellipsis))) or isinstance(i, torch.Tensor):
+                raise ModTraceError("captured tensors may only be indexed by index values or Python ints")
+            v = self.value(i)
+            if v.kind != INT:
+                v = self.value(i)
+                if v.kind == BOOL:
+                    v = self.add("where", (v.idx, self.value(1).idx, self.value(0).idx), kind=INT)
+                else:
+                    raise ModTraceError("captured tensors must be indexed by integer values, got a float value")
+            args.append(v.idx)
+        return self.add("load", tuple(args), attr=slot, kind=AUX_DTYPE_KINDS[str(tensor.dtype)])
+
+    # ---- ops ---------------------------------------------------------------------------------
+    def unary(self, op: str, x: Any) -> "TraceValue":
+        v = self.value(x)
+        if op == "not":
+            if v.kind != BOOL:
+                raise ModTraceError("~ / logical_not is supported on boolean values only")
+            return self.add("not", (v.idx,), kind=BOOL)
+        if op == "to_float":
+            return v if v.kind == FLOAT else self.add("to_float", (v.idx,), kind=FLOAT)
+        if op in ("neg", "abs"):
+            kind = FLOAT if v.kind == FLOAT else INT
+            return self.add(op, (v.idx,), kind=kind)
+        # transcendental: always float
+        return self.add(op, (self.unary("to_float", v).idx,), kind=FLOAT)
+
+    def binary(self, op: str, x: Any, y: Any) -> "TraceValue":
+        a, b = self.value(x), self.value(y)
+        if op in ("and", "or", "xor"):
+            if a.kind != BOOL or b.kind != BOOL:
+                raise ModTraceError(f"&, |, ^ are supported on boolean values only (got {a.kind} and {b.kind})")
+            return self.add("ne" if op == "xor" else op, (a.idx, b.idx), kind=BOOL)
+        if op in ("floordiv", "mod"):
+            if a.kind == FLOAT or b.kind == FLOAT:
+                raise ModTraceError(f"{'//' if op == 'floordiv' else '%'} is supported on integer values only")
+            return self.add(op, (a.idx, b.idx), kind=INT)
+        if a.kind == BOOL and b.kind == BOOL and op in ("eq", "ne"):
+            return self.add(op, (a.idx, b.idx), kind=BOOL)
+        # numeric promotion: bool -> int -> float
+        kind = FLOAT if FLOAT in (a.kind, b.kind) or op == "div" else INT
+        if kind == FLOAT:
+            a, b = self.unary("to_float", a), self.unary("to_float", b)
+        else:
+            a, b = self._to_int(a), self._to_int(b)
+        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
+            return self.add(op, (a.idx, b.idx), kind=BOOL)
+        return self.add(op, (a.idx, b.idx), kind=kind)
+
+    def _to_int(self, v: "TraceValue") -> "TraceValue":
+        if v.kind == BOOL:
+            return self.add("where", (v.idx, self.value(1).idx, self.value(0).idx), kind=INT)
+        return v
+
+    def where(self, cond: Any, x: Any, y: Any) -> "TraceValue":
+        c = self.value(cond)
+        if c.kind != BOOL:
+            raise ModTraceError("torch.where needs a boolean condition")
+        a, b = self.value(x), self.value(y)
+        if a.kind == b.kind:
+            kind = a.kind
+        else:
+            kind = FLOAT if FLOAT in (a.kind, b.kind) else INT
+            a = self.unary("to_float", a) if kind == FLOAT else self._to_int(a)
+            b = self.unary("to_float", b) if kind == FLOAT else self._to_int(b)
+        return self.add("where", (c.idx, a.idx, b.idx), kind=kind)
+
+    def clamp(self, x: Any, min: Any = None, max: Any = None) -> "TraceValue":
+        v = self.value(x)
+        if min is not None:
+            v = self.binary("maximum", v, min)
+        if max is not None:
+            v = self.binary("minimum", v, max)
+        return v
+
+
+_BINARY_NAMES = {
+    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "true_divide": "div", "truediv": "div",
+    "floor_divide": "floordiv", "floordiv": "floordiv", "remainder": "mod", "mod": "mod",
+    "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+    "and": "and", "or": "or", "xor": "xor", "logical_and": "and", "logical_or": "or", "logical_xor": "xor",
+    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
+    "minimum": "minimum", "maximum": "maximum", "min": "minimum", "max": "maximum",
+}
+_UNARY_NAMES = {
+    "neg": "neg", "negative": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",
+    "sigmoid": "sigmoid", "logical_not": "not", "bitwise_not": "not", "invert": "not", "float": "to_float",
+}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _func_name(func: Any) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+class TraceValue:
+    """A scalar value of a mod during tracing (an index, the score, or something derived)."""
+
+    __slots__ = ("g", "idx")
+
+    def __init__(self, g: GraphBuilder, idx: int):
+        self.g = g
+        self.idx = idx
+
+    @property
+    def kind(self) -> str:
+        return self.g.kind(self.idx)
+
+    def __repr__(self) -> str:
+        return f"TraceValue(%{self.idx}: {self.kind})"
+
+    __hash__ = object.__hash__
+
+    # Python control flow on a traced value cannot be recorded.
+    def __bool__(self):
+        raise ModTraceError(
+            "a mod used a traced value in Python control flow (if / and / or / not / min() / max() / "
+            "chained comparison); use torch.where, &, |, ~, torch.minimum / torch.maximum instead"
+        )
+
+    def __index__(self):
+        raise _unsupported("using a traced value as a Python int (e.g. range(), list indexing)")
+
+    def __int__(self):
+        raise _unsupported("int() of a traced value")
+
+    def __float__(self):
+        raise _unsupported("float() of a traced value")
+
+    def __getitem__(self, item):
+        raise _unsupported("indexing the score or an index value (only captured tensors can be indexed)")
+
+    def __pow__(self, other):
+        raise _unsupported("** (pow)")
+
+    __rpow__ = __pow__
+
+    def __matmul__(self, other):
+        raise _unsupported("@ (matmul)")
+
+    # arithmetic
+    def __add__(self, o): return self.g.binary("add", self, o)
+    def __radd__(self, o): return self.g.binary("add", o, self)
+    def __sub__(self, o): return self.g.binary("sub", self, o)
+    def __rsub__(self, o): return self.g.binary("sub", o, self)
+    def __mul__(self, o): return self.g.binary("mul", self, o)
+    def __rmul__(self, o): return self.g.binary("mul", o, self)
+    def __truediv__(self, o): return self.g.binary("div", self, o)
+    def __rtruediv__(self, o): return self.g.binary("div", o, self)
+    def __floordiv__(self, o): return self.g.binary("floordiv", self, o)
+    def __rfloordiv__(self, o): return self.g.binary("floordiv", o, self)
+    def __mod__(self, o): return self.g.binary("mod", self, o)
+    def __rmod__(self, o): return self.g.binary("mod", o, self)
+    def __neg__(self): return self.g.unary("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return self.g.unary("abs", self)
+
+    # comparisons
+    def __eq__(self, o): return self.g.binary("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return self.g.binary("ne", self, o)  # type: ignore[override]
+    def __lt__(self, o): return self.g.binary("lt", self, o)
+    def __le__(self, o): return self.g.binary("le", self, o)
+    def __gt__(self, o): return self.g.binary("gt", self, o)
+    def __ge__(self, o): return self.g.binary("ge", self, o)
+
+    # logic on booleans
+    def __and__(self, o): return self.g.binary("and", self, o)
+    def __rand__(self, o): return self.g.binary("and", o, self)
+    def __or__(self, o): return self.g.binary("or", self, o)
+    def __ror__(self, o): return self.g.binary("or", o, self)
+    def __xor__(self, o): return self.g.binary("xor", self, o)
+    def __rxor__(self, o): return self.g.binary("xor", o, self)
+    def __invert__(self): return self.g.unary("not", self)
+
+    # tensor-like methods
+    def exp(self): return self.g.unary("exp", self)
+    def log(self): return self.g.unary("log", self)
+    def tanh(self): return self.g.unary("tanh", self)
+    def sigmoid(self): return self.g.unary("sigmoid", self)
+    def abs(self): return self.g.unary("abs", self)
+    def float(self): return self.g.unary("to_float", self)
+    def neg(self): return self.g.unary("neg", self)
+    def logical_not(self): return self.g.unary("not", self)
+    def logical_and(self, o): return self.g.binary("and", self, o)
+    def logical_or(self, o): return self.g.binary("or", self, o)
+    def minimum(self, o): return self.g.binary("minimum", self, o)
+    def maximum(self, o): return self.g.binary("maximum", self, o)
+    def clamp(self, min=None, max=None): return self.g.clamp(self, min, max)
+
+    def to(self, dtype, *args, **kwargs):
+        if dtype in _FLOAT_DTYPES:
+            return self.g.unary("to_float", self)
+        raise _unsupported(f".to({dtype}) (only floating dtypes: values are computed in fp32)")
+
+    def __getattr__(self, name):  # any other tensor method
+        raise _unsupported(f"Tensor.{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        g = next(a.g for a in _flat(args, kwargs) if isinstance(a, TraceValue))
+        name = _func_name(func)
+        if name == "__getitem__":
+            tensor, index = args
+            if not isinstance(tensor, torch.Tensor):
+                raise _unsupported("indexing a traced value")
+            return g.load(tensor, index if isinstance(index, tuple) else (index,))
+        if func is torch.where:
+            if len(args) + len(kwargs) != 3:
+                raise _unsupported("torch.where with one argument")
+            cond, x, y = _bind(args, kwargs, ("condition", "input", "other"))
+            return g.where(cond, x, y)
+        if name == "clamp" or name == "clip":
+            x, lo, hi = _bind(args, kwargs, ("input", "min", "max"), defaults=(None, None))
+            return g.clamp(x, lo, hi)
+        if kwargs:
+            raise _unsupported(f"{name} with keyword arguments {sorted(kwargs)}")
+        reflected = name.startswith("__r") and name.endswith("__") and name[3:-2] in _BINARY_NAMES
+        base = name[3:-2] if reflected else name.strip("_")
+        if base in _BINARY_NAMES and len(args) == 2:
+            x, y = (args[1], args[0]) if reflected else args
+            return g.binary(_BINARY_NAMES[base], x, y)
+        if base == "rsub" and len(args) == 2:
+            return g.binary("sub", args[1], args[0])
+        if base in _UNARY_NAMES and len(args) == 1:
+            return g.unary(_UNARY_NAMES[base], args[0])
+        raise _unsupported(f"torch function {getattr(func, '__qualname__', name)}")
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (tuple, list)):
+            yield from a
+        else:
+            yield a
+
+
+def _bind(args, kwargs, names, defaults=()):
+    values = list(args) + [None] * (len(names) - len(args))
+    for i, n in enumerate(names):
+        if n in kwargs:
+            values[i] = kwargs.pop(n)
+    if kwargs:
+        raise _unsupported(f"keyword arguments {sorted(kwargs)}")
+    return values
+
+
+def trace_mod(fn: Callable, role: str, captured: Sequence[torch.Tensor]) -> ModGraph:
+    """Trace `fn` as a score_mod (role "score") or mask_mod (role "mask")."""
+    g = GraphBuilder(role, captured)
+    names = SCORE_INPUTS if role == "score" else MASK_INPUTS
+    inputs = [g.add("input", attr=n, kind=INPUT_KINDS[n]) for n in names]
+    result = fn(*inputs)
+    if role == "mask":
+        if isinstance(result, bool):
+            result = g.value(result)
+        if not isinstance(result, TraceValue) or result.kind != BOOL:
+            got = result.kind if isinstance(result, TraceValue) else type(result).__name__
+            raise ModTraceError(f"a mask_mod must return a boolean value (a comparison, &, |, ~), got {got}")
+    else:
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            result = g.value(float(result))
+        if not isinstance(result, TraceValue):
+            raise ModTraceError(
+                "a score_mod must return one value per score element (same shape as score), "
+                f"got {type(result).__name__}"
+            )
+        if result.kind == BOOL:
+            raise ModTraceError("a score_mod must return a number per score element, got a boolean")
+        result = g.unary("to_float", result)
+    # aux specs cover every captured tensor: slot numbers are positions in prepare's tensor list
+    aux = tuple(AuxSpec(str(t.dtype), t.dim()) for t in g.captured)
+    nodes, output = _drop_dead_nodes(g.nodes, result.idx)
+    return ModGraph(role, nodes, output, aux)
+
+
+def _drop_dead_nodes(nodes: list[Node], output: int) -> tuple[tuple[Node, ...], int]:
+    """Remove nodes the output does not depend on (inputs stay, so listings always start alike)."""
+    live = {output} | {i for i, n in enumerate(nodes) if n.op == "input"}
+    for i in range(len(nodes) - 1, -1, -1):
+        if i in live:
+            live.update(nodes[i].args)
+    renumber: dict[int, int] = {}
+    kept: list[Node] = []
+    for i, n in enumerate(nodes):
+        if i in live:
+            renumber[i] = len(kept)
+            kept.append(Node(n.op, tuple(renumber[a] for a in n.args), n.attr, n.kind))
+    return tuple(kept), renumber[output]

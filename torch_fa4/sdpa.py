@@ -1,0 +1,333 @@
+"""Route `F.scaled_dot_product_attention`'s flash backend to torch_fa4 (opt-in).
+
+PyTorch (2.11 and later, `torch.nn.attention._registry`) keeps a registry of flash-attention
+providers: a provider registers a name and a function that installs its kernels into the dispatcher;
+`torch.nn.attention.activate_flash_attention_impl(name)` runs that function, and
+`restore_flash_attention_impl()` removes them again. Importing this module only registers the name
+"torch_fa4"; nothing changes until `enable()` (or `activate_flash_attention_impl("torch_fa4")`, or
+TORCH_FA4_SDPA=1 in the environment when torch_fa4 is imported).
+
+Once enabled, the CUDA kernels of `aten::_scaled_dot_product_flash_attention` and its backward (the
+ops SDPA's flash backend calls, eagerly and from torch.compile'd code alike) are replaced by the
+functions below. Each call is checked (`forward_reason` / `backward_reason`): a call torch_fa4's GPU
+kernels take runs on them, reading SDPA's (B, H, S, D) tensors as (B, S, H, D) views without copies;
+any other call (dropout, fp32, sm_80, a head dim the kernels lack, ...) runs exactly what PyTorch's
+own kernel runs, `aten::_flash_attention_forward` / `_backward`, so its results do not change.
+Only the CUDA dispatch key is touched: CPU behaviour never changes.
+
+Both directions keep PyTorch's conventions (LSE (B, H, Sq) float32 in natural log, output strides
+of `empty_like(query)`, what the meta kernels promise torch.compile), so a forward run by one
+provider and a backward by the other still agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+SDPA_IMPL_NAME = "torch_fa4"
+ENV_VAR = "TORCH_FA4_SDPA"
+
+# Compute-capability majors torch_fa4 has kernels for: 9 = Hopper (sm_90), 10 = Blackwell (sm_100).
+SUPPORTED_MAJORS = (9, 10)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing: which calls torch_fa4 takes. Pure functions of tensor metadata, so they are unit-tested
+# on CPU; `forward_reason` / `backward_reason` add the device and kernel checks.
+# ----------------------------------------------------------------------------------------------
+
+
+def input_reason(query, key, value, dropout_p: float = 0.0, return_debug_mask: bool = False) -> Optional[str]:
+    """Why torch_fa4 cannot take these SDPA inputs regardless of the device (None: it can)."""
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (torch_fa4 has no dropout)"
+    if return_debug_mask:
+        return "return_debug_mask=True"
+    tensors = (("query", query), ("key", key), ("value", value))
+    for name, t in tensors:
+        if t is None or t.dim() != 4:
+            return f"{name} is not a dense 4-D (B, H, S, D) tensor"
+        if t.is_nested:
+            return f"{name} is a nested tensor"
+        if t.dtype not in KERNEL_DTYPES:
+            return f"{name} has dtype {t.dtype} (kernels take float16/bfloat16)"
+        if t.stride(-1) != 1:
+            return f"{name}'s head dim is not contiguous"
+    if not (query.dtype == key.dtype == value.dtype):
+        return "query, key and value dtypes differ"
+    b, hq, sq, d = query.shape
+    if key.shape[0] != b or value.shape[0] != b:
+        return "batch sizes differ"
+    if key.shape[:3] != value.shape[:3]:
+        return "key and value shapes differ beyond the head dim"
+    if key.shape[-1] != d:
+        return "query and key head dims differ"
+    hkv = key.shape[1]
+    if hkv == 0 or hq % hkv:
+        return f"{hq} query heads is not a multiple of {hkv} KV heads"
+    for name, dim in (("query/key", d), ("value", value.shape[-1])):
+        if dim == 0 or dim > MAX_HEAD_DIM or dim % HEAD_DIM_MULTIPLE:
+            return f"{name} head dim {dim} (needs a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM})"
+    if sq == 0 or key.shape[2] == 0 or b == 0 or hq == 0:
+        return "empty input"
+    return None
+
+
+def arch_reason(capability: tuple[int, int]) -> Optional[str]:
+    """Why a GPU of this compute capability is not served (None: it is)."""
+    if capability[0] not in SUPPORTED_MAJORS:
+        return f"compute capability sm_{capability[0]}{capability[1]} (torch_fa4 runs on sm_90 and sm_100)"
+    return None
+
+
+def device_reason(*tensors) -> Optional[str]:
+    """Why these tensors' device is not served (None: one sm_90/sm_100 CUDA device)."""
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        return "tensors are on several devices"
+    (device,) = devices
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    return arch_reason(_capability(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_cached(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_cached(index)
+
+
+def _op_args(q, k, v, scale: Optional[float], is_causal: bool) -> tuple:
+    """The trailing `torch_fa4::fwd` / `::bwd` arguments for a plain SDPA call on (B, S, H, D) views.
+
+    Follows `torch_fa4.attention`'s normalisation: a causal call has window_right = 0.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return (
+        [], None, None, None, [], q.shape[1], k.shape[1], float(scale), bool(is_causal),
+        -1, 0 if is_causal else -1, 0.0, "", 128, 128,
+    )
+
+
+def _kernel_reason(q, k, v, op_args, direction: str) -> Optional[str]:
+    """Ask torch_fa4's dispatcher whether a GPU kernel (not the slow reference) would run the call."""
+    from torch_fa4 import dispatch, ops
+
+    call = ops.make_call(q, k, v, *op_args)
+    # The dispatcher warns when it falls back to its reference; here we fall back to PyTorch's own
+    # kernel instead, so that warning would mislead.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kernel = dispatch.kernel_for(call, direction)
+    return None if kernel is not None else f"torch_fa4 has no {direction} kernel for this call"
+
+
+def forward_reason(query, key, value, dropout_p=0.0, return_debug_mask=False, is_causal=False, scale=None):
+    """Why this SDPA flash forward call goes to PyTorch's kernel (None: torch_fa4 takes it)."""
+    reason = input_reason(query, key, value, dropout_p, return_debug_mask) or device_reason(query, key, value)
+    if reason is not None:
+        return reason
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return _kernel_reason(q, k, v, _op_args(q, k, v, scale, is_causal), "forward")
+
+
+def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, scale=None):
+    """Why this SDPA flash backward call goes to PyTorch's kernel (None: torch_fa4 takes it)."""
+    reason = input_reason(query, key, value, dropout_p) or device_reason(query, key, value, grad_out, out, logsumexp)
+    if reason is not None:
+        return reason
+    b, hq, sq, _ = query.shape
+    if grad_out is None or out is None or grad_out.shape != out.shape or out.shape[:3] != query.shape[:3]:
+        return "grad_out/out shapes do not match the query"
+    if logsumexp is None or logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, hq, sq):
+        return "logsumexp is not (B, H, Sq) float32"
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return _kernel_reason(q, k, v, _op_args(q, k, v, scale, is_causal), "backward")
+
+
+# ----------------------------------------------------------------------------------------------
+# The two kernels installed into aten's CUDA dispatch key, and their halves.
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _empty_like_strides(shape: tuple, stride: tuple) -> tuple:
+    # Meta tensors cost no memory; the cache keeps this off the per-call path.
+    return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()
+
+
+def _with_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` with the strides `torch.empty_like(like)` has: what aten's kernels return and what the
+    meta kernels promise torch.compile. No copy in the usual case (SDPA views of (B, S, H, D) memory)."""
+    want = _empty_like_strides(tuple(like.shape), tuple(like.stride()))
+    if t.stride() == want:
+        return t
+    return torch.empty_like(like).copy_(t)
+
+
+def fa4_sdpa_forward(query, key, value, is_causal=False, scale=None, deterministic=False):
+    """torch_fa4's half of `_scaled_dot_product_flash_attention`: (B, H, S, D) in, aten's 9 outputs out."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *_op_args(q, k, v, scale, is_causal), bool(deterministic))
+    out = _with_layout_of(out.transpose(1, 2), query)
+    # Seed and offset only matter with dropout, which torch_fa4 never takes; their shapes and dtypes
+    # are the meta kernel's. Left uninitialised: nothing reads them.
+    seed = torch.empty((2,), dtype=torch.uint64, device=query.device)
+    offset = torch.empty((), dtype=torch.uint64, device=query.device)
+    debug_mask = torch.empty((0,), dtype=query.dtype, device=query.device)
+    return out, lse, None, None, q.shape[1], k.shape[1], seed, offset, debug_mask
+
+
+def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=False, scale=None,
+                      deterministic=False):
+    """torch_fa4's half of `_scaled_dot_product_flash_attention_backward`: (dq, dk, dv) shaped and
+    strided like query, key, value."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    dout = grad_out.transpose(1, 2).contiguous()  # no copy when grad_out is a view of (B, S, H, D)
+    o = out.transpose(1, 2).contiguous()
+    dq, dk, dv = torch.ops.torch_fa4.bwd(
+        dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, v, scale, is_causal), bool(deterministic)
+    )
+    return tuple(_with_layout_of(g.transpose(1, 2), like) for g, like in ((dq, query), (dk, key), (dv, value)))
+
+
+def aten_sdpa_forward(query, key, value, dropout_p, is_causal, return_debug_mask, scale):
+    """What PyTorch's own CUDA kernel for `_scaled_dot_product_flash_attention` computes."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    sq, sk = q.shape[1], k.shape[1]
+    out, lse, seed, offset, debug_mask = torch.ops.aten._flash_attention_forward(
+        q, k, v, None, None, sq, sk, dropout_p, is_causal, return_debug_mask, scale=scale
+    )
+    return out.transpose(1, 2), lse, None, None, sq, sk, seed, offset, debug_mask
+
+
+def aten_sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                       dropout_p, is_causal, philox_seed, philox_offset, scale):
+    """What PyTorch's own CUDA kernel for `_scaled_dot_product_flash_attention_backward` computes."""
+    q, k, v, o, dout = (t.transpose(1, 2) for t in (query, key, value, out, grad_out))
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, o, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+        philox_seed, philox_offset, scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    if forward_reason(query, key, value, dropout_p, return_debug_mask, is_causal, scale) is not None:
+        return aten_sdpa_forward(query, key, value, dropout_p, is_causal, return_debug_mask, scale)
+    return fa4_sdpa_forward(query, key, value, is_causal, scale, torch.are_deterministic_algorithms_enabled())
+
+
+def _routed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                     dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    if backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale) is not None:
+        return aten_sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                                  max_k, dropout_p, is_causal, philox_seed, philox_offset, scale)
+    return fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                             torch.are_deterministic_algorithms_enabled())
+
+
+# ----------------------------------------------------------------------------------------------
+# Installing and removing the kernels; the registry entry; enable() / disable().
+# ----------------------------------------------------------------------------------------------
+
+
+class _Installed:
+    """The handle torch's registry keeps while torch_fa4 is active: `remove()` restores aten's kernels."""
+
+    def __init__(self, library: torch.library.Library):
+        self._library: Optional[torch.library.Library] = library
+
+    def remove(self) -> None:
+        if self._library is not None:
+            self._library._destroy()  # deregister now, not whenever the garbage collector runs
+            self._library = None
+
+
+def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backward=_routed_backward) -> _Installed:
+    """Put `forward`/`backward` in place of aten's SDPA flash kernels for `dispatch_key`.
+
+    The registry's activation function (with the defaults). Tests use other keys and functions to
+    exercise the dispatcher and autograd wiring on CPU.
+    """
+    library = torch.library.Library("aten", "IMPL", dispatch_key)
+    with warnings.catch_warnings():
+        # Replacing aten's kernel is the point; PyTorch's one-time "Overriding a previously
+        # registered kernel" warning would only alarm users.
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*previously registered kernel.*")
+        library.impl("_scaled_dot_product_flash_attention", forward, dispatch_key)
+        library.impl("_scaled_dot_product_flash_attention_backward", backward, dispatch_key)
+    return _Installed(library)
+
+
+def _registry():
+    import torch.nn.attention as attention
+
+    if not hasattr(attention, "register_flash_attention_impl"):
+        raise RuntimeError(
+            f"torch_fa4.sdpa needs torch.nn.attention.register_flash_attention_impl (torch >= 2.11); "
+            f"this is torch {torch.__version__}"
+        )
+    return attention
+
+
+def register() -> None:
+    """List "torch_fa4" among torch's flash-attention providers (activates nothing). Idempotent."""
+    _registry().register_flash_attention_impl(SDPA_IMPL_NAME, register_fn=install_kernels)
+
+
+def enable() -> None:
+    """Route SDPA's flash backend to torch_fa4 (replacing any other active provider)."""
+    register()
+    _registry().activate_flash_attention_impl(SDPA_IMPL_NAME)
+
+
+def disable() -> None:
+    """Give SDPA's flash backend back to PyTorch, if torch_fa4 has it."""
+    if is_enabled():
+        _registry().restore_flash_attention_impl()
+
+
+def is_enabled() -> bool:
+    return _registry().current_flash_attention_impl() == SDPA_IMPL_NAME
+
+
+@contextlib.contextmanager
+def enabled():
+    """`with torch_fa4.sdpa.enabled(): ...` routes SDPA to torch_fa4 inside the block, then restores
+    whichever provider was active before."""
+    previous = _registry().current_flash_attention_impl()
+    enable()
+    try:
+        yield
+    finally:
+        if previous is None:
+            disable()
+        elif previous != SDPA_IMPL_NAME:
+            _registry().activate_flash_attention_impl(previous)
+
+
+def env_requests_enable(environ=os.environ) -> bool:
+    return environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def setup_on_import() -> None:
+    """What `import torch_fa4` does: list the provider; enable it only if TORCH_FA4_SDPA asks."""
+    register()
+    if env_requests_enable():
+        enable()
