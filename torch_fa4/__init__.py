@@ -5,7 +5,12 @@ CuTe DSL kernels load on the first CUDA call, and no CUDA context is created her
 """
 
 from torch_fa4 import ops as _ops  # noqa: F401  (registers the torch.library ops)
+from torch_fa4 import hf as _hf, sdpa as _sdpa
 from torch_fa4.api import attention, flex_attention
+
+# Both are light: neither imports CuTe DSL or Transformers, and neither activates anything unasked.
+_sdpa.setup_on_import()  # lists "torch_fa4" among SDPA's flash providers; enabled only by TORCH_FA4_SDPA=1
+_hf.register_if_available()  # attn_implementation="fa4", now if Transformers is loaded, else when it loads
 
 __version__ = "0.1.0"
 __all__ = ["attention", "flex_attention", "create_block_mask", "BlockMask", "mods", "sdpa", "__version__"]
@@ -17,7 +22,7 @@ def __getattr__(name):
         from torch_fa4 import mods
 
         return getattr(mods, name)
-    if name in ("mods", "sdpa", "hf"):
+    if name == "mods":
         import importlib
 
         return importlib.import_module(f"torch_fa4.{name}")

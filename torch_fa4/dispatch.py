@@ -33,8 +33,12 @@ def _is_empty(call: AttentionCall) -> bool:
     return call.q.numel() == 0 or seq_k == 0 or call.batch == 0
 
 
-def kernel_for(call: AttentionCall, direction: str):
-    """Return the kernel module that runs `call` ("forward" or "backward"), or None for the reference."""
+def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
+    """Return the kernel module that runs `call` ("forward" or "backward"), or None for the reference.
+
+    With warn=False (SDPA routing, which falls back to PyTorch's own kernel instead) a refusal is
+    neither warned about nor remembered as warned.
+    """
     if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
         return None
     if call.q.device.type != "cuda" or _is_empty(call):
@@ -54,7 +58,7 @@ def kernel_for(call: AttentionCall, direction: str):
     else:
         reason = module.unsupported_reason(call)
     if reason is not None:
-        if reason not in _warned:
+        if warn and reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to the PyTorch reference: {reason}", stacklevel=3)
         return None

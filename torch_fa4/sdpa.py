@@ -131,9 +131,7 @@ def _kernel_reason(q, k, v, op_args, direction: str) -> Optional[str]:
     call = ops.make_call(q, k, v, *op_args)
     # The dispatcher warns when it falls back to its reference; here we fall back to PyTorch's own
     # kernel instead, so that warning would mislead.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        kernel = dispatch.kernel_for(call, direction)
+    kernel = dispatch.kernel_for(call, direction, warn=False)
     return None if kernel is not None else f"torch_fa4 has no {direction} kernel for this call"
 
 
@@ -185,6 +183,7 @@ def fa4_sdpa_forward(query, key, value, is_causal=False, scale=None, determinist
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out, lse = torch.ops.torch_fa4.fwd(q, k, v, *_op_args(q, k, v, scale, is_causal), bool(deterministic))
     out = _with_layout_of(out.transpose(1, 2), query)
+    lse = lse.float()  # aten's contract is float32 whatever the path (no-op for the kernels' LSE)
     # Seed and offset only matter with dropout, which torch_fa4 never takes; their shapes and dtypes
     # are the meta kernel's. Left uninitialised: nothing reads them.
     seed = torch.empty((2,), dtype=torch.uint64, device=query.device)

@@ -1,0 +1,138 @@
+"""Transformers integration: `attn_implementation="fa4"` for from_pretrained, from_config and
+set_attn_implementation.
+
+Registering means adding "fa4" to Transformers' AttentionInterface (the attention call,
+`hf_attention.fa4_attention_forward`) and AttentionMaskInterface (the mask a model builds for it,
+`hf_mask.fa4_mask`). Transformers is an optional dependency and importing it takes seconds, so
+`import torch_fa4` never imports it: `register_if_available()` registers at once if Transformers is
+already loaded, and otherwise leaves a hook in `sys.meta_path` that registers each half the moment
+Transformers finishes loading the module defining its interface. Whatever the import order, "fa4"
+is there before any model can ask for it, and a program that never imports Transformers pays
+nothing (one `find_spec` that reads no Transformers code).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import warnings
+from typing import Callable
+
+ATTN_IMPLEMENTATION = "fa4"
+
+# module that defines the interface -> function registering our half in it
+_ATTENTION_MODULE = "transformers.modeling_utils"
+_MASK_MODULE = "transformers.masking_utils"
+
+
+def _register_attention(module) -> None:
+    from torch_fa4.hf_attention import fa4_attention_forward
+
+    module.AttentionInterface.register(ATTN_IMPLEMENTATION, fa4_attention_forward)
+
+
+def _register_mask(module) -> None:
+    from torch_fa4.hf_mask import fa4_mask
+
+    module.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, fa4_mask)
+
+
+_REGISTRARS: dict[str, Callable] = {_ATTENTION_MODULE: _register_attention, _MASK_MODULE: _register_mask}
+
+
+def register() -> None:
+    """Register "fa4" now (imports Transformers)."""
+    for name, registrar in _REGISTRARS.items():
+        registrar(importlib.import_module(name))
+
+
+def is_registered() -> bool:
+    """Whether "fa4" is in each interface Transformers has loaded, with the hook waiting for the
+    others (False when Transformers is not loaded at all)."""
+    if _ATTENTION_MODULE not in sys.modules and _MASK_MODULE not in sys.modules:
+        return False
+    for name, interface in ((_ATTENTION_MODULE, "AttentionInterface"), (_MASK_MODULE, "AttentionMaskInterface")):
+        module = sys.modules.get(name)
+        if module is not None:
+            if ATTN_IMPLEMENTATION not in getattr(module, interface)._global_mapping:
+                return False
+        elif _hook is None or _hook not in sys.meta_path or name not in _hook.pending:
+            return False
+    return True
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the watched modules it asks the other finders, then makes the
+    loader call our registrar once the module has executed."""
+
+    def __init__(self, registrars: dict[str, Callable]):
+        self._pending = dict(registrars)
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> set[str]:
+        return set(self._pending)
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    def find_spec(self, fullname, path=None, target=None):
+        with self._lock:
+            registrar = self._pending.get(fullname)
+        if registrar is None:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        with self._lock:
+            self._pending.pop(fullname, None)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            try:
+                registrar(module)
+            except Exception as e:  # never break the user's `import transformers`
+                warnings.warn(f'torch_fa4: could not register attn_implementation="fa4" with Transformers: {e!r}')
+
+        spec.loader.exec_module = exec_module  # this loader instance serves this one module
+        if self.done and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        return spec
+
+
+_hook: _RegisterAfterImport | None = None
+
+
+def register_if_available() -> None:
+    """What `import torch_fa4` does: register "fa4" now if Transformers is loaded, when it loads if
+    it is installed, never if it is not. Idempotent."""
+    global _hook
+    if importlib.util.find_spec("transformers") is None:
+        return
+    pending = {}
+    for name, registrar in _REGISTRARS.items():
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__spec__", None) is not None and _finished(module):
+            registrar(module)
+        else:
+            pending[name] = registrar
+    if not pending or (_hook is not None and _hook in sys.meta_path):
+        return
+    _hook = _RegisterAfterImport(pending)
+    sys.meta_path.insert(0, _hook)
+
+
+def _finished(module) -> bool:
+    # A module in sys.modules may still be executing (we are imported from inside it).
+    spec = module.__spec__
+    return not getattr(spec, "_initializing", False)

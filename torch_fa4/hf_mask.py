@@ -1,0 +1,125 @@
+"""The "fa4" entry of Transformers' AttentionMaskInterface: what a model's mask builder hands to
+`torch_fa4.hf_attention.fa4_attention_forward` as `attention_mask`.
+
+Never a dense (B, 1, Sq, Sk) mask. The causal or sliding-window pattern reaches the attention
+function through `module.is_causal` and its `sliding_window` argument, so the mask only has to say
+which key slots hold real tokens: a (B, M) bool tensor, M <= the number of key slots, where key slot
+j is a real token iff j < M and mask[b, j], and the queries are the last Sq of those M columns (the
+convention of Transformers' flash-attention masks), or None when every slot is real. When
+Transformers finds packed sequences (position_ids restarting within a row, no cache), the mask is
+instead the (B, S) int32 document index of each token, which the attention turns into
+variable-length sequences.
+
+Mask functions are inspected, not evaluated: a model that asks for a pattern torch_fa4 cannot
+express this way (chunked attention, bidirectional image-token overlays, custom functions) gets an
+error naming that feature instead of a silently wrong result.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+# Transformers' mask building blocks (masking_utils, by qualified name) that the function above
+# represents faithfully: causality and windows travel as attention arguments, padding as the 2-D
+# mask, packed sequences as position_ids (see hf_attention), offsets as the cache alignment.
+_SERVED = {
+    "causal_mask_function",
+    "bidirectional_mask_function",
+    "sliding_window_overlay.<locals>.inner_mask",
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+    "and_masks.<locals>.and_mask",
+    "padding_mask_function.<locals>.inner_mask",
+    "packed_sequence_mask_function.<locals>.inner_mask",
+    "remap_positions_for_packed_sequence.<locals>.inner_mask",
+    "add_offsets_to_mask_function.<locals>.inner_mask",
+}
+# Blocks torch_fa4 cannot express through the attention arguments, with the feature to name.
+_UNSERVED = {
+    "or_masks.<locals>.or_mask": "a mask overlay that widens attention (or_mask_function, e.g. bidirectional "
+                                 "attention over image tokens)",
+    "chunked_overlay.<locals>.inner_mask": "chunked attention (attention_chunk_size, e.g. Llama 4)",
+    "blockwise_overlay.<locals>.inner_mask": "block-wise bidirectional attention (block_sequence_ids)",
+}
+
+
+def _mask_pieces(mask_function: Callable):
+    """Every function a composed Transformers mask function is made of (walking closures)."""
+    stack, seen = [mask_function], set()
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        yield fn
+        # Combinators and overlays keep the functions they wrap in their closure.
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            stack.extend(item for item in items if callable(item) and not isinstance(item, torch.Tensor))
+
+
+def _qualname(fn) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _from_transformers(fn) -> bool:
+    return getattr(fn, "__module__", "") == "transformers.masking_utils"
+
+
+def unserved_mask_feature(mask_function: Optional[Callable]) -> Optional[str]:
+    """The model feature a mask function asks for that "fa4" cannot serve, or None."""
+    if mask_function is None:
+        return None
+    for fn in _mask_pieces(mask_function):
+        name = _qualname(fn)
+        if _from_transformers(fn) and name in _UNSERVED:
+            return _UNSERVED[name]
+        if not (_from_transformers(fn) and name in _SERVED):
+            return f"a custom attention mask function ({getattr(fn, '__module__', '?')}.{name})"
+    return None
+
+
+def packed_sequence_ids(mask_function: Optional[Callable]) -> Optional[torch.Tensor]:
+    """The (B, S) document index per token when Transformers decided the batch holds packed
+    sequences (it wraps the mask function with one reading that tensor), else None."""
+    if mask_function is None:
+        return None
+    for fn in _mask_pieces(mask_function):
+        if _from_transformers(fn) and _qualname(fn) == "packed_sequence_mask_function.<locals>.inner_mask":
+            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+            if "packed_sequence_mask" in cells:
+                return cells["packed_sequence_mask"].cell_contents
+    return None
+
+
+def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+             mask_function: Optional[Callable] = None, attention_mask: Optional[torch.Tensor] = None,
+             device=None, **kwargs) -> Optional[torch.Tensor]:
+    """AttentionMaskInterface function for "fa4" (same keyword arguments as Transformers' own)."""
+    feature = unserved_mask_feature(mask_function)
+    if feature is not None:
+        raise NotImplementedError(
+            f'attn_implementation="fa4" cannot serve {feature}; use attn_implementation="sdpa" or "eager" '
+            f"for this model"
+        )
+    packed = packed_sequence_ids(mask_function)
+    if packed is not None:
+        # Several documents per row (no padding, no cache): their ids, as int32 (see module doc).
+        return packed.to(torch.int32)
+    if attention_mask is not None:
+        # Padding: keep the columns of the cached keys (sliding-window caches hold the last ones).
+        mask = attention_mask.to(dtype=torch.bool)[:, -kv_length:]
+        if mask.shape[1] == kv_length and bool(mask.all()):
+            return None
+        return mask
+    # No padding. A cache with free slots (a static cache) still needs the count of real keys, so
+    # the attention does not read the unwritten tail.
+    seen = int(q_offset) + q_length - kv_offset  # q_offset is a tensor for static caches: one read
+    if seen >= kv_length:
+        return None
+    return torch.ones((batch_size, max(seen, 0)), dtype=torch.bool, device=device)
