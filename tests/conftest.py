@@ -3,8 +3,15 @@ import random
 import sys
 import zlib
 
+import tempfile
+
 import pytest
-import torch
+
+# Traced mod graphs are written to a cache folder (so a key resolves in a new process); keep the
+# suite's out of the user's ~/.cache. Set before torch_fa4 is imported by any test.
+os.environ.setdefault("TORCH_FA4_CACHE_DIR", tempfile.mkdtemp(prefix="torch_fa4_test_cache_"))
+
+import torch  # noqa: E402
 
 # tests/ on sys.path so tests/gpu/* can `from naive import naive_attention` too.
 sys.path.insert(0, os.path.dirname(__file__))

@@ -4,9 +4,12 @@ Importing this package registers the `torch_fa4::fwd` / `torch_fa4::bwd` ops and
 CuTe DSL kernels load on the first CUDA call, and no CUDA context is created here.
 """
 
+from torch_fa4 import _kernels_package
 from torch_fa4 import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from torch_fa4 import hf as _hf, sdpa as _sdpa
 from torch_fa4.api import attention, flex_attention
+
+_kernels_package.ensure_importable()
 
 # Both are light: neither imports CuTe DSL or Transformers, and neither activates anything unasked.
 _sdpa.setup_on_import()  # lists "torch_fa4" among SDPA's flash providers; enabled only by TORCH_FA4_SDPA=1

@@ -70,7 +70,7 @@ def attention(
 
     mask_mod, bm_tensors, bm_q, bm_kv = _unpack_block_mask(block_mask, mask_mod)
     mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
-    _check_aux_grad(aux_tensors)
+    _check_aux_tensors(aux_tensors, q.device)
 
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q, seq_dim=1)
     max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k, seq_dim=1)
@@ -151,7 +151,14 @@ def _prepare_mods(score_mod, mask_mod):
     return mod_key, list(aux)
 
 
-def _check_aux_grad(aux_tensors) -> None:
+def _check_aux_tensors(aux_tensors, device) -> None:
+    for t in aux_tensors:
+        # A kernel reads captured tensors through raw device pointers: a host tensor would be garbage.
+        if t.device != device:
+            raise ValueError(
+                f"torch_fa4: a tensor captured by score_mod/mask_mod is on {t.device} but q is on {device}; "
+                "create it on q's device"
+            )
     if torch.is_grad_enabled() and any(t.requires_grad for t in aux_tensors):
         raise NotImplementedError(
             "torch_fa4: a tensor captured by score_mod/mask_mod requires grad; gradients for captured "

@@ -133,7 +133,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
 BF, FP = torch.bfloat16, torch.float16
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("dtype", [BF, FP])
 def test_dense(dtype, d):
     _case(dtype, 2, 256, 384, 2, 2, d, d)

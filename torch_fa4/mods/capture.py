@@ -17,7 +17,6 @@ reusing a stale key).
 from __future__ import annotations
 
 import functools
-import operator
 import sys
 import types
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 _MAX_DEPTH = 6
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
+_SHARED_GLOBAL_TYPES = (types.ModuleType, type, types.BuiltinFunctionType, torch.dtype)
 
 
 def collect(fn: Any) -> tuple[tuple, list[torch.Tensor]]:
@@ -40,14 +39,14 @@ def _walk(obj: Any, tensors: list, names: tuple, depth: int) -> tuple:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return ("tensor", obj.dtype, obj.dim())
-    if obj is None or isinstance(obj, (bool, str, float)):
+    if obj is None or isinstance(obj, (bool, str)):
         return ("const", type(obj).__name__, obj)
-    if isinstance(obj, int):
-        # operator.index makes Dynamo specialise the int (with a guard) instead of turning a changed
-        # value into a SymInt, which could not be part of the key.
-        return ("const", "int", operator.index(obj))
+    if isinstance(obj, (int, float)):
+        return ("const", type(obj).__name__, _static(obj))
     if isinstance(obj, (tuple, list)):
         return ("seq", type(obj).__name__) + tuple(_walk(x, tensors, names, depth + 1) for x in obj)
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        return ("dict",) + tuple((k, _walk(obj[k], tensors, names, depth + 1)) for k in sorted(obj))
     if isinstance(obj, functools.partial):
         # walk order (func, args, keywords) must match _rebuild's, so slots line up
         func = _walk(obj.func, tensors, names, depth + 1)
@@ -70,32 +69,69 @@ def _walk(obj: Any, tensors: list, names: tuple, depth: int) -> tuple:
     return ("object", _walk_attrs(obj, names, tensors, depth + 1))
 
 
+def _static(x):
+    """x itself; under Dynamo, forced to a guarded constant. A number whose value changed between
+    calls would otherwise come back as a SymInt/SymFloat, which cannot be part of the key. Using it
+    as a dict key is what makes Dynamo specialise it (dict keys must be hashable constants)."""
+    return next(iter({x: None}))
+
+
 def _walk_function(fn: types.FunctionType, tensors: list, depth: int) -> tuple:
     code = fn.__code__
     names = code.co_names
     if code.co_freevars:
         try:
-            closure = fn.__closure__
+            values = [c.cell_contents for c in fn.__closure__]
         except AttributeError:
-            # Dynamo cannot read the cells of a closure created inside the compiled function. If
-            # every cell is a constant Dynamo can still hand the function itself to the planner;
-            # captured tensors there need functools.partial or a mod defined outside (see prepare).
-            return ("function_object", fn)
-        cells = tuple(_walk(c.cell_contents, tensors, names, depth + 1) for c in closure)
+            # Only under Dynamo, for a closure created inside the compiled function: its cells are
+            # not readable as attributes, so ask Dynamo for them (see _closure_cells_under_dynamo).
+            values = _closure_cells_under_dynamo(fn)
+            if values is None:
+                return ("function_object", fn)
+        cells = tuple(_walk(v, tensors, names, depth + 1) for v in values)
     else:
         cells = ()
     defaults = fn.__defaults__
     defaults_desc = None
     if defaults is not None:
         defaults_desc = tuple(_walk(d, tensors, names, depth + 1) for d in defaults)
-    fn_globals = fn.__globals__
+    try:
+        fn_globals = fn.__globals__
+    except AttributeError:  # a function created inside a Dynamo-compiled region
+        fn_globals = sys.modules[fn.__module__].__dict__
     global_parts = []
     for name in names:
         if name in fn_globals:
             value = fn_globals[name]
-            if isinstance(value, (torch.Tensor, types.FunctionType, functools.partial) + _CONSTANT_TYPES):
+            # modules (torch, math), classes and builtins are fixed objects the rebuilt function can
+            # share; anything else may hold tensors or constants the trace depends on
+            if not isinstance(value, _SHARED_GLOBAL_TYPES):
                 global_parts.append((name, _walk(value, tensors, names, depth + 1)))
     return ("function", code, fn.__module__, fn.__name__, cells, defaults_desc, tuple(global_parts))
+
+
+def _grab_closure_cells(ctx) -> None:
+    """Runs at Dynamo trace time (torch._dynamo.comptime): put the cell contents of the local `fn`
+    (a function created inside the compiled region) into the local `box` as a tuple, so the traced
+    code continues with the captured tensors as ordinary graph values. Uses Dynamo internals that
+    carry no compatibility promise, hence every failure just leaves `box` as None."""
+    try:
+        from torch._dynamo.variables import TupleVariable
+
+        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+        fn_vt = ctx.get_local("fn")._i_will_not_complain_if_bc_breaks_VariableTracker()
+        items = [tx.output.side_effects.load_cell(c) for c in fn_vt.closure.items]
+        tx.symbolic_locals["box"] = TupleVariable(items)
+    except Exception:  # noqa: BLE001 - fall back to handing Dynamo the function itself
+        pass
+
+
+def _closure_cells_under_dynamo(fn: types.FunctionType):
+    from torch._dynamo.comptime import comptime
+
+    box = None
+    comptime(_grab_closure_cells)
+    return box
 
 
 def _walk_attrs(obj: Any, names: tuple, tensors: list, depth: int) -> tuple:
@@ -138,6 +174,8 @@ def _rebuild(desc: tuple, ph: list) -> Any:
     if tag == "seq":
         items = [_rebuild(d, ph) for d in desc[2:]]
         return tuple(items) if desc[1] == "tuple" else items
+    if tag == "dict":
+        return {k: _rebuild(d, ph) for k, d in desc[1:]}
     if tag == "partial":
         _, func, args, kw = desc
         f = _rebuild(func, ph)

@@ -12,7 +12,6 @@ file. Without it, lookup raises a KeyError that says how to fix it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os

@@ -106,12 +106,9 @@ class GraphBuilder:
             if isinstance(i, (slice, type(None), type(Ellipsis))) or isinstance(i, torch.Tensor):
                 raise ModTraceError("captured tensors may only be indexed by index values or Python ints")
             v = self.value(i)
-            if v.kind != INT:
-                v = self.value(i)
-                if v.kind == BOOL:
-                    v = self.add("where", (v.idx, self.value(1).idx, self.value(0).idx), kind=INT)
-                else:
-                    raise ModTraceError("captured tensors must be indexed by integer values, got a float value")
+            if v.kind == FLOAT:
+                raise ModTraceError("captured tensors must be indexed by integer values, got a float value")
+            v = self._to_int(v)
             args.append(v.idx)
         return self.add("load", tuple(args), attr=slot, kind=AUX_DTYPE_KINDS[str(tensor.dtype)])
 
@@ -125,8 +122,8 @@ class GraphBuilder:
         if op == "to_float":
             return v if v.kind == FLOAT else self.add("to_float", (v.idx,), kind=FLOAT)
         if op in ("neg", "abs"):
-            kind = FLOAT if v.kind == FLOAT else INT
-            return self.add(op, (v.idx,), kind=kind)
+            v = v if v.kind == FLOAT else self._to_int(v)
+            return self.add(op, (v.idx,), kind=v.kind)
         # transcendental: always float
         return self.add(op, (self.unary("to_float", v).idx,), kind=FLOAT)
 
@@ -298,6 +295,8 @@ class TraceValue:
         raise _unsupported(f".to({dtype}) (only floating dtypes: values are computed in fp32)")
 
     def __getattr__(self, name):  # any other tensor method
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # protocol probes (copy, numpy, ...) must see a plain miss
         raise _unsupported(f"Tensor.{name}")
 
     @classmethod
@@ -316,7 +315,7 @@ class TraceValue:
             cond, x, y = _bind(args, kwargs, ("condition", "input", "other"))
             return g.where(cond, x, y)
         if name == "clamp" or name == "clip":
-            x, lo, hi = _bind(args, kwargs, ("input", "min", "max"), defaults=(None, None))
+            x, lo, hi = _bind(args, kwargs, ("input", "min", "max"))
             return g.clamp(x, lo, hi)
         if kwargs:
             raise _unsupported(f"{name} with keyword arguments {sorted(kwargs)}")
@@ -329,7 +328,16 @@ class TraceValue:
             return g.binary("sub", args[1], args[0])
         if base in _UNARY_NAMES and len(args) == 1:
             return g.unary(_UNARY_NAMES[base], args[0])
-        raise _unsupported(f"torch function {getattr(func, '__qualname__', name)}")
+        raise _unsupported(_public_name(func, name))
+
+
+def _public_name(func: Any, name: str) -> str:
+    """torch.sin / Tensor.cumsum rather than _VariableFunctionsClass.sin / TensorBase.cumsum."""
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    if getattr(torch.Tensor, name, None) is func or getattr(torch._C.TensorBase, name, None) is func:
+        return f"Tensor.{name}"
+    return getattr(func, "__qualname__", name)
 
 
 def _flat(args, kwargs):
@@ -340,7 +348,7 @@ def _flat(args, kwargs):
             yield a
 
 
-def _bind(args, kwargs, names, defaults=()):
+def _bind(args, kwargs, names):
     values = list(args) + [None] * (len(names) - len(args))
     for i, n in enumerate(names):
         if n in kwargs:
@@ -366,9 +374,10 @@ def trace_mod(fn: Callable, role: str, captured: Sequence[torch.Tensor]) -> ModG
         if isinstance(result, (int, float)) and not isinstance(result, bool):
             result = g.value(float(result))
         if not isinstance(result, TraceValue):
+            got = (f"a tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor)
+                   else type(result).__name__)
             raise ModTraceError(
-                "a score_mod must return one value per score element (same shape as score), "
-                f"got {type(result).__name__}"
+                f"a score_mod must return one value per score element (same shape as score), got {got}"
             )
         if result.kind == BOOL:
             raise ModTraceError("a score_mod must return a number per score element, got a boolean")

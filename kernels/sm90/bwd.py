@@ -1,0 +1,205 @@
+"""sm90 backward entry point: which calls the kernel takes, and running it.
+
+`backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
+(bwd_kernel.py) -> dQ fp32 -> dtype. Pre/post-processing are O(S * D) elementwise torch ops.
+Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
+varlen, determinism); shapes, strides, scale, softcap value and window sizes are runtime
+arguments, so new sizes never recompile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch_fa4.call import AttentionCall
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128)  # 192 and 256 need a narrower KV tile: not yet
+_TILE_M = 64  # must match Sm90AttentionBackward.tile_m
+
+
+def unsupported_reason(call: "AttentionCall") -> str | None:
+    q, k, v = call.q, call.k, call.v
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"sm90 backward takes fp16/bf16, not {q.dtype}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return "q, k, v dtypes differ"
+    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
+        return (
+            f"sm90 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
+            f"not D={call.head_dim}, Dv={call.head_dim_v}"
+        )
+    if call.mods is not None or call.mod_key:
+        return "sm90 backward does not take score_mod/mask_mod yet"
+    if call.num_heads % call.num_heads_kv != 0:
+        return "query heads are not a multiple of KV heads"
+    if call.is_varlen != (call.cu_seqlens_k is not None):
+        return "sm90 backward needs both cu_seqlens_q and cu_seqlens_k for varlen"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            return f"{name} has a non-contiguous last dimension"
+        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} strides/pointer are not 16-byte aligned (TMA)"
+    return None
+
+
+def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
+    right, left = _window(call)
+    return (
+        call.q.dtype,
+        call.head_dim,
+        call.head_dim_v,
+        call.num_heads // call.num_heads_kv,
+        right is not None,
+        left is not None,
+        call.softcap > 0,
+        call.is_varlen,
+        call.seqused_k is not None,
+        bool(deterministic),
+    )
+
+
+def _window(call: "AttentionCall") -> tuple[int | None, int | None]:
+    """Effective (right, left) key limits relative to the diagonal; None = unbounded."""
+    right = call.window_right if call.window_right >= 0 else None
+    if call.causal:
+        right = 0 if right is None else min(right, 0)
+    left = call.window_left if call.window_left >= 0 else None
+    return right, left
+
+
+def _cute_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+
+
+def _use_tvm_ffi() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def compile_variant(key: tuple, arch: str = "sm_90a", dump_dir: str | None = None):
+    """Compile one variant against symbolic shapes (no GPU needed).
+
+    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    from torch_fa4.kernels import compile_cache
+
+    if dump_dir is not None:
+        return _build(key, arch, dump_dir)
+    return compile_cache.get_or_compile(("sm90_bwd", arch, key), lambda: _build(key, arch, None))
+
+
+def _build(key: tuple, arch: str, dump_dir: str | None):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .bwd_kernel import Sm90AttentionBackward
+
+    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic = key
+    cdt = _cute_dtype(dtype)
+    sym = cute.sym_int
+    al = lambda: cute.sym_int64(divisibility=8)  # TMA: 16-byte aligned strides
+
+    def fake(dt, shape, stride, align=16):
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
+
+    b, sq, sk, hq, hkv = sym(), sym(), sym(), sym(), sym()
+    sq_pad = sym()
+    if varlen:
+        tq, tk, tq_pad = sym(), sym(), sym()
+        q = fake(cdt, (tq, hq, d), (al(), al(), 1))
+        k = fake(cdt, (tk, hkv, d), (al(), al(), 1))
+        v = fake(cdt, (tk, hkv, dv), (al(), al(), 1))
+        do = fake(cdt, (tq, hq, dv), (al(), al(), 1))
+        lse = fake(Float32, (hq, tq_pad), (al(), 1))
+        dps = fake(Float32, (hq, tq_pad), (al(), 1))
+        dqa = fake(Float32, (hq, tq_pad, d), (al(), d, 1))
+        dk = fake(cdt, (tk, hkv, d), (al(), d, 1))
+        dvv = fake(cdt, (tk, hkv, dv), (al(), dv, 1))
+        bp1 = sym()
+        cuq = fake(Int32, (bp1,), (1,), 4)
+        cuk = fake(Int32, (bp1,), (1,), 4)
+        nb = sym()
+    else:
+        q = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1))
+        k = fake(cdt, (b, sk, hkv, d), (al(), al(), al(), 1))
+        v = fake(cdt, (b, sk, hkv, dv), (al(), al(), al(), 1))
+        do = fake(cdt, (b, sq, hq, dv), (al(), al(), al(), 1))
+        lse = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
+        dps = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
+        dqa = fake(Float32, (b, hq, sq_pad, d), (al(), al(), d, 1))
+        dk = fake(cdt, (b, sk, hkv, d), (al(), al(), d, 1))
+        dvv = fake(cdt, (b, sk, hkv, dv), (al(), al(), dv, 1))
+        cuq = cuk = None
+        nb = b
+    used = fake(Int32, (nb,), (1,), 4) if seqused else None
+    sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
+
+    kernel = Sm90AttentionBackward(
+        cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic
+    )
+    # Without tvm_ffi (a CPU-only checkout) the kernel still compiles, for the compile tests.
+    tvm = _use_tvm_ffi()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
+    args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem,
+            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), stream)
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
+    if dump_dir is not None:
+        options += f" --keep-cubin --dump-dir {dump_dir}"
+    return cute.compile(kernel, *args, options=options)
+
+
+def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    """Copy x (..., S) into a contiguous (..., rows) float32 buffer filled with `value`."""
+    out = torch.full((*x.shape[:-1], rows), value, dtype=torch.float32, device=x.device)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
+def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+    key = variant_key(call, deterministic)
+    fn = compile_variant(key)
+    q, k, v = call.q, call.k, call.v
+    right, left = _window(call)
+
+    # Softmax statistics per query row, padded to whole query tiles. Rows with no visible key
+    # (lse = -inf) get +inf so that P = exp2(s - lse) = 0 there: their dq is 0, never NaN.
+    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
+    dpsum = (dout.float() * out.float()).sum(-1)  # (B, Sq, Hq) or (Tq, Hq)
+    if call.is_varlen:
+        dpsum = dpsum.transpose(0, 1)  # (Hq, Tq)
+        rows = (math.ceil(q.shape[0] / _TILE_M) + 1) * _TILE_M  # TMA strides: 16-byte multiples
+    else:
+        dpsum = dpsum.transpose(1, 2)  # (B, Hq, Sq)
+        rows = math.ceil(q.shape[1] / _TILE_M) * _TILE_M
+    lse2 = _pad_rows(lse2, rows, math.inf)
+    dpsum = _pad_rows(dpsum, rows, 0.0)
+    if call.is_varlen:
+        dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = torch.zeros((q.shape[0], call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
+    max_k = call.max_seqlen_k if call.is_varlen else k.shape[1]
+    sem = None
+    if deterministic:
+        max_q = call.max_seqlen_q if call.is_varlen else q.shape[1]
+        sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / _TILE_M)), dtype=torch.int32, device=q.device)
+    seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
+    cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
+    cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
+
+    fn(
+        q, k, v, dout if dout.stride(-1) == 1 else dout.contiguous(), lse2, dpsum, dq_acc, dk, dv,
+        cu_q, cu_k, seqused, sem,
+        float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
+        int(left or 0), int(right or 0), int(max_k),
+    )
+    if call.is_varlen:
+        dq.copy_(dq_acc[:, : q.shape[0]].transpose(0, 1))
+    else:
+        dq.copy_(dq_acc[:, :, : q.shape[1]].transpose(1, 2))

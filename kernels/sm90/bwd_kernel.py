@@ -1,0 +1,605 @@
+"""sm90 (Hopper) attention backward: dK, dV per KV tile, dQ accumulated in fp32 global memory.
+
+One CTA owns a tile of `tile_n` keys of one KV head and walks every query tile (of every query
+head of its GQA group) that can see those keys. dK and dV stay in registers for the whole walk,
+so GQA needs no reduction across CTAs; dQ contributions of all KV tiles meet in a float32 buffer.
+
+Warp roles (384 threads):
+  warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
+               into a two-stage ring guarded by mbarriers; it gives registers away (setmaxnreg).
+  warpgroups 1-2 consumers, each owning 64 of the 128 keys:
+      S^T  = K Q^T         (wgmma, both operands in shared memory)
+      dP^T = V dO^T
+      P^T  = exp2(S^T * scale*log2e - LSE*log2e)            masked, softcapped as in forward
+      dS^T = P^T * (dP^T - dPsum)    (* (1 - tanh^2) under softcap)
+      dV  += P^T dO         (P^T fed from registers: no shared-memory round trip)
+      dK  += dS^T Q         (dS^T from registers)
+      dQ   = dS K           (dS through shared memory; each warpgroup takes half of the head dim)
+  then dQ is added to the fp32 buffer with atomics (or in KV-tile order under a semaphore when
+  deterministic), and dK, dV are written once at the end.
+
+Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
+dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
+where ds' = ds * ds/d(scale*qk) (1 without softcap, 1 - tanh^2 with it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from . import bwd_layouts as L
+
+LOG2_E = math.log2(math.e)
+
+
+class Sm90AttentionBackward:
+    tile_m = 64  # queries per step
+    tile_n = 128  # keys per CTA (64 per consumer warpgroup)
+    stages = 2
+    threads = 384
+    producer_regs = 24
+    consumer_regs = 240
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        head_dim_v: int,
+        group: int,
+        causal_or_right: bool,
+        has_left: bool,
+        softcap: bool,
+        varlen: bool,
+        seqused_k: bool,
+        deterministic: bool,
+    ):
+        self.dtype = dtype
+        self.d = head_dim
+        self.dv = head_dim_v
+        self.group = group  # query heads per KV head
+        self.has_right = causal_or_right  # mask keys right of the diagonal (+ window_right)
+        self.has_left = has_left
+        self.softcap = softcap
+        self.varlen = varlen
+        # Keys past seqlen_k must be masked when the tensor holds more rows than the sequence
+        # uses (varlen: the next sequence; seqused_k: the unused cache). Dense tails are
+        # zero-filled by TMA and need no mask.
+        self.mask_k = varlen or seqused_k
+        self.deterministic = deterministic
+
+    # ------------------------------------------------------------------ host side (jit)
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D) or varlen (Tq, Hq, D)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,  # (B, Hq, Sq_pad) or (Hq, Tq_pad): lse * log2(e), +inf for empty rows
+        mDpsum: cute.Tensor,  # same shape: rowsum(dO * O)
+        mdQacc: cute.Tensor,  # (B, Hq, Sq_pad, D) or (Hq, Tq_pad, D) fp32, zeroed
+        mdK: cute.Tensor,  # shape of k, contiguous
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor | None,
+        mCuK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mSem: cute.Tensor | None,  # (B, Hq, n_m_blocks) int32 zeroed, deterministic mode only
+        scale: Float32,
+        scale_log2: Float32,
+        softcap_val: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_k: Int32,
+        stream,
+    ):
+        # Kernel views: sequence first, head dim second (the (M|N, K) order wgmma and TMA tile).
+        if const_expr(self.varlen):
+            mQ, mK, mV, mdO, mdK, mdV = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                for t in (mQ, mK, mV, mdO, mdK, mdV)
+            ]  # (T, D, H)
+            mLSE2, mDpsum = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+                for t in (mLSE2, mDpsum)
+            ]  # (T, H)
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
+        else:
+            mQ, mK, mV, mdO, mdK, mdV = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                for t in (mQ, mK, mV, mdO, mdK, mdV)
+            ]  # (S, D, H, B)
+            mLSE2, mDpsum = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                for t in (mLSE2, mDpsum)
+            ]  # (S, H, B)
+            mdQacc = cute.make_tensor(
+                mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0])
+            )  # (S, D, H, B)
+
+        tm, tn, d, dv, dt = self.tile_m, self.tile_n, self.d, self.dv, self.dtype
+        # Shared-memory tiles. Q and dO are read K-major (S, dP) and transposed (dK, dV, full
+        # head dim per warpgroup); K is read K-major (S) and transposed with the head dim split
+        # between the two warpgroups (dQ), so its swizzle atom may not exceed d / 2.
+        sQ_layout = L.smem_layout(dt, tm, d, self.stages, d)
+        sdO_layout = L.smem_layout(dt, tm, dv, self.stages, dv)
+        sK_layout = L.smem_layout(dt, tn, d, None, d // 2)
+        sV_layout = L.smem_layout(dt, tn, dv, None, dv)
+        # dS^T as (keys, queries), queries contiguous: the accumulator's adjacent columns land in
+        # one 32-bit store, and dQ = dS K reads it as an MN-major A operand. Double-buffered.
+        sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
+        # dQ staging, one (tile_m, d/2) fp32 slab per consumer warpgroup, reduced into the fp32
+        # global buffer by one TMA add per slab (no per-element atomics).
+        sdQ_layout = L.smem_layout(Float32, tm, d // 2, None, d // 2)
+        tma_dQ, tdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, (tm, d // 2)
+        )
+
+        tma_Q, tQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d)
+        )
+        tma_dO, tdO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv)
+        )
+        tma_K, tK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, sK_layout, (tn, d)
+        )
+        tma_V, tV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (tn, dv)
+        )
+        row_layout = cute.make_layout(tm)
+        tma_LSE, tLSE = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mLSE2, row_layout, (tm,)
+        )
+        tma_Dp, tDp = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mDpsum, row_layout, (tm,)
+        )
+
+        K_MAJ, MN_MAJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        # S^T / dP^T: 2 warpgroups stacked along the keys.
+        mma_SdP = L.make_mma(dt, K_MAJ, K_MAJ, (2, 1, 1), (64, tm))
+        # dK / dV: A (P^T, dS^T) from registers, B = Q / dO transposed (MN-major).
+        mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=True)
+        mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, dv), a_in_registers=True)
+        # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
+        mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
+
+        @cute.struct
+        class Storage:
+            bar_qdo: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            bar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
+            sDp: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 2 * cute.cosize(sdQ_layout)], 1024]
+
+        num_kv_heads = mK.shape[2]
+        batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
+        grid = (cute.ceil_div(max_seqlen_k, tn), num_kv_heads, batch)
+        self.kernel(
+            tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ,
+            mCuQ, mCuK, mSeqUsedK, mSem,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
+            mma_SdP, mma_dK, mma_dV, mma_dQ,
+            scale, scale_log2, softcap_val, window_left, window_right,
+            Storage,
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE2: cute.Tensor, mDpsum: cute.Tensor, mdQacc: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor,
+        tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        tma_dO: cute.CopyAtom, tma_LSE: cute.CopyAtom, tma_Dp: cute.CopyAtom,
+        tma_dQ: cute.CopyAtom,
+        mCuQ, mCuK, mSeqUsedK, mSem,
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        mma_SdP: cute.TiledMma, mma_dK: cute.TiledMma, mma_dV: cute.TiledMma,
+        mma_dQ: cute.TiledMma,
+        scale: Float32, scale_log2: Float32, softcap_val: Float32,
+        window_left: Int32, window_right: Int32,
+        Storage: cutlass.Constexpr,
+    ):
+        tm, tn = self.tile_m, self.tile_n
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, hkv, b = cute.arch.block_idx()
+
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Storage)
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = st.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
+        sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)
+        sLSE = st.sLSE.get_tensor(cute.make_layout((tm, self.stages)))
+        sDp = st.sDp.get_tensor(cute.make_layout((tm, self.stages)))
+
+        bytes_step = (
+            cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+            + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
+            + 2 * tm * 4
+        )
+        bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
+            self.dtype, sV_layout
+        )
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_qdo.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # 8 warps
+            tx_count=bytes_step,
+            defer_sync=True,
+        )
+        bar_kv = st.bar_kv.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bar_kv, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # ---- sequence bookkeeping (same on every thread)
+        q_off = Int32(0)
+        k_off = Int32(0)
+        if const_expr(self.varlen):
+            q_off = mCuQ[b]
+            k_off = mCuK[b]
+            seqlen_q = mCuQ[b + 1] - q_off
+            seqlen_k = mCuK[b + 1] - k_off
+        else:
+            seqlen_q = mQ.shape[0]
+            seqlen_k = mK.shape[0]
+        rows_k = seqlen_k  # rows of this sequence in the k tensor: dK/dV rows to write
+        if const_expr(mSeqUsedK is not None):
+            seqlen_k = mSeqUsedK[b]
+        diag = seqlen_k - seqlen_q  # bottom-right alignment: key j visible up to row i + diag
+        n0 = n_block * tn
+        n1 = cutlass.min(n0 + tn, seqlen_k)
+        # Query rows that see any key of [n0, n1).
+        row_lo = Int32(0)
+        row_hi = seqlen_q
+        if const_expr(self.has_right):
+            row_lo = cutlass.max(n0 - diag - window_right, 0)
+        if const_expr(self.has_left):
+            row_hi = cutlass.min(n1 - diag + window_left, seqlen_q)
+        m_lo = row_lo // tm
+        m_hi = cute.ceil_div(cutlass.max(row_hi, 0), tm)
+        n_m = cutlass.max(m_hi - m_lo, 0)
+        if n0 >= seqlen_k:
+            n_m = Int32(0)
+        steps = n_m * self.group
+
+        if warp_idx < 4:
+            # ================= producer warpgroup
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp_idx == 0:
+                self._produce(
+                    mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
+                    tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv,
+                    hkv, b, n_block, m_lo, n_m, steps, q_off, k_off,
+                )
+        else:
+            # ================= consumer warpgroups
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            self._consume(
+                mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
+                mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
+                window_left, window_right, hkv, b, n_block, m_lo, n_m, steps,
+                seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128,
+            )
+
+    # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def _head_slice(self, t: cute.Tensor, h, b, off):
+        """The (seq, ...) slab of head h, batch b; for varlen, offset to the batch's first row."""
+        if const_expr(self.varlen):
+            r = t[(None, None, h)] if const_expr(cute.rank(t) == 3) else t[(None, h)]
+            return cute.domain_offset((off, 0) if const_expr(cute.rank(t) == 3) else (off,), r)
+        else:
+            if const_expr(cute.rank(t) == 4):
+                return t[(None, None, h, b)]
+            return t[(None, h, b)]
+
+    @cute.jit
+    def _produce(
+        self, mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp,
+        sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv: cutlass.Constexpr,
+        hkv, b, n_block, m_lo, n_m, steps, q_off, k_off,
+    ):
+        tm, tn = self.tile_m, self.tile_n
+        one = cute.make_layout(1)
+        # K and V once.
+        gK = cute.local_tile(self._head_slice(mK, hkv, b, k_off), (tn, self.d), (n_block, 0))
+        gV = cute.local_tile(self._head_slice(mV, hkv, b, k_off), (tn, self.dv), (n_block, 0))
+        tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        if steps > 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
+            cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv)
+            cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for step in cutlass.range(steps, unroll=1):
+            h = hkv * self.group + step // n_m
+            m_block = m_lo + step % n_m
+            gQ = cute.local_tile(self._head_slice(mQ, h, b, q_off), (tm, self.d), (None, 0))
+            gdO = cute.local_tile(self._head_slice(mdO, h, b, q_off), (tm, self.dv), (None, 0))
+            gL = cute.local_tile(self._head_slice(mLSE2, h, b, q_off), (tm,), (None,))
+            gD = cute.local_tile(self._head_slice(mDpsum, h, b, q_off), (tm,), (None,))
+            tQs, tQg = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOs, tdOg = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tLs, tLg = cpasync.tma_partition(tma_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gL, 0, 1))
+            tDs, tDg = cpasync.tma_partition(tma_Dp, 0, one, cute.group_modes(sDp, 0, 1), cute.group_modes(gD, 0, 1))
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_Dp, tDg[None, m_block], tDs[None, state.index], tma_bar_ptr=bar)
+            pipe.producer_commit(state)
+            state.advance()
+
+    @cute.jit
+    def _wgmma(self, mma: cute.TiledMma, acc, tA, tB, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        # A fresh atom per call: its ACCUMULATE field is mutated below.
+        atom = cute.make_mma_atom(mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _consume(
+        self, mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
+        mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
+        window_left, window_right, hkv, b, n_block, m_lo, n_m, steps,
+        seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid,
+    ):
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
+        wg = ctid // 128
+        thr_SdP = mma_SdP.get_slice(ctid)
+        thr_dK = mma_dK.get_slice(ctid)
+        thr_dV = mma_dV.get_slice(ctid)
+        thr_dQ = mma_dQ.get_slice(ctid)
+
+        # Operand fragments (descriptors over shared memory).
+        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))
+        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))  # (.., .., .., stage)
+        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
+        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))
+        tdVrdO = thr_dV.make_fragment_B(thr_dV.partition_B(L.transposed(sdO)))
+        tdKrQ = thr_dK.make_fragment_B(thr_dK.partition_B(L.transposed(sQ)))
+        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(L.transposed(sdS)))
+        tdQrK = thr_dQ.make_fragment_B(thr_dQ.partition_B(L.transposed(sK)))
+        tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
+        # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2), so
+        # each warpgroup's accumulator (columns [wg*d/2, (wg+1)*d/2)) lands in its own slab.
+        tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
+        sdQ_wg = sdQ[None, None, wg]
+        one = cute.make_layout(1)
+        # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
+        # the TMA copy elects its issuing lane with a warp-synchronous instruction.
+        is_leader = (ctid % 128) // 32 == 0
+
+        acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # (key, query) coordinates of this thread's S^T elements, in rows/cols order.
+        cS = L.rows_cols_view(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))
+
+        if steps > 0:
+            cute.arch.mbarrier_wait(bar_kv, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for step in cutlass.range(steps, unroll=1):
+            h = hkv * self.group + step // n_m
+            m_block = m_lo + step % n_m
+            stage = state.index
+            pipe.consumer_wait(state)
+
+            acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+            acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+            self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+            S = L.rows_cols_view(acc_S)
+            dP = L.rows_cols_view(acc_dP)
+            row0 = m_block * tm  # query index of column 0
+            key0 = n_block * tn
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+            if const_expr(self.softcap):
+                # tanh' is needed for dS: compute P and dS in one pass once both products landed.
+                warpgroup.wait_group(0)
+                self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                               window_left, window_right, scale, scale_log2, softcap_val)
+                rP.store(acc_S.load().to(self.dtype))
+                rdS.store(acc_dP.load().to(self.dtype))
+                self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+            else:
+                # P while dP^T is still on the tensor cores; dS while dV is.
+                warpgroup.wait_group(1)
+                self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                               window_left, window_right, scale, scale_log2, softcap_val)
+                rP.store(acc_S.load().to(self.dtype))
+                # dV += P^T dO  (P^T straight from registers)
+                self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                warpgroup.wait_group(1)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    dpsum = sDp[cS[0, c][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
+                rdS.store(acc_dP.load().to(self.dtype))
+                # dK += dS^T Q
+                self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+
+            # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
+            buf = step % 2
+            cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+            acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+            self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)  # Q, dO, LSE, dPsum of this stage are consumed
+            state.advance()
+
+            # dQ (scaled) -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
+            # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
+            # the whole tile is harmless.
+            if is_leader:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
+            cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
+            rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
+            rdQ.store(acc_dQ.load() * scale)
+            cute.autovec_copy(rdQ, tdQsdQ)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
+            if is_leader:
+                gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d // 2), (m_block, wg))
+                tS, tG = cpasync.tma_partition(tma_dQ, 0, one, cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2))
+                if const_expr(self.deterministic):
+                    self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
+                cute.copy(tma_dQ, tS, tG)
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
+                    self._pass_turn(mSem, b, h, m_block)
+
+        if is_leader:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
+
+        # ---- epilogue: dK (scaled), dV in the input dtype. Every row this sequence owns in the
+        # k tensor is written (zeros past seqlen_k); rows of the next sequence are left alone.
+        gdK = cute.local_tile(self._head_slice(mdK, hkv, b, k_off), (tn, d), (n_block, 0))
+        gdV = cute.local_tile(self._head_slice(mdV, hkv, b, k_off), (tn, dv), (n_block, 0))
+        self._store_rows(acc_dK, thr_dK.partition_C(gdK), thr_dK.partition_C(cute.make_identity_tensor((tn, d))), rows_k - n_block * tn, scale)
+        self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))
+
+    @cute.jit
+    def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                  window_left, window_right, scale, scale_log2, softcap_val):
+        """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
+
+        Only tiles that cross a mask boundary pay for the per-element test."""
+        tm, tn = self.tile_m, self.tile_n
+        if const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
+            crosses = Boolean(False)
+            if const_expr(self.varlen):
+                crosses = crosses | (row0 + tm > seqlen_q)
+            if const_expr(self.mask_k):
+                crosses = crosses | (key0 + tn > seqlen_k)
+            if const_expr(self.has_right):
+                crosses = crosses | (key0 + tn - 1 > row0 + diag + window_right)
+            if const_expr(self.has_left):
+                crosses = crosses | (key0 < row0 + tm - 1 + diag - window_left)
+            if crosses:
+                self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
+                                    diag, window_left, window_right, scale, scale_log2,
+                                    softcap_val, True)
+            else:
+                self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
+                                    diag, window_left, window_right, scale, scale_log2,
+                                    softcap_val, False)
+        else:
+            self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
+                                diag, window_left, window_right, scale, scale_log2, softcap_val,
+                                False)
+
+    @cute.jit
+    def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                       window_left, window_right, scale, scale_log2, softcap_val,
+                       masked: cutlass.Constexpr):
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            m_local = cS[0, c][1]
+            lse2 = sLSE[m_local, stage]
+            i = row0 + m_local
+            dpsum = Float32(0.0)
+            if const_expr(dP is not None):
+                dpsum = sDp[m_local, stage]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                j = key0 + cS[r, c][0]
+                x = S[r, c]
+                grad_factor = Float32(1.0)
+                if const_expr(self.softcap):
+                    t = cute.math.tanh(x * scale / softcap_val, fastmath=True)
+                    x = t * softcap_val * LOG2_E
+                    grad_factor = 1.0 - t * t
+                else:
+                    x = x * scale_log2
+                p = cute.math.exp2(x - lse2, fastmath=True)
+                visible = Boolean(True)
+                if const_expr(self.varlen):
+                    visible = visible & (i < seqlen_q)
+                if const_expr(self.mask_k):
+                    visible = visible & (j < seqlen_k)
+                if const_expr(self.has_right):
+                    visible = visible & (j <= i + diag + window_right)
+                if const_expr(self.has_left):
+                    visible = visible & (j >= i + diag - window_left)
+                if const_expr(masked):
+                    p = p if visible else Float32(0.0)
+                S[r, c] = p
+                if const_expr(dP is not None):
+                    dP[r, c] = p * (dP[r, c] - dpsum) * grad_factor
+
+    @cute.jit
+    def _store_rows(self, acc, tg, tc, rows_left, factor):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            if tc[e][0] < rows_left:
+                tg[e] = (acc[e] * factor).to(self.dtype)
+
+    # ------------------------------------------------------------------ deterministic dQ order
+    @cute.jit
+    def _first_kv_block(self, m_block, diag, window_left):
+        """First KV tile that contributes to query tile m_block (tiles add in ascending order)."""
+        first = Int32(0)
+        if const_expr(self.has_left):
+            first = cutlass.max(m_block * self.tile_m + diag - window_left, 0) // self.tile_n
+        return first
+
+    @cute.jit
+    def _wait_turn(self, mSem, b, h, m_block, n_block, diag, window_left):
+        """Spin (one thread per warpgroup) until every earlier KV tile has added its dQ."""
+        # Each KV tile's two warpgroups each bump the counter once after their add has landed.
+        target = (n_block - self._first_kv_block(m_block, diag, window_left)) * 2
+        ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
+        if cute.arch.lane_idx() == 0:  # one lane polls; the warp reconverges below
+            seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")
+            while seen < target:
+                seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _pass_turn(self, mSem, b, h, m_block):
+        cute.arch.fence_proxy("async.global")  # order the TMA add before the counter release
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
+            cute.arch.atomic_add(ptr, Int32(1), sem="release", scope="gpu")

@@ -1,0 +1,93 @@
+"""Register- and shared-memory layout helpers for the sm90 backward kernel.
+
+wgmma accumulators come back in a fixed per-thread order; the backward kernel needs three other
+views of the same registers: a (row, column) view to apply the softmax statistics per query
+column, the A-operand view that feeds P^T / dS^T straight back into the next wgmma from
+registers, and transposed views of shared-memory tiles that are read both K-major and MN-major.
+These helpers only re-describe existing storage; none of them moves data.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def acc_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) accumulator layout -> ((2, MMA_M), (2, V, MMA_N)).
+
+    A wgmma accumulator thread holds, per 8-column chunk, two adjacent columns (mode 0.0) of two
+    rows eight apart (mode 0.1); mode 0.2 walks the chunks. Regrouping the modes into rows and
+    columns lets per-column values (LSE, dPsum) be loaded once and reused down the rows.
+    """
+    compact = cute.make_layout(layout.shape)  # linear index of each hierarchical coordinate
+    s = compact.stride
+    sh = compact.shape
+    rows_cols = cute.make_layout(
+        ((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
+        stride=((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+    )
+    return cute.composition(layout, rows_cols)
+
+
+def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, acc_rows_cols(t.layout))
+
+
+def acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) accumulator -> ((2, 2, 2), MMA_M, V/2 * MMA_N) A fragment.
+
+    For 16-bit inputs the wgmma A-from-registers fragment of one k16 block holds the same
+    (thread, value) positions as the accumulator of two 8-column chunks, so the converted
+    accumulator is the next product's A operand once each pair of chunks becomes one k-block.
+    """
+    compact = cute.make_layout(layout.shape)
+    s = compact.stride
+    sh = compact.shape
+    assert sh[0][2] % 2 == 0, "accumulator width must be a multiple of 16"
+    frag = cute.make_layout(
+        ((sh[0][0], sh[0][1], 2), sh[1], (sh[0][2] // 2, sh[2])),
+        stride=((s[0][0], s[0][1], s[0][2]), s[1], (s[0][2] * 2, s[2])),
+    )
+    return cute.composition(layout, frag)
+
+
+def as_operand_a(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, acc_as_operand_a(t.layout))
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a (possibly swizzled) shared-memory tensor."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None, swizzle_width: int):
+    """Row-major (cols contiguous) swizzled tile, optionally staged, for wgmma and TMA.
+
+    `swizzle_width` (elements) picks the swizzle atom: the widest of 128/64/32 bytes that divides
+    it. A tile also read transposed (MN-major) by a wgmma that splits `cols` between warpgroups
+    needs an atom no wider than each warpgroup's share, hence the explicit width.
+    """
+    atom = warpgroup.make_smem_layout_atom(
+        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, swizzle_width), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+
+def make_mma(dtype, a_major, b_major, atom_layout, tile_mn, a_in_registers: bool = False):
+    return hopper.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        a_major,
+        b_major,
+        cutlass.Float32,
+        atom_layout_mnk=atom_layout,
+        tiler_mn=tile_mn,
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
+    )

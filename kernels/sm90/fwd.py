@@ -1,0 +1,494 @@
+"""FlashAttention forward for Hopper (sm_90a) in CuTe DSL.
+
+CTA layout (warp specialization): warpgroup 0 is the producer, whose first warp issues every TMA
+load (Q once, then K and V tiles into `num_stages`-deep shared-memory rings guarded by mbarriers);
+warpgroups 1..W are consumers, each owning 64 query rows of the tile_m = 64*W row tile. setmaxnreg
+moves registers from the producer (which needs few) to the consumers (accumulators for S and O).
+
+Consumer main loop (per warpgroup, key tiles from last to first so masked tiles come first):
+
+    S_0 = Q K_0^T;  P_0 = softmax(S_0)
+    for i = 1..:  issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}   (both async wgmma)
+                  wait S_i; mask, online softmax -> P_i, row factors   (overlaps O += P V)
+                  wait P V; rescale O
+    O += P_last V_last;  O /= rowsum;  LSE
+
+so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("intra-warpgroup
+overlap"). With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
+matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
+the A operand of the second wgmma (no shared-memory round trip).
+
+Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
+dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
+into the next sequence, store from registers with a row predicate instead. LSE goes straight from
+registers.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass import Float32, Int32, const_expr
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
+from torch_fa4.kernels.common.block_range import BlockRange
+from torch_fa4.kernels.common.masking import apply_mask
+from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
+from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
+from torch_fa4.kernels.common.tile_scheduler import TileScheduler
+
+LOG2_E = 1.4426950408889634
+
+# named barrier ids (0 is __syncthreads)
+_BAR_SCHED = 1  # 1..3: consumer warpgroup turn-taking
+_BAR_EPI_ALL = 4  # all consumers: every wgmma reading Q is done before O overwrites it
+_BAR_EPI_WG = 5  # 5..7: one warpgroup's O tile is in shared memory
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything that changes the generated code (part of the compile-cache key)."""
+
+    dtype_name: str  # "bfloat16" | "float16"
+    head_dim: int
+    head_dim_v: int
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    causal: bool
+    has_window: bool
+    softcap: bool
+    varlen_q: bool
+    varlen_k: bool
+    has_seqused_k: bool
+    pingpong: bool = True
+    rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
+    exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
+
+    @property
+    def num_consumer_wg(self) -> int:
+        return self.tile_m // 64
+
+
+@cute.jit
+def _wgmma(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+    """acc (+)= A @ B over the K blocks of the fragments, as one committed wgmma group.
+
+    wait >= 0 waits until at most `wait` groups are in flight; -1 returns with it in flight."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a_frag.shape[2])):
+        cute.gemm(atom, acc, a_frag[None, None, k], b_frag[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+class FlashFwdSm90:
+    def __init__(self, cfg: FwdConfig):
+        self.cfg = cfg
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
+        assert self.hdim == self.hdimv, "O reuses Q's shared memory"
+        self.num_wg = cfg.num_consumer_wg
+        assert self.num_wg in (1, 2, 3)
+        self.num_threads = 128 * (self.num_wg + 1)
+        # registers per thread after setmaxnreg: producer gives up what the consumers take
+        self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
+        self.pingpong = cfg.pingpong and self.num_wg >= 2
+
+    # ------------------------------------------------------------------ layouts
+    def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
+        atom = warpgroup.make_smem_layout_atom(
+            hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
+        )
+        shape = (rows, cols) if stages is None else (rows, cols, stages)
+        order = (0, 1) if stages is None else (0, 1, 2)
+        return cute.tile_to_shape(atom, shape, order)
+
+    def _tiled_mmas(self):
+        qk = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        pv = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.hdimv),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return qk, pv
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D) or (Tq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D) or (Tk, Hkv, D)
+        mV: cute.Tensor,
+        mO: cute.Tensor,  # like mQ, contiguous
+        mLSE: cute.Tensor,  # (B, Hq, Sq) or (Hq, Tq), fp32
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSequsedK: Optional[cute.Tensor],
+        score_scale: Float32,  # multiplies q.k before softmax (scale, or scale/softcap)
+        softmax_scale_log2: Float32,  # log2(e) * (scale, or softcap)
+        window_left: Int32,
+        window_right: Int32,
+        num_batch: Int32,
+        max_seqlen_q: Int32,
+        heads_per_group: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        # sequence-major views: (S, D, H, B); varlen gets a unit batch mode so indexing is uniform
+        if const_expr(cfg.varlen_q):
+            mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
+            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), cute.make_layout(1, stride=0)))
+        else:
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        if const_expr(cfg.varlen_k):
+            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
+            mV = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
+        else:
+            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = self._smem_layout(self.tile_m, self.hdim, None)
+        sK_layout = self._smem_layout(self.tile_n, self.hdim, cfg.num_stages)
+        sV_layout = self._smem_layout(self.tile_n, self.hdimv, cfg.num_stages)
+        # O: one standalone 64-row tile per consumer warpgroup, each stored by its own TMA
+        sO_layout = self._smem_layout(64, self.hdimv, self.num_wg)
+
+        tma_Q, tQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.hdim))
+        tma_K, tK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim))
+        tma_V, tV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdimv))
+        tma_O, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdimv))
+
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        stages = cfg.num_stages
+
+        @cute.struct
+        class Storage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        num_heads = cute.size(mQ.shape[2])
+        self.kernel(
+            tQ, tK, tV, tO, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+            tma_Q, tma_K, tma_V, tma_O,
+            score_scale, softmax_scale_log2, window_left, window_right,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, bytes_q, bytes_k, bytes_v, Storage,
+        ).launch(
+            grid=TileScheduler.grid(num_m_blocks, num_heads, num_batch),
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO_tma: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSequsedK: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_O: cute.CopyAtom,
+        score_scale: Float32, softmax_scale_log2: Float32,
+        window_left: Int32, window_right: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32,
+        bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
+        Storage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+
+        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, cfg.causal)
+        m_block, head, batch = sched.work(bidx)
+        seqlen_q = mQ.shape[0]
+        if const_expr(cfg.varlen_q):
+            seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
+        # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
+        if m_block * self.tile_m < seqlen_q:
+            self.run_tile(
+                mQ, mK, mV, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+                tma_Q, tma_K, tma_V, tma_O, score_scale, softmax_scale_log2, window_left, window_right,
+                sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+                bytes_q, bytes_k, bytes_v, Storage, m_block, head, batch, warp_idx, tidx)
+
+    @cute.jit
+    def run_tile(
+        self, mQ, mK, mV, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+        tma_Q, tma_K, tma_V, tma_O, score_scale, softmax_scale_log2, window_left, window_right,
+        sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+        bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
+        Storage: cutlass.Constexpr, m_block, head, batch, warp_idx, tidx,
+    ):
+        cfg = self.cfg
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        batch_q = batch if const_expr(not cfg.varlen_q) else 0
+        batch_k = batch if const_expr(not cfg.varlen_k) else 0
+        head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
+        brange = BlockRange(self.tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
+
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
+            consumer_group=consumer_warps, tx_count=bytes_q, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=tma_warp, consumer_group=consumer_warps, tx_count=bytes_k, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=tma_warp, consumer_group=consumer_warps, tx_count=bytes_v, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        # the same O tiles stacked along rows, (tile_m, Dv), to partition like the accumulator
+        o_outer = sO_layout.outer
+        sO_mn = storage.sQ.get_tensor(
+            cute.make_layout(((o_outer.shape[0], o_outer.shape[2]), o_outer.shape[1]),
+                             stride=((o_outer.stride[0], o_outer.stride[2]), o_outer.stride[1])),
+            swizzle=sO_layout.inner)
+        # V^T view (Dv, tile_n, stages): the B operand of O += P V
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((self.hdimv, self.tile_n, cfg.num_stages), order=(1, 0, 2)))
+
+        n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                             seqlen, m_block, head, head_kv, batch_q, batch_k, n_min, n_max)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                mO_tma, mO, mLSE, sQ, sK, sVt, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v,
+                tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2, brange,
+                seqlen, m_block, head, batch_q, n_min, n_max, tidx - 128)
+
+    @cute.jit
+    def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                seqlen: SeqlenInfo, m_block, head, head_kv, batch_q, batch_k, n_min, n_max):
+        mQ_cur = seqlen.q_rows(mQ[None, None, head, batch_q])
+        mK_cur = seqlen.k_rows(mK[None, None, head_kv, batch_k])
+        mV_cur = seqlen.k_rows(mV[None, None, head_kv, batch_k])
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(mK_cur, (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(mV_cur, (self.tile_n, self.hdimv), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        # order: K[last]; then K[n-1], V[n] pairs; then V[first] -- exactly the consumer's order
+        # of need, so a full ring never blocks the tile the consumers are waiting for
+        if n_max > n_min:
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
+            v_state = k_state.clone()
+            pipe_k.producer_acquire(k_state)
+            cute.copy(tma_K, tKgK[None, n_max - 1], tKsK[None, k_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            k_state.advance()
+            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                n = n_max - 2 - i
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_K, tKgK[None, n], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                k_state.advance()
+                pipe_v.producer_acquire(v_state)
+                cute.copy(tma_V, tVgV[None, n + 1], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                v_state.advance()
+            pipe_v.producer_acquire(v_state)
+            cute.copy(tma_V, tVgV[None, n_min], tVsV[None, v_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+
+    # consumer warpgroups take turns issuing matmuls (pingpong); no-ops otherwise
+    @cute.jit
+    def _turn_wait(self, wg: Int32):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)
+
+    @cute.jit
+    def _turn_pass(self, wg: Int32):
+        if const_expr(self.pingpong):
+            nxt = wg + 1
+            if nxt == self.num_wg:
+                nxt = 0
+            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
+
+    @cute.jit
+    def _scores(self, acc_s, coords, brange, m_block, n_block, seqlen, score_scale):
+        """Raw q.k -> softmax units (softcap) and masks, in place."""
+        if const_expr(self.cfg.softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
+        if brange.needs_mask(n_block, m_block, seqlen.seqlen_q, seqlen.seqlen_k):
+            apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k)
+
+    @cute.jit
+    def consume(self, mO_tma, mO, mLSE, sQ, sK, sVt, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v,
+                tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2, brange: BlockRange,
+                seqlen: SeqlenInfo, m_block, head, batch_q, n_min, n_max, tidx):
+        cfg = self.cfg
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_o = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdimv)), Float32)
+        acc_o.fill(0.0)
+        coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        num_rows = cute.size(rows_cols(coords), mode=[0])
+        softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+
+        if const_expr(self.pingpong):
+            if wg == 0:  # the first warpgroup goes first
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+
+        if n_max > n_min:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            # first (rightmost) key tile: S only
+            acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+            pipe_k.consumer_wait(state)
+            self._turn_wait(wg)
+            _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+            self._turn_pass(wg)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self._scores(acc_s, coords, brange, m_block, n_max - 1, seqlen, score_scale)
+            softmax.step(acc_s, row_scale)
+            tOrP.store(a_operand(acc_s).load().to(self.dtype))
+            v_state = state.clone()
+            state.advance()
+
+            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                n_block = n_max - 2 - i
+                pipe_k.consumer_wait(state)
+                self._turn_wait(wg)
+                _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+                pipe_v.consumer_wait(v_state)
+                _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+                self._turn_pass(wg)
+                warpgroup.wait_group(1)  # S ready; P V still running
+                pipe_k.consumer_release(state)
+                self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale)
+                moved = softmax.step(acc_s, row_scale)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+                if moved:
+                    scale_rows(acc_o, row_scale)
+                tOrP.store(a_operand(acc_s).load().to(self.dtype))
+                v_state = state.clone()
+                state.advance()
+
+            pipe_v.consumer_wait(v_state)
+            self._turn_wait(wg)
+            _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+            self._turn_pass(wg)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(v_state)
+
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.finalize(row_scale, lse)
+        scale_rows(acc_o, row_scale)
+        self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
+                      seqlen, m_block, head, batch_q, wg, tidx)
+
+    @cute.jit
+    def epilogue(self, acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
+                 seqlen: SeqlenInfo, m_block, head, batch_q, wg, tidx):
+        cfg = self.cfg
+        # LSE: the lane holding column 0 of a row writes it
+        c = rows_cols(coords)
+        mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
+        if c[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + c[r, 0][0]
+                if row < seqlen.seqlen_q:
+                    mLSE_cur[row] = lse[r]
+
+        r_o = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        if const_expr(not cfg.varlen_q):
+            # every consumer's Q reads are done before O overwrites Q's buffer
+            cute.arch.barrier(barrier_id=_BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
+            cute.autovec_copy(r_o, thr_pv.partition_C(sO_mn))
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> TMA reads
+            cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
+            if tidx % 128 < 32:
+                gO = cute.local_tile(mO_tma[None, None, head, batch_q], (64, self.hdimv),
+                                     (m_block * self.num_wg + wg, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_O, 0, cute.make_layout(1), cute.group_modes(sO[None, None, wg], 0, 2),
+                    cute.group_modes(gO, 0, 2))
+                cute.copy(tma_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            mO_cur = seqlen.q_rows(mO[None, None, head, batch_q])
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_block, 0))
+            tOgO = thr_pv.partition_C(gO)
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdimv)))
+            limit = seqlen.seqlen_q - m_block * self.tile_m
+            for i in cutlass.range_constexpr(cute.size(r_o)):
+                if tOcO[i][0] < limit:
+                    tOgO[i] = r_o[i]

@@ -1,0 +1,176 @@
+"""Host side of the sm90 forward: pick a kernel variant for a call, compile it once, launch it.
+
+Compilation uses symbolic shapes and strides (fake tensors), so one compiled kernel serves every
+batch size, sequence length, head count and stride pattern of its variant; the TVM-FFI calling
+convention takes torch tensors directly and launches on the current stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from torch_fa4.call import AttentionCall
+from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.sm90.fwd import FwdConfig
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED (kept import-free of cutlass)
+L2_BYTES = 50 * 1024 * 1024
+
+# (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup (D=64 at 192 rows, three
+# consumer warpgroups at 160 registers each, spilled ~170 registers: see NOTES); key tiles sized so two
+# stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB)
+_TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
+
+# the softmax options per head dim; benchmarks/NOTES.md records the measurements behind them
+_DEFAULT_OPTIONS = {
+    64: dict(rescale_threshold=None, exp2_emulate_every=0),
+    96: dict(rescale_threshold=None, exp2_emulate_every=0),
+    128: dict(rescale_threshold=None, exp2_emulate_every=0),
+    192: dict(rescale_threshold=None, exp2_emulate_every=0),
+    256: dict(rescale_threshold=8.0, exp2_emulate_every=0),  # +5..7% measured (NOTES)
+}
+
+
+def unsupported_reason(call: AttentionCall) -> Optional[str]:
+    q, k, v = call.q, call.k, call.v
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (sm90 kernel: float16/bfloat16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k, v dtypes differ"
+    if call.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {call.head_dim} (sm90 kernel: {SUPPORTED_HEAD_DIMS})"
+    if call.head_dim_v != call.head_dim:
+        return "head_dim_v != head_dim"
+    if call.num_heads % call.num_heads_kv != 0:
+        return "num_heads not a multiple of num_heads_kv"
+    if call.mods is not None or call.mod_key:
+        return "score_mod/mask_mod not yet lowered for sm90"
+    if call.block_mask:
+        return "block_mask not yet supported by the sm90 kernel"
+    if call.is_varlen != (call.cu_seqlens_k is not None):
+        return "cu_seqlens_q and cu_seqlens_k must be given together"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            return f"{name} last dim not contiguous"
+        # TMA: 16-byte aligned base and strides
+        if t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:-1]):
+            return f"{name} base or strides not 16-byte aligned (TMA)"
+    return None
+
+
+def default_config(call: AttentionCall, **overrides) -> FwdConfig:
+    tile_m, tile_n = _TILES[call.head_dim]
+    opts = dict(_DEFAULT_OPTIONS[call.head_dim])
+    cfg = FwdConfig(
+        dtype_name=str(call.q.dtype).removeprefix("torch."),
+        head_dim=call.head_dim,
+        head_dim_v=call.head_dim_v,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        num_stages=2,
+        causal=bool(call.causal),
+        has_window=call.has_window,
+        softcap=call.softcap > 0,
+        varlen_q=call.cu_seqlens_q is not None,
+        varlen_k=call.cu_seqlens_k is not None,
+        has_seqused_k=call.seqused_k is not None,
+        **opts,
+    )
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+def _fake_tensors(cfg: FwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
+
+    def fake(dt, rank, last, align=16):
+        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
+        stride = tuple(cute.sym_int64(divisibility=8 if dt.width == 16 else 1) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, shape, stride, assumed_align=align)
+
+    def fake_rows(rank_q):
+        return fake(dtype, rank_q, cfg.head_dim)
+
+    q = fake_rows(3 if cfg.varlen_q else 4)
+    o = fake_rows(3 if cfg.varlen_q else 4)
+    k = fake_rows(3 if cfg.varlen_k else 4)
+    v = fake(dtype, 3 if cfg.varlen_k else 4, cfg.head_dim_v)
+    lse_rank = 2 if cfg.varlen_q else 3
+    lse = cute.runtime.make_fake_tensor(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
+        tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
+
+    def vec():
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+
+    cu_q = vec() if cfg.varlen_q else None
+    cu_k = vec() if cfg.varlen_k else None
+    used_k = vec() if cfg.has_seqused_k else None
+    return q, k, v, o, lse, cu_q, cu_k, used_k
+
+
+def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
+    """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
+
+    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        options += f" --keep-cubin --dump-dir {dump_dir}"
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from torch_fa4.kernels.sm90.fwd import FlashFwdSm90
+
+        q, k, v, o, lse, cu_q, cu_k, used_k = _fake_tensors(cfg)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(
+            FlashFwdSm90(cfg), q, k, v, o, lse, cu_q, cu_k, used_k,
+            cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), stream,
+            options=options,
+        )
+
+    if dump_dir is not None:
+        return build()
+    return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build)
+
+
+def _heads_per_group(call: AttentionCall, seqlen_k: int) -> int:
+    """(batch, head) pairs whose K and V fit in about half of L2 (see common.tile_scheduler)."""
+    kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
+    total = call.batch * call.num_heads
+    return max(1, min(total, (L2_BYTES // 2) // kv_bytes))
+
+
+def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
+    cfg = default_config(call, **overrides)
+    kernel = compile_fwd(cfg)
+    if call.is_varlen:
+        max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
+        max_k = call.max_seqlen_k or call.k.shape[0]
+    else:
+        max_q, max_k = call.q.shape[1], call.k.shape[1]
+    log2e = 1.0 / math.log(2.0)
+    if call.softcap > 0:
+        score_scale, scale_log2 = call.scale / call.softcap, call.softcap * log2e
+    else:
+        score_scale, scale_log2 = call.scale, call.scale * log2e
+    wl = call.window_left if call.window_left >= 0 else UNBOUNDED
+    wr = call.window_right if call.window_right >= 0 else UNBOUNDED
+    if max_q == 0 or call.batch == 0:
+        return
+    kernel(
+        call.q, call.k, call.v, out, lse,
+        call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
+        score_scale, scale_log2, wl, wr,
+        call.batch, max_q, _heads_per_group(call, max_k),
+    )

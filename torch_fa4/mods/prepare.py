@@ -1,0 +1,92 @@
+"""prepare(score_mod, mask_mod) -> (mod_key, aux_tensors): what the public API calls on every call.
+
+How this stays cheap in eager mode and graph-break free under torch.compile(fullgraph=True):
+
+1. `capture.collect(mod)` walks the mod's closure cells, the globals its code names, attributes of
+   a captured object / bound method's self, and functools.partial arguments. It returns a `desc`
+   (a tuple of Python constants: code objects, numbers, dtypes, ranks) and the captured tensors.
+   It is plain attribute access, so Dynamo traces it: the tensors become graph inputs (new values,
+   or a new closure over new tensors, never recompile) and each constant read gets a guard (a
+   closure over a different window size recompiles rather than reusing a stale key).
+2. `_key_for_descs(score_desc, mask_desc)` is marked `torch.compiler.assume_constant_result`:
+   Dynamo runs it once at trace time on the constant descs and bakes the returned key string into
+   the graph. It rebuilds a callable from the desc alone (placeholder tensors), traces it into a
+   ModGraph, registers the ModSet and memoises desc -> key, so eager calls trace a mod once too.
+
+Because the trace depends only on `desc`, equal descs always mean equal graphs, whichever function
+object they came from.
+
+Closures created *inside* the compiled function: Dynamo does not expose their cells as
+attributes, so capture.py asks Dynamo for them at trace time (torch._dynamo.comptime, using
+Dynamo internals that carry no compatibility promise; tested in tests/test_mods_attention.py). If
+that ever stops working, a closure whose cells are all constants still works (Dynamo hands the
+function itself to `_key_for_descs`), and one capturing tensors can be written as
+`functools.partial(module_level_mod, tensor=...)` -- the torch_fa4.mods built-ins are partials --
+or be created outside the compiled function.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from torch_fa4.mods import capture
+from torch_fa4.mods.trace import ModTraceError, trace_mod
+
+_LOCK = threading.Lock()
+_KEYS: dict[tuple, str] = {}
+
+
+def prepare(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> tuple[str, list[torch.Tensor]]:
+    if score_mod is None and mask_mod is None:
+        return "", []
+    score_desc, score_tensors = capture.collect(score_mod) if score_mod is not None else (None, [])
+    mask_desc, mask_tensors = capture.collect(mask_mod) if mask_mod is not None else (None, [])
+    key = _key_for_descs(score_desc, mask_desc)
+    return key, score_tensors + mask_tensors
+
+
+@torch.compiler.assume_constant_result
+def _key_for_descs(score_desc: Any, mask_desc: Any) -> str:
+    try:
+        cache_key = (score_desc, mask_desc)
+        hash(cache_key)
+    except TypeError:  # an unhashable constant somewhere: correct, just not memoised
+        return _trace_and_register(score_desc, mask_desc)
+    key = _KEYS.get(cache_key)
+    if key is None:
+        key = _trace_and_register(score_desc, mask_desc)
+        with _LOCK:
+            _KEYS[cache_key] = key
+    return key
+
+
+def _trace_and_register(score_desc: Any, mask_desc: Any) -> str:
+    from torch_fa4.mods.registry import register
+
+    graphs = []
+    for desc, role in ((score_desc, "score"), (mask_desc, "mask")):
+        if desc is None:
+            graphs.append(None)
+            continue
+        fn, placeholders = capture.rebuild(desc)
+        try:
+            graphs.append(trace_mod(fn, role, placeholders))
+        except (AttributeError, KeyError, NameError) as e:
+            raise ModTraceError(
+                f"tracing the {role}_mod failed with {type(e).__name__}: {e}. torch_fa4 traces a copy of the "
+                "mod rebuilt from what it captures (closure cells, globals the code names, functools.partial "
+                "arguments, dicts with str keys, plain attributes obj.name of captured objects); properties "
+                "and methods of captured objects other than the mod itself are not captured"
+            ) from e
+    return register(graphs[0], graphs[1]).key
+
+
+def trace_graphs(score_mod: Optional[Callable], mask_mod: Optional[Callable]):
+    """The ModSet for a pair of mods (for tests and tools; the API goes through prepare)."""
+    from torch_fa4.mods.registry import lookup
+
+    key, aux = prepare(score_mod, mask_mod)
+    return lookup(key), aux
