@@ -56,6 +56,8 @@ VARIANTS = {
     "d128_dv64": (dict(d=128, dv=64), False),
     "d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
     "d128_softcap_causal": (dict(d=128, softcap=10.0, causal=True), False),
+    # the kernel's own varlen variant: compiled, not used yet (bwd.backward runs varlen per
+    # sequence through the dense variant until this one passes on the device)
     "d128_varlen_causal_gqa": (dict(d=128, hq=4, hkv=2, varlen=True, causal=True), False),
     "d64_seqused": (dict(d=64, seqused=True), False),
     "d128_causal_deterministic": (dict(d=128, causal=True), True),
@@ -97,6 +99,38 @@ def test_unsupported_calls_are_rejected():
     odd = _call(d=64)
     odd.q = torch.empty(1, 16, 2, 68, dtype=torch.bfloat16)[..., :64]  # strides not 16-byte multiples
     assert bwd.unsupported_reason(odd) is not None
+    assert "score_mod" in bwd.unsupported_reason(_call(d=64, mod_key="some_mod"))
+
+
+def test_row_statistics_match_float64():
+    from torch_fa4.kernels.sm90 import bwd
+
+    b, s, h, d = 2, 70, 3, 64
+    call = _call(d=d, hq=h, hkv=h)
+    call.q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
+    dout = torch.randn(b, s, h, d).to(torch.bfloat16)
+    out = torch.randn(b, s, h, d).to(torch.bfloat16)
+    lse = torch.randn(b, h, s)
+    lse[0, 1, 5] = -float("inf")  # a row that sees no key
+    lse2, dpsum, rows = bwd.row_statistics(call, dout, out, lse)
+    assert rows == 128 and lse2.shape == (b, h, rows) and dpsum.shape == (b, h, rows)
+    assert lse2.is_contiguous() and dpsum.is_contiguous()
+    ref_d = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(dpsum[..., :s].double(), ref_d, rtol=1e-5, atol=1e-5)
+    assert (dpsum[..., s:] == 0).all()
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(lse2[..., :s][finite].double(), lse[finite].double() * 1.4426950408889634)
+    assert lse2[0, 1, 5] == float("inf") and (lse2[..., s:] == float("inf")).all()
+
+
+def test_size_one_dims_get_tma_strides():
+    from torch_fa4.kernels.sm90 import bwd
+
+    t = torch.empty(1, 16, 1, 64, dtype=torch.bfloat16).as_strided((1, 16, 1, 64), (3, 64, 5, 1))
+    assert bwd._tma_compatible(t)
+    v = bwd._tma_view(t)
+    assert v.stride() == (1024, 64, 64, 1) and v.data_ptr() == t.data_ptr()
+    assert not bwd._tma_compatible(torch.ones(1, dtype=torch.bfloat16).expand(2, 16, 3, 64))
 
 
 def test_variants_differ_only_where_code_differs():
@@ -110,3 +144,177 @@ def test_variants_differ_only_where_code_differs():
     w2 = bwd.variant_key(_call(d=128, window_left=99, window_right=0), False)
     assert w1 == w2
     assert bwd.variant_key(_call(d=128), True) != bwd.variant_key(_call(d=128), False)
+
+
+# ---- the host wrapper (padding, -inf rows, dQ buffer, varlen splitting) around a float64
+# emulation of the kernel's contract, against float64 autograd. Runs without a GPU.
+
+def _emulated_kernel(key):
+    """What the compiled kernel computes, in float64 torch, given bwd.backward's arguments."""
+    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mod_key = key
+    assert not varlen and not mod_key  # varlen runs per sequence through the dense variant
+
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem,
+           scale, scale_log2, softcap_val, left, right, max_k, *aux):
+        f = lambda t: t.double()
+        for b in range(q.shape[0]):
+            sq, sk_rows = q.shape[1], k.shape[1]
+            sk = int(used[b]) if used is not None else sk_rows
+            i = torch.arange(sq)[:, None]
+            j = torch.arange(sk_rows)[None, :]
+            vis = (j < sk).expand(sq, sk_rows).clone()
+            if has_right:
+                vis &= j <= i + (sk - sq) + right
+            if has_left:
+                vis &= j >= i + (sk - sq) - left
+            gk = torch.zeros(sk_rows, k.shape[2], d, dtype=torch.float64)
+            gv = torch.zeros(sk_rows, k.shape[2], dv, dtype=torch.float64)
+            for h in range(q.shape[2]):
+                hk = h // group
+                s = f(q[b, :, h]) @ f(k[b, :, hk]).T
+                factor = 1.0
+                if softcap:
+                    t = torch.tanh(s * scale / softcap_val)
+                    x = t * softcap_val * 1.4426950408889634
+                    factor = 1 - t * t
+                else:
+                    x = s * scale_log2
+                p = torch.exp2(x - f(lse2[b, h, :sq])[:, None]) * vis
+                dp = f(do[b, :, h]) @ f(v[b, :, hk]).T
+                ds = p * (dp - f(dpsum[b, h, :sq])[:, None]) * factor
+                dq_acc[b, h, :sq] += (scale * ds @ f(k[b, :, hk])).float()
+                gk[:, hk] += scale * ds.T @ f(q[b, :, h])
+                gv[:, hk] += p.T @ f(do[b, :, h])
+            dk[b].copy_(gk)
+            dvv[b].copy_(gv)
+
+    return fn
+
+
+@pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_q_only_seqused", "softcap"])
+def test_host_wrapper_with_emulated_kernel(case, monkeypatch):
+    import math
+
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    hq, hkv, d = 4, 2, 64
+    kw = {}
+    if case == "dense_causal_gqa":
+        q, k, v, do = rnd(2, 70, hq, d), rnd(2, 50, hkv, d), rnd(2, 50, hkv, d), rnd(2, 70, hq, d)
+        kw = dict(causal=True)  # 70 queries over 50 keys: the first 20 rows see nothing
+    elif case == "softcap":
+        q, k, v, do = rnd(1, 33, hq, d), rnd(1, 90, hkv, d), rnd(1, 90, hkv, d), rnd(1, 33, hq, d)
+        kw = dict(softcap=5.0, window_left=20, window_right=3)
+    elif case == "varlen_window":
+        cu_q, cu_k = torch.tensor([0, 40, 40, 107], dtype=torch.int32), torch.tensor([0, 30, 55, 55], dtype=torch.int32)
+        q, k, v, do = rnd(107, hq, d), rnd(55, hkv, d), rnd(55, hkv, d), rnd(107, hq, d)
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=67, max_seqlen_k=30, window_left=7)
+    else:  # packed queries over a dense KV cache limited by seqused_k
+        cu_q = torch.tensor([0, 5, 29], dtype=torch.int32)
+        q, do = rnd(29, hq, d), rnd(29, hq, d)
+        k, v = rnd(2, 64, hkv, d), rnd(2, 64, hkv, d)
+        kw = dict(cu_seqlens_q=cu_q, seqused_k=torch.tensor([17, 64], dtype=torch.int32), max_seqlen_q=24,
+                  max_seqlen_k=64, causal=True)
+    call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
+
+    # float64 reference, one sequence at a time (dense or packed)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    cuq = kw.get("cu_seqlens_q")
+    cuk = kw.get("cu_seqlens_k")
+    outs, lses = [], []
+    for b in range(call.batch):
+        qs = q64[cuq[b]:cuq[b + 1]] if cuq is not None else q64[b]
+        ks = k64[cuk[b]:cuk[b + 1]] if cuk is not None else k64[b]
+        vs = v64[cuk[b]:cuk[b + 1]] if cuk is not None else v64[b]
+        if call.seqused_k is not None:
+            ks, vs = ks[: int(call.seqused_k[b])], vs[: int(call.seqused_k[b])]
+        sq, sk = qs.shape[0], ks.shape[0]
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        vis = torch.ones(sq, sk, dtype=torch.bool)
+        if call.causal:
+            vis &= j <= i + sk - sq
+        if call.window_right >= 0:
+            vis &= j <= i + sk - sq + call.window_right
+        if call.window_left >= 0:
+            vis &= j >= i + sk - sq - call.window_left
+        kk, vv = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", qs, kk) * call.scale
+        if call.softcap:
+            s = call.softcap * torch.tanh(s / call.softcap)
+        anyk = vis.any(-1, keepdim=True)
+        s = torch.where(anyk, s.masked_fill(~vis, -math.inf), torch.zeros_like(s))
+        lse = torch.logsumexp(s, -1)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]) * vis, vv))
+        lses.append(lse.masked_fill(~anyk[..., 0], -math.inf))
+    packed = cuq is not None
+    out64 = torch.cat(outs, 0) if packed else torch.stack(outs)
+    lse = (torch.cat(lses, 1) if packed else torch.stack(lses)).float()
+    ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+
+    grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
+    bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, False)
+    for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
+        err = (got.double() - r).norm() / r.norm()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+def _alibi_mods():
+    slopes = torch.rand(4)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return score_mod, None
+
+
+def _tanh_bias_document_mods():
+    doc = torch.zeros(64, dtype=torch.int32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score * 0.5) * 2.0 + torch.where(q_idx >= kv_idx, 0.25, -0.5)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return score_mod, mask_mod
+
+
+@pytest.mark.parametrize("make_mods", [_alibi_mods, _tanh_bias_document_mods])
+def test_mods_variant_compiles_to_hgmma(make_mods, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    key, aux = prepare(*make_mods())
+    call = _call(d=128, hq=4, hkv=2, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
+    assert "opts in" in bwd.unsupported_reason(call)  # unvalidated on a GPU: opt-in only
+    monkeypatch.setenv(bwd.MODS_ENV, "1")
+    assert bwd.unsupported_reason(call) is None
+    bwd.compile_variant(bwd.variant_key(call, False), dump_dir=str(tmp_path))
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    sass = subprocess.run([exe, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
+                          text=True, check=True).stdout
+    assert sass.count("HGMMA.") == 128 // 16 * 3 + 8
+    assert sass.count("LDL") + sass.count("STL") <= 64
+
+
+def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    monkeypatch.setenv(bwd.MODS_ENV, "1")
+    bias = torch.zeros(4, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    key, aux = prepare(score_mod, None)
+    call = _call(d=64, hq=4, hkv=4, mod_key=key, mods=lookup(key), aux_tensors=aux)
+    assert "not supported" in bwd.unsupported_reason(call)

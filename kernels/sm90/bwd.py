@@ -3,8 +3,15 @@
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. Pre/post-processing are O(S * D) elementwise torch ops.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
-varlen, determinism); shapes, strides, scale, softcap value and window sizes are runtime
-arguments, so new sizes never recompile.
+varlen, determinism, mods key); shapes, strides, scale, softcap value, window sizes and captured
+mod tensors are runtime arguments, so new sizes or values never recompile.
+
+Takes: fp16/bf16, head dims 64/96/128 (Dv may differ), causal, sliding window, softcap, GQA/MQA,
+seqused_k, any 16-byte-aligned strides, deterministic dQ. Varlen (cu_seqlens) runs one dense
+launch per sequence (the kernel's packed-rows variant faults on the device, see bwd_kernel.py).
+score_mod/mask_mod are lowered into the kernel (derivative from the traced graph) but are opt-in
+(TORCH_FA4_SM90_BWD_MODS=1) until their GPU test has passed; block masks are not used (the
+mask_mod is evaluated on every tile).
 """
 
 from __future__ import annotations
@@ -32,18 +39,55 @@ def unsupported_reason(call: "AttentionCall") -> str | None:
             f"sm90 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
             f"not D={call.head_dim}, Dv={call.head_dim_v}"
         )
-    if call.mods is not None or call.mod_key:
-        return "sm90 backward does not take score_mod/mask_mod yet"
+    if call.mod_key or call.mods is not None:
+        reason = _mods_reason(call)
+        if reason is not None:
+            return reason
     if call.num_heads % call.num_heads_kv != 0:
         return "query heads are not a multiple of KV heads"
-    if call.is_varlen != (call.cu_seqlens_k is not None):
-        return "sm90 backward needs both cu_seqlens_q and cu_seqlens_k for varlen"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            return f"{name} has a non-contiguous last dimension"
-        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} strides/pointer are not 16-byte aligned (TMA)"
+        if not _tma_compatible(t):
+            return f"{name} is not TMA-compatible (last dim contiguous, 16-byte strides/pointer)"
     return None
+
+
+MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
+# score_mod / mask_mod in the kernel compile (tests/test_sm90_bwd_compile.py) but have not yet run
+# on a GPU: until tests/gpu/test_sm90_bwd.py::test_mods passes there, they fall back unless asked.
+MODS_ENV = "TORCH_FA4_SM90_BWD_MODS"
+
+
+def _mods_reason(call: "AttentionCall") -> str | None:
+    import os
+
+    if os.environ.get(MODS_ENV) != "1":
+        return f"sm90 backward does not take score_mod/mask_mod yet (unvalidated; {MODS_ENV}=1 opts in)"
+    if call.mods is None:
+        return "mods not resolved"
+    if call.is_varlen or call.cu_seqlens_k is not None:
+        return "sm90 backward takes score_mod/mask_mod on dense batches only"
+    if len(call.aux_tensors) > MAX_AUX:
+        return f"mods capture {len(call.aux_tensors)} tensors (sm90 backward: at most {MAX_AUX})"
+    if any(t.requires_grad for t in call.score_aux):
+        return "gradients for tensors captured by score_mod are not supported"
+    return None
+
+
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """TMA reads rows with a unit last stride, 16-byte-multiple strides and a 16-byte base."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(st > 0 and st % 8 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+
+
+def _tma_view(t: torch.Tensor) -> torch.Tensor:
+    """The same view with size-1 dims given packed strides (their stride never addresses
+    anything, but the TMA descriptor and the compiled signature want 16-byte multiples)."""
+    strides = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = max(8, strides[i + 1] * t.shape[i + 1])
+    return t.as_strided(t.shape, strides) if strides != list(t.stride()) else t
 
 
 def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
@@ -59,6 +103,7 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         call.is_varlen,
         call.seqused_k is not None,
         bool(deterministic),
+        call.mods.key if call.mods is not None else "",
     )
 
 
@@ -95,6 +140,15 @@ def compile_variant(key: tuple, arch: str = "sm_90a", dump_dir: str | None = Non
 
 
 def _build(key: tuple, arch: str, dump_dir: str | None):
+    mods = None
+    if key[-1]:
+        from torch_fa4.mods import registry
+
+        mods = registry.lookup(key[-1])
+    return _compile(key[:-1], mods, arch, dump_dir)
+
+
+def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -142,13 +196,20 @@ def _build(key: tuple, arch: str, dump_dir: str | None):
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
     kernel = Sm90AttentionBackward(
-        cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic
+        cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods
     )
+    aux = []
+    if mods is not None:
+        from torch_fa4.kernels.common import mod_lowering
+
+        specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
+        aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
+    aux += [None] * (MAX_AUX - len(aux))
     # Without tvm_ffi (a CPU-only checkout) the kernel still compiles, for the compile tests.
     tvm = _use_tvm_ffi()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem,
-            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), stream)
+            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), *aux, stream)
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
     if dump_dir is not None:
         options += f" --keep-cubin --dump-dir {dump_dir}"
@@ -162,14 +223,14 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return out
 
 
-def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
-    key = variant_key(call, deterministic)
-    fn = compile_variant(key)
-    q, k, v = call.q, call.k, call.v
-    right, left = _window(call)
+def row_statistics(call: "AttentionCall", dout, out, lse):
+    """Per query row, padded to whole query tiles: (lse * log2 e, rowsum(dO * O)) in fp32.
 
-    # Softmax statistics per query row, padded to whole query tiles. Rows with no visible key
-    # (lse = -inf) get +inf so that P = exp2(s - lse) = 0 there: their dq is 0, never NaN.
+    Layout (B, Hq, rows) dense, (Hq, rows) varlen, contiguous. Rows with no visible key
+    (lse = -inf) and padding rows get +inf, so that P = exp2(s - lse) = 0 there: their dq is 0,
+    never NaN. dPsum is 0 on padding rows.
+    """
+    q = call.q
     lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
     dpsum = (dout.float() * out.float()).sum(-1)  # (B, Sq, Hq) or (Tq, Hq)
     if call.is_varlen:
@@ -178,8 +239,21 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     else:
         dpsum = dpsum.transpose(1, 2)  # (B, Hq, Sq)
         rows = math.ceil(q.shape[1] / _TILE_M) * _TILE_M
-    lse2 = _pad_rows(lse2, rows, math.inf)
-    dpsum = _pad_rows(dpsum, rows, 0.0)
+    return _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0), rows
+
+
+def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+    if call.is_varlen or call.cu_seqlens_k is not None:
+        # The kernel's own varlen variant (packed rows, per-batch offsets) compiles but faults on
+        # the device (illegal instruction, cause not found yet); meanwhile each sequence runs
+        # through the dense variant, one launch per sequence.
+        _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic)
+        return
+    key = variant_key(call, deterministic)
+    fn = compile_variant(key)
+    q, k, v = call.q, call.k, call.v
+    right, left = _window(call)
+    lse2, dpsum, rows = row_statistics(call, dout, out, lse)
     if call.is_varlen:
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
     else:
@@ -193,13 +267,48 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
 
+    if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
+        dout = dout.contiguous()
+    q, k, v, dout, dk, dv = (_tma_view(t) for t in (q, k, v, dout, dk, dv))
+    aux = [None] * MAX_AUX
+    if call.mods is not None:
+        from torch_fa4.kernels.common import mod_lowering
+
+        aux = mod_lowering.kernel_aux_tensors(call.aux_tensors, MAX_AUX)
     fn(
-        q, k, v, dout if dout.stride(-1) == 1 else dout.contiguous(), lse2, dpsum, dq_acc, dk, dv,
+        q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
         cu_q, cu_k, seqused, sem,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-        int(left or 0), int(right or 0), int(max_k),
+        int(left or 0), int(right or 0), int(max_k), *aux,
     )
     if call.is_varlen:
         dq.copy_(dq_acc[:, : q.shape[0]].transpose(0, 1))
     else:
         dq.copy_(dq_acc[:, :, : q.shape[1]].transpose(1, 2))
+
+
+def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic):
+    """Varlen backward as one dense call per sequence, on views (no copies of q, k, v, grads)."""
+    from torch_fa4.call import AttentionCall
+
+    cu_q = call.cu_seqlens_q.tolist() if call.cu_seqlens_q is not None else None
+    cu_k = call.cu_seqlens_k.tolist() if call.cu_seqlens_k is not None else None
+
+    def rows(t, cu, b):  # batch b of a packed (T, ...) or dense (B, S, ...) tensor, as (1, S, ...)
+        return t[cu[b] : cu[b + 1]].unsqueeze(0) if cu is not None else t[b : b + 1]
+
+    for b in range(call.batch):
+        q_b, dout_b, out_b, dq_b = (rows(t, cu_q, b) for t in (call.q, dout, out, dq))
+        k_b, v_b, dk_b, dv_b = (rows(t, cu_k, b) for t in (call.k, call.v, dk, dv))
+        lse_b = lse[:, cu_q[b] : cu_q[b + 1]].unsqueeze(0) if cu_q is not None else lse[b : b + 1]
+        if q_b.shape[1] == 0 or k_b.shape[1] == 0:  # nothing attends: all gradients are zero
+            for g in (dq_b, dk_b, dv_b):
+                g.zero_()
+            continue
+        used = call.seqused_k[b : b + 1] if call.seqused_k is not None else None
+        sub = AttentionCall(
+            q=q_b, k=k_b, v=v_b, scale=call.scale, causal=call.causal,
+            window_left=call.window_left, window_right=call.window_right, softcap=call.softcap,
+            seqused_k=used, max_seqlen_q=q_b.shape[1], max_seqlen_k=k_b.shape[1],
+        )
+        backward(sub, dout_b, out_b, lse_b, dq_b, dk_b, dv_b, deterministic)

@@ -15,8 +15,14 @@ Warp roles (384 threads):
       dV  += P^T dO         (P^T fed from registers: no shared-memory round trip)
       dK  += dS^T Q         (dS^T from registers)
       dQ   = dS K           (dS through shared memory; each warpgroup takes half of the head dim)
-  then dQ is added to the fp32 buffer with atomics (or in KV-tile order under a semaphore when
-  deterministic), and dK, dV are written once at the end.
+  P is computed while dP^T is still on the tensor cores, dS while dV is. Each warpgroup stages
+  its dQ half in shared memory and adds it to the fp32 buffer with one TMA reduce-add (in
+  KV-tile order under a per-query-tile semaphore when deterministic); dK, dV are written once at
+  the end.
+
+Variable length: the `varlen` variant (packed rows, per-batch row offsets) compiles but faults on
+the device (illegal instruction, cause not found yet); bwd.py runs varlen batches one sequence at a
+time through the dense variant until it is fixed.
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
@@ -33,6 +39,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..common import mod_lowering as mods_dsl
 from . import bwd_layouts as L
 
 LOG2_E = math.log2(math.e)
@@ -58,6 +65,7 @@ class Sm90AttentionBackward:
         varlen: bool,
         seqused_k: bool,
         deterministic: bool,
+        mods=None,  # torch_fa4.mods.registry.ModSet or None; its graphs are inlined per element
     ):
         self.dtype = dtype
         self.d = head_dim
@@ -72,6 +80,17 @@ class Sm90AttentionBackward:
         # zero-filled by TMA and need no mask.
         self.mask_k = varlen or seqused_k
         self.deterministic = deterministic
+        self.score_graph = mods.score_graph if mods is not None else None
+        self.mask_graph = mods.mask_graph if mods is not None else None
+        # d score_mod / d score, traced from the score graph (None when it is 1 everywhere)
+        self.grad_graph = None
+        if self.score_graph is not None and not mods_dsl.mod_graph_is_identity_grad(mods.score_grad_graph):
+            self.grad_graph = mods.score_grad_graph
+        self.num_score_aux = mods.num_score_aux if mods is not None else 0
+        self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
+        # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P:
+        # tanh' (softcap) or score_mod' at the unmodified score.
+        self.one_pass = softcap or self.score_graph is not None
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -96,19 +115,27 @@ class Sm90AttentionBackward:
         window_left: Int32,
         window_right: Int32,
         max_seqlen_k: Int32,
+        aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,  # captured mod tensors, None when unused
         stream,
     ):
+        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
+        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux :]
         # Kernel views: sequence first, head dim second (the (M|N, K) order wgmma and TMA tile).
         if const_expr(self.varlen):
+            # Packed sequences get a unit batch mode, so indexing is the dense path's; batches
+            # are then row offsets (domain_offset) into the packed rows.
+            unit = cute.make_layout(1, stride=0)
             mQ, mK, mV, mdO, mdK, mdV = [
-                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[0, 2, 1]), unit))
                 for t in (mQ, mK, mV, mdO, mdK, mdV)
-            ]  # (T, D, H)
+            ]  # (T, D, H, 1)
             mLSE2, mDpsum = [
-                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+                cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[1, 0]), unit))
                 for t in (mLSE2, mDpsum)
-            ]  # (T, H)
-            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
+            ]  # (T, H, 1)
+            mdQacc = cute.make_tensor(
+                mdQacc.iterator, cute.append(cute.select(mdQacc.layout, mode=[1, 2, 0]), unit)
+            )  # (T, D, H, 1)
         else:
             mQ, mK, mV, mdO, mdK, mdV = [
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -192,7 +219,7 @@ class Sm90AttentionBackward:
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_SdP, mma_dK, mma_dV, mma_dQ,
             scale, scale_log2, softcap_val, window_left, window_right,
-            Storage,
+            score_aux, mask_aux, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -213,6 +240,7 @@ class Sm90AttentionBackward:
         mma_dQ: cute.TiledMma,
         scale: Float32, scale_log2: Float32, softcap_val: Float32,
         window_left: Int32, window_right: Int32,
+        score_aux, mask_aux,
         Storage: cutlass.Constexpr,
     ):
         tm, tn = self.tile_m, self.tile_n
@@ -306,20 +334,21 @@ class Sm90AttentionBackward:
                 mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
                 mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
                 window_left, window_right, hkv, b, n_block, m_lo, n_m, steps,
-                seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128,
+                seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
             )
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
     def _head_slice(self, t: cute.Tensor, h, b, off):
         """The (seq, ...) slab of head h, batch b; for varlen, offset to the batch's first row."""
-        if const_expr(self.varlen):
-            r = t[(None, None, h)] if const_expr(cute.rank(t) == 3) else t[(None, h)]
-            return cute.domain_offset((off, 0) if const_expr(cute.rank(t) == 3) else (off,), r)
+        bi = 0 if const_expr(self.varlen) else b
+        if const_expr(cute.rank(t) == 4):
+            r = t[(None, None, h, bi)]
         else:
-            if const_expr(cute.rank(t) == 4):
-                return t[(None, None, h, b)]
-            return t[(None, h, b)]
+            r = t[(None, h, bi)]
+        if const_expr(self.varlen):
+            r = cute.domain_offset((off,) + (0,) * (cute.rank(r) - 1), r)
+        return r
 
     @cute.jit
     def _produce(
@@ -377,7 +406,7 @@ class Sm90AttentionBackward:
         self, mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
         mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
         window_left, window_right, hkv, b, n_block, m_lo, n_m, steps,
-        seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid,
+        seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
     ):
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
         wg = ctid // 128
@@ -432,11 +461,12 @@ class Sm90AttentionBackward:
             key0 = n_block * tn
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-            if const_expr(self.softcap):
-                # tanh' is needed for dS: compute P and dS in one pass once both products landed.
+            mod_ctx = (b, h, score_aux, mask_aux)
+            if const_expr(self.one_pass):
+                # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
                 warpgroup.wait_group(0)
                 self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val)
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
@@ -445,7 +475,7 @@ class Sm90AttentionBackward:
                 # P while dP^T is still on the tensor cores; dS while dV is.
                 warpgroup.wait_group(1)
                 self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val)
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
                 rP.store(acc_S.load().to(self.dtype))
                 # dV += P^T dO  (P^T straight from registers)
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
@@ -504,12 +534,16 @@ class Sm90AttentionBackward:
 
     @cute.jit
     def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                  window_left, window_right, scale, scale_log2, softcap_val):
+                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx):
         """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
 
         Only tiles that cross a mask boundary pay for the per-element test."""
         tm, tn = self.tile_m, self.tile_n
-        if const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
+        if const_expr(self.mask_graph is not None):  # mask_mod: every element is tested
+            self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
+                                diag, window_left, window_right, scale, scale_log2, softcap_val,
+                                mod_ctx, True)
+        elif const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
             crosses = Boolean(False)
             if const_expr(self.varlen):
                 crosses = crosses | (row0 + tm > seqlen_q)
@@ -522,19 +556,19 @@ class Sm90AttentionBackward:
             if crosses:
                 self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
                                     diag, window_left, window_right, scale, scale_log2,
-                                    softcap_val, True)
+                                    softcap_val, mod_ctx, True)
             else:
                 self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
                                     diag, window_left, window_right, scale, scale_log2,
-                                    softcap_val, False)
+                                    softcap_val, mod_ctx, False)
         else:
             self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
                                 diag, window_left, window_right, scale, scale_log2, softcap_val,
-                                False)
+                                mod_ctx, False)
 
     @cute.jit
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                       window_left, window_right, scale, scale_log2, softcap_val,
+                       window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                        masked: cutlass.Constexpr):
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             m_local = cS[0, c][1]
@@ -553,6 +587,15 @@ class Sm90AttentionBackward:
                     grad_factor = 1.0 - t * t
                 else:
                     x = x * scale_log2
+                if const_expr(self.score_graph is not None):
+                    # score_mod works in natural units on the scaled (softcapped) score; its
+                    # derivative, taken at that same score, joins the chain rule for dS.
+                    b, h, score_aux, _ = mod_ctx
+                    s_in = x * (1.0 / LOG2_E)
+                    x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, i, j, score_aux) * LOG2_E
+                    if const_expr(self.grad_graph is not None):
+                        grad_factor = grad_factor * mods_dsl.score_grad_value(
+                            self.grad_graph, s_in, b, h, i, j, score_aux)
                 p = cute.math.exp2(x - lse2, fastmath=True)
                 visible = Boolean(True)
                 if const_expr(self.varlen):
@@ -563,6 +606,9 @@ class Sm90AttentionBackward:
                     visible = visible & (j <= i + diag + window_right)
                 if const_expr(self.has_left):
                     visible = visible & (j >= i + diag - window_left)
+                if const_expr(self.mask_graph is not None):
+                    b, h, _, mask_aux = mod_ctx
+                    visible = visible & mods_dsl.mask_mod_value(self.mask_graph, b, h, i, j, mask_aux)
                 if const_expr(masked):
                     p = p if visible else Float32(0.0)
                 S[r, c] = p

@@ -38,14 +38,27 @@ def _visible(sq, sk, causal, left, right, device):
     return ok
 
 
-def _attend64(q, k, v, scale, softcap, visible):
-    """One sequence, float64: q (Sq, Hq, D), k/v (Sk, Hkv, D). Returns out (Sq,Hq,Dv), lse (Hq,Sq)."""
+def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b=0):
+    """One sequence, float64: q (Sq, Hq, D), k/v (Sk, Hkv, D). Returns out (Sq,Hq,Dv), lse (Hq,Sq).
+
+    score_mod / mask_mod are applied as FlexAttention defines them, on broadcast index tensors."""
     g = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(g, dim=1)
     vv = v.repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, kk) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    hq, sq, sk = s.shape
+    dev = s.device
+    bi = torch.tensor(b, device=dev)
+    hi = torch.arange(hq, device=dev)[:, None, None]
+    qi = torch.arange(sq, device=dev)[None, :, None]
+    ki = torch.arange(sk, device=dev)[None, None, :]
+    if score_mod is not None:
+        s = score_mod(s, bi, hi, qi, ki).to(torch.float64)
+    visible = visible.expand(hq, sq, sk)
+    if mask_mod is not None:
+        visible = visible & mask_mod(bi, hi, qi, ki).expand(hq, sq, sk)
     # Rows that see no key: compute on zeros (finite, so autograd stays NaN-free), then zero P.
     any_key = visible.any(-1, keepdim=True)
     s = torch.where(any_key, s.masked_fill(~visible, -math.inf), torch.zeros_like(s))
@@ -57,7 +70,8 @@ def _attend64(q, k, v, scale, softcap, visible):
 
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
-          strided=False, varlen=False, seqused=False, deterministic=False):
+          strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
+          mask_mod=None):
     from torch_fa4.kernels.sm90 import bwd
 
     dev = "cuda"
@@ -98,15 +112,22 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
             kl = int(used[s]) if used is not None else sk
             qs, ks, vs = q64[s], k64[s, :kl], v64[s, :kl]
         vis = _visible(qs.shape[0], ks.shape[0], causal, left, right, dev)
-        o, l = _attend64(qs, ks, vs, scale, softcap, vis)
+        o, l = _attend64(qs, ks, vs, scale, softcap, vis, score_mod, mask_mod, 0 if varlen else s)
         outs.append(o)
         lses.append(l)
     out64 = torch.cat(outs, 0) if varlen else torch.stack(outs, 0)
     lse = (torch.cat(lses, 1) if varlen else torch.stack(lses, 0)).float().contiguous()
     dq64, dk64, dv64 = torch.autograd.grad(out64, (q64, k64, v64), do.to(torch.float64))
 
+    mod_kw = {}
+    if score_mod is not None or mask_mod is not None:
+        from torch_fa4.mods.prepare import prepare
+        from torch_fa4.mods.registry import lookup
+
+        key, aux = prepare(score_mod, mask_mod)
+        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
     call = AttentionCall(q=q, k=k, v=v, scale=scale, causal=causal, window_left=left,
-                         window_right=right, softcap=softcap,
+                         window_right=right, softcap=softcap, **mod_kw,
                          cu_seqlens_q=cu_q if varlen else None, cu_seqlens_k=cu_k if varlen else None,
                          seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk)
     assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
@@ -176,6 +197,44 @@ def test_seqused_k():
 
 def test_deterministic():
     _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True)
+
+
+def _alibi(slopes, doc):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return score_mod, None
+
+
+def _tanh_bias(slopes, doc):  # a score_mod with a non-trivial derivative
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score * 0.5) * 2.0 + torch.where(q_idx >= kv_idx, 0.25, -0.5)
+
+    return score_mod, None
+
+
+def _documents(slopes, doc):  # a mask_mod over a captured tensor
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return None, mask_mod
+
+
+def _tanh_bias_documents(slopes, doc):
+    return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
+
+
+@pytest.mark.parametrize("make_mods,causal", [
+    (_alibi, True), (_tanh_bias, False), (_documents, False), (_tanh_bias_documents, True),
+])
+def test_mods(make_mods, causal, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.MODS_ENV, "1")  # the path is opt-in until this test has passed on a GPU
+    slopes = torch.rand(4, device="cuda")
+    doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
+    score_mod, mask_mod = make_mods(slopes, doc)
+    _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
 
 
 def _bench():  # pragma: no cover - manual timing on the device machine
