@@ -8,10 +8,6 @@ registers are rebalanced between warp roles (`USETMAXREG`), nothing spills to lo
 One compile per variant (a few seconds each).
 """
 
-import glob
-import os
-import shutil
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -20,23 +16,8 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from sass import sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
-
-
-def _nvdisasm():
-    exe = shutil.which("nvdisasm")
-    if exe:
-        return exe
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            hits = glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))
-            if hits:
-                return hits[0]
-    except ImportError:
-        pass
-    return None
 
 
 def _call(D, dtype=torch.bfloat16, **kw):
@@ -71,12 +52,7 @@ def test_variant_compiles_to_umma(name, tmp_path):
     if cfg_kw:
         cfg = replace(cfg, **cfg_kw)
     fwd_host.compile_fwd(cfg, arch="sm_100a", dump_dir=str(tmp_path))  # bypasses the cache
-    cubins = glob.glob(str(tmp_path / "*.sm_100a.cubin"))
-    assert cubins, "no sm_100a cubin written"
-    exe = _nvdisasm()
-    if exe is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    sass = subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(tmp_path, "*.sm_100a.cubin")
     # S = Q K^T: 4 issue sites x D/16 k-blocks; O += P V: 4 sites x tile_n/16 (see fwd.mma_role)
     expected_umma = 4 * (cfg.head_dim // 16) + 4 * (cfg.tile_n // 16)
     assert sass.count("UTCHMMA") == expected_umma, "matmuls did not all become tcgen05 UMMAs"

@@ -6,33 +6,14 @@ handed from the producer to the consumers (setmaxnreg) and that nothing large sp
 One compile per variant, a few seconds each.
 """
 
-import glob
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 cutlass = pytest.importorskip("cutlass")
 
+from sass import sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
-
-
-def _nvdisasm():
-    exe = shutil.which("nvdisasm")
-    if exe:
-        return exe
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            hits = glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))
-            if hits:
-                return hits[0]
-    except ImportError:
-        pass
-    return None
 
 
 def _call(d=128, dv=None, hq=2, hkv=2, dtype=torch.bfloat16, varlen=False, seqused=False, **kw):
@@ -72,12 +53,7 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     bwd.compile_variant(bwd.variant_key(call, deterministic), dump_dir=str(tmp_path))
-    cubins = glob.glob(str(tmp_path / "*.cubin"))
-    assert cubins, "no cubin written"
-    exe = _nvdisasm()
-    if exe is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    sass = subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(tmp_path)
     hgmma = sass.count("HGMMA.")
     # S, dP and dQ: (K extent / 16) each; dK, dV: tile_m / 16 = 4 each.
     d, dv = call.head_dim, call.head_dim_v
@@ -295,11 +271,7 @@ def test_mods_variant_compiles_to_hgmma(make_mods, tmp_path, monkeypatch):
     monkeypatch.setenv(bwd.MODS_ENV, "1")
     assert bwd.unsupported_reason(call) is None
     bwd.compile_variant(bwd.variant_key(call, False), dump_dir=str(tmp_path))
-    exe = _nvdisasm()
-    if exe is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    sass = subprocess.run([exe, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
-                          text=True, check=True).stdout
+    sass = sass_of(tmp_path)
     assert sass.count("HGMMA.") == 128 // 16 * 3 + 8
     assert sass.count("LDL") + sass.count("STL") <= 64
 

@@ -64,7 +64,8 @@ _MMA_WARP = 12
 _LOAD_WARP = 13
 _NUM_THREADS = 512
 # registers per thread after setmaxnreg (512 threads x 128 on entry = 64K): softmax holds a full
-# 128-column score row plus P; correction works on 32-column chunks of O; the rest need little
+# 128-column score row (P is converted and stored chunk by chunk); correction works on 32-column
+# chunks of O; MMA and load warps need few. 184/80/64 is the split with no spill in the softmax.
 _REGS_SOFTMAX, _REGS_CORRECTION, _REGS_OTHER = 184, 80, 64
 _CHUNK = 32  # O columns per tcgen05.ld/st in the correction warps
 _P_CHUNK = 16  # P columns (32 scores) per tcgen05.st in the softmax warps
@@ -390,6 +391,9 @@ class FlashFwdSm100:
                 cute.copy(tma_V, tVg[None, n], tVs[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
+            # wait until the MMA warp has released every slot: its releases are tcgen05.commit
+            # arrivals, which must not land after the CTA has exited
+            pipe_kv.producer_tail(kv_state)
 
     # ------------------------------------------------------------------ MMA warp
     @cute.jit

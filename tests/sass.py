@@ -1,0 +1,37 @@
+"""SASS of the cubins a CuTe DSL compile wrote: how the CPU compile tests inspect machine code.
+
+nvdisasm comes from the `nvidia-cuda-nvdisasm` wheel (a test extra); a machine without it skips
+the SASS checks rather than failing them.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def nvdisasm_path():
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        hits = glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))
+        if hits:
+            return hits[0]
+    return None
+
+
+def sass_of(dump_dir, pattern="*.cubin") -> str:
+    """Disassemble the one cubin matching `pattern` under `dump_dir`."""
+    cubins = glob.glob(os.path.join(str(dump_dir), pattern))
+    assert cubins, f"no cubin matching {pattern} written to {dump_dir}"
+    exe = nvdisasm_path()
+    if exe is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    return subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
