@@ -8,6 +8,11 @@ FLOPs: fwd = 4 B H Sq Sk D (halved when causal), bwd = 2.5 x fwd. Medians of
 triton.testing.do_bench (CUDA events) after warm-up. Writes results.json and a PNG to --out.
 
     python benchmarks/bench.py --out bench_out [--quick]
+
+--quick: a subset that finishes in about two minutes including compiles (fwd D64 S16k, D128 S4k,
+D128 S16k causal, D256 S4k, the softcap / window / ALiBi / block-sparse document-mask rows at
+D128 S4k; bwd D128 S4k and causal when the torch_fa4 backward kernel takes them), peers
+flash-attn-4, cuDNN and FlexAttention (compiled); same table format.
 """
 
 from __future__ import annotations
@@ -16,17 +21,21 @@ import argparse
 import json
 import math
 import os
+import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
 
+_BENCH_MS = {"warmup": 50, "rep": 200}  # --quick halves both
+
+
 def _time_ms(fn) -> float:
     try:
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+        return float(do_bench(fn, warmup=_BENCH_MS["warmup"], rep=_BENCH_MS["rep"], return_mode="median"))
     except ImportError:
         for _ in range(5):
             fn()
@@ -48,17 +57,28 @@ def _flops(B, H, S, D, causal, bwd=False):
 
 
 # ------------------------------------------------------------------ forward implementations
-def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
-    """q, k, v (B, S, H, D)."""
-    if score_mod is not None:
-        import torch_fa4
-
-        return lambda: torch_fa4.attention(q, k, v, causal=causal, score_mod=score_mod)
+def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+    """q, k, v (B, S, H, D). Mods are traced once here and the kernel is launched directly, so the
+    row times the kernel, not the per-call capture of the public API."""
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import fwd_host
 
+    mods = {}
+    if score_mod is not None or mask_mod is not None:
+        from torch_fa4 import mods as M
+        from torch_fa4.mods import registry
+
+        if mask_mod is not None and causal:  # the block mask then also drops the tiles above the diagonal
+            mask_mod = M.and_masks(mask_mod, M.causal_mask)
+        key, aux = M.prepare(score_mod, mask_mod)
+        mods = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
+        if mask_mod is not None:  # block-sparse: skip the tiles the mask empties
+            S = q.shape[1]
+            bm = M.create_block_mask(mask_mod, None, None, S, S, device=q.device)
+            mods.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
+                        block_mask_kv=bm.BLOCK_SIZE[1])
     call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal, softcap=softcap,
-                         window_left=window[0], window_right=window[1])
+                         window_left=window[0], window_right=window[1], **mods)
     reason = fwd_host.unsupported_reason(call)
     if reason:
         raise RuntimeError(reason)
@@ -67,7 +87,7 @@ def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
     return lambda: fwd_host.forward(call, out, lse)
 
 
-def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
+def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
     from flash_attn.cute.interface import flash_attn_func
 
     kw = dict(causal=causal)
@@ -75,14 +95,14 @@ def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
         kw["softcap"] = softcap
     if window != (-1, -1):
         kw["window_size"] = (None if window[0] < 0 else window[0], None if window[1] < 0 else window[1])
-    if score_mod is not None:
-        raise RuntimeError("score_mod peer not wired")
+    if score_mod is not None or mask_mod is not None:
+        raise RuntimeError("score_mod/mask_mod peer not wired")
     return lambda: flash_attn_func(q, k, v, **kw)
 
 
 def _sdpa(backend):
-    def make(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
-        if softcap or window != (-1, -1) or score_mod is not None:
+    def make(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+        if softcap or window != (-1, -1) or score_mod is not None or mask_mod is not None:
             raise RuntimeError("n/a")
         from torch.nn.attention import sdpa_kernel
 
@@ -100,7 +120,7 @@ def _sdpa(backend):
 _flex_compiled = None
 
 
-def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
+def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -114,6 +134,8 @@ def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None):
     if window != (-1, -1):
         wl = window[0]
         conds.append(lambda b, h, i, j: (i - j <= wl) & (j <= i))
+    if mask_mod is not None:
+        conds.append(mask_mod)
     mask_mod = None
     if conds:
         def mask_mod(b, h, i, j):
@@ -183,18 +205,26 @@ def sdpa_bwd(backend):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--quick", action="store_true", help="D128 S4k rows only")
+    ap.add_argument("--quick", action="store_true", help="a ~2-minute subset (see the module docstring)")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--options-sweep", action="store_true",
                     help="torch_fa4 softmax options (conditional rescale, exp2 emulation, pingpong)")
-    ap.add_argument("--peers", default="torch_fa4,flash-attn-4,sdpa-cudnn,sdpa-flash,flex")
+    ap.add_argument("--peers", default=None,
+                    help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    peers = {k: v for k, v in _peers().items() if k in args.peers.split(",")}
+    t_start = time.perf_counter()
+    peer_names = args.peers or ("torch_fa4,flash-attn-4,sdpa-cudnn,flex" if args.quick
+                                else "torch_fa4,flash-attn-4,sdpa-cudnn,sdpa-flash,flex")
+    peers = {k: v for k, v in _peers().items() if k in peer_names.split(",")}
+    if args.quick:
+        _BENCH_MS.update(warmup=25, rep=100)
     tokens, width = 16384, 2048
-    dims = [128] if args.quick else [64, 128, 256]
-    seqs = [4096] if args.quick else [1024, 4096, 16384]
+    if args.quick:
+        fwd_rows = [(64, 16384, False), (128, 4096, False), (128, 4096, True), (128, 16384, True), (256, 4096, False)]
+    else:
+        fwd_rows = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]
     rows = []
 
     def measure(label, D, S, causal, flops, makers, extra=None):
@@ -235,10 +265,14 @@ def main():
                     measure(f"opts D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops,
                             {k: with_opts(v) for k, v in sweep.items()})
     print("fwd TFLOP/s")
-    for D in dims:
-        for S in seqs:
-            for causal in (False, True):
-                measure(f"fwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, peers)
+    for D, S, causal in fwd_rows:
+        row_peers = peers
+        if args.quick and (D, S, causal) != (128, 4096, True):
+            # each FlexAttention row is a fresh torch.compile (10-20 s): in --quick it runs on one
+            # plain row and on the mod rows below, where it is the peer that matters
+            row_peers = {k: v for k, v in peers.items() if k != "flex"}
+        measure(f"fwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, row_peers)
+    print(f"  ({time.perf_counter() - t_start:.0f} s elapsed)", flush=True)
     alibi_slopes = None
 
     def alibi(score, b, h, q_idx, kv_idx):
@@ -246,11 +280,22 @@ def main():
 
     H128 = width // 128
     alibi_slopes = torch.tensor([2 ** (-8 * (i + 1) / H128) for i in range(H128)], device="cuda")
-    for label, extra in (("softcap 30", dict(softcap=30.0)), ("window 1024", dict(window=(1024, 0))),
-                         ("alibi score_mod", dict(score_mod=alibi))):
-        measure(f"fwd D128 S4k {label} causal", 128, 4096, True,
-                (lambda B, H, S, D, c, w=extra: _flops(B, H, S, D, c) if "window" not in w
-                 else 4.0 * B * H * S * min(S, 1025) * D), peers, extra)
+    doc_ids = torch.arange(4096, device="cuda", dtype=torch.int32) // 512  # 8 documents of 512 tokens
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+
+    def doc_flops(B, H, S, D, c):  # visible pairs: 8 causal 512 x 512 blocks
+        return 4.0 * B * H * 8 * 512 * 513 / 2 * D
+
+    for label, extra, flops in (
+        ("softcap 30", dict(softcap=30.0), _flops),
+        ("window 1024", dict(window=(1024, 0)), lambda B, H, S, D, c: 4.0 * B * H * S * min(S, 1025) * D),
+        ("alibi score_mod", dict(score_mod=alibi), _flops),
+        ("document mask_mod, block-sparse", dict(mask_mod=document), doc_flops),
+    ):
+        measure(f"fwd D128 S4k {label} causal", 128, 4096, True, flops, peers, extra)
+        print(f"  ({time.perf_counter() - t_start:.0f} s elapsed)", flush=True)
     if not args.no_bwd:
         from torch.nn.attention import SDPBackend
 
@@ -259,14 +304,35 @@ def main():
                   "sdpa-flash": sdpa_bwd(SDPBackend.FLASH_ATTENTION)}
         bpeers = {k: v for k, v in bpeers.items() if k in peers}
         print("bwd TFLOP/s")
-        for D in ([128] if args.quick else [64, 128]):
-            for S in seqs:
-                for causal in (False, True):
-                    measure(f"bwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal,
-                            lambda *a: _flops(*a, bwd=True), bpeers)
+        if args.quick:
+            bwd_rows = [(128, 4096, False), (128, 4096, True)]
+        else:
+            bwd_rows = [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]
+        for D, S, causal in bwd_rows:
+            reason = _our_bwd_refusal(D, S, causal)
+            if reason is not None:  # the reference backward would take minutes: say so, skip the row
+                print(f"bwd D{D} S{S // 1024}k{' causal' if causal else ''}: torch_fa4 backward kernel "
+                      f"refuses ({reason}); row skipped", flush=True)
+                continue
+            measure(f"bwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal,
+                    lambda *a: _flops(*a, bwd=True), bpeers)
+    print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     _plot(rows, list(peers), os.path.join(args.out, "bench.png"))
+
+
+def _our_bwd_refusal(D, S, causal):
+    """Why torch_fa4's backward kernel would not take this row (None: it would)."""
+    from torch_fa4.call import AttentionCall
+
+    try:
+        from torch_fa4.kernels.sm90 import bwd
+    except ImportError as e:
+        return f"no sm90 backward module ({e})"
+    B, H = 16384 // S, 2048 // D
+    q = torch.empty(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    return bwd.unsupported_reason(AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal))
 
 
 def _print_row(row, names):

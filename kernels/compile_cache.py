@@ -2,8 +2,10 @@
 
 The key is everything that changes generated code (a frozen config dataclass plus the target
 arch); tensor shapes and strides are symbolic in the compiled kernels, so new sizes reuse it.
-Across processes CuTe DSL keeps its own on-disk cache (CUTE_DSL_CACHE_DIR); this layer only
-avoids re-tracing within a process. `stats()` lets tests check that a second call compiles nothing.
+CuTe DSL's own on-disk cache does not cover `cute.compile`; across processes, callers that pass
+`persist=True` also use `disk_cache` (opt-in: TORCH_FA4_KERNEL_CACHE=1), which stores exported
+kernels and loads them in later processes without compiling. `stats()` lets tests check that a
+second call compiles nothing (and how many variants came from disk).
 """
 
 from __future__ import annotations
@@ -15,27 +17,38 @@ from typing import Any, Callable, Hashable
 _lock = threading.Lock()
 _compiled: dict[Hashable, Any] = {}
 _compile_seconds: dict[Hashable, float] = {}
+_from_disk: set = set()
 
 
-def get_or_compile(key: Hashable, build: Callable[[], Any]) -> Any:
+def get_or_compile(key: Hashable, build: Callable[[], Any], persist: bool = False) -> Any:
     fn = _compiled.get(key)
     if fn is not None:
         return fn
     with _lock:  # two threads asking for one variant compile it once
         fn = _compiled.get(key)
         if fn is None:
+            from torch_fa4.kernels import disk_cache
+
+            use_disk = persist and disk_cache.enabled()
             t0 = time.perf_counter()
-            fn = build()
+            fn = disk_cache.load(key) if use_disk else None
+            if fn is not None:
+                _from_disk.add(key)
+            else:
+                fn = build()
+                if use_disk:
+                    disk_cache.store(key, fn)
             _compile_seconds[key] = time.perf_counter() - t0
             _compiled[key] = fn
     return fn
 
 
 def stats() -> dict[str, Any]:
-    return {"entries": len(_compiled), "compile_seconds": dict(_compile_seconds)}
+    return {"entries": len(_compiled), "compile_seconds": dict(_compile_seconds), "from_disk": len(_from_disk)}
 
 
 def clear() -> None:
     with _lock:
         _compiled.clear()
         _compile_seconds.clear()
+        _from_disk.clear()

@@ -2,7 +2,9 @@
 
 CuTe DSL produces real cubins without a GPU (CUTE_DSL_ARCH=sm_90a); nvdisasm (nvidia-cuda-nvdisasm)
 shows whether the matmuls became warpgroup MMAs, and that nothing spilled to local memory.
-One compile per variant (a few seconds each).
+One compile per variant (a few seconds each). Mod variants (score_mod / mask_mod with captured
+tensors, block-sparse) compile the same way from mods traced on CPU tensors; the host-side block-mask
+mapping and refusals, the launch argument list and the opt-in kernel disk cache are checked too.
 """
 
 import glob
@@ -41,6 +43,47 @@ def _call(D, dtype=torch.bfloat16, **kw):
     return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, **kw)
 
 
+def _mod_call(D, score_mod=None, mask_mod=None, block_size=None, S=256, H=4, **kw):
+    """An AttentionCall with traced mods (captured tensors on CPU: only dtype and rank matter here)
+    and, with block_size, a block mask built from mask_mod."""
+    from torch_fa4 import mods as M
+    from torch_fa4.mods import registry
+
+    q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
+    key, aux = M.prepare(score_mod, mask_mod)
+    extra = {}
+    if block_size is not None:
+        bm = M.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=block_size)
+        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0], block_mask_kv=bm.BLOCK_SIZE[1])
+    return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, mod_key=key, mods=registry.lookup(key),
+                         aux_tensors=tuple(aux), **extra, **kw)
+
+
+def _alibi(H=4):
+    from torch_fa4 import mods as M
+
+    return M.alibi(M.alibi_slopes(H))
+
+
+def _doc_mask(S=256):
+    from torch_fa4 import mods as M
+
+    return M.document_mask(torch.randint(0, 3, (S,), dtype=torch.int32).sort().values)
+
+
+# name -> builder of an AttentionCall with mods (built lazily: tracing needs the mods package)
+MOD_VARIANTS = {
+    "d128_alibi": lambda: _mod_call(128, score_mod=_alibi()),
+    "d128_alibi_softcap_causal": lambda: _mod_call(128, score_mod=_alibi(), softcap=20.0, causal=True),
+    "d128_document_mask": lambda: _mod_call(128, mask_mod=_doc_mask()),
+    "d128_document_block_mask": lambda: _mod_call(128, mask_mod=_doc_mask(), block_size=128),
+    # D=256 key tiles shrink to 64 under a 128-key block mask: two kernel tiles per block-mask tile
+    "d256_document_block_mask_varlen": lambda: _mod_call(256, mask_mod=_doc_mask(), block_size=128),
+    "d64_alibi_document_block_256x128": lambda: _mod_call(64, score_mod=_alibi(), mask_mod=_doc_mask(),
+                                                          block_size=(256, 128)),
+}
+
+
 VARIANTS = {
     **{f"d{D}{'_causal' if c else ''}": (dict(D=D, causal=c), {}) for D in (64, 96, 128, 192, 256) for c in (False, True)},
     "d128_fp16": (dict(D=128, dtype=torch.float16), {}),
@@ -52,14 +95,9 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_variant_compiles_to_hgmma(name, tmp_path, monkeypatch):
+def _compile_and_check_sass(cfg, tmp_path):
     from torch_fa4.kernels.sm90 import fwd_host
 
-    call_kw, cfg_kw = VARIANTS[name]
-    cfg = fwd_host.default_config(_call(**call_kw))
-    if cfg_kw:
-        cfg = replace(cfg, **cfg_kw)
     fwd_host.compile_fwd(cfg, dump_dir=str(tmp_path))  # bypasses the cache: always a fresh cubin
     cubins = glob.glob(str(tmp_path / "*.cubin"))
     assert cubins, "no cubin written"
@@ -74,6 +112,34 @@ def test_variant_compiles_to_hgmma(name, tmp_path, monkeypatch):
     spills = sass.count("LDL") + sass.count("STL")
     assert spills <= 32, f"{spills} local-memory spill instructions"
     assert "SETMAXNREG" in sass.upper() or "USETMAXREG" in sass, "no register reallocation"
+    return sass
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_compiles_to_hgmma(name, tmp_path):
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call_kw, cfg_kw = VARIANTS[name]
+    cfg = fwd_host.default_config(_call(**call_kw))
+    if cfg_kw:
+        cfg = replace(cfg, **cfg_kw)
+    _compile_and_check_sass(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(MOD_VARIANTS))
+def test_mod_variant_compiles_to_hgmma(name, tmp_path):
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = MOD_VARIANTS[name]()
+    assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
+    cfg = fwd_host.default_config(call)
+    assert cfg.mod_key == call.mod_key and len(cfg.aux_specs) == len(call.aux_tensors)
+    assert cfg.block_sparse == bool(call.block_mask)
+    if name.endswith("_varlen"):
+        cfg = replace(cfg, varlen_q=True, varlen_k=True)
+    sass = _compile_and_check_sass(cfg, tmp_path)
+    # captured tensors (slopes, document ids) and block-mask indices are read with global loads
+    assert "LDG" in sass, "no global loads: captured tensors not read"
 
 
 def test_compile_cache_reuses_variants():
@@ -90,3 +156,147 @@ def test_compile_cache_reuses_variants():
     assert cfg2 == cfg
     assert fwd_host.compile_fwd(cfg2) is first
     assert compile_cache.stats()["entries"] == entries
+
+
+def test_mods_are_part_of_the_variant():
+    """Mods change the generated code, so they key the compile cache; their values do not."""
+    from torch_fa4 import mods as M
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    plain = fwd_host.default_config(_call(128))
+    assert plain.mod_key == "" and plain.aux_specs == () and not plain.block_sparse
+    alibi = fwd_host.default_config(_mod_call(128, score_mod=_alibi()))
+    alibi_other_values = fwd_host.default_config(_mod_call(128, score_mod=M.alibi(torch.rand(4))))
+    doc = fwd_host.default_config(_mod_call(128, mask_mod=_doc_mask()))
+    assert alibi == alibi_other_values
+    assert len({plain, alibi, doc}) == 3
+    assert alibi.aux_specs == (("torch.float32", 1),)
+    # the same mask with int64 ids is another variant (dtype is part of the key)
+    doc64 = fwd_host.default_config(_mod_call(128, mask_mod=M.document_mask(torch.zeros(256, dtype=torch.int64))))
+    assert doc64 != doc and doc64.aux_specs == (("torch.int64", 1),)
+
+
+def test_block_mask_tile_mapping():
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    cfg = fwd_host.default_config(_mod_call(128, mask_mod=_doc_mask(), block_size=128))
+    assert (cfg.tile_m, cfg.tile_n, cfg.bm_tiles_m, cfg.bm_tiles_n) == (128, 128, 1, 1)
+    cfg = fwd_host.default_config(_mod_call(128, mask_mod=_doc_mask(), block_size=(256, 64)))
+    assert (cfg.tile_m, cfg.tile_n, cfg.bm_tiles_m, cfg.bm_tiles_n) == (128, 64, 2, 1)
+    cfg = fwd_host.default_config(_mod_call(256, mask_mod=_doc_mask(), block_size=128))
+    assert (cfg.tile_n, cfg.bm_tiles_n) == (64, 2)
+    cfg = fwd_host.default_config(_mod_call(192, mask_mod=_doc_mask(448), block_size=(128, 224), S=448))
+    assert (cfg.tile_n, cfg.bm_tiles_n) == (112, 2)
+    # a block mask only matters with a mask_mod: without one the kernel walks every tile
+    call = _mod_call(128, score_mod=_alibi())
+    call.block_mask = _mod_call(128, mask_mod=_doc_mask(), block_size=128).block_mask
+    assert fwd_host.unsupported_reason(call) is None
+    assert not fwd_host.default_config(call).block_sparse
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("q_tile", "not a multiple of the kernel's 128-row tile"),
+    ("kv_tile", "not a multiple of 64"),
+    ("short", "covers"),
+    ("heads", "do not broadcast"),
+    ("dtype", "int32"),
+])
+def test_block_mask_refusals_name_the_reason(case, reason):
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    if case == "q_tile":
+        call = _mod_call(128, mask_mod=_doc_mask(), block_size=(64, 128))
+    elif case == "kv_tile":
+        call = _mod_call(128, mask_mod=_doc_mask(288), block_size=(128, 96), S=288)
+    elif case == "short":  # a block mask for 256 positions used on 512
+        call = _mod_call(128, mask_mod=_doc_mask(), block_size=128)
+        call.q = call.k = call.v = torch.empty(1, 512, 4, 128, dtype=torch.bfloat16)
+    elif case == "heads":
+        call = _mod_call(128, mask_mod=_doc_mask(), block_size=128)
+        num, idx, fnum, fidx = call.block_mask
+        call.block_mask = (num.expand(1, 3, -1), idx.expand(1, 3, -1, -1), fnum.expand(1, 3, -1), fidx.expand(1, 3, -1, -1))
+    else:
+        call = _mod_call(128, mask_mod=_doc_mask(), block_size=128)
+        call.block_mask = tuple(t.long() for t in call.block_mask)
+    got = fwd_host.unsupported_reason(call)
+    assert got is not None and reason in got, got
+
+
+def test_launch_arguments_match_the_compiled_signature():
+    """forward() builds the launch argument list (block mask, captured tensors) the compiled kernel
+    expects: with CPU tensors the call gets past the arity check and stops at the device check of
+    argument #0, so a missing or extra argument would show up here as a TypeError."""
+    from torch_fa4 import mods as M
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _mod_call(128, score_mod=_alibi(), mask_mod=M.and_masks(_doc_mask(), M.causal_mask), block_size=128)
+    call.q = call.k = call.v = torch.randn(1, 256, 4, 128).bfloat16()
+    out = torch.empty(call.out_shape(), dtype=torch.bfloat16)
+    lse = torch.empty(call.lse_shape())
+    try:
+        fwd_host.forward(call, out, lse)
+    except ValueError as e:
+        text = str(e)
+    except Exception as e:  # noqa: BLE001
+        if "not initialized" in str(e):  # compiled for sm_90a on a host whose CUTE_DSL_ARCH differs
+            pytest.skip("kernel callable not initialised here; run with CUTE_DSL_ARCH=sm_90a")
+        raise
+    else:
+        pytest.fail("a kernel launch with CPU tensors did not raise")
+    assert "device_type=cuda" in text, text
+    assert "mBmNum: Tensor([n" in text and "mBmFullIdx: Tensor([n" in text  # the block mask is bound
+    assert "aux0: Tensor([n" in text and "aux1: Tensor([n" in text and "aux2: None" in text
+
+
+def test_captured_tensors_as_launched():
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    flags = torch.rand(10) > 0.5
+    strided = torch.arange(20, dtype=torch.int32).view(10, 2)[:, 1]  # last-dim stride 2
+    scalar = torch.tensor(3.0)
+    call = _call(128)
+    call.aux_tensors = (flags, strided, scalar)
+    cfg = replace(fwd_host.default_config(call), aux_specs=(("torch.bool", 1), ("torch.int32", 1), ("torch.float32", 0)))
+    launched = fwd_host._launch_aux(cfg, call)
+    assert len(launched) == fwd_host.MAX_AUX and all(t is None for t in launched[3:])
+    assert launched[0].dtype == torch.uint8 and torch.equal(launched[0].bool(), flags)
+    assert launched[1].stride(-1) == 1 and torch.equal(launched[1], strided)
+    assert launched[2].shape == (1,) and launched[2].item() == 3.0
+
+
+_DISK_CACHE_SCRIPT = r"""
+import sys, torch
+from torch_fa4 import mods as M
+from torch_fa4.mods import registry
+from torch_fa4.call import AttentionCall
+from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.sm90 import fwd_host
+q = torch.randn(1, 256, 4, 128).bfloat16()
+key, aux = M.prepare(M.alibi(torch.rand(4)), None)
+call = AttentionCall(q=q, k=q, v=q, scale=0.1, mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
+try:
+    fwd_host.forward(call, torch.empty_like(q), torch.empty(call.lse_shape()))
+    result = "no error"
+except ValueError as e:
+    result = "device check" if "device_type=cuda" in str(e) else str(e)[:200]
+print("RESULT", result, compile_cache.stats()["from_disk"], "cutlass" in sys.modules)
+"""
+
+
+def test_disk_cache_loads_in_a_new_process_without_the_dsl(tmp_path):
+    """TORCH_FA4_KERNEL_CACHE=1: the first process compiles and stores the kernel, the second loads
+    it (no CuTe DSL import, no compile) and its launch binds the same arguments."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
+    results = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _DISK_CACHE_SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=300)
+        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
+        assert line, run.stdout[-2000:] + run.stderr[-2000:]
+        results.append(line[0].split()[1:])
+    assert results[0] == ["device", "check", "0", "True"], results[0]  # compiled, then stored
+    assert results[1] == ["device", "check", "1", "False"], results[1]  # loaded; DSL never imported
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1

@@ -1,7 +1,7 @@
 """Hopper (sm_90a) kernels: entry points per docs/INTERNALS.md.
 
-The forward lives in fwd.py (kernel) and fwd_host.py (variant choice, compile cache, launch); the
-backward in bwd.py. Importing this package loads CuTe DSL; dispatch imports it on the first CUDA call.
+The forward lives in fwd.py (kernel), fwd_config.py (its variant key) and fwd_host.py (variant
+choice, compile cache, launch); the backward in bwd.py. Importing this package loads CuTe DSL; dispatch imports it on the first CUDA call.
 """
 
 from __future__ import annotations

@@ -18,13 +18,18 @@ overlap"). With `pingpong`, named barriers make the consumer warpgroups take tur
 matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
 the A operand of the second wgmma (no shared-memory round trip).
 
+Mods (score_mod / mask_mod, traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per
+score element (kernels/common/tile_mods.py): softcap, then score_mod in natural units (the softmax
+then runs with scale log2(e)), then the causal / window / length masks, then mask_mod. With a
+block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv_tile_walk.py) and
+mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
+
 Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
 dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
 into the next sequence, store from registers with a row predicate instead. LSE goes straight from
 registers.
 """
 
-from dataclasses import dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -38,42 +43,21 @@ from cutlass.utils import LayoutEnum
 
 from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
 from torch_fa4.kernels.common.block_range import BlockRange
+from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
+from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
+from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
 
 LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
 
 # named barrier ids (0 is __syncthreads)
 _BAR_SCHED = 1  # 1..3: consumer warpgroup turn-taking
 _BAR_EPI_ALL = 4  # all consumers: every wgmma reading Q is done before O overwrites it
 _BAR_EPI_WG = 5  # 5..7: one warpgroup's O tile is in shared memory
-
-
-@dataclass(frozen=True)
-class FwdConfig:
-    """Everything that changes the generated code (part of the compile-cache key)."""
-
-    dtype_name: str  # "bfloat16" | "float16"
-    head_dim: int
-    head_dim_v: int
-    tile_m: int
-    tile_n: int
-    num_stages: int
-    causal: bool
-    has_window: bool
-    softcap: bool
-    varlen_q: bool
-    varlen_k: bool
-    has_seqused_k: bool
-    pingpong: bool = True
-    rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
-    exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
-
-    @property
-    def num_consumer_wg(self) -> int:
-        return self.tile_m // 64
 
 
 @cute.jit
@@ -105,6 +89,17 @@ class FlashFwdSm90:
         # registers per thread after setmaxnreg: producer gives up what the consumers take
         self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         self.pingpong = cfg.pingpong and self.num_wg >= 2
+        self.score_graph = self.mask_graph = None
+        self.num_score_aux = 0
+        if cfg.mod_key:
+            from torch_fa4.mods import registry
+
+            mods = registry.lookup(cfg.mod_key)
+            self.score_graph, self.mask_graph = mods.score_graph, mods.mask_graph
+            self.num_score_aux = mods.num_score_aux
+        assert len(cfg.aux_specs) <= MAX_AUX
+        assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
+        assert cfg.num_stages >= 1
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -146,9 +141,20 @@ class FlashFwdSm90:
         num_batch: Int32,
         max_seqlen_q: Int32,
         heads_per_group: Int32,
+        # block mask (block_sparse only, else None): kv_num_blocks, kv_indices, full_kv_num_blocks,
+        # full_kv_indices, int32, FlexAttention layout
+        mBmNum: Optional[cute.Tensor],
+        mBmIdx: Optional[cute.Tensor],
+        mBmFullNum: Optional[cute.Tensor],
+        mBmFullIdx: Optional[cute.Tensor],
+        # captured tensors of the mods, ModSet order, None past the last (TVM-FFI takes no tuples)
+        aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
+        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: len(cfg.aux_specs)]
+        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
+        block_mask = (mBmNum, mBmIdx, mBmFullNum, mBmFullIdx) if const_expr(cfg.block_sparse) else None
         # sequence-major views: (S, D, H, B); varlen gets a unit batch mode so indexing is uniform
         if const_expr(cfg.varlen_q):
             mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
@@ -204,6 +210,7 @@ class FlashFwdSm90:
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, bytes_q, bytes_k, bytes_v, Storage,
+            block_mask, score_aux, mask_aux,
         ).launch(
             grid=TileScheduler.grid(num_m_blocks, num_heads, num_batch),
             block=[self.num_threads, 1, 1],
@@ -228,6 +235,7 @@ class FlashFwdSm90:
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
+        block_mask, score_aux, mask_aux,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -245,7 +253,8 @@ class FlashFwdSm90:
                 mQ, mK, mV, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
                 tma_Q, tma_K, tma_V, tma_O, score_scale, softmax_scale_log2, window_left, window_right,
                 sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-                bytes_q, bytes_k, bytes_v, Storage, m_block, head, batch, warp_idx, tidx)
+                bytes_q, bytes_k, bytes_v, Storage, m_block, head, batch, warp_idx, tidx,
+                block_mask, score_aux, mask_aux)
 
     @cute.jit
     def run_tile(
@@ -254,6 +263,7 @@ class FlashFwdSm90:
         sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr, m_block, head, batch, warp_idx, tidx,
+        block_mask, score_aux, mask_aux,
     ):
         cfg = self.cfg
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
@@ -296,23 +306,27 @@ class FlashFwdSm90:
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.hdimv, self.tile_n, cfg.num_stages), order=(1, 0, 2)))
 
-        n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        if const_expr(cfg.block_sparse):
+            walk = SparseKvWalk(*block_mask, batch, head, m_block, cfg.bm_tiles_m, cfg.bm_tiles_n)
+        else:
+            n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+            walk = DenseKvWalk(n_min, n_max)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                             seqlen, m_block, head, head_kv, batch_q, batch_k, n_min, n_max)
+                             seqlen, m_block, head, head_kv, batch_q, batch_k, walk)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 mO_tma, mO, mLSE, sQ, sK, sVt, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2, brange,
-                seqlen, m_block, head, batch_q, n_min, n_max, tidx - 128)
+                seqlen, m_block, head, batch, batch_q, walk, score_aux, mask_aux, tidx - 128)
 
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                seqlen: SeqlenInfo, m_block, head, head_kv, batch_q, batch_k, n_min, n_max):
+                seqlen: SeqlenInfo, m_block, head, head_kv, batch_q, batch_k, walk):
         mQ_cur = seqlen.q_rows(mQ[None, None, head, batch_q])
         mK_cur = seqlen.k_rows(mK[None, None, head_kv, batch_k])
         mV_cur = seqlen.k_rows(mV[None, None, head_kv, batch_k])
@@ -332,25 +346,25 @@ class FlashFwdSm90:
 
         # order: K[last]; then K[n-1], V[n] pairs; then V[first] -- exactly the consumer's order
         # of need, so a full ring never blocks the tile the consumers are waiting for
-        if n_max > n_min:
+        if walk.nonempty():
             k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
             v_state = k_state.clone()
             pipe_k.producer_acquire(k_state)
-            cute.copy(tma_K, tKgK[None, n_max - 1], tKsK[None, k_state.index],
+            cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
             k_state.advance()
-            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                n = n_max - 2 - i
+            for i in cutlass.range(walk.count - 1, unroll=1):
+                n = walk.n_block(i + 1)
                 pipe_k.producer_acquire(k_state)
                 cute.copy(tma_K, tKgK[None, n], tKsK[None, k_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
                 k_state.advance()
                 pipe_v.producer_acquire(v_state)
-                cute.copy(tma_V, tVgV[None, n + 1], tVsV[None, v_state.index],
+                cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state.advance()
             pipe_v.producer_acquire(v_state)
-            cute.copy(tma_V, tVgV[None, n_min], tVsV[None, v_state.index],
+            cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
 
     # consumer warpgroups take turns issuing matmuls (pingpong); no-ops otherwise
@@ -368,18 +382,32 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
 
     @cute.jit
-    def _scores(self, acc_s, coords, brange, m_block, n_block, seqlen, score_scale):
-        """Raw q.k -> softmax units (softcap) and masks, in place."""
+    def _scores(self, acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial):
+        """Raw q.k -> softmax units (softcap, score_mod) and masks, in place.
+
+        partial: whether mask_mod must run on this tile (a block mask's partial tile; always True
+        without a block mask)."""
         if const_expr(self.cfg.softcap):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
+        if const_expr(self.score_graph is not None):
+            mods.score_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
         if brange.needs_mask(n_block, m_block, seqlen.seqlen_q, seqlen.seqlen_k):
             apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        if const_expr(self.mask_graph is not None):
+            if const_expr(self.cfg.block_sparse):
+                if partial:
+                    mods.mask_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
+            else:
+                mods.mask_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
+
+    def _is_partial(self, walk, t):
+        return walk.is_partial(t) if const_expr(self.cfg.block_sparse) else True
 
     @cute.jit
     def consume(self, mO_tma, mO, mLSE, sQ, sK, sVt, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2, brange: BlockRange,
-                seqlen: SeqlenInfo, m_block, head, batch_q, n_min, n_max, tidx):
+                seqlen: SeqlenInfo, m_block, head, batch, batch_q, walk, score_aux, mask_aux, tidx):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
@@ -393,6 +421,13 @@ class FlashFwdSm90:
         acc_o.fill(0.0)
         coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         num_rows = cute.size(rows_cols(coords), mode=[0])
+        mods = None
+        if const_expr(self.score_graph is not None or self.mask_graph is not None):
+            # raw score * natural_scale is the score in natural units: scale, or softcap after tanh
+            mods = TileMods(self.score_graph, self.mask_graph, score_aux, mask_aux, batch, head,
+                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2))
+        if const_expr(self.score_graph is not None):
+            softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -403,9 +438,9 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
 
-        if n_max > n_min:
+        if walk.nonempty():
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-            # first (rightmost) key tile: S only
+            # first key tile of the walk (the rightmost without a block mask): S only
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             pipe_k.consumer_wait(state)
             self._turn_wait(wg)
@@ -413,14 +448,16 @@ class FlashFwdSm90:
             self._turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self._scores(acc_s, coords, brange, m_block, n_max - 1, seqlen, score_scale)
+            self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
+                         self._is_partial(walk, 0))
             softmax.step(acc_s, row_scale)
             tOrP.store(a_operand(acc_s).load().to(self.dtype))
             v_state = state.clone()
             state.advance()
 
-            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                n_block = n_max - 2 - i
+            for i in cutlass.range(walk.count - 1, unroll=1):
+                n_block = walk.n_block(i + 1)
+                partial = self._is_partial(walk, i + 1)
                 pipe_k.consumer_wait(state)
                 self._turn_wait(wg)
                 _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
@@ -429,7 +466,7 @@ class FlashFwdSm90:
                 self._turn_pass(wg)
                 warpgroup.wait_group(1)  # S ready; P V still running
                 pipe_k.consumer_release(state)
-                self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale)
+                self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial)
                 moved = softmax.step(acc_s, row_scale)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)

@@ -3,6 +3,11 @@
 Compilation uses symbolic shapes and strides (fake tensors), so one compiled kernel serves every
 batch size, sequence length, head count and stride pattern of its variant; the TVM-FFI calling
 convention takes torch tensors directly and launches on the current stream.
+
+Mods: the ModSet's key and the captured tensors' dtypes and ranks are part of the variant (they
+change the inlined code); the captured tensors themselves are launch arguments, so new values never
+recompile. A block mask is a launch argument too; only its tile size relative to the kernel's
+enters the variant.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
-from torch_fa4.kernels.sm90.fwd import FwdConfig
+from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED (kept import-free of cutlass)
@@ -48,10 +53,17 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
         return "head_dim_v != head_dim"
     if call.num_heads % call.num_heads_kv != 0:
         return "num_heads not a multiple of num_heads_kv"
-    if call.mods is not None or call.mod_key:
-        return "score_mod/mask_mod not yet lowered for sm90"
-    if call.block_mask:
-        return "block_mask not yet supported by the sm90 kernel"
+    if call.mod_key and call.mods is None:
+        return "mod_key given without its resolved ModSet"
+    if len(call.aux_tensors) > MAX_AUX:
+        return f"mods capture {len(call.aux_tensors)} tensors (sm90 kernel: at most {MAX_AUX})"
+    for t in call.aux_tensors:
+        if t.device != q.device:
+            return "a captured tensor is not on q's device"
+    if _uses_block_mask(call):
+        reason = _block_mask_reason(call)
+        if reason is not None:
+            return reason
     if call.is_varlen != (call.cu_seqlens_k is not None):
         return "cu_seqlens_q and cu_seqlens_k must be given together"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -63,9 +75,66 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
     return None
 
 
+def _uses_block_mask(call: AttentionCall) -> bool:
+    # a block mask only speeds up a mask_mod; without one it has no meaning (INTERNALS: "an
+    # optimisation only"), so it is ignored
+    return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
+
+
+def _block_tile_n(call: AttentionCall) -> Optional[int]:
+    """The kernel's key tile under a block mask: one that divides the block mask's key tile."""
+    default = _TILES[call.head_dim][1]
+    for tile_n in (default, 128, 64):
+        # 128-key tiles fit shared memory up to D=128 (two stages of K and V plus Q)
+        if tile_n <= default and call.block_mask_kv % tile_n == 0:
+            return tile_n
+    return None
+
+
+def _max_seqlens(call: AttentionCall) -> tuple[int, int]:
+    if call.is_varlen:
+        max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
+        max_k = call.max_seqlen_k or call.k.shape[0]
+        return max_q, max_k
+    return call.q.shape[1], call.k.shape[1]
+
+
+def _block_mask_reason(call: AttentionCall) -> Optional[str]:
+    bm = call.block_mask
+    if len(bm) != 4:
+        return f"block_mask has {len(bm)} tensors (want kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)"
+    num, idx, full_num, full_idx = bm
+    for t in bm:
+        if t.dtype != torch.int32 or t.device != call.q.device:
+            return "block_mask tensors must be int32 on q's device"
+    if num.dim() != 3 or idx.dim() != 4 or full_num.shape != num.shape or full_idx.shape[:3] != num.shape:
+        return "block_mask tensors are not (B, H, nq) / (B, H, nq, nkv)"
+    if num.shape[0] not in (1, call.batch) or num.shape[1] not in (1, call.num_heads):
+        return f"block_mask batch/heads {tuple(num.shape[:2])} do not broadcast to ({call.batch}, {call.num_heads})"
+    tile_m = _TILES[call.head_dim][0]
+    if call.block_mask_q % tile_m != 0:
+        return f"block_mask BLOCK_SIZE q={call.block_mask_q} is not a multiple of the kernel's {tile_m}-row tile"
+    if _block_tile_n(call) is None:
+        return f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of 64"
+    # a block mask built for shorter sequences would be read past its end, or would drop keys
+    max_q, max_k = _max_seqlens(call)
+    if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
+        return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
+                f"positions, the call needs {max_q} x {max_k}")
+    return None
+
+
 def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     tile_m, tile_n = _TILES[call.head_dim]
     opts = dict(_DEFAULT_OPTIONS[call.head_dim])
+    mods = {}
+    if call.mods is not None:
+        mods = dict(mod_key=call.mods.key,
+                    aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
+    if _uses_block_mask(call):
+        tile_n = _block_tile_n(call)
+        mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
+                    bm_tiles_n=call.block_mask_kv // tile_n)
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
@@ -80,6 +149,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         varlen_k=call.cu_seqlens_k is not None,
         has_seqused_k=call.seqused_k is not None,
         **opts,
+        **mods,
     )
     return replace(cfg, **overrides) if overrides else cfg
 
@@ -116,6 +186,27 @@ def _fake_tensors(cfg: FwdConfig):
     return q, k, v, o, lse, cu_q, cu_k, used_k
 
 
+def _fake_block_mask(cfg: FwdConfig) -> list:
+    import cutlass
+    import cutlass.cute as cute
+
+    if not cfg.block_sparse:
+        return [None] * 4
+
+    def fake(rank):
+        return cute.runtime.make_fake_tensor(
+            cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
+            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+
+    return [fake(3), fake(4), fake(3), fake(4)]
+
+
+def _fake_aux(cfg: FwdConfig) -> list:
+    from torch_fa4.kernels.common.mod_lowering import fake_aux_tensor
+
+    return [fake_aux_tensor(dt, nd) for dt, nd in cfg.aux_specs] + [None] * (MAX_AUX - len(cfg.aux_specs))
+
+
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
     """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
 
@@ -135,13 +226,14 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         return cute.compile(
             FlashFwdSm90(cfg), q, k, v, o, lse, cu_q, cu_k, used_k,
             cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
-            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), stream,
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+            *_fake_block_mask(cfg), *_fake_aux(cfg), stream,
             options=options,
         )
 
     if dump_dir is not None:
         return build()
-    return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build)
+    return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build, persist=True)
 
 
 def _heads_per_group(call: AttentionCall, seqlen_k: int) -> int:
@@ -154,11 +246,7 @@ def _heads_per_group(call: AttentionCall, seqlen_k: int) -> int:
 def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
     cfg = default_config(call, **overrides)
     kernel = compile_fwd(cfg)
-    if call.is_varlen:
-        max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
-        max_k = call.max_seqlen_k or call.k.shape[0]
-    else:
-        max_q, max_k = call.q.shape[1], call.k.shape[1]
+    max_q, max_k = _max_seqlens(call)
     log2e = 1.0 / math.log(2.0)
     if call.softcap > 0:
         score_scale, scale_log2 = call.scale / call.softcap, call.softcap * log2e
@@ -173,4 +261,27 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
         call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
         score_scale, scale_log2, wl, wr,
         call.batch, max_q, _heads_per_group(call, max_k),
+        *_launch_block_mask(cfg, call), *_launch_aux(cfg, call),
     )
+
+
+def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:
+    if not cfg.block_sparse:
+        return [None] * 4
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
+
+
+def _launch_aux(cfg: FwdConfig, call: AttentionCall) -> list:
+    # as mod_lowering.kernel_aux_tensors (bool as uint8 views, 0-d as (1,)), without importing CuTe DSL
+    # here: a kernel loaded from the disk cache needs no DSL import at all
+    aux = []
+    for t in call.aux_tensors[: len(cfg.aux_specs)]:
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        # the compiled kernel assumes a unit stride in the last dim (a copy only for odd views)
+        if t.stride(-1) != 1:
+            t = t.clone(memory_format=torch.contiguous_format)
+        aux.append(t)
+    return aux + [None] * (MAX_AUX - len(aux))

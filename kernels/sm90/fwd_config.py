@@ -1,0 +1,40 @@
+"""The sm90 forward's variant description: everything that changes its generated code.
+
+Kept free of CuTe DSL imports so the host side can build a cache key (and load a stored kernel,
+kernels/disk_cache.py) without importing the DSL.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+MAX_AUX = 8  # captured tensors per call (kernels.common.mod_lowering.MAX_AUX)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything that changes the generated code (part of the compile-cache key)."""
+
+    dtype_name: str  # "bfloat16" | "float16"
+    head_dim: int
+    head_dim_v: int
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    causal: bool
+    has_window: bool
+    softcap: bool
+    varlen_q: bool
+    varlen_k: bool
+    has_seqused_k: bool
+    pingpong: bool = True
+    rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
+    exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
+    mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
+    aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
+    block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)
+    bm_tiles_m: int = 1  # kernel tiles per block-mask tile along queries / keys
+    bm_tiles_n: int = 1
+
+    @property
+    def num_consumer_wg(self) -> int:
+        return self.tile_m // 64
