@@ -267,8 +267,6 @@ def test_mods_variant_compiles_to_hgmma(make_mods, tmp_path, monkeypatch):
 
     key, aux = prepare(*make_mods())
     call = _call(d=128, hq=4, hkv=2, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
-    assert "opts in" in bwd.unsupported_reason(call)  # unvalidated on a GPU: opt-in only
-    monkeypatch.setenv(bwd.MODS_ENV, "1")
     assert bwd.unsupported_reason(call) is None
     bwd.compile_variant(bwd.variant_key(call, False), dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
@@ -281,7 +279,6 @@ def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):
     from torch_fa4.mods.prepare import prepare
     from torch_fa4.mods.registry import lookup
 
-    monkeypatch.setenv(bwd.MODS_ENV, "1")
     bias = torch.zeros(4, requires_grad=True)
 
     def score_mod(score, b, h, q_idx, kv_idx):

@@ -9,9 +9,9 @@ mod tensors are runtime arguments, so new sizes or values never recompile.
 Takes: fp16/bf16, head dims 64/96/128 (Dv may differ), causal, sliding window, softcap, GQA/MQA,
 seqused_k, any 16-byte-aligned strides, deterministic dQ. Varlen (cu_seqlens) runs one dense
 launch per sequence (the kernel's packed-rows variant faults on the device, see bwd_kernel.py).
-score_mod/mask_mod are lowered into the kernel (derivative from the traced graph) but are opt-in
-(TORCH_FA4_SM90_BWD_MODS=1) until their GPU test has passed; block masks are not used (the
-mask_mod is evaluated on every tile).
+score_mod/mask_mod are lowered into the kernel (derivative from the traced graph; validated on an
+H200 by tests/gpu/test_sm90_bwd.py::test_mods); block masks are not used (the mask_mod is
+evaluated on every tile).
 """
 
 from __future__ import annotations
@@ -52,16 +52,7 @@ def unsupported_reason(call: "AttentionCall") -> str | None:
 
 
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
-# score_mod / mask_mod in the kernel compile (tests/test_sm90_bwd_compile.py) but have not yet run
-# on a GPU: until tests/gpu/test_sm90_bwd.py::test_mods passes there, they fall back unless asked.
-MODS_ENV = "TORCH_FA4_SM90_BWD_MODS"
-
-
 def _mods_reason(call: "AttentionCall") -> str | None:
-    import os
-
-    if os.environ.get(MODS_ENV) != "1":
-        return f"sm90 backward does not take score_mod/mask_mod yet (unvalidated; {MODS_ENV}=1 opts in)"
     if call.mods is None:
         return "mods not resolved"
     if call.is_varlen or call.cu_seqlens_k is not None:
