@@ -247,15 +247,46 @@ def _routed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum
 
 
 class _Installed:
-    """The handle torch's registry keeps while torch_fa4 is active: `remove()` restores aten's kernels."""
+    """The handle torch's registry keeps while torch_fa4 is active: `remove()` restores aten's
+    kernels and SDPA's backend priority order."""
 
-    def __init__(self, library: torch.library.Library):
+    def __init__(self, library: torch.library.Library, priority_before: Optional[list] = None):
         self._library: Optional[torch.library.Library] = library
+        self._priority_before = priority_before
 
     def remove(self) -> None:
         if self._library is not None:
             self._library._destroy()  # deregister now, not whenever the garbage collector runs
             self._library = None
+        if self._priority_before is not None:
+            torch._C._set_sdp_priority_order(self._priority_before)
+            self._priority_before = None
+
+
+def _put_flash_before_cudnn() -> Optional[list]:
+    """Move SDPA's flash backend ahead of cuDNN; return the order to restore, or None if unchanged.
+
+    Recent PyTorch puts cuDNN first on Hopper and Blackwell (sdp_utils.cpp,
+    check_prefer_cudnn_attention), so without this an enabled torch_fa4 would never see a call
+    that names no backend (seen on an H200 with torch 2.11). PyTorch fixes its default order
+    lazily, at the first CUDA SDPA call, overwriting any order set before; so make one tiny call
+    first (with aten's own kernels, before ours are installed).
+    """
+    from torch.nn.attention import SDPBackend
+
+    if not torch.cuda.is_available():
+        return None
+    tiny = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.nn.functional.scaled_dot_product_attention(tiny, tiny, tiny)
+    before = list(torch._C._get_sdp_priority_order())
+    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    if flash not in before or cudnn not in before or before.index(flash) < before.index(cudnn):
+        return None
+    order = [b for b in before if b != flash]
+    order.insert(order.index(cudnn), flash)
+    torch._C._set_sdp_priority_order(order)
+    return before
 
 
 def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backward=_routed_backward) -> _Installed:
@@ -264,6 +295,7 @@ def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backwar
     The registry's activation function (with the defaults). Tests use other keys and functions to
     exercise the dispatcher and autograd wiring on CPU.
     """
+    priority_before = _put_flash_before_cudnn() if dispatch_key == "CUDA" else None
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     with warnings.catch_warnings():
         # Replacing aten's kernel is the point; PyTorch's one-time "Overriding a previously
@@ -271,7 +303,7 @@ def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backwar
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*previously registered kernel.*")
         library.impl("_scaled_dot_product_flash_attention", forward, dispatch_key)
         library.impl("_scaled_dot_product_flash_attention_backward", backward, dispatch_key)
-    return _Installed(library)
+    return _Installed(library, priority_before)
 
 
 def _registry():

@@ -102,12 +102,29 @@ def _sigmoid(x):
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
 
 
+def _floor_quotient_remainder(a, b):
+    """Python/torch floor division and modulo of Int32 values: (a // b, a % b).
+
+    Measured on an H200 (CuTe DSL 4.8.1): Int32 `//` on device values truncates toward zero
+    ((0 - 40) // 7 gave -5, not -6), although it is emitted as arith.floordivsi. So correct
+    whatever `//` gives: a nonzero remainder whose sign differs from the divisor's means the
+    quotient was rounded toward zero, one step too high. Exact for floor semantics too, so this
+    stays right if the lowering changes.
+    """
+    q = a // b
+    r = a - q * b
+    fix = (r != Int32(0)) & ((r < Int32(0)) != (b < Int32(0)))
+    q = Int32(cutlass.select_(fix, q - Int32(1), q))
+    r = Int32(cutlass.select_(fix, r + b, r))
+    return q, r
+
+
 def _floordiv(a, b):
-    return a // b  # Int32 // lowers to arith.floordivsi: floor semantics, like Python and torch
+    return _floor_quotient_remainder(a, b)[0]
 
 
 def _mod(a, b):
-    return a - (a // b) * b  # remainder with the divisor's sign, from the floor quotient
+    return _floor_quotient_remainder(a, b)[1]
 
 
 def _emit(graph: ModGraph, inputs: dict, aux: Sequence):

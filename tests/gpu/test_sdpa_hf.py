@@ -36,6 +36,17 @@ def fa4_sdpa():
         yield
 
 
+def test_enable_puts_flash_first_and_disable_restores_priority():
+    tiny = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    F.scaled_dot_product_attention(tiny, tiny, tiny)  # PyTorch fixes its default order lazily
+    before = list(torch._C._get_sdp_priority_order())
+    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    with sdpa.enabled():
+        order = list(torch._C._get_sdp_priority_order())
+        assert order.index(flash) < order.index(cudnn)
+    assert list(torch._C._get_sdp_priority_order()) == before
+
+
 def _ref_attention(q, k, v, *, causal, scale, dtype=torch.float64):
     """(B, H, S, D) attention written out in `dtype` (float64: the oracle; the input dtype: the error
     budget), GQA by repetition; differentiable."""
@@ -206,17 +217,22 @@ def test_hf_training_step_matches_eager(kernels_used, padded):
     ids, mask = _batch(2, 256, 512, padded)
     labels = ids.masked_fill(mask == 0, -100)
     grads, losses = {}, {}
-    for impl in ("eager", "fa4"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    # The oracle is eager attention on a float32 copy of the model; fa4's error may be at most
+    # twice eager bf16's (both are bf16 models; comparing the two directly has no error budget).
+    import copy
+
+    runs = (("eager", model), ("fa4", model), ("eager32", copy.deepcopy(model).float()))
+    for name, m in runs:
+        m.set_attn_implementation(name.replace("32", ""))
+        m.zero_grad()
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-        losses[impl] = loss.item()
-        grads[impl] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        losses[name] = loss.item()
+        grads[name] = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
     if not padded:
         assert _kernel_ran(kernels_used, "backward"), kernels_used
-    assert math.isfinite(losses["fa4"]) and abs(losses["fa4"] - losses["eager"]) < 2e-2 * abs(losses["eager"])
-    assert _rel(grads["fa4"], grads["eager"]) < 5e-2
+    assert math.isfinite(losses["fa4"]) and abs(losses["fa4"] - losses["eager32"]) < 2e-2 * abs(losses["eager32"])
+    assert _rel(grads["fa4"], grads["eager32"]) <= 2 * _rel(grads["eager"], grads["eager32"]) + 1e-3
 
 
 @pytest.mark.parametrize("padded", [False, True])
