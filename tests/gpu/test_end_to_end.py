@@ -48,7 +48,7 @@ def _float64_attention(q, k, v, *, causal, score_mod=None):
     i = torch.arange(S, device=dev).view(1, 1, -1, 1)
     j = torch.arange(k.shape[1], device=dev).view(1, 1, 1, -1)
     if score_mod is not None:
-        s = score_mod(s, b, h, i, j)
+        s = score_mod(s, b, h, i, j).to(q.dtype)  # captured float32 slopes must not promote bf16
     if causal:
         s = s.masked_fill(j > i + k.shape[1] - S, -math.inf)
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
