@@ -129,9 +129,22 @@ def test_generate_matches_eager(name):
         model.set_attn_implementation(impl)
         outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                     output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    assert torch.equal(outs["fa4"].sequences, outs["eager"].sequences)
-    for a, b in zip(outs["fa4"].scores, outs["eager"].scores):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    _assert_same_greedy_decoding(outs["fa4"], outs["eager"])
+
+
+def _assert_same_greedy_decoding(ours, eager, tol=1e-4):
+    """Step by step, the scores agree to `tol`; the tokens agree unless eager's own top two were
+    within `tol` (a near-tie that rounding may break either way), after which the inputs differ and
+    nothing further is compared."""
+    start = eager.sequences.shape[1] - len(eager.scores)
+    for step, (a, b) in enumerate(zip(ours.scores, eager.scores)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        got, want = ours.sequences[:, start + step], eager.sequences[:, start + step]
+        if not torch.equal(got, want):
+            rows = (got != want).nonzero().flatten()
+            gap = b[rows, want[rows]] - b[rows, got[rows]]
+            assert (gap <= tol).all(), f"step {step}: fa4 chose a token eager scored {gap.max():.2e} lower"
+            return
 
 
 def test_generate_with_static_cache_matches_eager():
@@ -143,9 +156,7 @@ def test_generate_with_static_cache_matches_eager():
         model.set_attn_implementation(impl)
         outs[impl] = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, cache_implementation="static",
                                     output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    assert torch.equal(outs["fa4"].sequences, outs["eager"].sequences)
-    for a, b in zip(outs["fa4"].scores, outs["eager"].scores):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    _assert_same_greedy_decoding(outs["fa4"], outs["eager"])
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])

@@ -7,10 +7,7 @@ tensors, block-sparse) compile the same way from mods traced on CPU tensors; the
 mapping and refusals, the launch argument list and the opt-in kernel disk cache are checked too.
 """
 
-import glob
 import os
-import shutil
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -19,23 +16,8 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from sass import sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
-
-
-def _nvdisasm():
-    exe = shutil.which("nvdisasm")
-    if exe:
-        return exe
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            hits = glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))
-            if hits:
-                return hits[0]
-    except ImportError:
-        pass
-    return None
 
 
 def _call(D, dtype=torch.bfloat16, **kw):
@@ -99,12 +81,7 @@ def _compile_and_check_sass(cfg, tmp_path):
     from torch_fa4.kernels.sm90 import fwd_host
 
     fwd_host.compile_fwd(cfg, dump_dir=str(tmp_path))  # bypasses the cache: always a fresh cubin
-    cubins = glob.glob(str(tmp_path / "*.cubin"))
-    assert cubins, "no cubin written"
-    exe = _nvdisasm()
-    if exe is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    sass = subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(tmp_path)
     assert "HGMMA" in sass, "matmuls did not become warpgroup MMAs"
     # a few scalar spills (tile bounds, barrier bookkeeping) are tolerated: d128 causal has 7 spill
     # instructions, d128 window 19; an accumulator spilling shows up as hundreds (D=64 at 192 rows

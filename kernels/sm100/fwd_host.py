@@ -10,7 +10,6 @@ accepts exactly the variants tests/test_sm100_fwd_compile.py compiles for sm_100
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Optional
 
@@ -18,9 +17,9 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.common import fwd_launch
 from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT, TMEM_COLUMNS, Sm100FwdConfig
 
-UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED (kept import-free of cutlass)
 L2_BYTES = 126 * 1024 * 1024  # B200
 ARCH = "sm_100a"
 
@@ -80,42 +79,11 @@ def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
     return cfg
 
 
-def _fake_tensors(cfg: Sm100FwdConfig):
-    import cutlass
-    import cutlass.cute as cute
-
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
-
-    def fake(dt, rank, last, align=16):
-        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
-        stride = tuple(cute.sym_int64(divisibility=8 if dt.width == 16 else 1) for _ in range(rank - 1)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride, assumed_align=align)
-
-    q = fake(dtype, 3 if cfg.varlen_q else 4, cfg.head_dim)
-    o = fake(dtype, 3 if cfg.varlen_q else 4, cfg.head_dim_v)
-    k = fake(dtype, 3 if cfg.varlen_k else 4, cfg.head_dim)
-    v = fake(dtype, 3 if cfg.varlen_k else 4, cfg.head_dim_v)
-    lse_rank = 2 if cfg.varlen_q else 3
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
-        tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
-
-    def vec():
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
-
-    cu_q = vec() if cfg.varlen_q else None
-    cu_k = vec() if cfg.varlen_k else None
-    used_k = vec() if cfg.has_seqused_k else None
-    return q, k, v, o, lse, cu_q, cu_k, used_k
-
-
 def compile_fwd(cfg: Sm100FwdConfig, arch: str = ARCH, dump_dir: Optional[str] = None):
     """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
 
     dump_dir: also write the cubin (and PTX) there (always compiles, bypassing the cache)."""
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    options = fwd_launch.compile_options(arch, dump_dir)
 
     def build():
         import cutlass
@@ -123,7 +91,8 @@ def compile_fwd(cfg: Sm100FwdConfig, arch: str = ARCH, dump_dir: Optional[str] =
 
         from torch_fa4.kernels.sm100.fwd import FlashFwdSm100
 
-        q, k, v, o, lse, cu_q, cu_k, used_k = _fake_tensors(cfg)
+        q, k, v, o, lse, cu_q, cu_k, used_k = fwd_launch.fake_leading_tensors(
+            cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k, cfg.has_seqused_k)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
             FlashFwdSm100(cfg), q, k, v, o, lse, cu_q, cu_k, used_k,
@@ -137,33 +106,10 @@ def compile_fwd(cfg: Sm100FwdConfig, arch: str = ARCH, dump_dir: Optional[str] =
     return compile_cache.get_or_compile(("sm100_fwd", arch, cfg), build)
 
 
-def _heads_per_group(call: AttentionCall, seqlen_k: int) -> int:
-    """(batch, head) pairs whose K and V fit in about half of L2 (see common.tile_scheduler)."""
-    kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
-    total = call.batch * call.num_heads
-    return max(1, min(total, (L2_BYTES // 2) // kv_bytes))
-
-
 def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
     cfg = default_config(call, **overrides)
     kernel = compile_fwd(cfg)
-    if call.is_varlen:
-        max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
-        max_k = call.max_seqlen_k or call.k.shape[0]
-    else:
-        max_q, max_k = call.q.shape[1], call.k.shape[1]
-    log2e = 1.0 / math.log(2.0)
-    if call.softcap > 0:
-        score_scale, scale_log2 = call.scale / call.softcap, call.softcap * log2e
-    else:
-        score_scale, scale_log2 = call.scale, call.scale * log2e
-    wl = call.window_left if call.window_left >= 0 else UNBOUNDED
-    wr = call.window_right if call.window_right >= 0 else UNBOUNDED
-    if max_q == 0 or call.batch == 0:
+    args = fwd_launch.leading_args(call, out, lse, L2_BYTES)
+    if args is None:  # no query rows: nothing to write
         return
-    kernel(
-        call.q, call.k, call.v, out, lse,
-        call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
-        score_scale, scale_log2, wl, wr,
-        call.batch, max_q, _heads_per_group(call, max_k),
-    )
+    kernel(*args)

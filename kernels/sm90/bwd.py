@@ -54,7 +54,7 @@ def unsupported_reason(call: "AttentionCall") -> str | None:
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
 def _mods_reason(call: "AttentionCall") -> str | None:
     if call.mods is None:
-        return "mods not resolved"
+        return "score_mod/mask_mod key given but not resolved to a ModSet"
     if call.is_varlen or call.cu_seqlens_k is not None:
         return "sm90 backward takes score_mod/mask_mod on dense batches only"
     if len(call.aux_tensors) > MAX_AUX:

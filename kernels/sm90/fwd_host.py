@@ -12,7 +12,6 @@ enters the variant.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Optional
 
@@ -20,10 +19,10 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.common import fwd_launch
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED (kept import-free of cutlass)
 L2_BYTES = 50 * 1024 * 1024
 
 # (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup (D=64 at 192 rows, three
@@ -91,14 +90,6 @@ def _block_tile_n(call: AttentionCall) -> Optional[int]:
     return None
 
 
-def _max_seqlens(call: AttentionCall) -> tuple[int, int]:
-    if call.is_varlen:
-        max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
-        max_k = call.max_seqlen_k or call.k.shape[0]
-        return max_q, max_k
-    return call.q.shape[1], call.k.shape[1]
-
-
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     bm = call.block_mask
     if len(bm) != 4:
@@ -117,7 +108,7 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     if _block_tile_n(call) is None:
         return f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of 64"
     # a block mask built for shorter sequences would be read past its end, or would drop keys
-    max_q, max_k = _max_seqlens(call)
+    max_q, max_k = fwd_launch.max_seqlens(call)
     if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
         return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
                 f"positions, the call needs {max_q} x {max_k}")
@@ -154,38 +145,6 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     return replace(cfg, **overrides) if overrides else cfg
 
 
-def _fake_tensors(cfg: FwdConfig):
-    import cutlass
-    import cutlass.cute as cute
-
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
-
-    def fake(dt, rank, last, align=16):
-        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
-        stride = tuple(cute.sym_int64(divisibility=8 if dt.width == 16 else 1) for _ in range(rank - 1)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride, assumed_align=align)
-
-    def fake_rows(rank_q):
-        return fake(dtype, rank_q, cfg.head_dim)
-
-    q = fake_rows(3 if cfg.varlen_q else 4)
-    o = fake_rows(3 if cfg.varlen_q else 4)
-    k = fake_rows(3 if cfg.varlen_k else 4)
-    v = fake(dtype, 3 if cfg.varlen_k else 4, cfg.head_dim_v)
-    lse_rank = 2 if cfg.varlen_q else 3
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
-        tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
-
-    def vec():
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
-
-    cu_q = vec() if cfg.varlen_q else None
-    cu_k = vec() if cfg.varlen_k else None
-    used_k = vec() if cfg.has_seqused_k else None
-    return q, k, v, o, lse, cu_q, cu_k, used_k
-
-
 def _fake_block_mask(cfg: FwdConfig) -> list:
     import cutlass
     import cutlass.cute as cute
@@ -211,9 +170,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
 
     dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        options += f" --keep-cubin --dump-dir {dump_dir}"
+    options = fwd_launch.compile_options(arch, dump_dir)
 
     def build():
         import cutlass
@@ -221,7 +178,8 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
 
         from torch_fa4.kernels.sm90.fwd import FlashFwdSm90
 
-        q, k, v, o, lse, cu_q, cu_k, used_k = _fake_tensors(cfg)
+        q, k, v, o, lse, cu_q, cu_k, used_k = fwd_launch.fake_leading_tensors(
+            cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k, cfg.has_seqused_k)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
             FlashFwdSm90(cfg), q, k, v, o, lse, cu_q, cu_k, used_k,
@@ -236,33 +194,13 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build, persist=True)
 
 
-def _heads_per_group(call: AttentionCall, seqlen_k: int) -> int:
-    """(batch, head) pairs whose K and V fit in about half of L2 (see common.tile_scheduler)."""
-    kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
-    total = call.batch * call.num_heads
-    return max(1, min(total, (L2_BYTES // 2) // kv_bytes))
-
-
 def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
     cfg = default_config(call, **overrides)
     kernel = compile_fwd(cfg)
-    max_q, max_k = _max_seqlens(call)
-    log2e = 1.0 / math.log(2.0)
-    if call.softcap > 0:
-        score_scale, scale_log2 = call.scale / call.softcap, call.softcap * log2e
-    else:
-        score_scale, scale_log2 = call.scale, call.scale * log2e
-    wl = call.window_left if call.window_left >= 0 else UNBOUNDED
-    wr = call.window_right if call.window_right >= 0 else UNBOUNDED
-    if max_q == 0 or call.batch == 0:
+    args = fwd_launch.leading_args(call, out, lse, L2_BYTES)
+    if args is None:  # no query rows: nothing to write
         return
-    kernel(
-        call.q, call.k, call.v, out, lse,
-        call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
-        score_scale, scale_log2, wl, wr,
-        call.batch, max_q, _heads_per_group(call, max_k),
-        *_launch_block_mask(cfg, call), *_launch_aux(cfg, call),
-    )
+    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call))
 
 
 def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:

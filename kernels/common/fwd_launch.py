@@ -1,0 +1,93 @@
+"""What every architecture's forward kernel is compiled against and launched with, in one place.
+
+The sm90 and sm100 forward kernels take the same leading arguments -- q, k, v, out, lse, the varlen
+offsets, the softmax scales, the window bounds, the batch, the longest query sequence and the L2
+head grouping -- and differ only in what follows (block mask, captured tensors). Nothing here
+imports CuTe DSL at module level: a kernel loaded from the disk cache launches without it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from torch_fa4.call import AttentionCall
+
+UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED, restated to stay free of cutlass
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def max_seqlens(call: AttentionCall) -> tuple[int, int]:
+    if call.is_varlen:
+        max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
+        max_k = call.max_seqlen_k or call.k.shape[0]
+        return max_q, max_k
+    return call.q.shape[1], call.k.shape[1]
+
+
+def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int:
+    """(batch, head) pairs whose K and V fit in about half of L2 (see common.tile_scheduler)."""
+    kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
+    total = call.batch * call.num_heads
+    return max(1, min(total, (l2_bytes // 2) // kv_bytes))
+
+
+def leading_args(call: AttentionCall, out, lse, l2_bytes: int) -> Optional[list]:
+    """The arguments every forward kernel starts with, or None when the call has no query rows.
+
+    With softcap the kernel computes softcap * tanh(s * scale / softcap), so the score is scaled
+    by scale / softcap first and the softmax (log2 domain) by softcap * log2(e).
+    """
+    max_q, max_k = max_seqlens(call)
+    if max_q == 0 or call.batch == 0:
+        return None
+    if call.softcap > 0:
+        score_scale, scale_log2 = call.scale / call.softcap, call.softcap * _LOG2E
+    else:
+        score_scale, scale_log2 = call.scale, call.scale * _LOG2E
+    wl = call.window_left if call.window_left >= 0 else UNBOUNDED
+    wr = call.window_right if call.window_right >= 0 else UNBOUNDED
+    return [
+        call.q, call.k, call.v, out, lse,
+        call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
+        score_scale, scale_log2, wl, wr,
+        call.batch, max_q, heads_per_l2_group(call, max_k, l2_bytes),
+    ]
+
+
+def fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varlen_q: bool, varlen_k: bool,
+                         has_seqused_k: bool):
+    """Symbolic-shape stand-ins for the tensor arguments of `leading_args`, for cute.compile:
+    one compiled kernel then serves every batch, length, head count and stride pattern."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+
+    def fake(rank, last):
+        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
+        # 16-byte aligned bases and strides: TMA's requirement, checked by unsupported_reason
+        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+    q = fake(3 if varlen_q else 4, head_dim)
+    o = fake(3 if varlen_q else 4, head_dim_v)
+    k = fake(3 if varlen_k else 4, head_dim)
+    v = fake(3 if varlen_k else 4, head_dim_v)
+    lse_rank = 2 if varlen_q else 3
+    lse = cute.runtime.make_fake_tensor(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
+        tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
+
+    def offsets():
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+
+    return (q, k, v, o, lse, offsets() if varlen_q else None, offsets() if varlen_k else None,
+            offsets() if has_seqused_k else None)
+
+
+def compile_options(arch: str, dump_dir: Optional[str]) -> str:
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    return options
