@@ -55,10 +55,22 @@ def leading_args(call: AttentionCall, out, lse, l2_bytes: int) -> Optional[list]
     ]
 
 
-def fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varlen_q: bool, varlen_k: bool,
-                         has_seqused_k: bool):
-    """Symbolic-shape stand-ins for the tensor arguments of `leading_args`, for cute.compile:
-    one compiled kernel then serves every batch, length, head count and stride pattern."""
+def fake_leading_args(cfg) -> list:
+    """Stand-ins for `leading_args` to compile against: symbolic shapes and strides, so one
+    compiled kernel serves every batch, length, head count and stride pattern of its variant.
+    `cfg` is an architecture's forward config (dtype_name, head_dim, head_dim_v, varlen_q,
+    varlen_k, has_seqused_k)."""
+    import cutlass
+
+    tensors = _fake_leading_tensors(cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k,
+                                    cfg.has_seqused_k)
+    scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1)]
+    return [*tensors, *scalars]
+
+
+def _fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varlen_q: bool, varlen_k: bool,
+                          has_seqused_k: bool):
     import cutlass
     import cutlass.cute as cute
 

@@ -86,19 +86,13 @@ def compile_fwd(cfg: Sm100FwdConfig, arch: str = ARCH, dump_dir: Optional[str] =
     options = fwd_launch.compile_options(arch, dump_dir)
 
     def build():
-        import cutlass
         import cutlass.cute as cute
 
         from torch_fa4.kernels.sm100.fwd import FlashFwdSm100
 
-        q, k, v, o, lse, cu_q, cu_k, used_k = fwd_launch.fake_leading_tensors(
-            cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k, cfg.has_seqused_k)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            FlashFwdSm100(cfg), q, k, v, o, lse, cu_q, cu_k, used_k,
-            cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
-            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), stream,
-            options=options,
+            FlashFwdSm100(cfg), *fwd_launch.fake_leading_args(cfg), stream, options=options,
         )
 
     if dump_dir is not None:
