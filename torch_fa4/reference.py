@@ -234,10 +234,7 @@ def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: to
             dk.copy_(gk)
             dv.copy_(gv)
             continue
-        if isinstance(rows, slice):
-            dq[rows] = gq[0].to(dq.dtype)
-        else:
-            dq[rows] = gq[0].to(dq.dtype)
+        dq[rows] = gq[0].to(dq.dtype)  # rows: a varlen slice or a dense batch index
         n = gk.shape[1]
         if cu_k is not None:
             dk[cu_k[bi] : cu_k[bi] + n] += gk[0].to(dk.dtype)
