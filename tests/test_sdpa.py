@@ -271,3 +271,11 @@ def test_aten_sdpa_flash_op_compiles_with_torch_fa4_halves(layout):
     torch.testing.assert_close(out.detach(), ref_out * 2.0, rtol=1e-9, atol=1e-9)
     for t, ref in ((q, ref_dq), (k, ref_dk), (v, ref_dv)):
         torch.testing.assert_close(t.grad, ref, rtol=1e-6, atol=1e-6)  # LSE is float32 (aten)
+
+
+def test_flash_is_moved_just_ahead_of_cudnn():
+    # SDPBackend values: math 0, flash 1, efficient 2, cudnn 3 (PyTorch's cuDNN-first order on Hopper)
+    assert sdpa.flash_before_cudnn([3, 1, 2, 0], flash=1, cudnn=3) == [1, 3, 2, 0]
+    assert sdpa.flash_before_cudnn([2, 3, 0, 1], flash=1, cudnn=3) == [2, 1, 3, 0]
+    assert sdpa.flash_before_cudnn([1, 2, 0, 3], flash=1, cudnn=3) is None  # already first: unchanged
+    assert sdpa.flash_before_cudnn([1, 2, 0], flash=1, cudnn=3) is None  # no cuDNN in the order

@@ -263,6 +263,15 @@ class _Installed:
             self._priority_before = None
 
 
+def flash_before_cudnn(order: list, flash: int, cudnn: int) -> Optional[list]:
+    """`order` with flash moved just ahead of cuDNN, or None when flash already comes first."""
+    if flash not in order or cudnn not in order or order.index(flash) < order.index(cudnn):
+        return None
+    moved = [b for b in order if b != flash]
+    moved.insert(moved.index(cudnn), flash)
+    return moved
+
+
 def _put_flash_before_cudnn() -> Optional[list]:
     """Move SDPA's flash backend ahead of cuDNN; return the order to restore, or None if unchanged.
 
@@ -280,11 +289,9 @@ def _put_flash_before_cudnn() -> Optional[list]:
     with torch.no_grad():
         torch.nn.functional.scaled_dot_product_attention(tiny, tiny, tiny)
     before = list(torch._C._get_sdp_priority_order())
-    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
-    if flash not in before or cudnn not in before or before.index(flash) < before.index(cudnn):
+    order = flash_before_cudnn(before, int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION))
+    if order is None:
         return None
-    order = [b for b in before if b != flash]
-    order.insert(order.index(cudnn), flash)
     torch._C._set_sdp_priority_order(order)
     return before
 
