@@ -11,10 +11,41 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
+
 from torch_fa4.call import AttentionCall
 
 UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED, restated to stay free of cutlass
 _LOG2E = 1.0 / math.log(2.0)
+
+
+def operand_reason(call: AttentionCall, kernel: str, head_dims: tuple, head_dim_note: str = "") -> Optional[str]:
+    """Why a forward kernel cannot take these q, k, v dtypes and head dims (None: it can)."""
+    q, k, v = call.q, call.k, call.v
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} ({kernel} kernel: float16/bfloat16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k, v dtypes differ"
+    if call.head_dim not in head_dims:
+        return f"head_dim {call.head_dim} ({kernel} kernel: {head_dims}{head_dim_note})"
+    if call.head_dim_v != call.head_dim:
+        return "head_dim_v != head_dim"
+    if call.num_heads % call.num_heads_kv != 0:
+        return "num_heads not a multiple of num_heads_kv"
+    return None
+
+
+def layout_reason(call: AttentionCall) -> Optional[str]:
+    """Why the TMA loads of a forward kernel cannot read these tensors (None: they can)."""
+    if call.is_varlen != (call.cu_seqlens_k is not None):
+        return "cu_seqlens_q and cu_seqlens_k must be given together"
+    for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+        if t.stride(-1) != 1:
+            return f"{name} last dim not contiguous"
+        # TMA: 16-byte aligned base and strides
+        if t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:-1]):
+            return f"{name} base or strides not 16-byte aligned (TMA)"
+    return None
 
 
 def max_seqlens(call: AttentionCall) -> tuple[int, int]:

@@ -30,33 +30,19 @@ SUPPORTED_HEAD_DIMS = tuple(_TILES)
 
 
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
-    q, k, v = call.q, call.k, call.v
+    q = call.q
     if q.is_cuda and torch.cuda.get_device_capability(q.device) != (10, 0):
         major, minor = torch.cuda.get_device_capability(q.device)
         return f"sm_{major}{minor} (sm100 kernel compiled and checked for sm_100a only)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (sm100 kernel: float16/bfloat16)"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return "q, k, v dtypes differ"
-    if call.head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {call.head_dim} (sm100 kernel: {SUPPORTED_HEAD_DIMS}; larger O does not fit TMEM beside two S tiles)"
-    if call.head_dim_v != call.head_dim:
-        return "head_dim_v != head_dim"
-    if call.num_heads % call.num_heads_kv != 0:
-        return "num_heads not a multiple of num_heads_kv"
+    reason = fwd_launch.operand_reason(
+        call, "sm100", SUPPORTED_HEAD_DIMS, "; larger O does not fit TMEM beside two S tiles")
+    if reason is not None:
+        return reason
     if call.mods is not None or call.mod_key:
         return "score_mod/mask_mod not yet lowered for sm100"
     if call.block_mask:
         return "block_mask not yet supported by the sm100 kernel"
-    if call.is_varlen != (call.cu_seqlens_k is not None):
-        return "cu_seqlens_q and cu_seqlens_k must be given together"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            return f"{name} last dim not contiguous"
-        # TMA: 16-byte aligned base and strides
-        if t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:-1]):
-            return f"{name} base or strides not 16-byte aligned (TMA)"
-    return None
+    return fwd_launch.layout_reason(call)
 
 
 def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:

@@ -41,37 +41,21 @@ _DEFAULT_OPTIONS = {
 
 
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
-    q, k, v = call.q, call.k, call.v
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (sm90 kernel: float16/bfloat16)"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return "q, k, v dtypes differ"
-    if call.head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {call.head_dim} (sm90 kernel: {SUPPORTED_HEAD_DIMS})"
-    if call.head_dim_v != call.head_dim:
-        return "head_dim_v != head_dim"
-    if call.num_heads % call.num_heads_kv != 0:
-        return "num_heads not a multiple of num_heads_kv"
+    reason = fwd_launch.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     if call.mod_key and call.mods is None:
         return "mod_key given without its resolved ModSet"
     if len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm90 kernel: at most {MAX_AUX})"
     for t in call.aux_tensors:
-        if t.device != q.device:
+        if t.device != call.q.device:
             return "a captured tensor is not on q's device"
     if _uses_block_mask(call):
         reason = _block_mask_reason(call)
         if reason is not None:
             return reason
-    if call.is_varlen != (call.cu_seqlens_k is not None):
-        return "cu_seqlens_q and cu_seqlens_k must be given together"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            return f"{name} last dim not contiguous"
-        # TMA: 16-byte aligned base and strides
-        if t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:-1]):
-            return f"{name} base or strides not 16-byte aligned (TMA)"
-    return None
+    return fwd_launch.layout_reason(call)
 
 
 def _uses_block_mask(call: AttentionCall) -> bool:
