@@ -209,6 +209,8 @@ def main():
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--options-sweep", action="store_true",
                     help="torch_fa4 softmax options (conditional rescale, exp2 emulation, pingpong)")
+    ap.add_argument("--tiles-sweep", action="store_true",
+                    help="torch_fa4 D128 key-tile widths over the forward grid's D128 rows, beside flash-attn-4")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
     args = ap.parse_args()
@@ -242,10 +244,14 @@ def main():
         rows.append(row)
         _print_row(row, list(makers))
 
-    if args.options_sweep:
+    if args.options_sweep or args.tiles_sweep:
         sweep = {"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
                  "emu2": dict(exp2_emulate_every=2), "rescale8+emu4": dict(rescale_threshold=8.0, exp2_emulate_every=4),
                  "no-pingpong": dict(pingpong=False)}
+        sweep_rows = [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]
+        if args.tiles_sweep:
+            sweep = {"128x128": dict(tile_n=128), "128x144": dict(tile_n=144)}
+            sweep_rows = [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
 
         def with_opts(opts):
             def make(q, k, v, causal):
@@ -259,11 +265,14 @@ def main():
             return make
 
         print("torch_fa4 fwd options TFLOP/s")
-        for D in (64, 128, 256):
-            for S in (4096, 16384):
-                for causal in (False, True):
-                    measure(f"opts D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops,
-                            {k: with_opts(v) for k, v in sweep.items()})
+        makers = {k: with_opts(v) for k, v in sweep.items()}
+        if "flash-attn-4" in peers:
+            makers["flash-attn-4"] = peers["flash-attn-4"]
+        for D, S, causal in sweep_rows:
+            measure(f"opts D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, makers)
+        if args.tiles_sweep:
+            _dump(rows, args.out)
+            return
     print("fwd TFLOP/s")
     for D, S, causal in fwd_rows:
         row_peers = peers
@@ -317,9 +326,13 @@ def main():
             measure(f"bwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal,
                     lambda *a: _flops(*a, bwd=True), bpeers)
     print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    _dump(rows, args.out)
     _plot(rows, list(peers), os.path.join(args.out, "bench.png"))
+
+
+def _dump(rows, out):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 def _our_bwd_refusal(D, S, causal):
@@ -341,7 +354,8 @@ def _print_row(row, names):
     for n in names:
         v = row.get(n)
         cells.append(f"{n}={v:6.1f}" if v else f"{n}=   n/a")
-    ratio = (row.get("torch_fa4") or 0) / ref if ref else float("nan")
+    ours = row.get("torch_fa4", row.get(names[0])) or 0
+    ratio = ours / ref if ref else float("nan")
     print(f"{row['row']:<34} " + "  ".join(cells) + f"  ratio_vs_fa4={ratio:.3f}", flush=True)
 
 

@@ -35,3 +35,14 @@ def sass_of(dump_dir, pattern="*.cubin") -> str:
     if exe is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     return subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
+
+
+def spills_between_matmuls(sass: str) -> int:
+    """Local-memory spill instructions between the first and the last HGMMA: the key loop, where
+    a spill costs on every key tile (the prologue and epilogue run once per work item)."""
+    lines = sass.splitlines()
+    hgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    if not hgmma:
+        return 0
+    body = lines[hgmma[0]: hgmma[-1] + 1]
+    return sum(1 for line in body if "LDL" in line or "STL" in line)

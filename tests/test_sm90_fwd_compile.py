@@ -16,7 +16,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from sass import sass_of  # noqa: E402
+from sass import sass_of, spills_between_matmuls  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
@@ -83,11 +83,15 @@ def _compile_and_check_sass(cfg, tmp_path):
     fwd_host.compile_fwd(cfg, dump_dir=str(tmp_path))  # bypasses the cache: always a fresh cubin
     sass = sass_of(tmp_path)
     assert "HGMMA" in sass, "matmuls did not become warpgroup MMAs"
-    # a few scalar spills (tile bounds, barrier bookkeeping) are tolerated: d128 causal has 7 spill
-    # instructions, d128 window 19; an accumulator spilling shows up as hundreds (D=64 at 192 rows
-    # had 329), which this catches
+    # An accumulator spilling shows up as hundreds of spill instructions in the key loop (D=64 at
+    # 192 rows had 329, D=128 with 176-key tiles 512), which this catches. A few scalar spills there
+    # are tolerated (d128 causal: 2). Outside the loop the persistent kernel keeps the epilogue's
+    # shared-memory addresses across work items and ptxas parks some of them in local memory
+    # (d96: ~50 instructions, once per work item), hence the looser bound on the whole kernel.
+    loop_spills = spills_between_matmuls(sass)
+    assert loop_spills <= 8, f"{loop_spills} local-memory spill instructions in the key loop"
     spills = sass.count("LDL") + sass.count("STL")
-    assert spills <= 32, f"{spills} local-memory spill instructions"
+    assert spills <= 160, f"{spills} local-memory spill instructions"
     assert "SETMAXNREG" in sass.upper() or "USETMAXREG" in sass, "no register reallocation"
     return sass
 

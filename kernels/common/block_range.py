@@ -11,18 +11,22 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from torch_fa4.kernels.common.dsl_state import DynamicState
+
 UNBOUNDED = 1 << 30
 
 
-class BlockRange:
+class BlockRange(DynamicState):
+    _dynamic_fields = ("window_left", "window_right")
+
     def __init__(self, tile_m: int, tile_n: int, causal: bool, has_window: bool,
                  window_left: Int32, window_right: Int32):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
         self.has_window = has_window
-        self.window_left = window_left
-        self.window_right = window_right
+        self.window_left = Int32(window_left)
+        self.window_right = Int32(window_right)
 
     @cute.jit
     def right_limit(self, row: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:

@@ -1,29 +1,41 @@
 """Element masks on a score tile: -inf where a key is invisible to its query row.
 
 Works on the (rows, cols) view of a thread's accumulator together with the identity-coordinate
-tensor partitioned the same way, so no lane/register index arithmetic is repeated here.
+tensor partitioned the same way. That coordinate tensor is a dynamic per-thread origin plus a
+static layout, so an element's column is `origin + constant`: each row's limits are shifted by the
+origin once and every element compares a compile-time constant against them. Materialising each
+element's column instead costs a register per column, which the compiler hoists out of the key
+loop and then spills.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from torch_fa4.kernels.common.acc_layout import rows_cols
+from torch_fa4.kernels.common.acc_layout import rows_cols, rows_cols_layout
 from torch_fa4.kernels.common.block_range import BlockRange
+
+
+def static_offsets(coords: cute.Tensor):
+    """(row offsets, column offsets) of a partitioned identity tensor's (rows, cols) view,
+    relative to its per-thread origin `coords.iterator`: Python ints."""
+    layout = rows_cols_layout(coords.layout)
+    rows = [layout((r, 0))[0] for r in range(cute.size(layout, mode=[0]))]
+    cols = [layout((0, j))[1] for j in range(cute.size(layout, mode=[1]))]
+    return rows, cols
 
 
 @cute.jit
 def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, block_range: BlockRange,
                m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
     s = rows_cols(acc_s)
-    c = rows_cols(coords)
-    row0 = m_block * block_range.tile_m
-    col0 = n_block * block_range.tile_n
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = row0 + c[r, 0][0]
+    row_offsets, col_offsets = static_offsets(coords)
+    row0 = m_block * block_range.tile_m + coords.iterator[0]
+    col0 = n_block * block_range.tile_n + coords.iterator[1]
+    for r in cutlass.range_constexpr(len(row_offsets)):
+        row = row0 + row_offsets[r]
         hi = block_range.right_limit(row, seqlen_q, seqlen_k) - col0
         lo = block_range.left_limit(row, seqlen_q, seqlen_k) - col0
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = c[r, j][1]
-            if (col >= hi) | (col < lo):
+        for j in cutlass.range_constexpr(len(col_offsets)):
+            if (col_offsets[j] >= hi) | (col_offsets[j] < lo):
                 s[r, j] = -Float32.inf

@@ -10,8 +10,12 @@ from typing import Optional
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from torch_fa4.kernels.common.dsl_state import DynamicState
 
-class SeqlenInfo:
+
+class SeqlenInfo(DynamicState):
+    _dynamic_fields = ("offset_q", "seqlen_q", "offset_k", "seqlen_k")
+
     def __init__(
         self,
         batch: Int32,

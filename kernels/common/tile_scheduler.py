@@ -1,6 +1,11 @@
 """Order in which (query tile, head, batch) work items are handed to CTAs.
 
-The grid is one-dimensional; CTA t takes work item t. Items are grouped by `heads_per_group`
+Work items are numbered 0 .. num_tiles-1. A one-shot grid has one CTA per item (CTA t takes item
+t). A persistent grid has `num_ctas` CTAs (about one per SM) and CTA c takes items c, c + num_ctas,
+c + 2*num_ctas, ...: a static round-robin over the same ordering, so the producer warp can load
+the next item's Q and K while the consumers finish the current one (epilogue and prologue hide
+under each other), and under causal masking (longest first, below) each CTA's share of work comes
+out close to equal (LPT). Items are grouped by `heads_per_group`
 (batch, head) pairs, sized on the host so one group's K and V fit in about half of L2: within a
 group, consecutive CTAs share K/V through L2. Inside a group the query tile index is the slowest
 coordinate and, with `longest_first`, runs from the last tile down: under causal masking the last
@@ -11,19 +16,27 @@ query tiles see the most keys, so the longest work starts first and the short ta
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from torch_fa4.kernels.common.dsl_state import DynamicState
 
-class TileScheduler:
+
+class TileScheduler(DynamicState):
+    # carried through the persistent loop (the DSL must be able to yield it)
+    _dynamic_fields = ("num_m_blocks", "num_heads", "num_batch", "heads_per_group")
+
     def __init__(self, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                  heads_per_group: Int32, longest_first: bool):
-        self.num_m_blocks = num_m_blocks
-        self.num_heads = num_heads
-        self.num_batch = num_batch
-        self.heads_per_group = heads_per_group
+        self.num_m_blocks = Int32(num_m_blocks)
+        self.num_heads = Int32(num_heads)
+        self.num_batch = Int32(num_batch)
+        self.heads_per_group = Int32(heads_per_group)
         self.longest_first = longest_first
 
     @staticmethod
     def grid(num_m_blocks, num_heads, num_batch):
         return (num_m_blocks * num_heads * num_batch, 1, 1)
+
+    def num_tiles(self) -> Int32:
+        return self.num_m_blocks * self.num_heads * self.num_batch
 
     @cute.jit
     def work(self, t: Int32):

@@ -38,7 +38,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
@@ -51,6 +51,7 @@ from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
 
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
@@ -100,6 +101,13 @@ class FlashFwdSm90:
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         assert cfg.num_stages >= 1
+        # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
+        # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
+        # Q's buffer and the next Q waits for the O store.
+        elem = 2
+        ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
+        q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
+        self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -121,6 +129,36 @@ class FlashFwdSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
         return qk, pv
+
+    def _storage_class(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        stages, dt = self.cfg.num_stages, self.dtype
+
+        def buffer(layout):
+            return cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(layout)], 1024]
+
+        @cute.struct
+        class Shared:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: buffer(sQ_layout)
+            sK: buffer(sK_layout)
+            sV: buffer(sV_layout)
+
+        if not self.separate_o:
+            return Shared
+
+        @cute.struct
+        class SharedWithO:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: buffer(sQ_layout)
+            sK: buffer(sK_layout)
+            sV: buffer(sV_layout)
+            sO: buffer(sO_layout)
+
+        return SharedWithO
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -191,28 +229,18 @@ class FlashFwdSm90:
         bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
-        stages = cfg.num_stages
-
-        @cute.struct
-        class Storage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+        Storage = self._storage_class(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
-        num_heads = cute.size(mQ.shape[2])
         self.kernel(
             tQ, tK, tV, tO, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
             tma_Q, tma_K, tma_V, tma_O,
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, bytes_q, bytes_k, bytes_v, Storage,
-            block_mask, score_aux, mask_aux,
+            tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group,
+            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux,
         ).launch(
-            grid=TileScheduler.grid(num_m_blocks, num_heads, num_batch),
+            grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -241,35 +269,7 @@ class FlashFwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, cfg.causal)
-        m_block, head, batch = sched.work(bidx)
-        seqlen_q = mQ.shape[0]
-        if const_expr(cfg.varlen_q):
-            seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
-        # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
-        if m_block * self.tile_m < seqlen_q:
-            self.run_tile(
-                mQ, mK, mV, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-                tma_Q, tma_K, tma_V, tma_O, score_scale, softmax_scale_log2, window_left, window_right,
-                sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-                bytes_q, bytes_k, bytes_v, Storage, m_block, head, batch, warp_idx, tidx,
-                block_mask, score_aux, mask_aux)
-
-    @cute.jit
-    def run_tile(
-        self, mQ, mK, mV, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-        tma_Q, tma_K, tma_V, tma_O, score_scale, softmax_scale_log2, window_left, window_right,
-        sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-        bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
-        Storage: cutlass.Constexpr, m_block, head, batch, warp_idx, tidx,
-        block_mask, score_aux, mask_aux,
-    ):
-        cfg = self.cfg
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        batch_q = batch if const_expr(not cfg.varlen_q) else 0
-        batch_k = batch if const_expr(not cfg.varlen_k) else 0
-        head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
         brange = BlockRange(self.tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
 
         if warp_idx == 0:
@@ -295,10 +295,11 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        o_buf = storage.sO if const_expr(self.separate_o) else storage.sQ
+        sO = o_buf.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         # the same O tiles stacked along rows, (tile_m, Dv), to partition like the accumulator
         o_outer = sO_layout.outer
-        sO_mn = storage.sQ.get_tensor(
+        sO_mn = o_buf.get_tensor(
             cute.make_layout(((o_outer.shape[0], o_outer.shape[2]), o_outer.shape[1]),
                              stride=((o_outer.stride[0], o_outer.stride[2]), o_outer.stride[1])),
             swizzle=sO_layout.inner)
@@ -306,66 +307,81 @@ class FlashFwdSm90:
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.hdimv, self.tile_n, cfg.num_stages), order=(1, 0, 2)))
 
-        if const_expr(cfg.block_sparse):
-            walk = SparseKvWalk(*block_mask, batch, head, m_block, cfg.bm_tiles_m, cfg.bm_tiles_n)
-        else:
-            n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
-            walk = DenseKvWalk(n_min, n_max)
-
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                             seqlen, m_block, head, head_kv, batch_q, batch_k, walk)
+                self.produce(mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
+                             tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched, brange, block_mask,
+                             bidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                mO_tma, mO, mLSE, sQ, sK, sVt, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v,
-                tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2, brange,
-                seqlen, m_block, head, batch, batch_q, walk, score_aux, mask_aux, tidx - 128)
+                mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
+                tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale,
+                softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, bidx,
+                tidx - 128)
 
     @cute.jit
-    def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                seqlen: SeqlenInfo, m_block, head, head_kv, batch_q, batch_k, walk):
-        mQ_cur = seqlen.q_rows(mQ[None, None, head, batch_q])
-        mK_cur = seqlen.k_rows(mK[None, None, head_kv, batch_k])
-        mV_cur = seqlen.k_rows(mV[None, None, head_kv, batch_k])
-        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK_cur, (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV_cur, (self.tile_n, self.hdimv), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
-                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+    def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch):
+        if const_expr(self.cfg.block_sparse):
+            return SparseKvWalk(*block_mask, batch, head, m_block, self.cfg.bm_tiles_m, self.cfg.bm_tiles_n)
+        n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        return DenseKvWalk(n_min, n_max)
 
+    @cute.jit
+    def produce(self, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
+                tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler, brange: BlockRange,
+                block_mask, bidx):
+        """The TMA warp: for each work item of this CTA, Q once and the walk's K and V tiles."""
+        cfg = self.cfg
+        num_heads_kv = cute.size(mK.shape[2])
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
-        # order: K[last]; then K[n-1], V[n] pairs; then V[first] -- exactly the consumer's order
-        # of need, so a full ring never blocks the tile the consumers are waiting for
-        if walk.nonempty():
-            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
-            v_state = k_state.clone()
-            pipe_k.producer_acquire(k_state)
-            cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
-            k_state.advance()
-            for i in cutlass.range(walk.count - 1, unroll=1):
-                n = walk.n_block(i + 1)
-                pipe_k.producer_acquire(k_state)
-                cute.copy(tma_K, tKgK[None, n], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
-                k_state.advance()
-                pipe_v.producer_acquire(v_state)
-                cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                v_state.advance()
-            pipe_v.producer_acquire(v_state)
-            cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        tile = bidx
+        if tile < sched.num_tiles():
+            m_block, head, batch = sched.work(tile)
+            seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+            # varlen grids are sized for the longest sequence: items past a sequence's end are empty
+            if m_block * self.tile_m < seqlen.seqlen_q:
+                batch_q = batch if const_expr(not cfg.varlen_q) else 0
+                batch_k = batch if const_expr(not cfg.varlen_k) else 0
+                head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
+                walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+                gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
+                gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
+                gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
+                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
+                # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
+                # Q's buffer frees only when the previous item is done with it, K's slot earlier.
+                if walk.nonempty():
+                    pipe_k.producer_acquire(k_state)
+                    cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                    k_state.advance()
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                if walk.nonempty():
+                    for i in cutlass.range(walk.count - 1, unroll=1):
+                        pipe_k.producer_acquire(k_state)
+                        cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
+                                  tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                        k_state.advance()
+                        pipe_v.producer_acquire(v_state)
+                        cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                        v_state.advance()
+                    pipe_v.producer_acquire(v_state)
+                    cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                    v_state.advance()
 
     # consumer warpgroups take turns issuing matmuls (pingpong); no-ops otherwise
     @cute.jit
@@ -405,17 +421,46 @@ class FlashFwdSm90:
         return walk.is_partial(t) if const_expr(self.cfg.block_sparse) else True
 
     @cute.jit
-    def consume(self, mO_tma, mO, mLSE, sQ, sK, sVt, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v,
-                tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2, brange: BlockRange,
-                seqlen: SeqlenInfo, m_block, head, batch, batch_q, walk, score_aux, mask_aux, tidx):
+    def consume(self, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
+                tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2,
+                brange: BlockRange, sched: TileScheduler, block_mask, score_aux, mask_aux, bidx,
+                tidx):
+        """A consumer warpgroup: its 64 rows of every work item of this CTA."""
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        thr_qk = tiled_mma_qk.get_slice(tidx)
         wg_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        if const_expr(self.pingpong):
+            if wg == 0:  # the first warpgroup goes first
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        # K and V are produced in the same number per item, so one ring position serves both
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        tile = bidx
+        if tile < sched.num_tiles():
+            m_block, head, batch = sched.work(tile)
+            seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+            if m_block * self.tile_m < seqlen.seqlen_q:
+                walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+                state = self.consume_item(
+                    mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
+                    tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
+                    walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx)
+
+    @cute.jit
+    def consume_item(self, mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
+                     tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange: BlockRange,
+                     seqlen: SeqlenInfo, walk, m_block, head, batch, score_aux, mask_aux, q_state, state,
+                     wg, tidx):
+        """One work item: the online-softmax loop over the walk's key tiles, then the epilogue.
+        Returns the K/V ring position after the item."""
+        cfg = self.cfg
+        batch_q = batch if const_expr(not cfg.varlen_q) else 0
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_o = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdimv)), Float32)
         acc_o.fill(0.0)
@@ -431,15 +476,9 @@ class FlashFwdSm90:
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
-        if const_expr(self.pingpong):
-            if wg == 0:  # the first warpgroup goes first
-                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
-
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
 
         if walk.nonempty():
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             # first key tile of the walk (the rightmost without a block mask): S only
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             pipe_k.consumer_wait(state)
@@ -482,12 +521,18 @@ class FlashFwdSm90:
             self._turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
+        if const_expr(self.separate_o):
+            pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
 
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)
         scale_rows(acc_o, row_scale)
         self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
                       seqlen, m_block, head, batch_q, wg, tidx)
+        if const_expr(not self.separate_o):
+            # O was staged over Q's buffer: Q may load again once the O store has read it out
+            pipe_q.consumer_release(q_state)
+        return state
 
     @cute.jit
     def epilogue(self, acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
@@ -506,9 +551,18 @@ class FlashFwdSm90:
         r_o.store(acc_o.load().to(self.dtype))
         thr_pv = tiled_mma_pv.get_slice(tidx)
         if const_expr(not cfg.varlen_q):
-            # every consumer's Q reads are done before O overwrites Q's buffer
-            cute.arch.barrier(barrier_id=_BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
-            cute.autovec_copy(r_o, thr_pv.partition_C(sO_mn))
+            if const_expr(self.separate_o):
+                # this warpgroup's previous O store has read its tile out (its issuing warp waits
+                # for that before it gets here)
+                cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
+            else:
+                # every consumer's Q reads are done before O overwrites Q's buffer
+                cute.arch.barrier(barrier_id=_BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
+            # stmatrix: one shared-memory address per 8x8 block of four (a per-element copy keeps
+            # an address per store live and starves the wgmma pipeline of registers)
+            stsm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_pv).get_slice(tidx)
+            cute.copy(thr_stsm, thr_stsm.retile(r_o), thr_stsm.partition_D(sO_mn))
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> TMA reads
             cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
             if tidx % 128 < 32:
@@ -520,6 +574,9 @@ class FlashFwdSm90:
                 cute.copy(tma_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.separate_o):
+                # the caller releases Q's buffer next: the store must have read it out
+                cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
         else:
             mO_cur = seqlen.q_rows(mO[None, None, head, batch_q])
             gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_block, 0))
