@@ -42,6 +42,13 @@ VARIANTS = {
     "d128_varlen_causal_gqa": (dict(d=128, hq=4, hkv=2, varlen=True, causal=True), False),
     "d64_seqused": (dict(d=64, seqused=True), False),
     "d128_causal_deterministic": (dict(d=128, causal=True), True),
+    # narrow variant (64 keys per CTA shared by both warpgroups): head dims above 128
+    "d192_causal": (dict(d=192, causal=True), False),
+    "d256": (dict(d=256), False),
+    "d256_fp16_causal_gqa": (dict(d=256, dtype=torch.float16, hq=4, hkv=1, causal=True), False),
+    "d192_dv128_softcap_window": (dict(d=192, dv=128, softcap=10.0, window_left=64, window_right=16), False),
+    "d256_causal_deterministic": (dict(d=256, causal=True), True),
+    "d256_dv128_causal": (dict(d=256, dv=128, causal=True), False),  # one-stage ring (Dv < D)
 }
 
 
@@ -52,12 +59,15 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     call_kw, deterministic = VARIANTS[name]
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
-    bwd.compile_variant(bwd.variant_key(call, deterministic), dump_dir=str(tmp_path))
+    key = bwd.variant_key(call, deterministic)
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     hgmma = sass.count("HGMMA.")
-    # S, dP and dQ: (K extent / 16) each; dK, dV: tile_m / 16 = 4 each.
+    # S, dP and dQ: (K extent / 16) each (dQ's is the key tile); dK, dV: tile_m / 16 = 4 each.
     d, dv = call.head_dim, call.head_dim_v
-    assert hgmma == d // 16 + dv // 16 + 128 // 16 + 4 + 4, f"{hgmma} HGMMA instructions"
+    tile_n = key[-3][0]
+    assert tile_n == (128 if max(d, dv) <= 128 else 64)
+    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 4 + 4, f"{hgmma} HGMMA instructions"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
     assert "USETMAXREG" in sass or "SETMAXNREG" in sass.upper(), "no register reallocation"
@@ -67,10 +77,28 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     assert spills <= 64, f"{spills} local-memory spill instructions"
 
 
+def test_tiles_fit_shared_memory_and_registers():
+    from torch_fa4.kernels.sm90 import bwd
+
+    dims = bwd.SUPPORTED_HEAD_DIMS
+    for d in dims:
+        for dv in dims:
+            tile_n, stages, dq_in_ring = bwd.tiles(d, dv)
+            assert bwd._smem_bytes(d, dv, tile_n, stages, dq_in_ring) <= 227 * 1024
+            assert not dq_in_ring or dv >= d
+            # fp32 accumulators per consumer thread that live through the walk (dK + dV) plus dQ:
+            # 2 warpgroups x 128 threads share them
+            assert (tile_n * (d + dv) + 64 * d) // 256 <= 192, (d, dv, tile_n)
+    assert bwd.tiles(128, 128) == (128, 2, False)
+    assert bwd.tiles(192, 192) == (64, 2, False)
+    assert bwd.tiles(256, 256) == (64, 2, True)  # dQ staged in the consumed Q / dO stage
+
+
 def test_unsupported_calls_are_rejected():
     from torch_fa4.kernels.sm90 import bwd
 
-    assert "head dims" in bwd.unsupported_reason(_call(d=256))
+    assert "head dims" in bwd.unsupported_reason(_call(d=80))
+    assert "head dims" in bwd.unsupported_reason(_call(d=128, dv=320))
     assert "fp16/bf16" in bwd.unsupported_reason(_call(d=64, dtype=torch.float32))
     odd = _call(d=64)
     odd.q = torch.empty(1, 16, 2, 68, dtype=torch.bfloat16)[..., :64]  # strides not 16-byte multiples
@@ -126,12 +154,27 @@ def test_variants_differ_only_where_code_differs():
 # emulation of the kernel's contract, against float64 autograd. Runs without a GPU.
 
 def _emulated_kernel(key):
-    """What the compiled kernel computes, in float64 torch, given bwd.backward's arguments."""
-    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mod_key = key
-    assert not varlen and not mod_key  # varlen runs per sequence through the dense variant
+    """What the compiled kernel computes, in float64 torch, given bwd.backward's arguments.
 
-    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem,
-           scale, scale_log2, softcap_val, left, right, max_k, *aux):
+    Mask_mods are evaluated with the ModSet's PyTorch lowering; under a block-sparse walk only the
+    (64-query, 128-key) tiles the transposed lists name contribute, with the mask_mod applied on
+    partial ones only, each as many times as it is listed (as the kernel would add it)."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse, mod_key = key
+    assert not varlen  # varlen runs per sequence through the dense variant
+    mods = None
+    if mod_key:
+        from torch_fa4.mods.registry import lookup
+
+        mods = lookup(mod_key)
+        assert mods.score_graph is None, "the emulation covers mask_mods only"
+
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
+        q_num, q_idx, full_num, full_idx = rest[:4]
+        scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
+        mask_aux = [t for t in rest[10:] if t is not None][mods.num_score_aux if mods else 0:]
+        assert (q_num is None) == (sparse is None)
         f = lambda t: t.double()
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]
@@ -147,6 +190,15 @@ def _emulated_kernel(key):
             gv = torch.zeros(sk_rows, k.shape[2], dv, dtype=torch.float64)
             for h in range(q.shape[2]):
                 hk = h // group
+                weight = vis.double()
+                if mods is not None:
+                    keep = torch.broadcast_to(mods.mask_torch(torch.tensor(b), torch.tensor(h), i, j, mask_aux), vis.shape)
+                    if sparse is None:
+                        weight = weight * keep
+                    else:
+                        wp, wf = _visits(q_num, q_idx, full_num, full_idx, sparse, b, h, hk, group, sk_rows,
+                                         lse2.shape[-1], kernel_tiles[0])
+                        weight = weight * (wp[:sq, :sk_rows] * keep + wf[:sq, :sk_rows])
                 s = f(q[b, :, h]) @ f(k[b, :, hk]).T
                 factor = 1.0
                 if softcap:
@@ -155,7 +207,7 @@ def _emulated_kernel(key):
                     factor = 1 - t * t
                 else:
                     x = s * scale_log2
-                p = torch.exp2(x - f(lse2[b, h, :sq])[:, None]) * vis
+                p = torch.exp2(x - f(lse2[b, h, :sq])[:, None]) * weight
                 dp = f(do[b, :, h]) @ f(v[b, :, hk]).T
                 ds = p * (dp - f(dpsum[b, h, :sq])[:, None]) * factor
                 dq_acc[b, h, :sq] += (scale * ds @ f(k[b, :, hk])).float()
@@ -165,6 +217,29 @@ def _emulated_kernel(key):
             dvv[b].copy_(gv)
 
     return fn
+
+
+def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, rows, tile_n):
+    """Element weights (partial visits, full visits) of the tiles that KV head hk's CTAs walk for
+    query head h, read from the transposed lists exactly as the kernel's SparseQWalk reads them."""
+    rm, rn = ratios
+    n_tiles = -(-sk_rows // tile_n)
+    wp = torch.zeros(rows // 64, n_tiles, dtype=torch.float64)
+    wf = torch.zeros_like(wp)
+    bb = 0 if q_num.shape[0] == 1 else b
+    hb = 0 if q_num.shape[1] == 1 else h
+    assert h // group == hk
+    for n_block in range(n_tiles):
+        nb = n_block // rn
+        assert nb < q_num.shape[2], "a CTA would read past the key-block lists"
+        for num, idx, w in ((q_num, q_idx, wp), (full_num, full_idx, wf)):
+            for t in range(int(num[bb, hb, nb])):
+                for sub in range(rm):
+                    m_block = int(idx[bb, hb, nb, t]) * rm + sub
+                    assert m_block < rows // 64, "a listed step reads past the padded row statistics"
+                    w[m_block, n_block] += 1
+    expand = lambda w: w.repeat_interleave(64, 0).repeat_interleave(tile_n, 1)
+    return expand(wp), expand(wf)
 
 
 @pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_q_only_seqused", "softcap"])
@@ -236,6 +311,174 @@ def test_host_wrapper_with_emulated_kernel(case, monkeypatch):
         assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
         err = (got.double() - r).norm() / r.norm()
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+# ---- block-sparse walk: host lists (transposed block mask, padding) around the emulated kernel
+
+def _document_mask(doc):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return mask_mod
+
+
+def _per_head_tail_mask(doc, cut):  # keys past `cut` are seen by no query (their dK, dV = 0)
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx < cut) & ((q_idx + h) % 3 != 0)
+
+    return mask_mod
+
+
+SPARSE_CASES = {
+    # name: (mask kind, causal, BLOCK_SIZE, block mask per head?, expected ratios or None = dense)
+    "doc_128x128_causal": ("doc", True, (128, 128), False, (2, 1)),
+    "doc_64x128": ("doc", False, (64, 128), False, (1, 1)),
+    "tail_per_head_128x256": ("tail", False, (128, 256), True, (2, 2)),
+    "doc_96_falls_back_dense": ("doc", True, (96, 96), False, None),
+    # D=256 runs the narrow variant: 64-key CTAs, two per 128-key block-mask column
+    "doc_128x128_d256": ("doc", False, (128, 128), False, (2, 2)),
+    # 64-key block-mask columns at D=64: the 64-key variant takes them instead of the dense walk
+    "doc_64x64_narrow": ("doc", True, (64, 64), False, (1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
+    import math
+
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods import create_block_mask
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    kind, causal, block, per_head, expect = SPARSE_CASES[case]
+    monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    b, sq, sk, hq, hkv = 2, 130, 300, 4, 2  # 130: the last 128-row block reaches past Sq
+    d = 256 if case.endswith("d256") else 64
+    doc = torch.sort(torch.randint(0, 3, (max(sq, sk),), generator=g)).values.to(torch.int32)
+    mask_mod = _document_mask(doc) if kind == "doc" else _per_head_tail_mask(doc, 250)
+    bm = create_block_mask(mask_mod, None, hq if per_head else None, sq, sk, device="cpu", BLOCK_SIZE=block)
+    key, aux = prepare(None, mask_mod)
+    q, k, v, do = rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d), rnd(b, sq, hq, d)
+    call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, causal=causal, mod_key=key, mods=lookup(key),
+                         aux_tensors=aux, block_mask=tuple(bm.as_tensors()), block_mask_q=block[0],
+                         block_mask_kv=block[1], max_seqlen_q=sq, max_seqlen_k=sk)
+    assert bwd.unsupported_reason(call) is None
+    assert bwd.variant_key(call, False)[-2] == expect
+    assert bwd.variant_key(call, True)[-2] is None  # deterministic: dense walk
+
+    # float64 reference
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    h_idx = torch.arange(hq)[:, None, None]
+    vis = mask_mod(torch.tensor(0), h_idx, i[None], j[None]).expand(hq, sq, sk)
+    if causal:
+        vis = vis & (j <= i + sk - sq)
+    kk, vv = k64.repeat_interleave(hq // hkv, 2), v64.repeat_interleave(hq // hkv, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q64, kk) * call.scale
+    anyk = vis.any(-1, keepdim=True)
+    s = torch.where(anyk, s.masked_fill(~vis, -math.inf), torch.zeros_like(s))
+    lse = torch.logsumexp(s, -1)
+    out64 = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]) * vis, vv)
+    lse = lse.masked_fill(~anyk[..., 0], -math.inf).float()
+    ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+
+    grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
+    bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, False)
+    for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
+        err = (got.double() - r).norm() / r.norm()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+    if kind == "tail":  # keys no query sees: exactly zero
+        assert (grads[1][:, 256:] == 0).all() and (grads[2][:, 256:] == 0).all()
+
+
+@pytest.mark.parametrize("d,hq,hkv,block,per_head,causal", [
+    (128, 4, 2, (128, 128), False, True),  # 2 query steps per block-mask row
+    (64, 2, 2, (128, 256), True, False),  # and 2 CTAs per block-mask column, per-head lists
+    (96, 6, 1, (64, 128), False, False),  # one step per row, MQA (6 heads share the lists walk)
+    (256, 4, 2, (128, 128), False, True),  # narrow: 64-key CTAs, 2 per block-mask column
+    (64, 4, 2, (64, 64), False, False),  # 64-key block-mask columns: the narrow variant at D=64
+])
+def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, tmp_path):
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods import create_block_mask
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    mask_mod = _document_mask(torch.zeros(256, dtype=torch.int32))
+    bm = create_block_mask(mask_mod, None, hq if per_head else None, 256, 256, device="cpu", BLOCK_SIZE=block)
+    key, aux = prepare(None, mask_mod)
+    call = _call(d=d, hq=hq, hkv=hkv, causal=causal, mod_key=key, mods=lookup(key), aux_tensors=aux,
+                 block_mask=tuple(bm.as_tensors()), block_mask_q=block[0], block_mask_kv=block[1])
+    call.q = torch.empty(1, 256, hq, d, dtype=torch.bfloat16)
+    call.k = call.v = torch.empty(1, 256, hkv, d, dtype=torch.bfloat16)
+    assert bwd.unsupported_reason(call) is None
+    vk = bwd.variant_key(call, False)
+    tile_n = vk[-3][0]
+    assert tile_n == (64 if d > 128 or block[1] == 64 else 128)
+    assert vk[-2] == (block[0] // 64, block[1] // tile_n)
+    bwd.compile_variant(vk, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    assert sass.count("HGMMA.") == 2 * (d // 16) + tile_n // 16 + 4 + 4  # S, dP, dQ, dK, dV as above
+    assert "UTMAREDG" in sass
+    assert sass.count("LDL") + sass.count("STL") <= 64
+
+
+def test_transposed_lists_are_the_tile_map_turned_around():
+    from torch_fa4.kernels.sm90 import bwd_sparse
+    from torch_fa4.mods import create_block_mask
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    doc = torch.sort(torch.randint(0, 5, (700,), generator=g)).values
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx + h * 64)
+
+    bm = create_block_mask(mask_mod, None, 3, 600, 700, device="cpu", BLOCK_SIZE=128)
+    call = AttentionCall(q=torch.empty(1, 600, 3, 64), k=torch.empty(1, 700, 3, 64), v=torch.empty(1, 700, 3, 64),
+                         scale=1.0, block_mask=tuple(bm.as_tensors()))
+    q_num, q_idx, full_num, full_idx = bwd_sparse.transposed_lists(call)
+    classes = bm.tile_classes()  # (1, 3, nq, nkv)
+    assert q_num.shape == (1, 3, 6) and q_idx.shape == (1, 3, 6, 5)
+    for num, idx, cls in ((q_num, q_idx, 1), (full_num, full_idx, 2)):
+        assert num.dtype == idx.dtype == torch.int32 and idx.is_contiguous()
+        for h in range(3):
+            for n in range(6):
+                want = torch.nonzero(classes[0, h, :, n] == cls).flatten().tolist()
+                got = idx[0, h, n, : num[0, h, n]].tolist()
+                assert got == want  # ascending, exactly the tiles of that class
+    assert int(q_num.sum() + full_num.sum()) == int((classes > 0).sum())
+    assert int((classes == 1).sum()) > 0 and int((classes == 2).sum()) > 0 and int((classes == 0).sum()) > 0
+
+
+def test_sparse_walk_refuses_what_it_cannot_walk():
+    from torch_fa4.kernels.sm90 import bwd_sparse
+    from torch_fa4.mods import create_block_mask
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    doc = torch.zeros(256, dtype=torch.int32)
+    mask_mod = _document_mask(doc)
+    key, aux = prepare(None, mask_mod)
+
+    def call_with(block, sq=256, sk=256, **kw):
+        bm = create_block_mask(mask_mod, None, None, 256, 256, device="cpu", BLOCK_SIZE=block)
+        c = _call(d=64, mod_key=key, mods=lookup(key), aux_tensors=aux, block_mask=tuple(bm.as_tensors()),
+                  block_mask_q=bm.BLOCK_SIZE[0], block_mask_kv=bm.BLOCK_SIZE[1], **kw)
+        c.q, c.k, c.v = torch.empty(1, sq, 2, 64), torch.empty(1, sk, 2, 64), torch.empty(1, sk, 2, 64)
+        return c
+
+    assert bwd_sparse.sparse_walk_reason(call_with(128), False, 128) is None
+    assert "deterministic" in bwd_sparse.sparse_walk_reason(call_with(128), True, 128)
+    assert "multiple of 64" in bwd_sparse.sparse_walk_reason(call_with((96, 128)), False, 128)
+    assert "multiple of 128" in bwd_sparse.sparse_walk_reason(call_with((128, 64)), False, 128)
+    assert "covers fewer" in bwd_sparse.sparse_walk_reason(call_with(128, sk=300), False, 128)
+    no_mod = call_with(128)
+    no_mod.mods, no_mod.mod_key = None, ""
+    assert "without a mask_mod" in bwd_sparse.sparse_walk_reason(no_mod, False, 128)
 
 
 def _alibi_mods():

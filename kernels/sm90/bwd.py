@@ -3,15 +3,20 @@
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. Pre/post-processing are O(S * D) elementwise torch ops.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
-varlen, determinism, mods key); shapes, strides, scale, softcap value, window sizes and captured
-mod tensors are runtime arguments, so new sizes or values never recompile.
+varlen, determinism, key tile and ring stages, block-mask tile ratios, mods key); shapes, strides,
+scale, softcap value, window sizes, captured mod tensors and block-mask lists are runtime
+arguments, so new sizes or values never recompile.
 
-Takes: fp16/bf16, head dims 64/96/128 (Dv may differ), causal, sliding window, softcap, GQA/MQA,
-seqused_k, any 16-byte-aligned strides, deterministic dQ. Varlen (cu_seqlens) runs one dense
-launch per sequence (the kernel's packed-rows variant faults on the device, see bwd_kernel.py).
-score_mod/mask_mod are lowered into the kernel (derivative from the traced graph; validated on an
-H200 by tests/gpu/test_sm90_bwd.py::test_mods); block masks are not used (the mask_mod is
-evaluated on every tile).
+Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
+variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
+strides, deterministic dQ. Varlen (cu_seqlens) runs one dense launch per sequence (the kernel's
+packed-rows variant faults on the device, see bwd_kernel.py). score_mod/mask_mod are lowered into
+the kernel (derivative from the traced graph; validated on an H200 by
+tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
+dense batches, not deterministic, block-mask tiles multiples of the kernel's 64 query rows and
+128 keys, or 64 keys, which then selects the 64-key variant): each KV tile visits only the query
+tiles the mask lists for it and evaluates the mask_mod on partial tiles only. Otherwise the
+mask_mod is evaluated on every tile of the dense walk: slower, same result.
 """
 
 from __future__ import annotations
@@ -24,8 +29,37 @@ import torch
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128)  # 192 and 256 need a narrower KV tile: not yet
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 _TILE_M = 64  # must match Sm90AttentionBackward.tile_m
+_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+
+
+def tiles(d: int, dv: int, tile_n: int | None = None) -> tuple[int, int, bool]:
+    """(keys per CTA, Q/dO ring stages, dQ staged in the ring) for head dims d, dv (tile_n: force
+    64 or 128 keys).
+
+    dK and dV of a key tile live in fp32 registers for the whole walk: 128 keys fit up to D=128
+    (two warpgroups of 64 keys); beyond that the narrow variant shares 64 keys between the
+    warpgroups (each holds half the head dim). Two stages of the Q / dO ring with separate dQ
+    slabs where shared memory allows (D=192: ~210 KB); else two stages with dQ staged in the
+    consumed Q / dO buffers (D=256: ~210 KB instead of ~274 KB; needs Dv >= D); else one stage.
+    """
+    if tile_n is None:
+        tile_n = 128 if max(d, dv) <= 128 else 64
+    if _smem_bytes(d, dv, tile_n, 2, False) <= _SMEM_LIMIT:
+        return tile_n, 2, False
+    if dv >= d and _smem_bytes(d, dv, tile_n, 2, True) <= _SMEM_LIMIT:
+        return tile_n, 2, True
+    return tile_n, 1, False
+
+
+def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool) -> int:
+    """Shared memory of bwd_kernel's Storage (16-bit inputs): Q/dO ring, K, V, dS^T (P^T) slots,
+    fp32 dQ slabs (unless staged in the ring), LSE/dPsum ring, plus alignment slack."""
+    tm = _TILE_M
+    ring = stages * tm * (d + dv) * 2 + 2 * stages * tm * 4
+    slabs = 0 if dq_in_ring else tm * d * 4
+    return ring + tile_n * (d + dv) * 2 + 2 * tile_n * tm * 2 + slabs + 6 * 1024
 
 
 def unsupported_reason(call: "AttentionCall") -> str | None:
@@ -82,7 +116,18 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
+    from .bwd_sparse import ratios, sparse_walk_reason
+
     right, left = _window(call)
+    # the block-mask tile relative to the kernel's enters the variant; the lists are arguments
+    kernel_tiles = tiles(call.head_dim, call.head_dim_v)
+    sparse = None
+    if sparse_walk_reason(call, deterministic, kernel_tiles[0]) is None:
+        sparse = ratios(call, kernel_tiles[0])
+    elif kernel_tiles[0] == 128 and sparse_walk_reason(call, deterministic, 64) is None:
+        # a block mask of 64-key columns: the 64-key (narrow) variant walks it
+        kernel_tiles = tiles(call.head_dim, call.head_dim_v, 64)
+        sparse = ratios(call, 64)
     return (
         call.q.dtype,
         call.head_dim,
@@ -94,6 +139,8 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         call.is_varlen,
         call.seqused_k is not None,
         bool(deterministic),
+        kernel_tiles,
+        sparse,
         call.mods.key if call.mods is not None else "",
     )
 
@@ -146,7 +193,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
 
     from .bwd_kernel import Sm90AttentionBackward
 
-    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic = key
+    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse = key
     cdt = _cute_dtype(dtype)
     sym = cute.sym_int
     al = lambda: cute.sym_int64(divisibility=8)  # TMA: 16-byte aligned strides
@@ -186,9 +233,17 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
+    tile_n, stages, dq_in_ring = kernel_tiles
     kernel = Sm90AttentionBackward(
-        cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods
+        cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
+        tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring,
     )
+    lists = [None] * 4
+    if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
+        s64 = cute.sym_int64
+        counts = lambda: fake(Int32, (sym(), sym(), sym()), (s64(), s64(), 1), 4)
+        indices = lambda: fake(Int32, (sym(), sym(), sym(), sym()), (s64(), s64(), s64(), 1), 4)
+        lists = [counts(), indices(), counts(), indices()]
     aux = []
     if mods is not None:
         from torch_fa4.kernels.common import mod_lowering
@@ -199,7 +254,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     # Without tvm_ffi (a CPU-only checkout) the kernel still compiles, for the compile tests.
     tvm = _use_tvm_ffi()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
-    args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem,
+    args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), *aux, stream)
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
     if dump_dir is not None:
@@ -214,12 +269,13 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return out
 
 
-def row_statistics(call: "AttentionCall", dout, out, lse):
+def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0):
     """Per query row, padded to whole query tiles: (lse * log2 e, rowsum(dO * O)) in fp32.
 
     Layout (B, Hq, rows) dense, (Hq, rows) varlen, contiguous. Rows with no visible key
     (lse = -inf) and padding rows get +inf, so that P = exp2(s - lse) = 0 there: their dq is 0,
-    never NaN. dPsum is 0 on padding rows.
+    never NaN. dPsum is 0 on padding rows. `min_rows`: at least that many rows (dense), for a
+    block-sparse walk whose last block-mask row reaches past the sequence.
     """
     q = call.q
     lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
@@ -229,7 +285,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse):
         rows = (math.ceil(q.shape[0] / _TILE_M) + 1) * _TILE_M  # TMA strides: 16-byte multiples
     else:
         dpsum = dpsum.transpose(1, 2)  # (B, Hq, Sq)
-        rows = math.ceil(q.shape[1] / _TILE_M) * _TILE_M
+        rows = max(math.ceil(q.shape[1] / _TILE_M) * _TILE_M, min_rows)
     return _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0), rows
 
 
@@ -244,7 +300,14 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     fn = compile_variant(key)
     q, k, v = call.q, call.k, call.v
     right, left = _window(call)
-    lse2, dpsum, rows = row_statistics(call, dout, out, lse)
+    lists = [None] * 4
+    min_rows = 0
+    if key[-2] is not None:
+        from . import bwd_sparse
+
+        lists = bwd_sparse.transposed_lists(call)
+        min_rows = bwd_sparse.padded_rows(call)
+    lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows)
     if call.is_varlen:
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
     else:
@@ -268,7 +331,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         aux = mod_lowering.kernel_aux_tensors(call.aux_tensors, MAX_AUX)
     fn(
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
-        cu_q, cu_k, seqused, sem,
+        cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
         int(left or 0), int(right or 0), int(max_k), *aux,
     )

@@ -1,8 +1,8 @@
 """sm90 (Hopper) attention backward: dK, dV per KV tile, dQ accumulated in fp32 global memory.
 
-One CTA owns a tile of `tile_n` keys of one KV head and walks every query tile (of every query
-head of its GQA group) that can see those keys. dK and dV stay in registers for the whole walk,
-so GQA needs no reduction across CTAs; dQ contributions of all KV tiles meet in a float32 buffer.
+One CTA owns a tile of `tile_n` keys (128; 64 for head dims above 128) of one KV head and walks
+every query tile (of every query head of its GQA group) that can see those keys. dK and dV stay
+in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contributions of all KV tiles meet in a float32 buffer.
 
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
@@ -19,6 +19,20 @@ Warp roles (384 threads):
   its dQ half in shared memory and adds it to the fp32 buffer with one TMA reduce-add (in
   KV-tile order under a per-query-tile semaphore when deterministic); dK, dV are written once at
   the end.
+
+Narrow variant (tile_n = 64: head dims above 128, or block masks of 64-key columns): dK and dV of
+128 keys x 256 dims would need 256 fp32 registers per consumer thread, so both consumer warpgroups
+share 64 keys instead. Each computes S^T and dP^T for 32 of the 64 queries, writes P^T and dS^T
+(bf16/fp16) to shared memory, and after a barrier each computes dV, dK for all 64 keys and half of
+the head dim (A operand from shared memory) and dQ for half of the head dim as above. Per thread
+that is dK + dV + dQ = 3 * 64 * 256 / 256 = 192 fp32 registers at D=256. Shared memory: D=192 fits
+two ring stages and the dQ slabs (~210 KB); at D=256 (~274 KB that way) the dQ halves are staged
+instead in the Q and dO buffers of the step just consumed (`dq_in_ring`: each is exactly one fp32
+dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer once the TMA add
+has read it, early in the next step. bwd.tiles picks the configuration.
+
+Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
+the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
 Variable length: the `varlen` variant (packed rows, per-batch row offsets) compiles but faults on
 the device (illegal instruction, cause not found yet); bwd.py runs varlen batches one sequence at a
@@ -41,14 +55,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import mod_lowering as mods_dsl
 from . import bwd_layouts as L
+from .bwd_q_walk import DenseQWalk, SparseQWalk
 
 LOG2_E = math.log2(math.e)
 
 
 class Sm90AttentionBackward:
     tile_m = 64  # queries per step
-    tile_n = 128  # keys per CTA (64 per consumer warpgroup)
-    stages = 2
     threads = 384
     producer_regs = 24
     consumer_regs = 240
@@ -66,8 +79,24 @@ class Sm90AttentionBackward:
         seqused_k: bool,
         deterministic: bool,
         mods=None,  # torch_fa4.mods.registry.ModSet or None; its graphs are inlined per element
+        sparse=None,  # (ratio_m, ratio_n): walk the block mask's query tiles (bwd_q_walk.py)
+        tile_n: int = 128,  # keys per CTA: 128 (two warpgroups of 64 keys) or 64 (narrow, D > 128)
+        stages: int = 2,  # Q / dO / LSE / dPsum ring depth
+        dq_in_ring: bool = False,  # stage dQ in the consumed Q / dO buffers (no dQ slabs)
     ):
         self.dtype = dtype
+        assert tile_n in (64, 128)
+        self.tile_n = tile_n
+        # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
+        # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
+        self.narrow = tile_n == 64
+        self.stages = stages
+        # dQ staging in the ring: once a step's dK, dV are done, its Q and dO buffers are dead,
+        # and they are exactly as large as the two fp32 dQ halves when Dv >= D. The stage is
+        # handed back to the producer once the TMA add has read it (next step). Saves the 64 KB
+        # of dQ slabs at D=256, which buys the second ring stage.
+        self.dq_in_ring = dq_in_ring
+        assert not dq_in_ring or (head_dim_v >= head_dim and stages == 2)
         self.d = head_dim
         self.dv = head_dim_v
         self.group = group  # query heads per KV head
@@ -91,6 +120,12 @@ class Sm90AttentionBackward:
         # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P:
         # tanh' (softcap) or score_mod' at the unmodified score.
         self.one_pass = softcap or self.score_graph is not None
+        # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
+        self.sparse = sparse is not None
+        self.ratio_m, self.ratio_n = sparse if sparse is not None else (1, 1)
+        assert not self.sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
+        # the deterministic dQ order counts every earlier key tile; a sparse walk skips some
+        assert not (self.sparse and deterministic), "deterministic mode walks densely"
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -109,6 +144,12 @@ class Sm90AttentionBackward:
         mCuK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mSem: cute.Tensor | None,  # (B, Hq, n_m_blocks) int32 zeroed, deterministic mode only
+        # transposed block mask (sparse only, else None), int32: (B', H', n_kv_blocks) counts and
+        # (B', H', n_kv_blocks, n_q_blocks) query-block indices, partial then full (bwd_sparse.py)
+        mQNum: cute.Tensor | None,
+        mQIdx: cute.Tensor | None,
+        mFullQNum: cute.Tensor | None,
+        mFullQIdx: cute.Tensor | None,
         scale: Float32,
         scale_log2: Float32,
         softcap_val: Float32,
@@ -153,12 +194,16 @@ class Sm90AttentionBackward:
         # Shared-memory tiles. Q and dO are read K-major (S, dP) and transposed (dK, dV, full
         # head dim per warpgroup); K is read K-major (S) and transposed with the head dim split
         # between the two warpgroups (dQ), so its swizzle atom may not exceed d / 2.
-        sQ_layout = L.smem_layout(dt, tm, d, self.stages, d)
-        sdO_layout = L.smem_layout(dt, tm, dv, self.stages, dv)
+        # (Narrow: dK / dV split the head dim between the warpgroups, so Q and dO are read
+        # transposed in halves too.)
+        split = 2 if const_expr(self.narrow) else 1
+        sQ_layout = L.smem_layout(dt, tm, d, self.stages, d // split)
+        sdO_layout = L.smem_layout(dt, tm, dv, self.stages, dv // split)
         sK_layout = L.smem_layout(dt, tn, d, None, d // 2)
         sV_layout = L.smem_layout(dt, tn, dv, None, dv)
         # dS^T as (keys, queries), queries contiguous: the accumulator's adjacent columns land in
-        # one 32-bit store, and dQ = dS K reads it as an MN-major A operand. Double-buffered.
+        # one 32-bit store, and dQ = dS K reads it as an MN-major A operand. Double-buffered
+        # (narrow: slot 0 holds P^T, slot 1 dS^T, both read K-major as the A of dV / dK).
         sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
         # dQ staging, one (tile_m, d/2) fp32 slab per consumer warpgroup, reduced into the fp32
         # global buffer by one TMA add per slab (no per-element atomics).
@@ -188,13 +233,22 @@ class Sm90AttentionBackward:
         )
 
         K_MAJ, MN_MAJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # S^T / dP^T: 2 warpgroups stacked along the keys.
-        mma_SdP = L.make_mma(dt, K_MAJ, K_MAJ, (2, 1, 1), (64, tm))
-        # dK / dV: A (P^T, dS^T) from registers, B = Q / dO transposed (MN-major).
-        mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=True)
-        mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, dv), a_in_registers=True)
+        if const_expr(self.narrow):
+            # S^T / dP^T: the 64 keys by 32 queries per warpgroup; dK / dV: all 64 keys by half
+            # the head dim per warpgroup, A (P^T, dS^T) from shared memory.
+            mma_SdP = L.make_mma(dt, K_MAJ, K_MAJ, (1, 2, 1), (64, tm // 2))
+            mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
+            mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (1, 2, 1), (64, dv // 2))
+        else:
+            # S^T / dP^T: 2 warpgroups stacked along the keys.
+            mma_SdP = L.make_mma(dt, K_MAJ, K_MAJ, (2, 1, 1), (64, tm))
+            # dK / dV: A (P^T, dS^T) from registers, B = Q / dO transposed (MN-major).
+            mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=True)
+            mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, dv), a_in_registers=True)
         # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
         mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
+
+        sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
 
         @cute.struct
         class Storage:
@@ -207,7 +261,7 @@ class Sm90AttentionBackward:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 2 * cute.cosize(sdQ_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_elems], 1024]
 
         num_kv_heads = mK.shape[2]
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
@@ -216,6 +270,7 @@ class Sm90AttentionBackward:
             tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ,
             mCuQ, mCuK, mSeqUsedK, mSem,
+            (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_SdP, mma_dK, mma_dV, mma_dQ,
             scale, scale_log2, softcap_val, window_left, window_right,
@@ -232,7 +287,7 @@ class Sm90AttentionBackward:
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_dO: cute.CopyAtom, tma_LSE: cute.CopyAtom, tma_Dp: cute.CopyAtom,
         tma_dQ: cute.CopyAtom,
-        mCuQ, mCuK, mSeqUsedK, mSem,
+        mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
@@ -259,8 +314,19 @@ class Sm90AttentionBackward:
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
-        sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)
+        if const_expr(self.dq_in_ring):
+            # fp32 (tile_m, d/2) slabs over each stage of the Q buffer (warpgroup 0) and of the dO
+            # buffer (warpgroup 1), with a stride-0 mode standing for the other half of the head
+            # dim: a (tile_m, d) accumulator partition then lands each warpgroup in its own slab.
+            def ring_slabs(mem, stage_elems):
+                lay = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=0))
+                lay = cute.append(lay, cute.make_layout(self.stages, stride=stage_elems // 2))
+                return mem.get_tensor(lay, swizzle=sdQ_layout.inner, dtype=Float32)
+
+            sdQ = (ring_slabs(st.sQ, self.tile_m * self.d), ring_slabs(st.sdO, self.tile_m * self.dv))
+        else:
+            sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
+            sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)
         sLSE = st.sLSE.get_tensor(cute.make_layout((tm, self.stages)))
         sDp = st.sDp.get_tensor(cute.make_layout((tm, self.stages)))
 
@@ -316,7 +382,12 @@ class Sm90AttentionBackward:
         n_m = cutlass.max(m_hi - m_lo, 0)
         if n0 >= seqlen_k:
             n_m = Int32(0)
-        steps = n_m * self.group
+        if const_expr(self.sparse):
+            walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
+                               self.ratio_m, self.ratio_n)
+        else:
+            walk = DenseQWalk(m_lo, n_m, self.group)
+        steps = walk.count
 
         if warp_idx < 4:
             # ================= producer warpgroup
@@ -325,7 +396,7 @@ class Sm90AttentionBackward:
                 self._produce(
                     mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
                     tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv,
-                    hkv, b, n_block, m_lo, n_m, steps, q_off, k_off,
+                    hkv, b, n_block, walk, steps, q_off, k_off,
                 )
         else:
             # ================= consumer warpgroups
@@ -333,7 +404,7 @@ class Sm90AttentionBackward:
             self._consume(
                 mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
                 mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-                window_left, window_right, hkv, b, n_block, m_lo, n_m, steps,
+                window_left, window_right, hkv, b, n_block, walk, steps,
                 seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
             )
 
@@ -354,7 +425,7 @@ class Sm90AttentionBackward:
     def _produce(
         self, mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp,
         sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv: cutlass.Constexpr,
-        hkv, b, n_block, m_lo, n_m, steps, q_off, k_off,
+        hkv, b, n_block, walk, steps, q_off, k_off,
     ):
         tm, tn = self.tile_m, self.tile_n
         one = cute.make_layout(1)
@@ -371,8 +442,8 @@ class Sm90AttentionBackward:
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for step in cutlass.range(steps, unroll=1):
-            h = hkv * self.group + step // n_m
-            m_block = m_lo + step % n_m
+            h_local, m_block, _ = walk.tile(step)
+            h = hkv * self.group + h_local
             gQ = cute.local_tile(self._head_slice(mQ, h, b, q_off), (tm, self.d), (None, 0))
             gdO = cute.local_tile(self._head_slice(mdO, h, b, q_off), (tm, self.dv), (None, 0))
             gL = cute.local_tile(self._head_slice(mLSE2, h, b, q_off), (tm,), (None,))
@@ -405,7 +476,7 @@ class Sm90AttentionBackward:
     def _consume(
         self, mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
         mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-        window_left, window_right, hkv, b, n_block, m_lo, n_m, steps,
+        window_left, window_right, hkv, b, n_block, walk, steps,
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
     ):
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
@@ -425,11 +496,18 @@ class Sm90AttentionBackward:
         tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(L.transposed(sdS)))
         tdQrK = thr_dQ.make_fragment_B(thr_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
-        # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2), so
-        # each warpgroup's accumulator (columns [wg*d/2, (wg+1)*d/2)) lands in its own slab.
-        tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
-        sdQ_wg = sdQ[None, None, wg]
-        one = cute.make_layout(1)
+        if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
+            tdVrP = thr_dV.make_fragment_A(thr_dV.partition_A(sdS))[None, None, None, 0]
+            tdKrdS = thr_dK.make_fragment_A(thr_dK.partition_A(sdS))[None, None, None, 1]
+        if const_expr(self.dq_in_ring):  # (.., stage) partitions; slab 0 of each for the TMA
+            tdQsdQ_q = thr_dQ.partition_C(cute.group_modes(sdQ[0], 1, 3))
+            tdQsdQ_do = thr_dQ.partition_C(cute.group_modes(sdQ[1], 1, 3))
+            prev_stage = Int32(0)
+        else:
+            # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2), so
+            # each warpgroup's accumulator (columns [wg*d/2, (wg+1)*d/2)) lands in its own slab.
+            tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
+            sdQ_wg = sdQ[None, None, wg]
         # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
         # the TMA copy elects its issuing lane with a warp-synchronous instruction.
         is_leader = (ctid % 128) // 32 == 0
@@ -446,8 +524,8 @@ class Sm90AttentionBackward:
             cute.arch.mbarrier_wait(bar_kv, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for step in cutlass.range(steps, unroll=1):
-            h = hkv * self.group + step // n_m
-            m_block = m_lo + step % n_m
+            h_local, m_block, partial = walk.tile(step)
+            h = hkv * self.group + h_local
             stage = state.index
             pipe.consumer_wait(state)
 
@@ -455,14 +533,39 @@ class Sm90AttentionBackward:
             acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
             self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+            if const_expr(self.dq_in_ring):
+                # The previous step's dQ add has read its stage by now (it ran while these
+                # products were issued): hand that stage back, so the producer loads the next
+                # step during this one.
+                if is_leader:
+                    if step > 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), prev_stage, Int32(0)))
             S = L.rows_cols_view(acc_S)
             dP = L.rows_cols_view(acc_dP)
             row0 = m_block * tm  # query index of column 0
             key0 = n_block * tn
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-            mod_ctx = (b, h, score_aux, mask_aux)
-            if const_expr(self.one_pass):
+            mod_ctx = (b, h, score_aux, mask_aux, partial)
+            buf = 1  # the dS^T slot dQ reads (narrow: fixed; below: alternating)
+            if const_expr(self.narrow):
+                # Both products landed, then P and dS in one pass (each warpgroup: 32 queries).
+                warpgroup.wait_group(0)
+                self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+                rP.store(acc_S.load().to(self.dtype))
+                rdS.store(acc_dP.load().to(self.dtype))
+                # The other warpgroup may still read the previous step's P^T / dS^T (its dV, dK,
+                # dQ); after this barrier both have waited for those products.
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                cute.autovec_copy(rP, tdSsdS[None, None, None, 0])
+                cute.autovec_copy(rdS, tdSsdS[None, None, None, 1])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                self._wgmma(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
+                self._wgmma(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
+            elif const_expr(self.one_pass):
                 # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
                 warpgroup.wait_group(0)
                 self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
@@ -488,39 +591,44 @@ class Sm90AttentionBackward:
                 # dK += dS^T Q
                 self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
 
-            # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
-            buf = step % 2
-            cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if const_expr(not self.narrow):
+                # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
+                buf = step % 2
+                cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
             acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
             self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
             warpgroup.wait_group(0)
-            pipe.consumer_release(state)  # Q, dO, LSE, dPsum of this stage are consumed
+            if const_expr(not self.dq_in_ring):
+                pipe.consumer_release(state)  # Q, dO, LSE, dPsum of this stage are consumed
             state.advance()
 
             # dQ (scaled) -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
             # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
             # the whole tile is harmless.
-            if is_leader:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
-            cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
             rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
             rdQ.store(acc_dQ.load() * scale)
-            cute.autovec_copy(rdQ, tdQsdQ)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-            if is_leader:
-                gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d // 2), (m_block, wg))
-                tS, tG = cpasync.tma_partition(tma_dQ, 0, one, cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2))
-                if const_expr(self.deterministic):
-                    self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
-                cute.copy(tma_dQ, tS, tG)
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
-                    self._pass_turn(mSem, b, h, m_block)
+            dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
+            if const_expr(self.dq_in_ring):
+                # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
+                # warpgroups' dK and dV have read them.
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                if wg == 0:
+                    self._stage_and_add_dq(rdQ, tdQsdQ_q[None, None, None, stage],
+                                           sdQ[0][None, None, 0, stage], *dq_args)
+                else:
+                    self._stage_and_add_dq(rdQ, tdQsdQ_do[None, None, None, stage],
+                                           sdQ[1][None, None, 0, stage], *dq_args)
+                if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
+                    pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
+                prev_stage = stage
+            else:
+                if is_leader:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
+                cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
+                self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, *dq_args)
 
         if is_leader:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
@@ -533,17 +641,53 @@ class Sm90AttentionBackward:
         self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))
 
     @cute.jit
+    def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
+                          n_block, wg, diag, window_left, is_leader):
+        """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
+        tm, d = self.tile_m, self.d
+        cute.autovec_copy(rdQ, tdQsdQ)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
+        if is_leader:
+            gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d // 2), (m_block, wg))
+            tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
+                                           cute.group_modes(gdQ, 0, 2))
+            if const_expr(self.deterministic):
+                self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
+            cute.copy(tma_dQ, tS, tG)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
+                self._pass_turn(mSem, b, h, m_block)
+
+    @cute.jit
     def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                   window_left, window_right, scale, scale_log2, softcap_val, mod_ctx):
         """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
 
-        Only tiles that cross a mask boundary pay for the per-element test."""
+        Only tiles that cross a mask boundary pay for the per-element test; the mask_mod runs on
+        every tile of a dense walk, and on the partial tiles only of a block-sparse walk."""
+        args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+        if const_expr(self.mask_graph is not None and not self.sparse):
+            self._p_and_ds_tile(*args, True, True)
+        elif const_expr(self.sparse):
+            partial = mod_ctx[4]
+            if partial:
+                self._p_and_ds_tile(*args, True, True)
+            else:
+                self._p_and_ds_limits(*args)
+        else:
+            self._p_and_ds_limits(*args)
+
+    @cute.jit
+    def _p_and_ds_limits(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                         window_left, window_right, scale, scale_log2, softcap_val, mod_ctx):
+        """P (and dS) with the length / causal / window limits only, tested where a tile crosses."""
         tm, tn = self.tile_m, self.tile_n
-        if const_expr(self.mask_graph is not None):  # mask_mod: every element is tested
-            self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
-                                diag, window_left, window_right, scale, scale_log2, softcap_val,
-                                mod_ctx, True)
-        elif const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
+        args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+        if const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
             crosses = Boolean(False)
             if const_expr(self.varlen):
                 crosses = crosses | (row0 + tm > seqlen_q)
@@ -554,22 +698,16 @@ class Sm90AttentionBackward:
             if const_expr(self.has_left):
                 crosses = crosses | (key0 < row0 + tm - 1 + diag - window_left)
             if crosses:
-                self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
-                                    diag, window_left, window_right, scale, scale_log2,
-                                    softcap_val, mod_ctx, True)
+                self._p_and_ds_tile(*args, True, False)
             else:
-                self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
-                                    diag, window_left, window_right, scale, scale_log2,
-                                    softcap_val, mod_ctx, False)
+                self._p_and_ds_tile(*args, False, False)
         else:
-            self._p_and_ds_tile(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k,
-                                diag, window_left, window_right, scale, scale_log2, softcap_val,
-                                mod_ctx, False)
+            self._p_and_ds_tile(*args, False, False)
 
     @cute.jit
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                        window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
-                       masked: cutlass.Constexpr):
+                       masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr):
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             m_local = cS[0, c][1]
             lse2 = sLSE[m_local, stage]
@@ -590,7 +728,7 @@ class Sm90AttentionBackward:
                 if const_expr(self.score_graph is not None):
                     # score_mod works in natural units on the scaled (softcapped) score; its
                     # derivative, taken at that same score, joins the chain rule for dS.
-                    b, h, score_aux, _ = mod_ctx
+                    b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
                     s_in = x * (1.0 / LOG2_E)
                     x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, i, j, score_aux) * LOG2_E
                     if const_expr(self.grad_graph is not None):
@@ -606,9 +744,14 @@ class Sm90AttentionBackward:
                     visible = visible & (j <= i + diag + window_right)
                 if const_expr(self.has_left):
                     visible = visible & (j >= i + diag - window_left)
-                if const_expr(self.mask_graph is not None):
-                    b, h, _, mask_aux = mod_ctx
-                    visible = visible & mods_dsl.mask_mod_value(self.mask_graph, b, h, i, j, mask_aux)
+                if const_expr(use_mask_mod):
+                    b, h, mask_aux = mod_ctx[0], mod_ctx[1], mod_ctx[3]
+                    # Rows / keys past the sequence (the padded tail of the last tile, a block-mask
+                    # row reaching past Sq) have P = 0 or zero operands whatever the mask says;
+                    # clamping keeps the mask_mod's tensor reads inside their rows.
+                    i_in = cutlass.min(i, seqlen_q - 1)
+                    j_in = cutlass.min(j, seqlen_k - 1)
+                    visible = visible & mods_dsl.mask_mod_value(self.mask_graph, b, h, i_in, j_in, mask_aux)
                 if const_expr(masked):
                     p = p if visible else Float32(0.0)
                 S[r, c] = p

@@ -71,7 +71,10 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
-          mask_mod=None):
+          mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None):
+    """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
+    bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
+    column) the backward must walk it with, None for the dense walk."""
     from torch_fa4.kernels.sm90 import bwd
 
     dev = "cuda"
@@ -126,11 +129,19 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
 
         key, aux = prepare(score_mod, mask_mod)
         mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
+    if block_size is not None:
+        from torch_fa4.mods import create_block_mask
+
+        bm = create_block_mask(mask_mod, None, bm_heads, sq, sk, device=dev, BLOCK_SIZE=block_size)
+        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
+                      block_mask_kv=bm.BLOCK_SIZE[1])
     call = AttentionCall(q=q, k=k, v=v, scale=scale, causal=causal, window_left=left,
                          window_right=right, softcap=softcap, **mod_kw,
                          cu_seqlens_q=cu_q if varlen else None, cu_seqlens_k=cu_k if varlen else None,
                          seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk)
     assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
+    if block_size is not None:
+        assert bwd.variant_key(call, deterministic)[-2] == expect_sparse
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
@@ -149,15 +160,67 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         assert not torch.isnan(got).any(), f"{name} has NaN (unwritten or NaN math)"
         err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-12)
         assert err < tol, f"{name}: relative error {err:.3e} >= {tol}"
+    return dq, dk, dvv
 
 
 BF, FP = torch.bfloat16, torch.float16
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [BF, FP])
 def test_dense(dtype, d):
     _case(dtype, 2, 256, 384, 2, 2, d, d)
+
+
+# ---- head dims above 128: the narrow variant (64 keys per CTA, head dim split between the
+# consumer warpgroups; D=256 with a one-stage Q/dO ring)
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("sq,sk", [(300, 300), (200, 333), (333, 130)])
+def test_large_head_dims_causal(d, sq, sk):
+    _case(BF, 2, sq, sk, 2, 2, d, d, causal=True)
+
+
+@pytest.mark.parametrize("d,hq,hkv", [(192, 4, 2), (256, 6, 1)])
+def test_large_head_dims_gqa(d, hq, hkv):
+    _case(BF, 2, 190, 260, hq, hkv, d, d, causal=True)
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 256), (256, 64), (256, 128), (192, 256)])
+def test_large_head_dims_dv_differs(d, dv):
+    # (256, 128): one-stage ring; (192, 256): dQ staged in the ring
+    _case(FP, 1, 160, 200, 2, 2, d, dv)
+
+
+@pytest.mark.parametrize("config", [(64, 1, False), (64, 2, True)])
+def test_d256_ring_configurations(config, monkeypatch):
+    # D=256 runs with dQ staged in the consumed Q / dO stage (two stages); the one-stage ring
+    # with separate dQ slabs is the fallback if that ever has to go: both must be right
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setattr(bwd, "tiles", lambda d, dv, tile_n=None: config)
+    _case(BF, 2, 333, 300, 4, 2, 256, 256, causal=True)
+    _case(BF, 1, 200, 520, 2, 2, 256, 256, deterministic=True)
+
+
+def test_large_head_dims_window_softcap_seqused():
+    _case(BF, 2, 300, 280, 2, 1, 256, 256, left=60, right=20, softcap=8.0)
+    _case(BF, 3, 150, 300, 2, 2, 192, 192, seqused=True, causal=True)
+
+
+def test_large_head_dims_deterministic():
+    _case(BF, 2, 256, 520, 4, 2, 256, 256, causal=True, deterministic=True)
+
+
+def test_large_head_dims_varlen():
+    _case(BF, 3, 300, 260, 4, 2, 192, 192, varlen=True, causal=True)
+
+
+def test_large_head_dims_mods():
+    slopes = torch.rand(4, device="cuda")
+    doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
+    score_mod, mask_mod = _tanh_bias_documents(slopes, doc)
+    _case(BF, 2, 200, 300, 4, 2, 256, 256, causal=True, score_mod=score_mod, mask_mod=mask_mod)
 
 
 @pytest.mark.parametrize("sq,sk", [(200, 333), (333, 200), (1, 77), (130, 130)])
@@ -234,13 +297,103 @@ def test_mods(make_mods, causal):
     _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
 
 
+# ---- block-sparse walk: the block mask decides which query tiles each KV tile visits
+
+def _doc_ids(n, docs=4):
+    return torch.sort(torch.randint(0, docs, (n,), device="cuda")).values.to(torch.int32)
+
+
+@pytest.mark.parametrize("block,expect", [((128, 128), (2, 1)), ((64, 128), (1, 1)), ((256, 256), (4, 2))])
+def test_block_sparse_document(block, expect):
+    # 128x128 block mask over 64-row kernel steps: two steps per block row
+    doc = _doc_ids(400)
+    _, mask_mod = _documents(None, doc)
+    _case(BF, 2, 330, 400, 4, 2, 128, 128, mask_mod=mask_mod, block_size=block, expect_sparse=expect)
+
+
+def test_block_sparse_document_causal_gqa_fp16():
+    doc = _doc_ids(300, docs=3)
+    _, mask_mod = _documents(None, doc)
+    _case(FP, 2, 200, 300, 6, 2, 64, 64, causal=True, mask_mod=mask_mod, block_size=128, expect_sparse=(2, 1))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_sparse_causal_sliding_window(d):
+    from torch_fa4.mods.library import sliding_window_mask
+
+    # top-left aligned causal window of 200 keys, given only through the mask_mod + block mask
+    _case(BF, 2, 700, 700, 2, 2, d, d, mask_mod=sliding_window_mask(200, 0), block_size=128,
+          expect_sparse=(2, 1))
+
+
+def test_block_sparse_kv_tiles_without_queries_get_zero_gradients():
+    doc = _doc_ids(520, docs=2)
+
+    # keys from 256 on are visible to no query (KV tiles 2..4 walk nothing); per-head pattern
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx < 256) & ((q_idx // 64 + h) % 3 != 0)
+
+    dq, dk, dv = _case(BF, 2, 300, 520, 4, 2, 128, 128, mask_mod=mask_mod, block_size=(128, 256),
+                       bm_heads=4, expect_sparse=(2, 2))
+    assert (dk[:, 256:] == 0).all() and (dv[:, 256:] == 0).all()
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_block_sparse_large_head_dims(d):
+    # narrow variant: 64-key CTAs, two per 128-key block-mask column
+    doc = _doc_ids(400)
+    _, mask_mod = _documents(None, doc)
+    _case(BF, 2, 330, 400, 4, 2, d, d, mask_mod=mask_mod, block_size=128, expect_sparse=(2, 2))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_sparse_64_key_columns(d):
+    # a 64x64 block mask: the 64-key (narrow) variant walks it instead of the dense walk
+    doc = _doc_ids(300)
+    _, mask_mod = _documents(None, doc)
+    _case(BF, 2, 250, 300, 4, 2, d, d, causal=True, mask_mod=mask_mod, block_size=64, expect_sparse=(1, 1))
+
+
+def test_block_mask_of_incompatible_tiles_walks_densely():
+    doc = _doc_ids(300)
+    _, mask_mod = _documents(None, doc)
+    _case(BF, 1, 250, 300, 2, 2, 128, 128, mask_mod=mask_mod, block_size=(96, 96), expect_sparse=None)
+
+
+def test_flex_attention_block_mask_reaches_the_backward(monkeypatch):
+    import torch_fa4
+    from torch_fa4.kernels.sm90 import bwd_sparse
+    from torch_fa4.mods import create_block_mask
+    from torch_fa4.mods.library import document_mask
+
+    calls = []
+    real = bwd_sparse.transposed_lists
+    monkeypatch.setattr(bwd_sparse, "transposed_lists", lambda call: calls.append(1) or real(call))
+    b, h, s, d = 2, 4, 384, 128
+    doc = _doc_ids(s, docs=3)
+    bm = create_block_mask(document_mask(doc), None, None, s, s, device="cuda")
+    # bf16 values, so the float64 run sees exactly the kernel's inputs
+    q, k, v, do = (torch.randn(b, h, s, d, device="cuda").to(torch.bfloat16) for _ in range(4))
+    grads = []
+    for dtype in (torch.bfloat16, torch.float64):  # float64 runs the exact reference
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = torch_fa4.flex_attention(*xs, block_mask=bm)
+        grads.append(torch.autograd.grad(out, xs, do.to(dtype)))
+    assert calls, "the backward did not walk the block mask"
+    for name, got, ref in zip(("dq", "dk", "dv"), *grads):
+        assert not torch.isnan(got).any()
+        err = (got.double() - ref).norm() / ref.norm()
+        assert err < 1.5e-2, f"{name}: relative error {err:.3e}"
+
+
 def _bench():  # pragma: no cover - manual timing on the device machine
     import triton.testing
 
     from torch_fa4.kernels.sm90 import bwd
 
     rows = []
-    for d, s, causal in ((128, 4096, False), (128, 4096, True), (64, 4096, False)):
+    for d, s, causal in ((128, 4096, False), (128, 4096, True), (64, 4096, False), (192, 4096, True),
+                         (256, 4096, False), (256, 4096, True)):
         b, h = 16384 // s, 2048 // d
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         out = torch.randn_like(q)
@@ -261,7 +414,36 @@ def _bench():  # pragma: no cover - manual timing on the device machine
             rows.append(f"   flash-attn-4 fwd-graph bwd: {ms_fa:.3f} ms  {flops / ms_fa / 1e9:.0f} TFLOP/s")
         except Exception as e:  # the peer is optional
             rows.append(f"   flash-attn-4 unavailable: {type(e).__name__}: {e}"[:200])
+    rows += _bench_block_sparse()
     print("\n".join(rows))
+
+
+def _bench_block_sparse():  # pragma: no cover - manual timing
+    """Document mask (8 documents, D128, S 8k): block-mask walk vs mask_mod on every tile."""
+    import triton.testing
+
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods import create_block_mask
+    from torch_fa4.mods.library import document_mask
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    b, s, h, d = 2, 8192, 16, 128
+    doc = (torch.arange(s, device="cuda") // (s // 8)).to(torch.int32)
+    mask_mod = document_mask(doc)
+    key, aux = prepare(None, mask_mod)
+    bm = create_block_mask(mask_mod, None, None, s, s, device="cuda")
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out = torch.randn_like(q)
+    lse = torch.randn(b, h, s, device="cuda", dtype=torch.float32) + 5
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rows = []
+    for name, extra in (("mask_mod everywhere", {}), ("block-sparse walk", dict(
+            block_mask=tuple(bm.as_tensors()), block_mask_q=128, block_mask_kv=128))):
+        call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, mod_key=key, mods=lookup(key), aux_tensors=aux, **extra)
+        ms = triton.testing.do_bench(lambda: bwd.backward(call, do, out, lse, dq, dk, dv, False), return_mode="median")
+        rows.append(f"D{d} S{s} 8 documents, {name}: {ms:.3f} ms")
+    return rows
 
 
 if __name__ == "__main__":

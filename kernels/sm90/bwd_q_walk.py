@@ -1,0 +1,93 @@
+"""The query tiles one backward CTA (one key tile of one KV head) visits: step -> (head, m_block).
+
+The producer warp (TMA loads) and the consumer warpgroups (matmuls) walk the same sequence, each
+computing it on its own from the same values, so they agree without talking to each other. Heads
+of the GQA group come one after the other (`h_local` 0 .. group-1, query head
+hkv * group + h_local).
+
+- `DenseQWalk`: query tiles [m_lo, m_lo + n_m) for every head: the tiles whose rows can see the
+  key tile under causal / window limits (bwd_kernel computes the range).
+- `SparseQWalk`: only the query tiles the block mask lists for this key tile (the transposed lists
+  from bwd_sparse.py): per head, first the partial ones (mask_mod must be evaluated), then the
+  full ones (mask_mod is true everywhere). A block-mask tile of (ratio_m * tile_m) rows and
+  (ratio_n * tile_n) keys covers ratio_m kernel steps and ratio_n CTAs. Heads may list different
+  numbers of tiles, so the walk keeps where each head's steps start; a step finds its head by
+  comparing against those starts (group is a compile-time constant: unrolled selects, no loop).
+  Causal / window / length limits the mask_mod does not know about are still applied element by
+  element where a tile crosses them (bwd_kernel), so listing a tile outside them is harmless.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32, const_expr
+
+from torch_fa4.kernels.common.dsl_state import DynamicState
+
+
+class DenseQWalk(DynamicState):
+    _dynamic_fields = ("m_lo", "n_m", "count")
+
+    def __init__(self, m_lo: Int32, n_m: Int32, group: int):
+        self.m_lo = m_lo
+        self.n_m = n_m
+        self.count = n_m * group
+
+    def tile(self, step: Int32):
+        """(h_local, m_block, partial) of a step; partial is unused by dense callers."""
+        h_local = step // self.n_m
+        return h_local, self.m_lo + (step - h_local * self.n_m), Boolean(True)
+
+
+class SparseQWalk(DynamicState):
+    _dynamic_fields = ("starts", "num_partial", "heads", "count", "q_idx", "full_q_idx", "bm_b", "bm_n")
+
+    def __init__(self, q_num: cute.Tensor, q_idx: cute.Tensor, full_q_num: cute.Tensor,
+                 full_q_idx: cute.Tensor, b: Int32, hkv: Int32, n_block: Int32, live: Boolean,
+                 group: int, ratio_m: int, ratio_n: int):
+        """live False (a key tile past the used keys, seqused_k) gives an empty walk. The lists
+        cover every row of the k tensor (bwd_sparse checks it), so reading them is in bounds."""
+        self.group = group
+        self.ratio_m = ratio_m
+        self.q_idx = q_idx
+        self.full_q_idx = full_q_idx
+        # a block mask built with B = None / H = None has size 1 there: it applies to all
+        self.bm_b = cutlass.select_(q_num.shape[0] == 1, Int32(0), b)
+        self.bm_n = n_block if const_expr(ratio_n == 1) else n_block // ratio_n
+        self.starts, self.num_partial, self.heads = [], [], []
+        total = Int32(0)
+        for g in range(group):
+            hb = cutlass.select_(q_num.shape[1] == 1, Int32(0), hkv * group + g)
+            n_part = q_num[self.bm_b, hb, self.bm_n]
+            n_full = full_q_num[self.bm_b, hb, self.bm_n]
+            self.starts.append(total)
+            self.num_partial.append(n_part)
+            self.heads.append(hb)
+            total = total + (n_part + n_full) * ratio_m
+        self.count = cutlass.select_(live, total, Int32(0))
+
+    @cute.jit
+    def tile(self, step: Int32):
+        """(h_local, m_block, partial): partial says whether mask_mod must be evaluated."""
+        h_local = Int32(0)
+        start = self.starts[0]
+        n_part = self.num_partial[0]
+        hb = self.heads[0]
+        for g in cutlass.range_constexpr(1, self.group):
+            later = step >= self.starts[g]  # the last head whose steps start at or before step
+            h_local = cutlass.select_(later, Int32(g), h_local)
+            start = cutlass.select_(later, self.starts[g], start)
+            n_part = cutlass.select_(later, self.num_partial[g], n_part)
+            hb = cutlass.select_(later, self.heads[g], hb)
+        t = step - start
+        blk = t
+        sub = Int32(0)
+        if const_expr(self.ratio_m > 1):
+            blk = t // self.ratio_m
+            sub = t - blk * self.ratio_m
+        partial = blk < n_part
+        m_bm = Int32(0)
+        if partial:
+            m_bm = self.q_idx[self.bm_b, hb, self.bm_n, blk]
+        else:
+            m_bm = self.full_q_idx[self.bm_b, hb, self.bm_n, blk - n_part]
+        return h_local, m_bm * self.ratio_m + sub, partial
