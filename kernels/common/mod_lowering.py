@@ -12,11 +12,10 @@ API (all are plain Python helpers called from inside jit code; graphs are compil
     keep  = mask_mod_value(graph, b, h, q_idx, kv_idx, mask_aux)           -> Boolean
     dsds  = score_grad_value(grad_graph, score, b, h, q_idx, kv_idx, score_aux) -> Float32
 
-    apply_mods_to_tile(s, coords, row0, col0, b, h, score_aux, mask_aux, score_graph, mask_graph)
-        # a @cute.jit helper: for a (rows, cols) view `s` of a thread's fp32 score fragment and the
-        # identity-coordinate tensor `coords` partitioned alike (coords[r, j] = (row, col) in the
-        # tile), sets s = score_mod(s, ...) then -inf where mask_mod is False, with
-        # q_idx = row0 + row and kv_idx = col0 + col.
+These are per element. Kernels applying mods to a whole score fragment should use
+`mod_fragment` (FragmentEmitter, apply_mods_to_tile; `tile_mods.TileMods` for the attention
+kernels), which emits the same ops hoisted by dependence (mod_hoisting.py): once per tile of work,
+per row, per column, and only the rest per element, with exact fp32 rewrites of int -> float.
 
 - `score` is the fp32 score *after* scale and softcap (docs/INTERNALS.md "Semantics"), in natural
   units: if the kernel keeps scores pre-multiplied by log2(e), divide before and multiply after.
@@ -127,71 +126,77 @@ def _mod(a, b):
     return _floor_quotient_remainder(a, b)[1]
 
 
+def _emit_op(n, a: list, aux: Sequence):
+    """The DSL value of one non-input node `n` from its argument values `a`."""
+    op = n.op
+    if op == "const":
+        return _as_kind(n.attr, n.kind)
+    if op == "load":
+        t = aux[n.attr]
+        coord = tuple(a) if len(a) > 1 else (a[0] if a else 0)
+        v = t[coord] if a else t[0]
+        if n.kind == FLOAT:
+            return v.to(Float32)
+        if n.kind == INT:
+            return v.to(Int32)
+        return v.to(Int32) != Int32(0)  # bool tensors arrive as uint8
+    if op == "to_float":
+        if isinstance(a[0], Boolean):  # a select, not an int -> float conversion (I2F is quarter rate)
+            return _select(a[0], 1.0, 0.0, FLOAT)
+        return a[0].to(Float32) if not isinstance(a[0], Float32) else a[0]
+    if op == "neg":
+        return -a[0]
+    if op == "abs":
+        return cute.math.abs(a[0]) if n.kind == FLOAT else _select(a[0] < 0, -a[0], a[0], INT)
+    if op == "exp":
+        return cute.math.exp(a[0], fastmath=False)
+    if op == "log":
+        return cute.math.log(a[0], fastmath=False)
+    if op == "tanh":
+        return cute.math.tanh(a[0], fastmath=False)
+    if op == "sigmoid":
+        return _sigmoid(a[0])
+    if op == "not":
+        return _select(a[0], False, True, BOOL)
+    if op == "add":
+        return a[0] + a[1]
+    if op == "sub":
+        return a[0] - a[1]
+    if op == "mul":
+        return a[0] * a[1]
+    if op == "div":
+        return a[0] / a[1]
+    if op == "floordiv":
+        return _floordiv(a[0], a[1])
+    if op == "mod":
+        return _mod(a[0], a[1])
+    if op == "minimum":
+        # NaN-propagating like torch.minimum: a < b picks a, a NaN in b falls through to b
+        return _select(a[0] < a[1], a[0], a[1], n.kind) if n.kind == INT else _fminmax(a[0], a[1], True)
+    if op == "maximum":
+        return _select(a[0] > a[1], a[0], a[1], n.kind) if n.kind == INT else _fminmax(a[0], a[1], False)
+    if op in _COMPARE:
+        return _COMPARE[op](a[0], a[1])
+    if op == "and":
+        return _select(a[0], a[1], False, BOOL)
+    if op == "or":
+        return _select(a[0], True, a[1], BOOL)
+    if op == "where":
+        return _select(a[0], a[1], a[2], n.kind)
+    raise NotImplementedError(f"mod_lowering: no CuTe DSL lowering for op {op!r}")
+
+
+_COMPARE = {"eq": lambda x, y: x == y, "ne": lambda x, y: x != y, "lt": lambda x, y: x < y,
+            "le": lambda x, y: x <= y, "gt": lambda x, y: x > y, "ge": lambda x, y: x >= y}
+
+
 def _emit(graph: ModGraph, inputs: dict, aux: Sequence):
     env: list = []
-    nodes = graph.nodes
-    for n in nodes:
-        op = n.op
-        a = [env[i] for i in n.args]
-        if op == "input":
-            v = _as_kind(inputs[n.attr], n.kind)
-        elif op == "const":
-            v = _as_kind(n.attr, n.kind)
-        elif op == "load":
-            t = aux[n.attr]
-            coord = tuple(a) if len(a) > 1 else (a[0] if a else 0)
-            v = t[coord] if a else t[0]
-            if n.kind == FLOAT:
-                v = v.to(Float32)
-            elif n.kind == INT:
-                v = v.to(Int32)
-            else:  # bool tensors arrive as uint8
-                v = v.to(Int32) != Int32(0)
-        elif op == "to_float":
-            v = a[0].to(Float32) if not isinstance(a[0], Float32) else a[0]
-        elif op == "neg":
-            v = -a[0]
-        elif op == "abs":
-            v = cute.math.abs(a[0]) if n.kind == FLOAT else _select(a[0] < 0, -a[0], a[0], INT)
-        elif op == "exp":
-            v = cute.math.exp(a[0], fastmath=False)
-        elif op == "log":
-            v = cute.math.log(a[0], fastmath=False)
-        elif op == "tanh":
-            v = cute.math.tanh(a[0], fastmath=False)
-        elif op == "sigmoid":
-            v = _sigmoid(a[0])
-        elif op == "not":
-            v = _select(a[0], False, True, BOOL)
-        elif op == "add":
-            v = a[0] + a[1]
-        elif op == "sub":
-            v = a[0] - a[1]
-        elif op == "mul":
-            v = a[0] * a[1]
-        elif op == "div":
-            v = a[0] / a[1]
-        elif op == "floordiv":
-            v = _floordiv(a[0], a[1])
-        elif op == "mod":
-            v = _mod(a[0], a[1])
-        elif op == "minimum":
-            # NaN-propagating like torch.minimum: a < b picks a, a NaN in b falls through to b
-            v = _select(a[0] < a[1], a[0], a[1], n.kind) if n.kind == INT else _fminmax(a[0], a[1], True)
-        elif op == "maximum":
-            v = _select(a[0] > a[1], a[0], a[1], n.kind) if n.kind == INT else _fminmax(a[0], a[1], False)
-        elif op in ("eq", "ne", "lt", "le", "gt", "ge"):
-            v = {"eq": lambda x, y: x == y, "ne": lambda x, y: x != y, "lt": lambda x, y: x < y,
-                 "le": lambda x, y: x <= y, "gt": lambda x, y: x > y, "ge": lambda x, y: x >= y}[op](a[0], a[1])
-        elif op == "and":
-            v = _select(a[0], a[1], False, BOOL)
-        elif op == "or":
-            v = _select(a[0], True, a[1], BOOL)
-        elif op == "where":
-            v = _select(a[0], a[1], a[2], n.kind)
+    for n in graph.nodes:
+        if n.op == "input":
+            env.append(_as_kind(inputs[n.attr], n.kind))
         else:
-            raise NotImplementedError(f"mod_lowering: no CuTe DSL lowering for op {op!r}")
-        env.append(v)
+            env.append(_emit_op(n, [env[i] for i in n.args], aux))
     return env[graph.output]
 
 
@@ -213,20 +218,6 @@ def score_grad_value(grad_graph: ModGraph, score, b, h, q_idx, kv_idx, score_aux
 
 def mask_mod_value(graph: ModGraph, b, h, q_idx, kv_idx, mask_aux: Sequence) -> Boolean:
     return _as_kind(_emit(graph, {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}, mask_aux), BOOL)
-
-
-@cute.jit
-def apply_mods_to_tile(s: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, b: Int32, h: Int32,
-                       score_aux, mask_aux, score_graph: cutlass.Constexpr, mask_graph: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            q_idx = row0 + coords[r, j][0]
-            kv_idx = col0 + coords[r, j][1]
-            if cutlass.const_expr(score_graph is not None):
-                s[r, j] = score_mod_value(score_graph, s[r, j], b, h, q_idx, kv_idx, score_aux)
-            if cutlass.const_expr(mask_graph is not None):
-                keep = mask_mod_value(mask_graph, b, h, q_idx, kv_idx, mask_aux)
-                s[r, j] = _as_kind(cutlass.select_(keep, s[r, j], -Float32.inf), FLOAT)
 
 
 # ---- a small probe kernel: the lowered mods on every element of a (B, H, M, N) grid ------------------
@@ -306,54 +297,3 @@ def compile_probe(score_graph, mask_graph, arch: str = "sm_90a", dump_dir: str |
         options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(probe, fake(Float32), fake(Float32), fake(Int32), *aux, stream, options=options)
-
-
-class ModTileProbeKernel(ModProbeKernel):
-    """Like ModProbeKernel, but through `apply_mods_to_tile`: each thread holds a (1, 8) register
-    fragment of one query row and applies both mods to it (masked entries become -inf)."""
-
-    cols = 8
-
-    @cute.jit
-    def __call__(self, score: cute.Tensor, out: cute.Tensor, keep: cute.Tensor,
-                 aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7, stream):
-        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
-        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
-        B, H, M, N = score.shape
-        segments = M * ((N + self.cols - 1) // self.cols)
-        grid = ((segments + self.threads - 1) // self.threads, H, B)
-        self.tile_kernel(score, out, score_aux, mask_aux).launch(grid=grid, block=(self.threads, 1, 1),
-                                                                  stream=stream)
-
-    @cute.kernel
-    def tile_kernel(self, score: cute.Tensor, out: cute.Tensor, score_aux, mask_aux):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, h, b = cute.arch.block_idx()
-        M, N = score.shape[2], score.shape[3]
-        per_row = (N + self.cols - 1) // self.cols
-        seg = bx * self.threads + tidx
-        if seg < M * per_row:
-            row0 = seg // per_row
-            col0 = (seg - row0 * per_row) * self.cols
-            frag = cute.make_rmem_tensor((1, self.cols), Float32)
-            coords = cute.make_identity_tensor((1, self.cols))
-            for j in cutlass.range_constexpr(self.cols):
-                frag[0, j] = score[b, h, row0, cutlass.min(col0 + j, N - 1)]
-            apply_mods_to_tile(frag, coords, row0, col0, b, h, score_aux, mask_aux,
-                               self.score_graph, self.mask_graph)
-            for j in cutlass.range_constexpr(self.cols):
-                if col0 + j < N:
-                    out[b, h, row0, col0 + j] = frag[0, j]
-
-
-def compile_tile_probe(score_graph, mask_graph, arch: str = "sm_90a"):
-    """cute.compile ModTileProbeKernel; call as fn(score, out, keep_unused, *aux padded to MAX_AUX)."""
-    def fake(dt):
-        return cute.runtime.make_fake_tensor(dt, tuple(cute.sym_int() for _ in range(4)),
-                                             tuple(cute.sym_int64() for _ in range(3)) + (1,), assumed_align=4)
-
-    specs = [a for g in (score_graph, mask_graph) if g is not None for a in g.aux]
-    aux = [fake_aux_tensor(a.dtype, a.ndim) for a in specs] + [None] * (MAX_AUX - len(specs))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(ModTileProbeKernel(score_graph, mask_graph), fake(Float32), fake(Float32), fake(Int32),
-                        *aux, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")

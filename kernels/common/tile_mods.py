@@ -1,15 +1,22 @@
 """score_mod / mask_mod on a thread's score fragment, as the attention kernels need them.
 
-`mod_lowering` inlines a traced graph per element; this module adds what a kernel tile needs around
-it: tile offsets -> per-sequence q_idx / kv_idx, natural units, and index clamping.
+`mod_fragment` emits a traced graph over a whole fragment, hoisted by dependence (mod_hoisting.py
+says what is computed per tile of work, per row, per column and per element); this module adds what
+a kernel tile needs around it: tile offsets -> per-sequence q_idx / kv_idx, natural units, index
+clamping, and the per-tile values kept in registers across key tiles.
+
+Per-tile values: the nodes of a graph that depend only on b, h and constants (e.g. slope[h], a
+global load) are computed when the TileMods is built -- once per (batch, head, query tile), before
+the key loop -- and carried as dynamic state, so the loop body reads them from registers.
 
 Clamping: the last query tile and the last key tile stick out past the sequence (rows >= seqlen_q,
 keys >= seqlen_k). A mod indexing a captured tensor with such an index (doc_ids[kv_idx]) would read
 past the tensor, possibly into unmapped memory. Those elements never matter (keys past seqlen_k
 are masked to -inf by the kernel's length mask after the mods; rows past seqlen_q are never
-stored), so the indices given to the mods are clamped into [0, seqlen - 1]: every load stays
-inside a tensor sized for the sequence, and no visible element changes. (`b` and `h` are always
-in range.)
+stored), so the indices that feed loads are clamped into [0, seqlen - 1]: every load stays inside a
+tensor sized for the sequence, and no visible element changes. Indices that feed no load are left
+as they are (cheaper, and it keeps them affine for exact int -> float rewrites). (`b` and `h` are
+always in range.)
 """
 
 import cutlass
@@ -18,7 +25,7 @@ from cutlass import Float32, Int32
 
 from torch_fa4.kernels.common.acc_layout import rows_cols
 from torch_fa4.kernels.common.dsl_state import DynamicState
-from torch_fa4.kernels.common.mod_lowering import mask_mod_value, score_mod_value
+from torch_fa4.kernels.common.mod_fragment import FragmentEmitter, FragmentPositions, tile_values
 
 
 class TileMods(DynamicState):
@@ -29,7 +36,8 @@ class TileMods(DynamicState):
     softcap) is multiplied by to get the score in natural units that score_mod expects.
     A DynamicState so that it can be used inside dynamic `if`s and loops (kernels/common/dsl_state)."""
 
-    _dynamic_fields = ("score_aux", "mask_aux", "batch", "head", "last_q", "last_k", "natural_scale")
+    _dynamic_fields = ("score_aux", "mask_aux", "batch", "head", "last_q", "last_k", "natural_scale",
+                       "score_tile", "mask_tile")
 
     def __init__(self, score_graph, mask_graph, score_aux, mask_aux, batch: Int32, head: Int32,
                  seqlen_q: Int32, seqlen_k: Int32, natural_scale: Float32):
@@ -43,38 +51,29 @@ class TileMods(DynamicState):
         self.last_q = cutlass.max(seqlen_q - 1, 0)
         self.last_k = cutlass.max(seqlen_k - 1, 0)
         self.natural_scale = natural_scale
+        # loaded here, once per tile of work: the key loop reads them from registers
+        self.score_tile = tile_values(score_graph, batch, head, score_aux)
+        self.mask_tile = tile_values(mask_graph, batch, head, mask_aux)
 
-    @cute.jit
-    def _q_idx(self, row0: Int32, row):
-        return cutlass.min(row0 + row, self.last_q)
+    def _emitter(self, graph, aux, tile_vals, coords, row0, col0):
+        pos = FragmentPositions(rows_cols(coords), row0, col0)
+        return FragmentEmitter(graph, pos, self.batch, self.head, aux, tile_vals, self.last_q, self.last_k)
 
-    @cute.jit
-    def _kv_idx(self, col0: Int32, col):
-        return cutlass.min(col0 + col, self.last_k)
-
-    @cute.jit
     def score_mod(self, acc_s: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32):
         """acc_s = score_mod(acc_s * natural_scale, b, h, q_idx, kv_idx): the result is in natural units."""
         s = rows_cols(acc_s)
-        c = rows_cols(coords)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            q_idx = self._q_idx(row0, c[r, 0][0])
-            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                kv_idx = self._kv_idx(col0, c[r, j][1])
-                s[r, j] = score_mod_value(self.score_graph, s[r, j] * self.natural_scale, self.batch,
-                                          self.head, q_idx, kv_idx, self.score_aux)
+        em = self._emitter(self.score_graph, self.score_aux, self.score_tile, coords, row0, col0)
+        for r in range(cute.size(s, mode=[0])):
+            for j in range(cute.size(s, mode=[1])):
+                s[r, j] = em.score(r, j, s[r, j], self.natural_scale)
 
-    @cute.jit
     def mask_mod(self, acc_s: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32):
         """-inf where mask_mod(b, h, q_idx, kv_idx) is False."""
         s = rows_cols(acc_s)
-        c = rows_cols(coords)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            q_idx = self._q_idx(row0, c[r, 0][0])
-            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                kv_idx = self._kv_idx(col0, c[r, j][1])
-                keep = mask_mod_value(self.mask_graph, self.batch, self.head, q_idx, kv_idx, self.mask_aux)
-                s[r, j] = cutlass.select_(keep, s[r, j], -Float32.inf)
+        em = self._emitter(self.mask_graph, self.mask_aux, self.mask_tile, coords, row0, col0)
+        for r in range(cute.size(s, mode=[0])):
+            for j in range(cute.size(s, mode=[1])):
+                s[r, j] = cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf)
 
     @property
     def has_score_mod(self) -> bool:
@@ -83,4 +82,3 @@ class TileMods(DynamicState):
     @property
     def has_mask_mod(self) -> bool:
         return self.mask_graph is not None
-

@@ -1,8 +1,16 @@
-"""GPU: the CuTe DSL lowering of mods gives the PyTorch lowering's values on every element --
-exactly for masks, to fp32 rounding for scores -- per element and through apply_mods_to_tile."""
+"""GPU: the CuTe DSL lowering of mods against float64, on fresh random inputs with poisoned outputs.
 
+- per element (mod_lowering's probe) and per fragment (mod_fragment's tile probe, the hoisted
+  emission the attention kernels use): exactly for masks, to fp32 rounding for scores;
+- the sm90 forward kernel with mods built to exercise each hoisting level -- tile-constant,
+  row-only, column-only, element -- plus exact int -> float rewrites and floor division of
+  negative values, against float64 attention.
+"""
+
+import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -15,10 +23,46 @@ pytestmark = [
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from _mod_cases import cases  # noqa: E402
+from naive import naive_attention  # noqa: E402
 
 from torch_fa4.mods.prepare import trace_graphs  # noqa: E402
 
 NAMES = ["alibi_doc_causal", "softcap_window", "bias_bf16_doc2d", "bucketed_chunked", "transcendental_bool_table"]
+
+
+def hoisting_cases(device, H=3, S=70):
+    """name -> (score_mod, mask_mod): each mixes the hoisting levels in its own way; captured
+    tensors are fresh random values on `device`."""
+    head_bias = torch.randn(H, device=device)
+    temperature = torch.rand(H, device=device) * 2 + 0.3
+    row_table = torch.randn(S, device=device, dtype=torch.bfloat16)
+    col_weight = torch.rand(S, device=device) + 0.5
+    slopes = torch.rand(H, device=device)
+    flags = torch.rand(S, device=device) > 0.4
+    shift = torch.randint(-5, 6, (H,), device=device, dtype=torch.int16)
+
+    def tile_only(score, b, h, q_idx, kv_idx):  # loads and arithmetic once per tile; a hoisted divisor
+        return score / temperature[h] + head_bias[h] * (b + 1)
+
+    def row_only(score, b, h, q_idx, kv_idx):  # floor division of negative values; a per-row divisor
+        return score / (q_idx % 4 + 1.5) + row_table[q_idx] + ((q_idx - 40) // 7 % 3) * 0.5
+
+    def col_only(score, b, h, q_idx, kv_idx):  # a column load, a bool converted to float
+        return score * col_weight[kv_idx] + (kv_idx % 5 == 0) * 0.25
+
+    def element(score, b, h, q_idx, kv_idx):  # exact fp32 rewrites (affine, abs, a tile term) and //
+        bias = slopes[h] * torch.abs(q_idx - kv_idx) - 0.125 * (kv_idx - q_idx + shift[h])
+        return score - bias + ((kv_idx - q_idx - 3) // 4) * 0.0625
+
+    def mask_mixed(b, h, q_idx, kv_idx):
+        return (flags[kv_idx] | (q_idx % 3 == 1) | (h == 2)) & (q_idx - kv_idx >= -20)
+
+    return {
+        "tile_only": (tile_only, None),
+        "row_only": (row_only, mask_mixed),
+        "col_only": (col_only, None),
+        "element": (element, mask_mixed),
+    }
 
 
 def _arch():
@@ -26,14 +70,19 @@ def _arch():
     return f"sm_{major}{minor}a"
 
 
-def _reference(mods, aux, score):
-    B, H, M, N = score.shape
-    dev = score.device
-    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    h = torch.arange(H, device=dev).view(1, H, 1, 1)
-    q = torch.arange(M, device=dev).view(1, 1, M, 1)
-    k = torch.arange(N, device=dev).view(1, 1, 1, N)
-    s = mods.score_torch(score, b, h, q, k, aux[: mods.num_score_aux])
+def _grids(B, H, M, N, dev):
+    return (torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(H, device=dev).view(1, H, 1, 1),
+            torch.arange(M, device=dev).view(1, 1, M, 1), torch.arange(N, device=dev).view(1, 1, 1, N))
+
+
+def _reference64(mods, aux, score):
+    """score_mod in float64 (captured float tensors promoted too) and the mask, on index grids."""
+    b, h, q, k = _grids(*score.shape, score.device)
+    aux64 = [a.double() if a.is_floating_point() else a for a in aux]
+    s = mods.score_torch(score.double(), b, h, q, k, aux64[: mods.num_score_aux]).double()
+    s = torch.broadcast_to(s, score.shape)
+    if mods.mask_graph is None:
+        return s, torch.ones(score.shape, dtype=torch.bool, device=score.device)
     keep = torch.broadcast_to(mods.mask_torch(b, h, q, k, aux[mods.num_score_aux:]), score.shape)
     return s, keep
 
@@ -44,11 +93,25 @@ def _padded(aux):
     return kernel_aux_tensors(aux, MAX_AUX)
 
 
+def _all_cases(device):
+    out = dict(cases(device))
+    out.update(hoisting_cases(device))
+    return out
+
+
+def _assert_scores_close(out, want, keep=None):
+    assert not out.isnan().any() or want.isnan().any(), "NaN (or unwritten output) where float64 has none"
+    if keep is not None:
+        want = want.masked_fill(~keep, float("-inf"))
+    # fp32 evaluation of the mod vs float64: a few ulp of the largest intermediate
+    torch.testing.assert_close(out.double(), want, rtol=3e-5, atol=3e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_probe_matches_torch_lowering(name):
+def test_probe_matches_float64(name):
     from torch_fa4.kernels.common import mod_lowering
 
-    score_mod, mask_mod = cases("cuda")[name]
+    score_mod, mask_mod = _all_cases("cuda")[name]
     mods, aux = trace_graphs(score_mod, mask_mod)
     fn = mod_lowering.compile_probe(mods.score_graph, mods.mask_graph, arch=_arch())
     B, H, M, N = 2, 3, 70, 70
@@ -57,25 +120,110 @@ def test_probe_matches_torch_lowering(name):
     keep = torch.full(score.shape, -1, dtype=torch.int32, device="cuda")
     fn(score, out, keep, *_padded(aux))
     torch.cuda.synchronize()
-    want_s, want_keep = _reference(mods, aux, score)
-    assert not out.isnan().any() or want_s.isnan().any()
+    want_s, want_keep = _reference64(mods, aux, score)
     assert torch.equal(keep, want_keep.to(torch.int32)), "mask values differ from the PyTorch lowering"
-    torch.testing.assert_close(out, want_s, rtol=2e-6 * 8, atol=1e-5, equal_nan=True)
+    _assert_scores_close(out, want_s)
 
 
-@pytest.mark.parametrize("name", ["alibi_doc_causal", "transcendental_bool_table"])
-def test_tile_helper_matches_torch_lowering(name):
-    from torch_fa4.kernels.common import mod_lowering
+@pytest.mark.parametrize("name", NAMES + ["tile_only", "row_only", "col_only", "element"])
+def test_tile_probe_matches_float64(name):
+    """The hoisted fragment emission: every element of a (B, H, 70, 67) grid, fragments of two rows
+    and eight keys sticking out past both ends, scores scaled by PROBE_SCALE on the way in."""
+    from torch_fa4.kernels.common import mod_fragment
 
-    score_mod, mask_mod = cases("cuda")[name]
+    score_mod, mask_mod = _all_cases("cuda")[name]
     mods, aux = trace_graphs(score_mod, mask_mod)
-    fn = mod_lowering.compile_tile_probe(mods.score_graph, mods.mask_graph, arch=_arch())
-    B, H, M, N = 2, 3, 70, 67  # N not a multiple of the 8-column fragment
+    fn = mod_fragment.compile_tile_probe(mods.score_graph, mods.mask_graph, arch=_arch())
+    B, H, M, N = 2, 3, 70, 67
     score = torch.randn(B, H, M, N, device="cuda") * 4
     out = torch.full_like(score, float("nan"))
     fn(score, out, torch.empty(1, 1, 1, 1, dtype=torch.int32, device="cuda"), *_padded(aux))
     torch.cuda.synchronize()
-    want_s, want_keep = _reference(mods, aux, score)
-    want = want_s.masked_fill(~want_keep, float("-inf"))
-    assert torch.equal(out == float("-inf"), ~want_keep), "masked positions differ"
-    torch.testing.assert_close(out, want, rtol=2e-6 * 8, atol=1e-5, equal_nan=True)
+    want_s, want_keep = _reference64(mods, aux, score * mod_fragment.PROBE_SCALE)
+    assert torch.equal(out == float("-inf"), ~want_keep | (want_s == float("-inf"))), "masked positions differ"
+    _assert_scores_close(out, want_s, want_keep)
+
+
+# ---- the sm90 forward kernel with hoisted mods, against float64 attention --------------------------
+
+cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def poisoned_sm90_forward(monkeypatch):
+    """Every sm90 forward launch first fills out / lse with NaN, and is recorded (so a test knows the
+    kernel, not the reference, ran)."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    seen = []
+    real_forward = fwd_host.forward
+
+    def poisoned(call, out, lse, **kw):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        seen.append(call.mod_key)
+        real_forward(call, out, lse, **kw)
+
+    monkeypatch.setattr(fwd_host, "forward", poisoned)
+    return seen
+
+
+def _eager_lowp(q, k, v, scale, causal, score_mod, mask_mod):
+    """Attention in the inputs' dtype on the GPU (bf16 matmuls, fp32 softmax): the error scale."""
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    b, h, i, j = _grids(B, H, Sq, Sk, q.device)
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j).float()
+    vis = torch.ones(B, H, Sq, Sk, dtype=torch.bool, device=q.device)
+    if causal:
+        vis &= j <= i + Sk - Sq
+    if mask_mod is not None:
+        vis &= mask_mod(b, h, i, j).bool()
+    p = torch.softmax(s.masked_fill(~vis, -math.inf), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), v)
+
+
+@pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["tile_only", "row_only", "col_only", "element"])
+def test_sm90_forward_with_hoisted_mods(poisoned_sm90_forward, name, causal):
+    import torch_fa4
+
+    B, S, H, D = 2, 333, 4, 128  # 333: the last query and key tiles stick out
+    mods_gpu = hoisting_cases("cuda", H=H, S=S)[name]
+    # the same captured values on the CPU for the float64 oracle
+    mods_cpu = _on_cpu(mods_gpu)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_fa4:.*falls back")
+        out, lse = torch_fa4.attention(q, k, v, causal=causal, score_mod=mods_gpu[0], mask_mod=mods_gpu[1],
+                                       return_lse=True)
+    torch.cuda.synchronize()
+    assert len(poisoned_sm90_forward) == 1 and poisoned_sm90_forward[0], "the sm90 kernel did not run"
+    assert not out.isnan().any() and not lse.isnan().any(), "unwritten or NaN output"
+    ref_out, ref_lse = naive_attention(q, k, v, causal=causal, score_mod=mods_cpu[0], mask_mod=mods_cpu[1])
+    eager = _eager_lowp(q, k, v, D ** -0.5, causal, *mods_gpu)
+    err = (out.double().cpu() - ref_out).abs().max().item()
+    eager_err = (eager.double().cpu() - ref_out).abs().max().item()
+    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
+    lse = lse.double().cpu()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
+    tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
+    assert ((lse[finite] - ref_lse[finite]).abs() <= tol).all(), (lse[finite] - ref_lse[finite]).abs().max()
+
+
+def _on_cpu(mods):
+    """The same mods with their captured tensors copied to the CPU (closure cells rebound)."""
+    import types
+
+    def move(fn):
+        if fn is None:
+            return None
+        cells = tuple(types.CellType(c.cell_contents.cpu() if isinstance(c.cell_contents, torch.Tensor)
+                                     else c.cell_contents) for c in (fn.__closure__ or ()))
+        return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells or None)
+
+    return move(mods[0]), move(mods[1])

@@ -1,0 +1,378 @@
+"""Emit a traced score_mod / mask_mod over a thread's whole score fragment, hoisted by dependence.
+
+`mod_lowering` inlines a graph for one element; here the same ops are emitted for a (rows, cols)
+fragment following `mod_hoisting.hoist_plan`: TILE values come precomputed (or are emitted once),
+ROW values once per fragment row, COL values once per column, and only ELEM values per element.
+Exact int -> float rewrites replace per-element conversions (I2F shares the quarter-rate pipe with
+the softmax's MUFU.EX2 on Hopper), and identical element values are emitted once: emission is
+hash-consed, so e.g. kv_idx - q_idx, which repeats along the fragment's diagonals, is computed once
+per distinct offset.
+
+Plain Python helpers called from inside @cute.jit code (like mod_lowering's); graphs and plans are
+compile-time constants.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from torch_fa4.kernels.common.mod_hoisting import COL, ROW, TILE, HoistPlan, ancestors, hoist_plan
+from torch_fa4.kernels.common.mod_lowering import (BOOL, FLOAT, MAX_AUX, ModProbeKernel, _as_kind, _emit_op,
+                                                   _select, fake_aux_tensor)
+from torch_fa4.mods.graph import ModGraph
+
+
+@functools.lru_cache(maxsize=None)
+def plan_for(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
+    return hoist_plan(graph, allow_affine)
+
+
+def tile_values(graph: Optional[ModGraph], b, h, aux: Sequence) -> tuple:
+    """The values of the graph's tile frontier (mod_hoisting.tile_frontier), e.g. slope[h]: what a
+    kernel computes once per tile of work and hands to every FragmentEmitter of that tile."""
+    if graph is None:
+        return ()
+    plan = plan_for(graph)
+    env: dict = {}
+    for i in sorted(ancestors(graph, plan.tile_nodes)):  # all TILE: a TILE node has TILE arguments
+        n = graph.nodes[i]
+        if n.op == "input":
+            env[i] = _as_kind({"b": b, "h": h}[n.attr], n.kind)
+        else:
+            env[i] = _emit_op(n, [env[a] for a in n.args], aux)
+    return tuple(env[i] for i in plan.tile_nodes)
+
+
+class FragmentPositions:
+    """Where a thread's fragment sits: q_idx of row r is q_base + row_offs[r], kv_idx of column j is
+    kv_base + col_offs[j]. Offsets are Python ints when the coordinate layout is static (always for
+    the attention kernels' wgmma fragments); otherwise row_offs is None and the positions are read
+    per row / column from the coordinate tensor (no affine rewrites then)."""
+
+    def __init__(self, c: cute.Tensor, row0, col0):
+        """c: (rows, cols) identity-coordinate view of the fragment; row0 / col0: tile offsets."""
+        rows, cols = cute.size(c, mode=[0]), cute.size(c, mode=[1])
+        self.rows, self.cols = rows, cols
+        base = c[0, 0]
+        self.q_base = row0 + base[0]
+        self.kv_base = col0 + base[1]
+        offs = {(r, j): cute.crd2idx((r, j), c.layout) for r in range(rows) for j in range(cols)}
+        static = all(isinstance(o, tuple) and len(o) == 2 and all(type(x) is int for x in o) for o in offs.values())
+        if static:
+            row_offs = tuple(offs[r, 0][0] for r in range(rows))
+            col_offs = tuple(offs[0, j][1] for j in range(cols))
+            # rows_cols views keep a row's position independent of the column and vice versa
+            static = all(offs[r, j] == (row_offs[r], col_offs[j]) for r in range(rows) for j in range(cols))
+        self.row_offs, self.col_offs = (row_offs, col_offs) if static else (None, None)
+        # the positions themselves, for the integer path (and clamping)
+        self.q_rows = _Lazy(lambda r: row0 + c[r, 0][0])
+        self.kv_cols = _Lazy(lambda j: col0 + c[0, j][1])
+
+
+class _Lazy:
+    """index -> value, each emitted on first use (unused positions cost no instruction)."""
+
+    def __init__(self, make):
+        self._make, self._values = make, {}
+
+    def __getitem__(self, k):
+        if k not in self._values:
+            self._values[k] = self._make(k)
+        return self._values[k]
+
+
+class FragmentEmitter:
+    """One graph emitted over one fragment. `value(i, r, j)` is node i at element (r, j); each node is
+    emitted once per distinct (row, col) it depends on, and ops with identical arguments once."""
+
+    def __init__(self, graph: ModGraph, pos: FragmentPositions, b, h, aux: Sequence, tile_vals=None,
+                 last_q=None, last_k=None):
+        """tile_vals: from tile_values() (None: emit TILE nodes here); last_q / last_k: the largest
+        valid positions, to clamp indices that feed loads (None: no clamping)."""
+        self.graph = graph
+        self.plan = plan_for(graph, pos.row_offs is not None)
+        self.pos = pos
+        self.b, self.h, self.aux = b, h, aux
+        self.tile_vals = dict(zip(self.plan.tile_nodes, tile_vals)) if tile_vals is not None else {}
+        # indices that feed loads are clamped (tile_mods.py says why); emitted where first used
+        self._last = {"q_idx": last_q if "q_idx" in self.plan.clamped else None,
+                      "kv_idx": last_k if "kv_idx" in self.plan.clamped else None}
+        self._memo: dict = {}
+        self._cons: dict = {}
+        self._score: dict = {}
+        self._fdyn: dict = {}
+        inputs = [i for i, n in enumerate(graph.nodes) if n.op == "input" and n.attr == "score"]
+        self.score_input = inputs[0] if inputs else None
+
+    # ---- public ------------------------------------------------------------------------------
+    def score(self, r: int, j: int, raw, scale=None) -> Float32:
+        """score_mod at (r, j) of the score raw * scale (scale None: raw is the score).
+
+        With a scale, the first add / sub of the score becomes one fma(raw, scale, other): a bias
+        (ALiBi, tables) then costs no separate multiply per element, and the bias itself, shared
+        by elements, stays a value of its own rather than being fused per element."""
+        self._score[r, j] = (raw, scale)
+        return _as_kind(self.value(self.graph.output, r, j), FLOAT)
+
+    def keep(self, r: int, j: int):
+        return _as_kind(self.value(self.graph.output, r, j), BOOL)
+
+    # ---- emission ----------------------------------------------------------------------------
+    def _key(self, i: int, r: int, j: int):
+        lv = self.plan.levels[i]
+        return (i, r if lv & ROW else None, j if lv & COL else None)
+
+    def _hashcons(self, key_head: tuple, args: list, make):
+        key = key_head + tuple(("py", x) if isinstance(x, (int, float, bool)) else id(x) for x in args)
+        hit = self._cons.get(key)
+        if hit is None:
+            hit = (make(), args)  # args kept alive: their ids stay unique while the key exists
+            self._cons[key] = hit
+        return hit[0]
+
+    def value(self, i: int, r: int, j: int):
+        key = self._key(i, r, j)
+        if key in self._memo:
+            return self._memo[key]
+        n = self.graph.nodes[i]
+        if i in self.tile_vals:
+            v = self.tile_vals[i]
+        elif n.op == "input":
+            v = {"score": lambda: self._scaled_score(r, j), "b": lambda: self.b, "h": lambda: self.h,
+                 "q_idx": lambda: self.pos.q_rows[r], "kv_idx": lambda: self.pos.kv_cols[j]}[n.attr]()
+            last = self._last.get(n.attr)
+            v = _as_kind(v if last is None else cutlass.min(v, last), n.kind)
+        elif i in self.plan.rewritten:
+            v = self._float(n.args[0], r, j)
+        elif self._affine_int(i):
+            v = self._affine_value(i, r, j)
+        elif self._fusable_score_add(n):
+            v = self._score_fma(n, r, j)
+        elif n.op == "div" and n.kind == FLOAT and self.plan.levels[n.args[1]] in (TILE, ROW) \
+                and self.plan.levels[i] != self.plan.levels[n.args[1]]:
+            v = self._div_by_hoisted(n, r, j)
+        else:
+            args = [self.value(a, r, j) for a in n.args]
+            v = self._hashcons((n.op, n.kind, n.attr if n.op in ("const", "load") else None), args,
+                               lambda: _emit_op(n, args, self.aux))
+        self._memo[key] = v
+        return v
+
+    def _scaled_score(self, r: int, j: int):
+        raw, scale = self._score[r, j]
+        return raw if scale is None else raw * scale
+
+    def _fusable_score_add(self, n) -> bool:
+        if n.op not in ("add", "sub") or n.kind != FLOAT or self.score_input is None:
+            return False
+        return self.score_input in n.args and n.args[0] != n.args[1]
+
+    def _score_fma(self, n, r: int, j: int):
+        raw, scale = self._score[r, j]
+        if scale is None:  # nothing to fuse: a plain add / sub
+            args = [self.value(a, r, j) for a in n.args]
+            return _emit_op(n, args, self.aux)
+        first = n.args[0] == self.score_input
+        other = _as_kind(self.value(n.args[1] if first else n.args[0], r, j), FLOAT)
+        if n.op == "add":
+            return cute.math.fma(raw, scale, other)
+        if first:  # score - other
+            return cute.math.fma(raw, scale, -other)
+        return cute.math.fma(-raw, scale, other)  # other - score
+
+    def _div_by_hoisted(self, n, r: int, j: int) -> Float32:
+        """x / y for a divisor that is the same for the whole fragment (or row), e.g. softcap's
+        score / cap: the reciprocal once, then per element a multiply and two fmas, branch-free.
+        An IEEE division per element costs a range check and a slow-path branch each, which also
+        stops the scheduler from interleaving elements."""
+        x = _as_kind(self.value(n.args[0], r, j), FLOAT)
+        y = _as_kind(self.value(n.args[1], r, j), FLOAT)
+        rcp = self._hashcons(("rcp",), [y], lambda: Float32(1.0) / y)
+        return _div_with_reciprocal(x, y, rcp)
+
+    def _float(self, i: int, r: int, j: int) -> Float32:
+        """The exact fp32 value of int node i at (r, j), as plan.float_forms says."""
+        form = self.plan.float_forms[i]
+        kind = form[0]
+        if kind == "const":
+            return self._hashcons(("fconst", form[1]), [], lambda: Float32(form[1]))
+        if kind == "convert":
+            x = self.value(i, r, j)
+            return self._hashcons(("i2f",), [x], lambda: x.to(Float32))
+        if kind == "affine":
+            f = self.plan.affine[i]
+            off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
+            base = self._affine_base(i)
+            if off == 0:
+                return base
+            return self._hashcons(("fadd_imm", off), [base], lambda: base + Float32(off))
+        op = form[1]
+        n = self.graph.nodes[i]
+        if op == "where":
+            cond = self.value(n.args[0], r, j)
+            a, b = self._float(n.args[1], r, j), self._float(n.args[2], r, j)
+            return self._hashcons(("fwhere",), [cond, a, b], lambda: _select(cond, a, b, FLOAT))
+        a = [self._float(x, r, j) for x in n.args]
+        return self._hashcons(("f" + op,), a, lambda: _float_op(op, a))
+
+    def _affine_int(self, i: int) -> bool:
+        """An int node of the fragment (not TILE) that is affine in the positions, with static offsets:
+        emitted as its fragment-wide part plus the element's offset, so elements that share an
+        offset (kv_idx - q_idx along a diagonal) share the value -- and, by hash-consing, every op
+        computed from it (a compare, a floor division, a table load)."""
+        return (self.pos.row_offs is not None and self.plan.levels[i] != TILE
+                and self.graph.nodes[i].kind == "int" and self.plan.affine[i] is not None
+                and self.graph.nodes[i].op != "input")
+
+    def _affine_value(self, i: int, r: int, j: int):
+        f = self.plan.affine[i]
+        off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
+        base = self._affine_int_base(i)
+        if off == 0:
+            return base
+        return self._hashcons(("iadd_imm", off), [base], lambda: base + off)
+
+    def _affine_int_base(self, i: int):
+        """The affine node's fragment-wide part (its value at offsets (0, 0)), once per call and per
+        distinct affine form."""
+        f = self.plan.affine[i]
+        key = ("int", f)
+        if key not in self._fdyn:
+            acc = None
+            terms = [(f.q, self.pos.q_base), (f.kv, self.pos.kv_base)]
+            terms += [(c, self.value(t, 0, 0)) for t, c in f.tile]
+            for c, x in terms:
+                if c == 0:
+                    continue
+                t = x if c == 1 else (-x if c == -1 else x * c)
+                acc = t if acc is None else acc + t
+            if acc is None:
+                acc = Int32(f.const)
+            elif f.const:
+                acc = acc + f.const
+            self._fdyn[key] = _as_kind(acc, "int")
+        return self._fdyn[key]
+
+    def _affine_base(self, i: int) -> Float32:
+        """fp32 of the affine node's fragment-wide part, converted once per call."""
+        base = self._affine_int_base(i)
+        return self._hashcons(("i2f",), [base], lambda: base.to(Float32))
+
+
+def _div_with_reciprocal(x, y, rcp):
+    """RN(x / y) from rcp = RN(1 / y): q0 = x * rcp is within an ulp, the fma gives the exact
+    remainder x - q0 * y, and one correction step rounds correctly (Markstein's theorem; checked
+    exhaustively enough in tests/test_mods_cute.py). When q0 is not finite (y = 0, x or y infinite,
+    overflow) it already is the IEEE result (inf, or NaN for 0/0 and inf/inf). Quotients in the
+    subnormal range may be off by an ulp: far below anything a score or a bias resolves."""
+    q0 = x * rcp
+    rem = cute.math.fma(-q0, y, x)
+    q1 = cute.math.fma(rem, rcp, q0)
+    return _select(cute.math.abs(q0) < Float32.inf, q1, q0, FLOAT)
+
+
+def _float_op(op: str, a: list):
+    # operands are exact integers in fp32 (never NaN), so plain compares give min / max
+    if op == "neg":
+        return -a[0]
+    if op == "abs":
+        return cute.math.abs(a[0])
+    if op == "add":
+        return a[0] + a[1]
+    if op == "sub":
+        return a[0] - a[1]
+    if op == "mul":
+        return a[0] * a[1]
+    if op == "minimum":
+        return _select(a[0] < a[1], a[0], a[1], FLOAT)
+    if op == "maximum":
+        return _select(a[0] > a[1], a[0], a[1], FLOAT)
+    raise NotImplementedError(op)
+
+
+def apply_mods_to_tile(s: cute.Tensor, coords: cute.Tensor, row0, col0, b, h, score_aux, mask_aux,
+                       score_graph, mask_graph, scale=None, last_q=None, last_k=None):
+    """For a (rows, cols) fragment `s` of fp32 scores and the identity-coordinate tensor `coords`
+    partitioned alike (coords[r, j] = (row, col) in the tile): s = score_mod(s * scale, ...), then
+    -inf where mask_mod is False, with q_idx = row0 + row and kv_idx = col0 + col; indices that feed
+    loads are clamped to last_q / last_k when given. Call from @cute.jit / @cute.kernel code."""
+    pos = FragmentPositions(coords, row0, col0)
+    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
+    if score_graph is not None:
+        em = FragmentEmitter(score_graph, pos, b, h, score_aux, tile_values(score_graph, b, h, score_aux),
+                             last_q, last_k)
+        for r in range(rows):
+            for j in range(cols):
+                s[r, j] = em.score(r, j, s[r, j], scale)
+    if mask_graph is not None:
+        em = FragmentEmitter(mask_graph, pos, b, h, mask_aux, tile_values(mask_graph, b, h, mask_aux),
+                             last_q, last_k)
+        for r in range(rows):
+            for j in range(cols):
+                s[r, j] = _as_kind(cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf), FLOAT)
+
+
+class ModTileProbeKernel(ModProbeKernel):
+    """Like mod_lowering.ModProbeKernel, but through `apply_mods_to_tile`: each thread holds a
+    (2, 8) register fragment (two query rows, eight keys), applies both mods to the scores scaled by
+    PROBE_SCALE (masked entries become -inf) and writes them back: out = mods(score * PROBE_SCALE).
+    Exercises every hoisting level (tile values, rows, columns, elements) and the fused score fma."""
+
+    rows, cols = 2, 8
+
+    @cute.jit
+    def __call__(self, score: cute.Tensor, out: cute.Tensor, keep: cute.Tensor,
+                 aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7, stream):
+        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
+        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
+        B, H, M, N = score.shape
+        segments = ((M + self.rows - 1) // self.rows) * ((N + self.cols - 1) // self.cols)
+        grid = ((segments + self.threads - 1) // self.threads, H, B)
+        self.tile_kernel(score, out, score_aux, mask_aux).launch(grid=grid, block=(self.threads, 1, 1),
+                                                                  stream=stream)
+
+    @cute.kernel
+    def tile_kernel(self, score: cute.Tensor, out: cute.Tensor, score_aux, mask_aux):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, h, b = cute.arch.block_idx()
+        M, N = score.shape[2], score.shape[3]
+        per_row = (N + self.cols - 1) // self.cols
+        seg = bx * self.threads + tidx
+        if seg < ((M + self.rows - 1) // self.rows) * per_row:
+            row0 = (seg // per_row) * self.rows
+            col0 = (seg - (seg // per_row) * per_row) * self.cols
+            frag = cute.make_rmem_tensor((self.rows, self.cols), Float32)
+            coords = cute.make_identity_tensor((self.rows, self.cols))
+            for r in cutlass.range_constexpr(self.rows):
+                for j in cutlass.range_constexpr(self.cols):
+                    frag[r, j] = score[b, h, cutlass.min(row0 + r, M - 1), cutlass.min(col0 + j, N - 1)]
+            apply_mods_to_tile(frag, coords, row0, col0, b, h, score_aux, mask_aux, self.score_graph,
+                               self.mask_graph, Float32(PROBE_SCALE), M - 1, N - 1)
+            for r in cutlass.range_constexpr(self.rows):
+                for j in cutlass.range_constexpr(self.cols):
+                    if row0 + r < M and col0 + j < N:
+                        out[b, h, row0 + r, col0 + j] = frag[r, j]
+
+
+PROBE_SCALE = 0.5  # a power of two: score * PROBE_SCALE is exact, so references can form it too
+
+
+def compile_tile_probe(score_graph, mask_graph, arch: str = "sm_90a", dump_dir: Optional[str] = None):
+    """cute.compile ModTileProbeKernel; call as fn(score, out, keep_unused, *aux padded to MAX_AUX)."""
+    def fake(dt):
+        return cute.runtime.make_fake_tensor(dt, tuple(cute.sym_int() for _ in range(4)),
+                                             tuple(cute.sym_int64() for _ in range(3)) + (1,), assumed_align=4)
+
+    specs = [a for g in (score_graph, mask_graph) if g is not None for a in g.aux]
+    aux = [fake_aux_tensor(a.dtype, a.ndim) for a in specs] + [None] * (MAX_AUX - len(specs))
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(ModTileProbeKernel(score_graph, mask_graph), fake(Float32), fake(Float32), fake(Int32),
+                        *aux, stream, options=options)

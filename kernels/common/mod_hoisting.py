@@ -1,0 +1,340 @@
+"""Where each node of a traced mod graph has to be computed inside a score tile, and when an
+int -> float conversion can be done exactly in fp32 instead.
+
+Pure Python over a `ModGraph` (no CuTe DSL import), so the CPU tests check the decisions directly;
+`mod_fragment` follows them when it emits code for a thread's score fragment.
+
+Hoisting by dependence. A node's *level* is the set of per-element inputs it depends on:
+
+    TILE  b, h, constants, loads indexed by those   once per tile of work (kept in registers
+                                                     across key tiles by the kernel)
+    ROW   q_idx (and TILE values)                   once per fragment row (2 per warpgroup tile)
+    COL   kv_idx (and TILE values)                  once per fragment column (tile_n / 4)
+    ELEM  score, or both q_idx and kv_idx           per element
+
+Levels are bit sets (ROW | COL == ELEM), so a node's level is the union of its arguments'.
+
+Exact int -> float. On Hopper I2F issues on the quarter-rate pipe that MUFU.EX2 uses, so a
+per-element conversion competes with the softmax exponentials. Every integer of magnitude
+<= 2^24 is an fp32 value, and fp32 add / sub / mul / neg / abs / min / max of such integers are
+exact as long as the true result is such an integer too. So `to_float(x)` of an integer
+expression x may be computed in fp32 from converted parts when interval analysis bounds every
+intermediate by 2^24; otherwise the integer path stays. Sequence positions are assumed to be in
+[0, 2^23) (MAX_SEQLEN: the host must not send longer sequences with mods to the kernel), which
+leaves room for offsets: kv_idx - q_idx + c stays exact for |c| < 2^23.
+
+Affine indices. A thread's fragment positions are q_idx = q_base + row_off[r] and kv_idx =
+kv_base + col_off[j], with compile-time offsets. An integer node that is affine in q_idx and
+kv_idx, c_q * q_idx + c_kv * kv_idx + (TILE terms) + const, therefore splits into a dynamic
+part that is the same for the whole fragment (c_q * q_base + c_kv * kv_base + ...) and a
+compile-time offset per element (c_q * row_off[r] + c_kv * col_off[j]). Converted once per call,
+`to_float` of it costs one fp32 add of an immediate per element, and elements that share an
+offset (e.g. kv_idx - q_idx along a diagonal) share the value -- in the integer path too, with
+everything computed from it (a window compare, a floor division).
+
+Clamping. Kernels clamp q_idx / kv_idx into the sequence only so that loads from captured
+tensors stay in bounds (tile_mods.py). An input that feeds no load index is left unclamped,
+which keeps it affine; the values differ only on elements the kernel masks or never stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch_fa4.mods.graph import INT, ModGraph
+
+TILE, ROW, COL, ELEM = 0, 1, 2, 3
+LEVEL_NAMES = {TILE: "tile", ROW: "row", COL: "col", ELEM: "elem"}
+INPUT_LEVELS = {"b": TILE, "h": TILE, "q_idx": ROW, "kv_idx": COL, "score": ELEM}
+
+EXACT_INT = 2 ** 24  # every integer with |x| <= 2^24 is exactly representable in fp32
+MAX_SEQLEN = 2 ** 23  # positions q_idx, kv_idx lie in [0, MAX_SEQLEN)
+INT32 = (-(2 ** 31), 2 ** 31 - 1)
+
+# value ranges of int loads by captured-tensor dtype (int64 is narrowed to int32 on load)
+_DTYPE_RANGES = {
+    "torch.int8": (-128, 127), "torch.uint8": (0, 255), "torch.int16": (-(2 ** 15), 2 ** 15 - 1),
+    "torch.int32": INT32, "torch.int64": INT32,
+}
+# b and h are never bounded by anything the kernel checks: assume only that they are int32 >= 0
+INPUT_RANGES = {"q_idx": (0, MAX_SEQLEN - 1), "kv_idx": (0, MAX_SEQLEN - 1), "b": (0, INT32[1]),
+                "h": (0, INT32[1])}
+
+
+def node_levels(graph: ModGraph) -> tuple[int, ...]:
+    levels: list[int] = []
+    for n in graph.nodes:
+        if n.op == "input":
+            levels.append(INPUT_LEVELS[n.attr])
+        else:
+            lv = TILE
+            for a in n.args:
+                lv |= levels[a]
+            levels.append(lv)
+    return tuple(levels)
+
+
+def live_nodes(graph: ModGraph) -> frozenset[int]:
+    """Nodes the output depends on (the tracer may leave dead inputs and constants)."""
+    live, stack = set(), [graph.output]
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(graph.nodes[i].args)
+    return frozenset(live)
+
+
+def ancestors(graph: ModGraph, roots) -> set[int]:
+    seen, stack = set(), list(roots)
+    while stack:
+        i = stack.pop()
+        if i not in seen:
+            seen.add(i)
+            stack.extend(graph.nodes[i].args)
+    return seen
+
+
+def clamped_inputs(graph: ModGraph) -> frozenset[str]:
+    """The index inputs that some load's index depends on: the kernel clamps these (and only these)
+    into the sequence so every load stays inside its tensor."""
+    live = live_nodes(graph)
+    roots = [a for i in live if graph.nodes[i].op == "load" for a in graph.nodes[i].args]
+    cone = ancestors(graph, roots)
+    return frozenset(graph.nodes[i].attr for i in cone
+                     if graph.nodes[i].op == "input" and graph.nodes[i].attr in ("q_idx", "kv_idx"))
+
+
+def tile_frontier(graph: ModGraph, levels=None) -> tuple[int, ...]:
+    """TILE nodes, other than constants and the inputs b / h, whose values a non-TILE node or the
+    output reads: what a kernel computes once per tile of work and keeps in registers."""
+    levels = levels or node_levels(graph)
+    live = live_nodes(graph)
+    needed = set()
+    for i in live:
+        n = graph.nodes[i]
+        if levels[i] != TILE:
+            needed.update(a for a in n.args if levels[a] == TILE)
+    if levels[graph.output] == TILE:
+        needed.add(graph.output)
+    return tuple(sorted(i for i in needed if graph.nodes[i].op not in ("const", "input")))
+
+
+# ---- integer value ranges ----------------------------------------------------------------------------
+
+def _clip(lo: int, hi: int) -> tuple[int, int]:
+    # int32 arithmetic wraps: a range that leaves int32 says nothing
+    return (lo, hi) if INT32[0] <= lo and hi <= INT32[1] else INT32
+
+
+def int_ranges(graph: ModGraph) -> tuple[Optional[tuple[int, int]], ...]:
+    """Interval [lo, hi] of every int node (None for float / bool nodes), from INPUT_RANGES."""
+    out: list = []
+    for n in graph.nodes:
+        if n.kind != INT:
+            out.append(None)
+            continue
+        a = [out[i] for i in n.args]
+        op = n.op
+        if op == "input":
+            r = INPUT_RANGES[n.attr]
+        elif op == "const":
+            r = (int(n.attr), int(n.attr))
+        elif op == "load":
+            r = _DTYPE_RANGES.get(graph.aux[n.attr].dtype, INT32)
+        elif op == "neg":
+            r = (-a[0][1], -a[0][0])
+        elif op == "abs":
+            lo, hi = a[0]
+            r = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+        elif op == "add":
+            r = (a[0][0] + a[1][0], a[0][1] + a[1][1])
+        elif op == "sub":
+            r = (a[0][0] - a[1][1], a[0][1] - a[1][0])
+        elif op == "mul":
+            p = [x * y for x in a[0] for y in a[1]]
+            r = (min(p), max(p))
+        elif op == "minimum":
+            r = (min(a[0][0], a[1][0]), min(a[0][1], a[1][1]))
+        elif op == "maximum":
+            r = (max(a[0][0], a[1][0]), max(a[0][1], a[1][1]))
+        elif op == "where":
+            r = (min(a[1][0], a[2][0]), max(a[1][1], a[2][1]))
+        elif op == "floordiv" and a[1][0] == a[1][1] and a[1][0] > 0:
+            r = (a[0][0] // a[1][0], a[0][1] // a[1][0])
+        elif op == "mod" and a[1][0] == a[1][1] and a[1][0] > 0:
+            r = (0, a[1][0] - 1)
+        else:
+            r = INT32
+        out.append(_clip(*r))
+    return tuple(out)
+
+
+def _exact(r: Optional[tuple[int, int]]) -> bool:
+    return r is not None and -EXACT_INT <= r[0] and r[1] <= EXACT_INT
+
+
+# ---- affine forms -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Affine:
+    """c_q * q_idx + c_kv * kv_idx + sum(coeff * value of TILE node) + const."""
+
+    q: int = 0
+    kv: int = 0
+    tile: tuple[tuple[int, int], ...] = ()
+    const: int = 0
+
+    def plus(self, other: "Affine", sign: int = 1) -> "Affine":
+        terms = dict(self.tile)
+        for i, c in other.tile:
+            terms[i] = terms.get(i, 0) + sign * c
+        return Affine(self.q + sign * other.q, self.kv + sign * other.kv,
+                      tuple(sorted((i, c) for i, c in terms.items() if c)), self.const + sign * other.const)
+
+    def scaled(self, k: int) -> "Affine":
+        return Affine(self.q * k, self.kv * k, tuple((i, c * k) for i, c in self.tile if c * k), self.const * k)
+
+    def offset(self, row_off: int, col_off: int) -> int:
+        """The compile-time part at an element whose positions are the bases plus these offsets."""
+        return self.q * row_off + self.kv * col_off
+
+
+def affine_forms(graph: ModGraph, levels=None, clamped=None) -> tuple[Optional[Affine], ...]:
+    """The affine form of each int node, or None. Clamped inputs are not affine (min(., last))."""
+    levels = levels or node_levels(graph)
+    clamped = clamped_inputs(graph) if clamped is None else clamped
+    out: list = []
+    for i, n in enumerate(graph.nodes):
+        a = [out[j] for j in n.args]
+        f = None
+        if n.kind != INT:
+            pass
+        elif n.op == "const":
+            f = Affine(const=int(n.attr))
+        elif n.op == "input" and n.attr in ("q_idx", "kv_idx"):
+            if n.attr not in clamped:
+                f = Affine(q=1) if n.attr == "q_idx" else Affine(kv=1)
+        elif levels[i] == TILE:
+            f = Affine(tile=((i, 1),))
+        elif n.op in ("add", "sub") and a[0] is not None and a[1] is not None:
+            f = a[0].plus(a[1], 1 if n.op == "add" else -1)
+        elif n.op == "neg" and a[0] is not None:
+            f = a[0].scaled(-1)
+        elif n.op == "mul" and a[0] is not None and a[1] is not None:
+            x, y = a
+            if not (y.q or y.kv or y.tile):
+                f = x.scaled(y.const)
+            elif not (x.q or x.kv or x.tile):
+                f = y.scaled(x.const)
+        out.append(f)
+    return tuple(out)
+
+
+def _affine_range(f: Affine, ranges) -> tuple[int, int]:
+    lo = hi = f.const
+    for c, r in ((f.q, INPUT_RANGES["q_idx"]), (f.kv, INPUT_RANGES["kv_idx"])) + tuple(
+            (c, ranges[i]) for i, c in f.tile):
+        lo += min(c * r[0], c * r[1])
+        hi += max(c * r[0], c * r[1])
+    return lo, hi
+
+
+# ---- float forms of int expressions ------------------------------------------------------------------
+
+# How mod_lowering computes the fp32 value of an int node exactly:
+#   ("affine",)        convert the fragment-wide dynamic part once, add the element's offset
+#   ("convert",)       convert the node's value (at its own level: cheap for TILE and ROW)
+#   ("const", value)   an fp32 constant
+#   ("op", name)       the same op on the float forms of the arguments (where: on args 1, 2)
+FloatForm = tuple
+
+
+@dataclass(frozen=True)
+class HoistPlan:
+    levels: tuple[int, ...]
+    clamped: frozenset[str]
+    ranges: tuple
+    affine: tuple
+    float_forms: dict  # int node -> FloatForm, for every int node reachable from a rewritten to_float
+    rewritten: frozenset[int]  # to_float nodes computed through float_forms instead of an I2F
+    tile_nodes: tuple[int, ...]  # tile_frontier
+
+    def level_name(self, i: int) -> str:
+        return LEVEL_NAMES[self.levels[i]]
+
+
+def _float_form(graph: ModGraph, i: int, plan: dict, levels, ranges, affine, allow_affine: bool):
+    """Record in `plan` how to compute node i exactly in fp32; False when that is not possible."""
+    if i in plan:
+        return True
+    n = graph.nodes[i]
+    if not _exact(ranges[i]):
+        return False
+    if n.op == "const":
+        plan[i] = ("const", float(n.attr))
+        return True
+    f = affine[i]
+    if allow_affine and f is not None and levels[i] != TILE and _exact(_affine_range(f, ranges)):
+        plan[i] = ("affine",)
+        return True
+    if levels[i] in (TILE, ROW):  # converting once per tile or row is cheap
+        plan[i] = ("convert",)
+        return True
+    if n.op in ("neg", "abs", "add", "sub", "mul", "minimum", "maximum", "where"):
+        args = n.args[1:] if n.op == "where" else n.args
+        sub: dict = {}
+        if all(_float_form(graph, a, sub, levels, ranges, affine, allow_affine) for a in args):
+            plan.update(sub)
+            plan[i] = ("op", n.op)
+            return True
+    if levels[i] == COL:  # still once per column rather than per element
+        plan[i] = ("convert",)
+        return True
+    return False
+
+
+def hoist_plan(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
+    """Everything mod_lowering needs to emit `graph` on a fragment. allow_affine=False when the
+    fragment's position offsets are not compile-time constants."""
+    levels = node_levels(graph)
+    clamped = clamped_inputs(graph)
+    ranges = int_ranges(graph)
+    affine = affine_forms(graph, levels, clamped)
+    forms: dict = {}
+    rewritten = set()
+    for i in live_nodes(graph):
+        n = graph.nodes[i]
+        if n.op != "to_float" or graph.nodes[n.args[0]].kind != INT:
+            continue
+        x = n.args[0]
+        if levels[x] == TILE:
+            continue  # one conversion per tile of work: nothing to gain
+        sub: dict = {}
+        # a plain conversion at the node's own level is what the integer path does anyway
+        if _float_form(graph, x, sub, levels, ranges, affine, allow_affine) and sub[x] != ("convert",):
+            forms.update(sub)
+            rewritten.add(i)
+    return HoistPlan(levels, clamped, ranges, affine, forms, frozenset(rewritten), tile_frontier(graph, levels))
+
+
+def describe(graph: ModGraph, plan: Optional[HoistPlan] = None) -> str:
+    """The graph listing annotated with each node's level and float form (for debugging and docs)."""
+    plan = plan or hoist_plan(graph)
+    lines = graph.text().splitlines()
+    out = [lines[0]]
+    for i, line in enumerate(lines[1:-1]):
+        extra = f"  [{plan.level_name(i)}]"
+        if i in plan.float_forms:
+            extra += f" float:{plan.float_forms[i][0]}"
+        if i in plan.rewritten:
+            extra += " (exact fp32)"
+        out.append(line + extra)
+    out.append(lines[-1])
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["TILE", "ROW", "COL", "ELEM", "node_levels", "live_nodes", "ancestors", "clamped_inputs",
+           "tile_frontier", "int_ranges", "Affine", "affine_forms", "hoist_plan", "HoistPlan", "describe",
+           "MAX_SEQLEN", "EXACT_INT"]
