@@ -285,3 +285,18 @@ def test_disk_cache_loads_in_a_new_process_without_the_dsl(tmp_path):
     assert results[0] == ["device", "check", "0", "True"], results[0]  # compiled, then stored
     assert results[1] == ["device", "check", "1", "False"], results[1]  # loaded; DSL never imported
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def test_mods_refuse_positions_past_the_exact_fp32_range():
+    """The mod lowering does index arithmetic in fp32 where it is exact: positions below 2^23.
+    Longer sequences with mods go to the reference path with a reason, never to a kernel that
+    would round them."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _mod_call(64, score_mod=_alibi(1), H=1)
+    assert fwd_host.unsupported_reason(call) is None
+    long = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(1, fwd_host.MOD_MAX_POSITION + 1, 1, 64)
+    call.q = call.k = call.v = long
+    assert "longer than" in fwd_host.unsupported_reason(call)
+    call.mods, call.mod_key, call.aux_tensors = None, "", ()
+    assert "longer than" not in (fwd_host.unsupported_reason(call) or "")

@@ -23,6 +23,7 @@ from torch_fa4.kernels.common import fwd_launch
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+MOD_MAX_POSITION = 1 << 23
 L2_BYTES = 50 * 1024 * 1024
 
 # (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup (D=64 at 192 rows, three
@@ -51,6 +52,10 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
     for t in call.aux_tensors:
         if t.device != call.q.device:
             return "a captured tensor is not on q's device"
+    if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
+        # the mod lowering turns index arithmetic into exact fp32 arithmetic, exact while every
+        # position stays below 2^23 (kernels/common/mod_hoisting.py)
+        return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
     if _uses_block_mask(call):
         reason = _block_mask_reason(call)
         if reason is not None:
