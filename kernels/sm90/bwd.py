@@ -1,7 +1,7 @@
 """sm90 backward entry point: which calls the kernel takes, and running it.
 
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
-(bwd_kernel.py) -> dQ fp32 -> dtype. Pre/post-processing are O(S * D) elementwise torch ops.
+(bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
 varlen, determinism, key tile and ring stages, block-mask tile ratios, mods key); shapes, strides,
 scale, softcap value, window sizes, captured mod tensors and block-mask lists are runtime
@@ -276,16 +276,26 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0):
     (lse = -inf) and padding rows get +inf, so that P = exp2(s - lse) = 0 there: their dq is 0,
     never NaN. dPsum is 0 on padding rows. `min_rows`: at least that many rows (dense), for a
     block-sparse walk whose last block-mask row reaches past the sequence.
+
+    CUDA tensors go through one fused CuTe DSL kernel (bwd_prepare.py) where it takes them;
+    otherwise (CPU, unaligned or expanded views) the torch expression below runs.
     """
     q = call.q
+    if call.is_varlen:
+        rows = (math.ceil(q.shape[0] / _TILE_M) + 1) * _TILE_M  # TMA strides: 16-byte multiples
+    else:
+        rows = max(math.ceil(q.shape[1] / _TILE_M) * _TILE_M, min_rows)
+    if dout.is_cuda:
+        from . import bwd_prepare
+
+        if bwd_prepare.unsupported_reason(dout, out, lse) is None:
+            return (*bwd_prepare.row_statistics(dout, out, lse, rows), rows)
     lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
     dpsum = (dout.float() * out.float()).sum(-1)  # (B, Sq, Hq) or (Tq, Hq)
     if call.is_varlen:
         dpsum = dpsum.transpose(0, 1)  # (Hq, Tq)
-        rows = (math.ceil(q.shape[0] / _TILE_M) + 1) * _TILE_M  # TMA strides: 16-byte multiples
     else:
         dpsum = dpsum.transpose(1, 2)  # (B, Hq, Sq)
-        rows = max(math.ceil(q.shape[1] / _TILE_M) * _TILE_M, min_rows)
     return _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0), rows
 
 
@@ -307,6 +317,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
 
         lists = bwd_sparse.transposed_lists(call)
         min_rows = bwd_sparse.padded_rows(call)
+    if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
+        dout = dout.contiguous()
     lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows)
     if call.is_varlen:
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
@@ -321,8 +333,6 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
 
-    if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
-        dout = dout.contiguous()
     q, k, v, dout, dk, dv = (_tma_view(t) for t in (q, k, v, dout, dk, dv))
     aux = [None] * MAX_AUX
     if call.mods is not None:
