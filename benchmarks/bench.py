@@ -210,7 +210,7 @@ def main():
     ap.add_argument("--options-sweep", action="store_true",
                     help="torch_fa4 softmax options (conditional rescale, exp2 emulation, pingpong)")
     ap.add_argument("--tiles-sweep", action="store_true",
-                    help="torch_fa4 D128 key-tile widths over the forward grid's D128 rows, beside flash-attn-4")
+                    help="torch_fa4 key-tile widths over the forward grid's D64 rows, beside flash-attn-4")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
     args = ap.parse_args()
@@ -250,8 +250,8 @@ def main():
                  "no-pingpong": dict(pingpong=False)}
         sweep_rows = [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]
         if args.tiles_sweep:
-            sweep = {"128x128": dict(tile_n=128), "128x144": dict(tile_n=144)}
-            sweep_rows = [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
+            sweep = {"128x128": dict(tile_n=128), "128x192": dict(tile_n=192)}
+            sweep_rows = [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
 
         def with_opts(opts):
             def make(q, k, v, causal):

@@ -93,9 +93,10 @@ def _compile_and_check_sass(cfg, tmp_path):
     spills = sass.count("LDL") + sass.count("STL")
     assert spills <= 160, f"{spills} local-memory spill instructions"
     # ptxas serializes the wgmmas when it runs short of registers (advisory C7512): a wait then
-    # follows every HGMMA (33 waits at D128) instead of one per committed group (5-6)
+    # follows every HGMMA (33 waits at D128) instead of one per committed group (9 with the three
+    # key loops)
     waits = sass.count("WARPGROUP.DEPBAR")
-    assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
+    assert waits <= 16, f"{waits} wgmma waits: ptxas serialized the matmuls"
     assert "SETMAXNREG" in sass.upper() or "USETMAXREG" in sass, "no register reallocation"
     return sass
 

@@ -59,6 +59,26 @@ class BlockRange(DynamicState):
         return n_min, n_max
 
     @cute.jit
+    def masked_ends(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_min: Int32, n_max: Int32):
+        """Walking key tiles n_max-1 down to n_min (walk index t = n_max-1-n): (r, l) such that
+        tiles t < r and t >= l may need element masks and t in [r, l) need none. r counts the
+        tiles cut by the right limit (causal diagonal, window right, seqlen_k) of the tile's first
+        row; l starts the tiles cut by the left window limit of its last row. Agrees with
+        needs_mask tile by tile."""
+        count = n_max - n_min
+        first_row = m_block * self.tile_m
+        last_row = first_row + self.tile_m - 1
+        # (n + 1) * tile_n > right  <=>  n >= right // tile_n   (right clamped at 0: all masked)
+        n_right = cutlass.max(self.right_limit(first_row, seqlen_q, seqlen_k), 0) // self.tile_n
+        r = cutlass.min(cutlass.max(n_max - n_right, 0), count)
+        l = count
+        if const_expr(self.has_window):
+            # n * tile_n < left  <=>  n < ceil(left / tile_n)   (left >= 0)
+            n_left = (self.left_limit(last_row, seqlen_q, seqlen_k) + self.tile_n - 1) // self.tile_n
+            l = cutlass.min(cutlass.max(n_max - n_left, r), count)
+        return r, l
+
+    @cute.jit
     def needs_mask(self, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """True when some element of tile (m_block, n_block) is invisible to its row."""
         first_row = m_block * self.tile_m

@@ -108,6 +108,10 @@ class FlashFwdSm90:
         ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
         q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
         self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
+        # separate key loops for masked and unmasked tiles (no mask code where none is needed);
+        # above D=128 the three loop copies leave ptxas short of registers and it serializes the
+        # wgmmas (D=192: a wait after every HGMMA), so those keep one loop with a per-tile check
+        self.split_mask_loops = self.hdim <= 128
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -398,17 +402,22 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
 
     @cute.jit
-    def _scores(self, acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial):
+    def _scores(self, acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial,
+                masked: cutlass.Constexpr = None):
         """Raw q.k -> softmax units (softcap, score_mod) and masks, in place.
 
         partial: whether mask_mod must run on this tile (a block mask's partial tile; always True
-        without a block mask)."""
+        without a block mask). masked: whether the causal / window / length mask applies (None:
+        decided per tile at run time)."""
         if const_expr(self.cfg.softcap):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
         if const_expr(self.score_graph is not None):
             mods.score_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
-        if brange.needs_mask(n_block, m_block, seqlen.seqlen_q, seqlen.seqlen_k):
+        if const_expr(masked is None):
+            if brange.needs_mask(n_block, m_block, seqlen.seqlen_q, seqlen.seqlen_k):
+                apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        elif const_expr(masked):
             apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k)
         if const_expr(self.mask_graph is not None):
             if const_expr(self.cfg.block_sparse):
@@ -419,6 +428,33 @@ class FlashFwdSm90:
 
     def _is_partial(self, walk, t):
         return walk.is_partial(t) if const_expr(self.cfg.block_sparse) else True
+
+    @cute.jit
+    def _kv_step(self, t, masked: cutlass.Constexpr, state, v_state, softmax, acc_s, acc_o, tOrP,
+                 row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                 brange, m_block, seqlen, score_scale, mods, walk, wg):
+        """Key tile t >= 1 of the walk: S_t = Q K_t^T beside O += P_{t-1} V_{t-1}, then the softmax
+        of S_t under the P V. Returns the ring positions and the softmax state after it."""
+        n_block = walk.n_block(t)
+        partial = self._is_partial(walk, t)
+        pipe_k.consumer_wait(state)
+        self._turn_wait(wg)
+        _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+        pipe_v.consumer_wait(v_state)
+        _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        self._turn_pass(wg)
+        warpgroup.wait_group(1)  # S ready; P V still running
+        pipe_k.consumer_release(state)
+        self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
+        moved = softmax.step(acc_s, row_scale)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        if moved:
+            scale_rows(acc_o, row_scale)
+        tOrP.store(a_operand(acc_s).load().to(self.dtype))
+        v_state = state.clone()
+        state.advance()
+        return state, v_state, softmax
 
     @cute.jit
     def consume(self, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
@@ -494,26 +530,23 @@ class FlashFwdSm90:
             v_state = state.clone()
             state.advance()
 
-            for i in cutlass.range(walk.count - 1, unroll=1):
-                n_block = walk.n_block(i + 1)
-                partial = self._is_partial(walk, i + 1)
-                pipe_k.consumer_wait(state)
-                self._turn_wait(wg)
-                _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
-                pipe_v.consumer_wait(v_state)
-                _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-                self._turn_pass(wg)
-                warpgroup.wait_group(1)  # S ready; P V still running
-                pipe_k.consumer_release(state)
-                self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial)
-                moved = softmax.step(acc_s, row_scale)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_state)
-                if moved:
-                    scale_rows(acc_o, row_scale)
-                tOrP.store(a_operand(acc_s).load().to(self.dtype))
-                v_state = state.clone()
-                state.advance()
+            step = (acc_s, acc_o, tOrP, row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v,
+                    tiled_mma_qk, tiled_mma_pv, brange, m_block, seqlen, score_scale, mods, walk, wg)
+            if const_expr(cfg.block_sparse or not self.split_mask_loops):
+                for i in cutlass.range(walk.count - 1, unroll=1):
+                    state, v_state, softmax = self._kv_step(i + 1, None, state, v_state, softmax, *step)
+            else:
+                # three loops so the tiles that need no element mask (most of them) run without
+                # any mask code: [1, r) masked, [r, l) unmasked, [l, count) masked
+                r, l = brange.masked_ends(m_block, seqlen.seqlen_q, seqlen.seqlen_k, walk.n_min, walk.n_max)
+                r = cutlass.max(r, 1)
+                l = cutlass.max(l, r)
+                for t in cutlass.range(1, r, unroll=1):
+                    state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
+                for t in cutlass.range(r, l, unroll=1):
+                    state, v_state, softmax = self._kv_step(t, False, state, v_state, softmax, *step)
+                for t in cutlass.range(l, walk.count, unroll=1):
+                    state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
 
             pipe_v.consumer_wait(v_state)
             self._turn_wait(wg)
