@@ -14,7 +14,9 @@ Consumer main loop (per warpgroup, key tiles from last to first so masked tiles 
     O += P_last V_last;  O /= rowsum;  LSE
 
 so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("intra-warpgroup
-overlap"). With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
+overlap"). Up to D=128 the loop runs as three loops: the tiles at either end of the walk that the
+causal / window / length limits cut (with element masks) and the tiles between them (no mask code
+at all); `BlockRange.masked_ends` finds the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
 matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
 the A operand of the second wgmma (no shared-memory round trip).
 
