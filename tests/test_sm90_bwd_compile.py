@@ -159,8 +159,6 @@ def _emulated_kernel(key):
     Mask_mods are evaluated with the ModSet's PyTorch lowering; under a block-sparse walk only the
     (64-query, 128-key) tiles the transposed lists name contribute, with the mask_mod applied on
     partial ones only, each as many times as it is listed (as the kernel would add it)."""
-    from torch_fa4.kernels.sm90 import bwd
-
     dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse, mod_key = key
     assert not varlen  # varlen runs per sequence through the dense variant
     mods = None

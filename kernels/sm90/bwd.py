@@ -187,7 +187,6 @@ def _build(key: tuple, arch: str, dump_dir: str | None):
 
 
 def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
