@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
+
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
@@ -41,18 +43,13 @@ def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int) 
         return "deterministic mode walks densely"
     if call.is_varlen or call.cu_seqlens_k is not None:
         return "varlen runs per sequence without the block mask"
-    if len(bm) != 4:
-        return f"block mask has {len(bm)} tensors, not 4"
+    reason = block_mask_tensors_reason(call)
+    if reason is not None:
+        return reason
     num, idx, full_num, full_idx = bm
-    for t in bm:
-        if t.dtype != torch.int32 or t.device != call.q.device:
-            return "block mask tensors are not int32 on q's device"
-    if num.dim() != 3 or idx.dim() != 4 or full_num.shape != num.shape or full_idx.shape[:3] != num.shape:
-        return "block mask tensors are not (B, H, nq) / (B, H, nq, nkv)"
     if idx.shape[:3] != num.shape or full_idx.shape[3] != idx.shape[3]:
+        # the transposed lists are built from one (B, H, nq, nkv) tile map
         return "block mask index tensors disagree in shape"
-    if num.shape[0] not in (1, call.batch) or num.shape[1] not in (1, call.num_heads):
-        return "block mask batch/heads do not broadcast to the call's"
     if call.block_mask_q % TILE_M:
         return f"block mask q tile {call.block_mask_q} is not a multiple of {TILE_M}"
     if call.block_mask_kv % tile_n:

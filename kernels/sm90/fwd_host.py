@@ -20,6 +20,7 @@ import torch
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
 from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -80,17 +81,10 @@ def _block_tile_n(call: AttentionCall) -> Optional[int]:
 
 
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
-    bm = call.block_mask
-    if len(bm) != 4:
-        return f"block_mask has {len(bm)} tensors (want kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)"
-    num, idx, full_num, full_idx = bm
-    for t in bm:
-        if t.dtype != torch.int32 or t.device != call.q.device:
-            return "block_mask tensors must be int32 on q's device"
-    if num.dim() != 3 or idx.dim() != 4 or full_num.shape != num.shape or full_idx.shape[:3] != num.shape:
-        return "block_mask tensors are not (B, H, nq) / (B, H, nq, nkv)"
-    if num.shape[0] not in (1, call.batch) or num.shape[1] not in (1, call.num_heads):
-        return f"block_mask batch/heads {tuple(num.shape[:2])} do not broadcast to ({call.batch}, {call.num_heads})"
+    reason = block_mask_tensors_reason(call)
+    if reason is not None:
+        return reason
+    num, idx = call.block_mask[0], call.block_mask[1]
     tile_m = _TILES[call.head_dim][0]
     if call.block_mask_q % tile_m != 0:
         return f"block_mask BLOCK_SIZE q={call.block_mask_q} is not a multiple of the kernel's {tile_m}-row tile"
