@@ -29,6 +29,21 @@ import torch.nn.functional as F
 
 _BENCH_MS = {"warmup": 50, "rep": 200}  # --quick halves both
 
+_GRID = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]
+
+# --sweep NAME: (torch_fa4 forward config overrides per column, rows); NOTES.md has the results
+_SWEEPS = {
+    "options": ({"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
+                 "emu2": dict(exp2_emulate_every=2),
+                 "rescale8+emu4": dict(rescale_threshold=8.0, exp2_emulate_every=4),
+                 "no-pingpong": dict(pingpong=False)},
+                [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]),
+    "tiles": ({"128x128": dict(tile_n=128), "128x192": dict(tile_n=192)},
+              [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
+              [row for row in _GRID if row[0] <= 128]),
+}
+
 
 def _time_ms(fn) -> float:
     try:
@@ -206,10 +221,8 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset (see the module docstring)")
     ap.add_argument("--no-bwd", action="store_true")
-    ap.add_argument("--options-sweep", action="store_true",
-                    help="torch_fa4 softmax options (conditional rescale, exp2 emulation, pingpong)")
-    ap.add_argument("--tiles-sweep", action="store_true",
-                    help="torch_fa4 key-tile widths over the forward grid's D64 rows, beside flash-attn-4")
+    ap.add_argument("--sweep", choices=sorted(_SWEEPS),
+                    help="torch_fa4 variants side by side with flash-attn-4 (see _SWEEPS), then stop")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
     args = ap.parse_args()
@@ -225,7 +238,7 @@ def main():
     if args.quick:
         fwd_rows = [(64, 16384, False), (128, 4096, False), (128, 4096, True), (128, 16384, True), (256, 4096, False)]
     else:
-        fwd_rows = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]
+        fwd_rows = _GRID
     rows = []
 
     def measure(label, D, S, causal, flops, makers, extra=None):
@@ -243,14 +256,8 @@ def main():
         rows.append(row)
         _print_row(row, list(makers))
 
-    if args.options_sweep or args.tiles_sweep:
-        sweep = {"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
-                 "emu2": dict(exp2_emulate_every=2), "rescale8+emu4": dict(rescale_threshold=8.0, exp2_emulate_every=4),
-                 "no-pingpong": dict(pingpong=False)}
-        sweep_rows = [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]
-        if args.tiles_sweep:
-            sweep = {"128x128": dict(tile_n=128), "128x192": dict(tile_n=192)}
-            sweep_rows = [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
+    if args.sweep:
+        variants, sweep_rows = _SWEEPS[args.sweep]
 
         def with_opts(opts):
             def make(q, k, v, causal):
@@ -263,15 +270,14 @@ def main():
                 return lambda: fwd_host.forward(call, out, lse, **opts)
             return make
 
-        print("torch_fa4 fwd options TFLOP/s")
-        makers = {k: with_opts(v) for k, v in sweep.items()}
+        print(f"torch_fa4 fwd variants ({args.sweep}) TFLOP/s")
+        makers = {k: with_opts(v) for k, v in variants.items()}
         if "flash-attn-4" in peers:
             makers["flash-attn-4"] = peers["flash-attn-4"]
         for D, S, causal in sweep_rows:
-            measure(f"opts D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, makers)
-        if args.tiles_sweep:
-            _dump(rows, args.out)
-            return
+            measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, makers)
+        _dump(rows, args.out)
+        return
     print("fwd TFLOP/s")
     for D, S, causal in fwd_rows:
         row_peers = peers

@@ -73,6 +73,8 @@ VARIANTS = {
     "d128_softcap_causal": (dict(D=128, softcap=10.0, causal=True), {}),
     "d64_varlen_causal": (dict(D=64, causal=True), dict(varlen_q=True, varlen_k=True)),
     "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
+    # D <= 128 defaults to the persistent grid; the one-shot grid stays selectable
+    "d128_causal_one_shot": (dict(D=128, causal=True), dict(persistent=False)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
 }
 

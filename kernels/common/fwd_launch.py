@@ -2,12 +2,13 @@
 
 The sm90 and sm100 forward kernels take the same leading arguments -- q, k, v, out, lse, the varlen
 offsets, the softmax scales, the window bounds, the batch, the longest query sequence and the L2
-head grouping -- and differ only in what follows (block mask, captured tensors). Nothing here
+head grouping, the persistent grid's size -- and differ only in what follows (block mask, captured tensors). Nothing here
 imports CuTe DSL at module level: a kernel loaded from the disk cache launches without it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -48,6 +49,18 @@ def layout_reason(call: AttentionCall) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def max_ctas(call: AttentionCall) -> int:
+    """CTAs a persistent forward launches: one per SM (the kernels run one CTA per SM)."""
+    if call.q.device.type != "cuda":  # argument-list checks on a CPU machine: nothing launches
+        return 1
+    return _sm_count(call.q.device.index if call.q.device.index is not None else torch.cuda.current_device())
+
+
 def max_seqlens(call: AttentionCall) -> tuple[int, int]:
     if call.is_varlen:
         max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
@@ -63,8 +76,10 @@ def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int
     return max(1, min(total, (l2_bytes // 2) // kv_bytes))
 
 
-def leading_args(call: AttentionCall, out, lse, l2_bytes: int) -> Optional[list]:
+def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int) -> Optional[list]:
     """The arguments every forward kernel starts with, or None when the call has no query rows.
+
+    max_ctas: the most CTAs a persistent grid launches (about one per SM); one-shot grids ignore it.
 
     With softcap the kernel computes softcap * tanh(s * scale / softcap), so the score is scaled
     by scale / softcap first and the softmax (log2 domain) by softcap * log2(e).
@@ -82,7 +97,7 @@ def leading_args(call: AttentionCall, out, lse, l2_bytes: int) -> Optional[list]
         call.q, call.k, call.v, out, lse,
         call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
         score_scale, scale_log2, wl, wr,
-        call.batch, max_q, heads_per_l2_group(call, max_k, l2_bytes),
+        call.batch, max_q, heads_per_l2_group(call, max_k, l2_bytes), max_ctas,
     ]
 
 
@@ -96,7 +111,7 @@ def fake_leading_args(cfg) -> list:
     tensors = _fake_leading_tensors(cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k,
                                     cfg.has_seqused_k)
     scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
-               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1)]
+               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1)]
     return [*tensors, *scalars]
 
 

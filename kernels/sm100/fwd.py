@@ -139,6 +139,7 @@ class FlashFwdSm100:
         num_batch: Int32,
         max_seqlen_q: Int32,
         heads_per_group: Int32,
+        max_ctas: Int32,  # persistent grids only (the sm90 kernel); this one is one-shot
         stream: cuda.CUstream,
     ):
         cfg = self.cfg

@@ -257,7 +257,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), *aux, stream)
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
     if dump_dir is not None:
-        options += f" --keep-cubin --dump-dir {dump_dir}"
+        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
     return cute.compile(kernel, *args, options=options)
 
 

@@ -185,6 +185,7 @@ class FlashFwdSm90:
         num_batch: Int32,
         max_seqlen_q: Int32,
         heads_per_group: Int32,
+        max_ctas: Int32,  # persistent grid size (about one CTA per SM)
         # block mask (block_sparse only, else None): kv_num_blocks, kv_indices, full_kv_num_blocks,
         # full_kv_indices, int32, FlexAttention layout
         mBmNum: Optional[cute.Tensor],
@@ -238,6 +239,9 @@ class FlashFwdSm90:
         Storage = self._storage_class(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch)
+        if const_expr(cfg.persistent):
+            grid = (cutlass.min(grid[0], max_ctas), 1, 1)
         self.kernel(
             tQ, tK, tV, tO, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
             tma_Q, tma_K, tma_V, tma_O,
@@ -246,7 +250,7 @@ class FlashFwdSm90:
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group,
             bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux,
         ).launch(
-            grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
+            grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -340,54 +344,71 @@ class FlashFwdSm90:
                 block_mask, bidx):
         """The TMA warp: for each work item of this CTA, Q once and the walk's K and V tiles."""
         cfg = self.cfg
-        num_heads_kv = cute.size(mK.shape[2])
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        args = (mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV, tma_Q, tma_K, tma_V,
+                pipe_q, pipe_k, pipe_v, sched, brange, block_mask)
         tile = bidx
-        if tile < sched.num_tiles():
-            m_block, head, batch = sched.work(tile)
-            seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-            # varlen grids are sized for the longest sequence: items past a sequence's end are empty
-            if m_block * self.tile_m < seqlen.seqlen_q:
-                batch_q = batch if const_expr(not cfg.varlen_q) else 0
-                batch_k = batch if const_expr(not cfg.varlen_k) else 0
-                head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
-                walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
-                gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
-                gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
-                gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
-                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
-                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-                # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
-                # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
-                # Q's buffer frees only when the previous item is done with it, K's slot earlier.
-                if walk.nonempty():
+        if const_expr(cfg.persistent):
+            stride = cute.arch.grid_dim()[0]
+            while tile < sched.num_tiles():
+                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
+                tile += stride
+        else:
+            if tile < sched.num_tiles():
+                self.produce_item(tile, q_state, k_state, v_state, *args)
+
+    @cute.jit
+    def produce_item(self, tile, q_state, k_state, v_state, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+                     sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler,
+                     brange: BlockRange, block_mask):
+        """Work item `tile`'s loads; returns the ring positions after them."""
+        cfg = self.cfg
+        num_heads_kv = cute.size(mK.shape[2])
+        m_block, head, batch = sched.work(tile)
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        # varlen grids are sized for the longest sequence: items past a sequence's end are empty
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            batch_q = batch if const_expr(not cfg.varlen_q) else 0
+            batch_k = batch if const_expr(not cfg.varlen_k) else 0
+            head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
+            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+            gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
+            gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
+            gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
+                                               cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
+                                               cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
+            # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
+            # Q's buffer frees only when the previous item is done with it, K's slot earlier.
+            if walk.nonempty():
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                k_state.advance()
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if walk.nonempty():
+                for i in cutlass.range(walk.count - 1, unroll=1):
                     pipe_k.producer_acquire(k_state)
-                    cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
+                    cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
                     k_state.advance()
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                if walk.nonempty():
-                    for i in cutlass.range(walk.count - 1, unroll=1):
-                        pipe_k.producer_acquire(k_state)
-                        cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
-                        k_state.advance()
-                        pipe_v.producer_acquire(v_state)
-                        cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                        v_state.advance()
                     pipe_v.producer_acquire(v_state)
-                    cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
+                    cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                     v_state.advance()
+                pipe_v.producer_acquire(v_state)
+                cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                v_state.advance()
+        return q_state, k_state, v_state
 
     # consumer warpgroups take turns issuing matmuls (pingpong); no-ops otherwise
     @cute.jit
@@ -477,16 +498,36 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         # K and V are produced in the same number per item, so one ring position serves both
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        args = (mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sO, sO_mn, tma_O,
+                pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale,
+                softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, wg, tidx)
         tile = bidx
-        if tile < sched.num_tiles():
-            m_block, head, batch = sched.work(tile)
-            seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-            if m_block * self.tile_m < seqlen.seqlen_q:
-                walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
-                state = self.consume_item(
-                    mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
-                    tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
-                    walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx)
+        if const_expr(cfg.persistent):
+            stride = cute.arch.grid_dim()[0]
+            while tile < sched.num_tiles():
+                q_state, state = self.consume_tile(tile, q_state, state, *args)
+                tile += stride
+        else:
+            if tile < sched.num_tiles():
+                self.consume_tile(tile, q_state, state, *args)
+
+    @cute.jit
+    def consume_tile(self, tile, q_state, state, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
+                     mSequsedK, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ,
+                     tSrK, tOrVt, score_scale, softmax_scale_log2, brange: BlockRange, sched: TileScheduler,
+                     block_mask, score_aux, mask_aux, wg, tidx):
+        """Work item `tile`, unless it lies past its sequence's end; returns the Q and K/V ring
+        positions after it."""
+        m_block, head, batch = sched.work(tile)
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+            state = self.consume_item(
+                mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
+                tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
+                walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx)
+            q_state.advance()
+        return q_state, state
 
     @cute.jit
     def consume_item(self, mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,

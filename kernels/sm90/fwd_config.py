@@ -27,6 +27,7 @@ class FwdConfig:
     varlen_k: bool
     has_seqused_k: bool
     pingpong: bool = True
+    persistent: bool = False  # about one CTA per SM looping over work items (else one CTA per item)
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
     exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
