@@ -40,6 +40,9 @@ _SWEEPS = {
                 [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]),
     "tiles": ({"128x128": dict(tile_n=128), "128x192": dict(tile_n=192)},
               [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    "exp2": ({"hardware": {}, "emu8": dict(exp2_emulate_every=8), "emu4": dict(exp2_emulate_every=4),
+              "emu3": dict(exp2_emulate_every=3)},
+             [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
               [row for row in _GRID if row[0] <= 128]),
 }

@@ -39,6 +39,17 @@ class TileScheduler(DynamicState):
         return self.num_m_blocks * self.num_heads * self.num_batch
 
     @cute.jit
+    def persistent_tile(self, rnd: Int32, cta: Int32, num_ctas: Int32) -> Int32:
+        """The work item CTA `cta` of a persistent grid takes in round `rnd` (rounds of num_ctas
+        items). The rounds alternate direction (CTA 0 takes the first item of even rounds and the
+        last of odd ones): in a longest-first order a plain round-robin would hand CTA 0 the
+        longest item of every round, and under causal masking those differences add up."""
+        pos = cta
+        if rnd % 2 == 1:
+            pos = num_ctas - 1 - cta
+        return rnd * num_ctas + pos
+
+    @cute.jit
     def work(self, t: Int32):
         """(m_block, head, batch) of work item t."""
         total_bh = self.num_heads * self.num_batch

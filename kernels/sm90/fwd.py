@@ -351,10 +351,12 @@ class FlashFwdSm90:
                 pipe_q, pipe_k, pipe_v, sched, brange, block_mask)
         tile = bidx
         if const_expr(cfg.persistent):
-            stride = cute.arch.grid_dim()[0]
+            num_ctas = cute.arch.grid_dim()[0]
+            rnd = Int32(0)
             while tile < sched.num_tiles():
                 q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
-                tile += stride
+                rnd += 1
+                tile = sched.persistent_tile(rnd, bidx, num_ctas)
         else:
             if tile < sched.num_tiles():
                 self.produce_item(tile, q_state, k_state, v_state, *args)
@@ -503,10 +505,12 @@ class FlashFwdSm90:
                 softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, wg, tidx)
         tile = bidx
         if const_expr(cfg.persistent):
-            stride = cute.arch.grid_dim()[0]
+            num_ctas = cute.arch.grid_dim()[0]
+            rnd = Int32(0)
             while tile < sched.num_tiles():
                 q_state, state = self.consume_tile(tile, q_state, state, *args)
-                tile += stride
+                rnd += 1
+                tile = sched.persistent_tile(rnd, bidx, num_ctas)
         else:
             if tile < sched.num_tiles():
                 self.consume_tile(tile, q_state, state, *args)

@@ -180,6 +180,23 @@ def test_softmax_options(opts):
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
 
 
+@pytest.mark.parametrize("max_ctas", [1, 5, 7, 10_000])
+def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
+    """A persistent grid of `max_ctas` CTAs (rounds alternating direction, a last partial round)
+    writes every work item exactly once: 3 x 5 heads x 7 query tiles = 105 items. Outputs start
+    as NaN, so a skipped item fails; 10_000 CTAs is more than items (a single partial round)."""
+    from torch_fa4.kernels.common import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
+    call = _dense_call(3, 833, 900, 5, 5, 128, causal=True)
+    _check(call, persistent=True)
+    _check(_dense_call(2, 300, 517, 4, 2, 64), persistent=True)
+
+
+def test_one_shot_grid():
+    _check(_dense_call(3, 833, 900, 5, 5, 128, causal=True), persistent=False)
+
+
 # ---- score_mod / mask_mod / block sparsity, through the public API ------------------------------------
 #
 # Every call goes through torch_fa4.attention / flex_attention, so argument handling and dispatch are
