@@ -130,6 +130,24 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     assert "LDG" in sass, "no global loads: captured tensors not read"
 
 
+def test_grid_policy(monkeypatch):
+    """D <= 128 compiles the persistent loop; long causal calls still launch one CTA per item."""
+    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 132)
+
+    def ctas(S, D=128, **kw):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        call = AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)
+        return fwd_host._grid_ctas(fwd_host.default_config(call), call)
+
+    assert ctas(16384) == ctas(1024, causal=True) == 132
+    assert ctas(4096, causal=True) == ctas(4096, window_left=100) == fwd_launch.ONE_CTA_PER_ITEM
+    assert not fwd_host.default_config(_call(256)).persistent
+    assert ctas(1024, D=256) == fwd_launch.ONE_CTA_PER_ITEM
+
+
 def test_compile_cache_reuses_variants():
     from torch_fa4.kernels import compile_cache
     from torch_fa4.kernels.sm90 import fwd_host

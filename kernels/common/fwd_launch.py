@@ -2,7 +2,8 @@
 
 The sm90 and sm100 forward kernels take the same leading arguments -- q, k, v, out, lse, the varlen
 offsets, the softmax scales, the window bounds, the batch, the longest query sequence and the L2
-head grouping, the persistent grid's size -- and differ only in what follows (block mask, captured tensors). Nothing here
+head grouping, the persistent grid's size -- and differ only in what follows (block mask, captured
+tensors). Nothing here
 imports CuTe DSL at module level: a kernel loaded from the disk cache launches without it.
 """
 
@@ -54,6 +55,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+ONE_CTA_PER_ITEM = (1 << 31) - 1  # as max_ctas: a kernel compiled persistent runs one CTA per item
+
+
 def max_ctas(call: AttentionCall) -> int:
     """CTAs a persistent forward launches: one per SM (the kernels run one CTA per SM)."""
     if call.q.device.type != "cuda":  # argument-list checks on a CPU machine: nothing launches
@@ -79,7 +83,8 @@ def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int
 def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int) -> Optional[list]:
     """The arguments every forward kernel starts with, or None when the call has no query rows.
 
-    max_ctas: the most CTAs a persistent grid launches (about one per SM); one-shot grids ignore it.
+    max_ctas: the most CTAs a persistent kernel launches (about one per SM; ONE_CTA_PER_ITEM makes
+    its grid one-shot); kernels compiled one-shot ignore it.
 
     With softcap the kernel computes softcap * tanh(s * scale / softcap), so the score is scaled
     by scale / softcap first and the softmax (log2 domain) by softcap * log2(e).
