@@ -224,6 +224,7 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset (see the module docstring)")
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--no-fwd", action="store_true", help="backward rows only")
     ap.add_argument("--sweep", choices=sorted(_SWEEPS),
                     help="torch_fa4 variants side by side with flash-attn-4 (see _SWEEPS), then stop")
     ap.add_argument("--peers", default=None,
@@ -242,6 +243,8 @@ def main():
         fwd_rows = [(64, 16384, False), (128, 4096, False), (128, 4096, True), (128, 16384, True), (256, 4096, False)]
     else:
         fwd_rows = _GRID
+    if args.no_fwd:
+        fwd_rows = []
     rows = []
 
     def measure(label, D, S, causal, flops, makers, extra=None):
@@ -305,12 +308,13 @@ def main():
     def doc_flops(B, H, S, D, c):  # visible pairs: 8 causal 512 x 512 blocks
         return 4.0 * B * H * 8 * 512 * 513 / 2 * D
 
-    for label, extra, flops in (
+    mod_rows = (
         ("softcap 30", dict(softcap=30.0), _flops),
         ("window 1024", dict(window=(1024, 0)), lambda B, H, S, D, c: 4.0 * B * H * S * min(S, 1025) * D),
         ("alibi score_mod", dict(score_mod=alibi), _flops),
         ("document mask_mod, block-sparse", dict(mask_mod=document), doc_flops),
-    ):
+    )
+    for label, extra, flops in ([] if args.no_fwd else mod_rows):
         measure(f"fwd D128 S4k {label} causal", 128, 4096, True, flops, peers, extra)
         print(f"  ({time.perf_counter() - t_start:.0f} s elapsed)", flush=True)
     if not args.no_bwd:

@@ -35,7 +35,7 @@ _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256:
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
 # behind them. Persistent grids stop at D=128: above it the outer loop leaves ptxas short of
 # registers and it serializes the wgmmas (advisory C7512, a wait after every HGMMA); so do
-# windows and mask_mods (`_persistent_fits`).
+# windows and mods (`_persistent_fits`).
 _DEFAULT_OPTIONS = {
     64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True),
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True),
@@ -134,9 +134,10 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 
 def _persistent_fits(call: AttentionCall) -> bool:
     """Whether the persistent loop compiles without wgmma serialization (the CPU compile tests
-    count the waits): a window's two-sided mask and a mask_mod's loads keep too much alive across
-    the outer loop at D=128."""
-    return not call.has_window and (call.mods is None or call.mods.mask_graph is None)
+    count the waits). A window's two-sided mask, a mask_mod's loads and a score_mod beside softcap
+    each kept too much alive across the outer loop at D=128, so calls with any of them (mods at
+    all: the margin is small) run the one-shot kernel."""
+    return not call.has_window and call.mods is None
 
 
 # Causal or windowed walks longer than this run one CTA per item even in a kernel compiled
@@ -150,7 +151,7 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
     """max_ctas for this call: about one CTA per SM where the persistent loop pays."""
     if not cfg.persistent:
         return fwd_launch.ONE_CTA_PER_ITEM  # ignored
-    # causal and windowed walks differ in length between query tiles (mask_mods do not run persistent)
+    # causal and windowed walks differ in length between query tiles
     if (call.causal or call.has_window) and max(fwd_launch.max_seqlens(call)) > PERSISTENT_MAX_MASKED_SEQLEN:
         return fwd_launch.ONE_CTA_PER_ITEM
     return fwd_launch.max_ctas(call)
