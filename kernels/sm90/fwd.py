@@ -26,6 +26,12 @@ then runs with scale log2(e)), then the causal / window / length masks, then mas
 block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv_tile_walk.py) and
 mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
 
+Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py in longest-first
+order. With `persistent` (D <= 128, no window, no mods: beyond that the outer loop costs ptxas the
+registers it needs to keep the wgmmas asynchronous) each CTA loops over its items -- the producer
+loads the next item's first K and Q while the consumers finish the current one -- and the host
+chooses the grid: about one CTA per SM, or one per item (each CTA's loop then runs once).
+
 Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
 dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
 into the next sequence, store from registers with a row predicate instead. LSE goes straight from
