@@ -75,6 +75,9 @@ VARIANTS = {
     "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
     # D <= 128 defaults to the persistent grid; the one-shot grid stays selectable
     "d128_causal_one_shot": (dict(D=128, causal=True), dict(persistent=False)),
+    # the D64 candidate for the next measurement (NOTES "Next"): 192 rows, three consumer warpgroups
+    # at 160 registers, 96-key tiles (128-key tiles spill there; the persistent loop serializes)
+    "d64_192x96_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=96, persistent=False)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
 }
 

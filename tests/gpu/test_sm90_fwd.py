@@ -193,6 +193,12 @@ def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
     _check(_dense_call(2, 300, 517, 4, 2, 64), persistent=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumer_warpgroups(causal):
+    # 192-row tiles (three consumer warpgroups taking turns), 96-key tiles: not a default yet
+    _check(_dense_call(2, 700, 650, 4, 2, 64, causal=causal), tile_m=192, tile_n=96, persistent=False)
+
+
 def test_one_shot_grid():
     _check(_dense_call(3, 833, 900, 5, 5, 128, causal=True), persistent=False)
 
