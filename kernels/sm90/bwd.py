@@ -224,7 +224,9 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         do = fake(cdt, (b, sq, hq, dv), (al(), al(), al(), 1))
         lse = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
         dps = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
-        dqa = fake(Float32, (b, hq, sq_pad, d), (al(), al(), d, 1))
+        # (B, Sq, Hq, D) storage seen as (B, Hq, Sq, D): dq's own layout, so the final conversion
+        # to the input dtype is one contiguous pass; TMA drops the adds of rows past Sq
+        dqa = fake(Float32, (b, hq, sq, d), (al(), al(), al(), 1))
         dk = fake(cdt, (b, sk, hkv, d), (al(), al(), d, 1))
         dvv = fake(cdt, (b, sk, hkv, dv), (al(), al(), dv, 1))
         cuq = cuk = None
@@ -322,7 +324,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if call.is_varlen:
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
     else:
-        dq_acc = torch.zeros((q.shape[0], call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
+        # dq's (B, Sq, Hq, D) layout, unpadded (the kernel's TMA adds drop rows past Sq), handed
+        # to the kernel as a (B, Hq, Sq, D) view: the conversion below is one contiguous pass
+        dq_acc_rows = torch.zeros((q.shape[0], q.shape[1], call.num_heads, call.head_dim),
+                                  dtype=torch.float32, device=q.device)
+        dq_acc = dq_acc_rows.transpose(1, 2)
     max_k = call.max_seqlen_k if call.is_varlen else k.shape[1]
     sem = None
     if deterministic:
@@ -347,7 +353,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if call.is_varlen:
         dq.copy_(dq_acc[:, : q.shape[0]].transpose(0, 1))
     else:
-        dq.copy_(dq_acc[:, :, : q.shape[1]].transpose(1, 2))
+        dq.copy_(dq_acc_rows)
 
 
 def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic):

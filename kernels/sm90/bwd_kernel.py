@@ -149,7 +149,7 @@ class Sm90AttentionBackward:
         mdO: cute.Tensor,
         mLSE2: cute.Tensor,  # (B, Hq, Sq_pad) or (Hq, Tq_pad): lse * log2(e), +inf for empty rows
         mDpsum: cute.Tensor,  # same shape: rowsum(dO * O)
-        mdQacc: cute.Tensor,  # (B, Hq, Sq_pad, D) or (Hq, Tq_pad, D) fp32, zeroed
+        mdQacc: cute.Tensor,  # (B, Hq, Sq, D) (any strides) or (Hq, Tq_pad, D) fp32, zeroed
         mdK: cute.Tensor,  # shape of k, contiguous
         mdV: cute.Tensor,
         mCuQ: cute.Tensor | None,

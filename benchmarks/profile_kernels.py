@@ -1,0 +1,60 @@
+"""Where a call's device time goes: per-kernel time of torch_fa4 and flash-attn-4, side by side.
+
+Runs each implementation of a row (the forward or the backward through autograd, as in bench.py)
+under torch.profiler and prints every kernel's mean device time per call, so fixed costs (row
+statistics, dQ accumulator zeroing and conversion, memsets) show up next to the main kernel.
+
+    python benchmarks/profile_kernels.py [--bwd] [--rows D:S:causal,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (the same peer wrappers as the benchmark)
+
+
+def _profile(fn, iters: int):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t > 0 and evt.key:
+            per_kernel[evt.key] = per_kernel.get(evt.key, 0.0) + t / iters
+    return per_kernel
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bwd", action="store_true", help="profile the backward (autograd.grad) instead")
+    ap.add_argument("--rows", default="64:1024:0,64:4096:1,128:1024:0,128:4096:0,128:4096:1")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    makers = {"torch_fa4": bench.ours_bwd if args.bwd else bench.ours_fwd,
+              "flash-attn-4": bench.fa4_bwd if args.bwd else bench.fa4_fwd}
+    for spec in args.rows.split(","):
+        D, S, causal = (int(x) for x in spec.split(":"))
+        B, H = 16384 // S, 2048 // D
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        print(f"== {'bwd' if args.bwd else 'fwd'} D{D} S{S} {'causal' if causal else ''}")
+        for name, make in makers.items():
+            per_kernel = _profile(make(q, k, v, bool(causal)), args.iters)
+            total = sum(per_kernel.values())
+            print(f"  {name}: {total / 1000:.3f} ms of kernels per call")
+            for key, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+                print(f"    {us:9.1f} us  {key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
