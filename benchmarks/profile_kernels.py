@@ -4,7 +4,11 @@ Runs each implementation of a row (the forward or the backward through autograd,
 under torch.profiler and prints every kernel's mean device time per call, so fixed costs (row
 statistics, dQ accumulator zeroing and conversion, memsets) show up next to the main kernel.
 
-    python benchmarks/profile_kernels.py [--bwd] [--rows D:S:causal,...]
+    python benchmarks/profile_kernels.py [--bwd] [--rows D:S:causal,...] [--impl torch_fa4]
+
+Under Nsight Compute (stall reasons of one main-kernel launch, clocks left alone):
+    ncu --clock-control none -k regex:Sm90AttentionBackward --launch-skip 3 --launch-count 1 \
+        --section WarpStateStats python benchmarks/profile_kernels.py --bwd --rows 128:4096:0 --impl torch_fa4 --iters 1
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ def main():
     ap.add_argument("--bwd", action="store_true", help="profile the backward (autograd.grad) instead")
     ap.add_argument("--rows", default="64:1024:0,64:4096:1,128:1024:0,128:4096:0,128:4096:1")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--impl", default="torch_fa4,flash-attn-4", help="which of them (e.g. one, under ncu)")
     args = ap.parse_args()
     makers = {"torch_fa4": bench.ours_bwd if args.bwd else bench.ours_fwd,
               "flash-attn-4": bench.fa4_bwd if args.bwd else bench.fa4_fwd}
+    makers = {k: v for k, v in makers.items() if k in args.impl.split(",")}
     for spec in args.rows.split(","):
         D, S, causal = (int(x) for x in spec.split(":"))
         B, H = 16384 // S, 2048 // D
