@@ -51,6 +51,7 @@ from cutlass.utils import LayoutEnum
 
 from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
 from torch_fa4.kernels.common.block_range import BlockRange
+from torch_fa4.kernels.common.convert import convert_pairs
 from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
@@ -482,7 +483,7 @@ class FlashFwdSm90:
         pipe_v.consumer_release(v_state)
         if moved:
             scale_rows(acc_o, row_scale)
-        tOrP.store(a_operand(acc_s).load().to(self.dtype))
+        convert_pairs(a_operand(acc_s), tOrP)
         v_state = state.clone()
         state.advance()
         return state, v_state, softmax
@@ -579,7 +580,7 @@ class FlashFwdSm90:
             self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
                          self._is_partial(walk, 0))
             softmax.step(acc_s, row_scale)
-            tOrP.store(a_operand(acc_s).load().to(self.dtype))
+            convert_pairs(a_operand(acc_s), tOrP)
             v_state = state.clone()
             state.advance()
 
