@@ -18,7 +18,8 @@ overlap"). Up to D=128 the loop runs as three loops: the tiles at either end of 
 causal / window / length limits cut (with element masks) and the tiles between them (no mask code
 at all); `BlockRange.masked_ends` finds the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
 matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
-the A operand of the second wgmma (no shared-memory round trip).
+the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
+(kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
 
 Mods (score_mod / mask_mod, traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per
 score element (kernels/common/tile_mods.py): softcap, then score_mod in natural units (the softmax
