@@ -78,6 +78,12 @@ VARIANTS = {
     # the D64 candidate for the next measurement (NOTES "Next"): 192 rows, three consumer warpgroups
     # at 160 registers, 96-key tiles (128-key tiles spill there; the persistent loop serializes)
     "d64_192x96_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=96, persistent=False)),
+    # 192 x 128 (flash-attn-4's D64 shape) fits 160 registers once P is converted by packed pairs
+    # (kernels/common/convert.py; before: 284 spill instructions, 36 waits), persistent loop too
+    "d64_192x128": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False)),
+    "d64_192x128_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=False)),
+    "d64_192x128_persistent": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=True)),
+    "d64_192x128_causal_persistent": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=True)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
 }
 

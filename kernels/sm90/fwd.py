@@ -18,7 +18,8 @@ overlap"). Up to D=128 the loop runs as three loops: the tiles at either end of 
 causal / window / length limits cut (with element masks) and the tiles between them (no mask code
 at all); `BlockRange.masked_ends` finds the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
 matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
-the A operand of the second wgmma (no shared-memory round trip).
+the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
+(kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
 
 Mods (score_mod / mask_mod, traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per
 score element (kernels/common/tile_mods.py): softcap, then score_mod in natural units (the softmax
@@ -51,6 +52,7 @@ from cutlass.utils import LayoutEnum
 
 from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
 from torch_fa4.kernels.common.block_range import BlockRange
+from torch_fa4.kernels.common.convert import convert_pairs
 from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
@@ -482,7 +484,7 @@ class FlashFwdSm90:
         pipe_v.consumer_release(v_state)
         if moved:
             scale_rows(acc_o, row_scale)
-        tOrP.store(a_operand(acc_s).load().to(self.dtype))
+        convert_pairs(a_operand(acc_s), tOrP)
         v_state = state.clone()
         state.advance()
         return state, v_state, softmax
@@ -579,7 +581,7 @@ class FlashFwdSm90:
             self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
                          self._is_partial(walk, 0))
             softmax.step(acc_s, row_scale)
-            tOrP.store(a_operand(acc_s).load().to(self.dtype))
+            convert_pairs(a_operand(acc_s), tOrP)
             v_state = state.clone()
             state.advance()
 

@@ -27,9 +27,11 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 MOD_MAX_POSITION = 1 << 23
 L2_BYTES = 50 * 1024 * 1024
 
-# (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup (D=64 at 192 rows, three
-# consumer warpgroups at 160 registers each, spilled ~170 registers: see NOTES); key tiles sized so two
-# stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB)
+# (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup; key tiles sized so two
+# stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB). D=64 at
+# 192 x 128 (three consumer warpgroups at 160 registers) compiles clean since P is converted by
+# packed pairs (NOTES "Experiment 14"); 128 x 128 stays the default until it is measured. A block
+# mask's 128-row tiles would not divide into 192-row kernel tiles (`_block_mask_reason`).
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements

@@ -199,6 +199,21 @@ def test_three_consumer_warpgroups(causal):
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=causal), tile_m=192, tile_n=96, persistent=False)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumer_warpgroups_128_key_tiles(monkeypatch, causal, persistent):
+    # 192 x 128 tiles at D64 (flash-attn-4's shape there), one-shot and persistent: not a default yet.
+    # Sk = 650 leaves a ragged last key tile; 700 query rows a ragged last query tile. Persistent:
+    # 5 CTAs, so each loops over several work items (32 and 6 items here).
+    if persistent:
+        from torch_fa4.kernels.common import fwd_launch
+
+        monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 5)
+    _check(_dense_call(2, 700, 650, 4, 2, 64, causal=causal), tile_m=192, tile_n=128, persistent=persistent)
+    _check(_dense_call(1, 333, 1100, 3, 1, 64, dtype=torch.float16, causal=causal), tile_m=192, tile_n=128,
+           persistent=persistent)
+
+
 def test_one_shot_grid():
     _check(_dense_call(3, 833, 900, 5, 5, 128, causal=True), persistent=False)
 
