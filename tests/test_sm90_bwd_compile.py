@@ -52,22 +52,25 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_backward_variant_compiles_to_hgmma(name, tmp_path):
-    from torch_fa4.kernels.sm90 import bwd
+# 128 queries per step (D = Dv = 64, 128-key CTAs; bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M), in
+# both ways of forming dS (bwd._D64_PASSES / TORCH_FA4_BWD_PASSES): name -> (call, deterministic)
+VARIANTS_TM128 = {
+    "tm128_d64": (dict(d=64), False),
+    "tm128_d64_causal": (dict(d=64, causal=True), False),
+    "tm128_d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
+    "tm128_d64_softcap": (dict(d=64, softcap=10.0, causal=True), False),
+    "tm128_d64_causal_deterministic": (dict(d=64, causal=True), True),
+    "tm128_d64_fp16_seqused_gqa": (dict(d=64, dtype=torch.float16, hq=6, hkv=2, seqused=True), False),
+}
 
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    assert bwd.unsupported_reason(call) is None
-    key = bwd.variant_key(call, deterministic)
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    sass = sass_of(tmp_path)
+
+def _check_backward_sass(sass, key, d, dv):
     hgmma = sass.count("HGMMA.")
-    # S, dP and dQ: (K extent / 16) each (dQ's is the key tile); dK, dV: tile_m / 16 = 4 each.
-    d, dv = call.head_dim, call.head_dim_v
-    tile_n = key[-3][0]
-    assert tile_n == (128 if max(d, dv) <= 128 else 64)
-    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 4 + 4, f"{hgmma} HGMMA instructions"
+    # S, dP and dQ: (K extent / 16) each (dQ's is the key tile: with the head dim split between
+    # the warpgroups (64 queries) or the query rows (128 queries), one 64-row tile each);
+    # dK, dV: tile_m / 16 each.
+    tile_n, tile_m = key[-3][0], key[-3][3]
+    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16), f"{hgmma} HGMMA instructions"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
     assert "USETMAXREG" in sass or "SETMAXNREG" in sass.upper(), "no register reallocation"
@@ -80,6 +83,55 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     # dQ epilogue, when a group was left in flight across the loop's back edge)
     waits = sass.count("WARPGROUP.DEPBAR")
     assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_backward_variant_compiles_to_hgmma(name, tmp_path):
+    from torch_fa4.kernels.sm90 import bwd
+
+    call_kw, deterministic = VARIANTS[name]
+    call = _call(**call_kw)
+    assert bwd.unsupported_reason(call) is None
+    key = bwd.variant_key(call, deterministic)
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    d, dv = call.head_dim, call.head_dim_v
+    assert key[-3][0] == (128 if max(d, dv) <= 128 else 64)
+    _check_backward_sass(sass_of(tmp_path), key, d, dv)
+
+
+@pytest.mark.parametrize("passes", ["two", "one"])
+@pytest.mark.parametrize("name", list(VARIANTS_TM128))
+def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
+    monkeypatch.setenv(bwd.PASSES_ENV, passes)
+    call_kw, deterministic = VARIANTS_TM128[name]
+    call = _call(**call_kw)
+    assert bwd.unsupported_reason(call) is None
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3] == (128, 2, False, 128, passes == "one"), key[-3]
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+
+
+def test_128_query_variant_selection(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.TILE_M_ENV, raising=False)
+    monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
+    assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
+    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
+    assert bwd.variant_key(_call(d=64), False)[-3] == (128, 2, False, 128, bwd._D64_PASSES == "one")
+    # head dims above 64 keep 64 queries per step
+    for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
+        assert bwd.variant_key(_call(d=d, dv=dv), False)[-3][3] == 64
+    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
+    assert bwd.variant_key(_call(d=64), False)[-3][3] == 64
+    monkeypatch.setenv(bwd.TILE_M_ENV, "96")
+    with pytest.raises(ValueError):
+        bwd.variant_key(_call(d=64), False)
+    assert bwd._smem_bytes(64, 64, 128, 2, False, 128) <= bwd._SMEM_LIMIT
 
 
 def test_tiles_fit_shared_memory_and_registers():
