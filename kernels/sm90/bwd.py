@@ -3,7 +3,8 @@
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
-varlen, determinism, key tile and ring stages, block-mask tile ratios, mods key); shapes, strides,
+varlen, determinism, key tile, ring stages and queries per step, block-mask tile ratios, mods key);
+shapes, strides,
 scale, softcap value, window sizes, captured mod tensors and block-mask lists are runtime
 arguments, so new sizes or values never recompile.
 
@@ -13,8 +14,9 @@ strides, deterministic dQ. Varlen (cu_seqlens) runs one dense launch per sequenc
 packed-rows variant faults on the device, see bwd_kernel.py). score_mod/mask_mod are lowered into
 the kernel (derivative from the traced graph; validated on an H200 by
 tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
-dense batches, not deterministic, block-mask tiles multiples of the kernel's 64 query rows and
-128 keys, or 64 keys, which then selects the 64-key variant): each KV tile visits only the query
+dense batches, not deterministic, block-mask tiles multiples of the kernel's query rows per step
+(64, or 128 in the D64 variant: else that call steps 64 rows) and 128 keys, or 64 keys, which then
+selects the 64-key variant): each KV tile visits only the query
 tiles the mask lists for it and evaluates the mask_mod on partial tiles only. Otherwise the
 mask_mod is evaluated on every tile of the dense walk: slower, same result.
 """

@@ -33,6 +33,15 @@ instead in the Q and dO buffers of the step just consumed (`dq_in_ring`: each is
 dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer once the TMA add
 has read it, early in the next step. bwd.tiles picks the configuration.
 
+128 queries per step (`tile_m = 128`; head dims <= 64 on the wide path, selected by bwd.query_tile,
+off by default): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
+registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
+warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
+per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix. Keeping
+the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at once and ptxas would
+serialize the wgmmas (C7512), so dS is formed either from the bf16 P registers (two passes,
+overlap_next_s on) or in one fp32 pass after both products (`tm128_one_pass`, no overlap).
+
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
