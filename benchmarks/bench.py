@@ -14,6 +14,9 @@ triton.testing.do_bench (CUDA events) after warm-up. Writes results.json and a P
 D128 S16k causal, D256 S4k, the softcap / window / ALiBi / block-sparse document-mask rows at
 D128 S4k; bwd D128 S4k and causal when the torch_fa4 backward kernel takes them), peers
 flash-attn-4, cuDNN and FlexAttention (compiled); same table format.
+
+--sweep NAME: torch_fa4 variants side by side with flash-attn-4, then stop (forward: _SWEEPS;
+backward: _BWD_SWEEPS, e.g. `--sweep bwd-tiles`: D64 backward with 64 vs 128 queries per step).
 """
 
 from __future__ import annotations
@@ -52,6 +55,17 @@ _SWEEPS = {
                [(64, S, c) for S in (1024, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
               [row for row in _GRID if row[0] <= 128]),
+}
+
+# --sweep NAME for the backward: (environment per column, rows); each column times autograd through
+# torch_fa4.attention with those variables set around every backward call (kernels/sm90/bwd.py reads
+# TORCH_FA4_BWD_TILE_M / TORCH_FA4_BWD_PASSES on every call). "bwd-tiles": 64 vs 128 queries per
+# step at D64, the latter in both ways of forming dS.
+_BWD_SWEEPS = {
+    "bwd-tiles": ({"tm64": {"TORCH_FA4_BWD_TILE_M": "64"},
+                   "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
+                   "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
+                  [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 
@@ -203,6 +217,26 @@ def ours_bwd(q, k, v, causal):
     return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
 
+def ours_bwd_with_env(env):
+    """ours_bwd with environment variables set around each backward call (a few microseconds)."""
+    def make(q, k, v, causal):
+        fn = ours_bwd(q, k, v, causal)
+
+        def run():
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)
+            try:
+                return fn()
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+        return run
+    return make
+
+
 def fa4_bwd(q, k, v, causal):
     from flash_attn.cute.interface import flash_attn_func
 
@@ -232,8 +266,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset (see the module docstring)")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--no-fwd", action="store_true", help="backward rows only")
-    ap.add_argument("--sweep", choices=sorted(_SWEEPS),
-                    help="torch_fa4 variants side by side with flash-attn-4 (see _SWEEPS), then stop")
+    ap.add_argument("--sweep", choices=sorted(_SWEEPS) + sorted(_BWD_SWEEPS),
+                    help="torch_fa4 variants side by side with flash-attn-4 (see _SWEEPS, _BWD_SWEEPS), then stop")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
     args = ap.parse_args()
@@ -269,6 +303,17 @@ def main():
         rows.append(row)
         _print_row(row, list(makers))
 
+    if args.sweep in _BWD_SWEEPS:
+        variants, sweep_rows = _BWD_SWEEPS[args.sweep]
+        print(f"torch_fa4 bwd variants ({args.sweep}) TFLOP/s")
+        makers = {k: ours_bwd_with_env(env) for k, env in variants.items()}
+        if "flash-attn-4" in peers:
+            makers["flash-attn-4"] = fa4_bwd
+        for D, S, causal in sweep_rows:
+            measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal,
+                    lambda *a: _flops(*a, bwd=True), makers)
+        _dump(rows, args.out)
+        return
     if args.sweep:
         variants, sweep_rows = _SWEEPS[args.sweep]
 

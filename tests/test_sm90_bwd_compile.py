@@ -52,22 +52,25 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_backward_variant_compiles_to_hgmma(name, tmp_path):
-    from torch_fa4.kernels.sm90 import bwd
+# 128 queries per step (D = Dv = 64, 128-key CTAs; bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M), in
+# both ways of forming dS (bwd._D64_PASSES / TORCH_FA4_BWD_PASSES): name -> (call, deterministic)
+VARIANTS_TM128 = {
+    "tm128_d64": (dict(d=64), False),
+    "tm128_d64_causal": (dict(d=64, causal=True), False),
+    "tm128_d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
+    "tm128_d64_softcap": (dict(d=64, softcap=10.0, causal=True), False),
+    "tm128_d64_causal_deterministic": (dict(d=64, causal=True), True),
+    "tm128_d64_fp16_seqused_gqa": (dict(d=64, dtype=torch.float16, hq=6, hkv=2, seqused=True), False),
+}
 
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    assert bwd.unsupported_reason(call) is None
-    key = bwd.variant_key(call, deterministic)
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    sass = sass_of(tmp_path)
+
+def _check_backward_sass(sass, key, d, dv):
     hgmma = sass.count("HGMMA.")
-    # S, dP and dQ: (K extent / 16) each (dQ's is the key tile); dK, dV: tile_m / 16 = 4 each.
-    d, dv = call.head_dim, call.head_dim_v
-    tile_n = key[-3][0]
-    assert tile_n == (128 if max(d, dv) <= 128 else 64)
-    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 4 + 4, f"{hgmma} HGMMA instructions"
+    # S, dP and dQ: (K extent / 16) each (dQ's is the key tile: with the head dim split between
+    # the warpgroups (64 queries) or the query rows (128 queries), one 64-row tile each);
+    # dK, dV: tile_m / 16 each.
+    tile_n, tile_m = key[-3][0], key[-3][3]
+    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16), f"{hgmma} HGMMA instructions"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
     assert "USETMAXREG" in sass or "SETMAXNREG" in sass.upper(), "no register reallocation"
@@ -80,6 +83,55 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     # dQ epilogue, when a group was left in flight across the loop's back edge)
     waits = sass.count("WARPGROUP.DEPBAR")
     assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_backward_variant_compiles_to_hgmma(name, tmp_path):
+    from torch_fa4.kernels.sm90 import bwd
+
+    call_kw, deterministic = VARIANTS[name]
+    call = _call(**call_kw)
+    assert bwd.unsupported_reason(call) is None
+    key = bwd.variant_key(call, deterministic)
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    d, dv = call.head_dim, call.head_dim_v
+    assert key[-3][0] == (128 if max(d, dv) <= 128 else 64)
+    _check_backward_sass(sass_of(tmp_path), key, d, dv)
+
+
+@pytest.mark.parametrize("passes", ["two", "one"])
+@pytest.mark.parametrize("name", list(VARIANTS_TM128))
+def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
+    monkeypatch.setenv(bwd.PASSES_ENV, passes)
+    call_kw, deterministic = VARIANTS_TM128[name]
+    call = _call(**call_kw)
+    assert bwd.unsupported_reason(call) is None
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3] == (128, 2, False, 128, passes == "one"), key[-3]
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+
+
+def test_128_query_variant_selection(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.TILE_M_ENV, raising=False)
+    monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
+    assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
+    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
+    assert bwd.variant_key(_call(d=64), False)[-3] == (128, 2, False, 128, bwd._D64_PASSES == "one")
+    # head dims above 64 keep 64 queries per step
+    for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
+        assert bwd.variant_key(_call(d=d, dv=dv), False)[-3][3] == 64
+    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
+    assert bwd.variant_key(_call(d=64), False)[-3][3] == 64
+    monkeypatch.setenv(bwd.TILE_M_ENV, "96")
+    with pytest.raises(ValueError):
+        bwd.variant_key(_call(d=64), False)
+    assert bwd._smem_bytes(64, 64, 128, 2, False, 128) <= bwd._SMEM_LIMIT
 
 
 def test_tiles_fit_shared_memory_and_registers():
@@ -111,18 +163,19 @@ def test_unsupported_calls_are_rejected():
     assert "score_mod" in bwd.unsupported_reason(_call(d=64, mod_key="some_mod"))
 
 
-def test_row_statistics_match_float64():
+@pytest.mark.parametrize("s,tile_m,want_rows", [(70, 64, 128), (130, 128, 256), (128, 128, 128)])
+def test_row_statistics_match_float64(s, tile_m, want_rows):
     from torch_fa4.kernels.sm90 import bwd
 
-    b, s, h, d = 2, 70, 3, 64
+    b, h, d = 2, 3, 64
     call = _call(d=d, hq=h, hkv=h)
     call.q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
     dout = torch.randn(b, s, h, d).to(torch.bfloat16)
     out = torch.randn(b, s, h, d).to(torch.bfloat16)
     lse = torch.randn(b, h, s)
     lse[0, 1, 5] = -float("inf")  # a row that sees no key
-    lse2, dpsum, rows = bwd.row_statistics(call, dout, out, lse)
-    assert rows == 128 and lse2.shape == (b, h, rows) and dpsum.shape == (b, h, rows)
+    lse2, dpsum, rows = bwd.row_statistics(call, dout, out, lse, tile_m=tile_m)
+    assert rows == want_rows and lse2.shape == (b, h, rows) and dpsum.shape == (b, h, rows)
     assert lse2.is_contiguous() and dpsum.is_contiguous()
     ref_d = (dout.double() * out.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(dpsum[..., :s].double(), ref_d, rtol=1e-5, atol=1e-5)
@@ -166,6 +219,7 @@ def _emulated_kernel(key):
     partial ones only, each as many times as it is listed (as the kernel would add it)."""
     dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse, mod_key = key
     assert not varlen  # varlen runs per sequence through the dense variant
+    tile_n, tile_m = kernel_tiles[0], kernel_tiles[3]
     mods = None
     if mod_key:
         from torch_fa4.mods.registry import lookup
@@ -178,6 +232,11 @@ def _emulated_kernel(key):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
         mask_aux = [t for t in rest[10:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
+        # the kernel reads whole query tiles of tile_m rows: statistics and dQ buffer padded to them
+        assert lse2.shape[-1] % tile_m == 0 and dq_acc.shape[-2] == lse2.shape[-1]
+        assert lse2.shape[-1] >= -(-q.shape[1] // tile_m) * tile_m
+        if sem is not None:
+            assert sem.shape[-1] == -(-q.shape[1] // tile_m)
         f = lambda t: t.double()
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]
@@ -200,7 +259,7 @@ def _emulated_kernel(key):
                         weight = weight * keep
                     else:
                         wp, wf = _visits(q_num, q_idx, full_num, full_idx, sparse, b, h, hk, group, sk_rows,
-                                         lse2.shape[-1], kernel_tiles[0])
+                                         lse2.shape[-1], tile_n, tile_m)
                         weight = weight * (wp[:sq, :sk_rows] * keep + wf[:sq, :sk_rows])
                 s = f(q[b, :, h]) @ f(k[b, :, hk]).T
                 factor = 1.0
@@ -222,12 +281,12 @@ def _emulated_kernel(key):
     return fn
 
 
-def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, rows, tile_n):
+def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, rows, tile_n, tile_m):
     """Element weights (partial visits, full visits) of the tiles that KV head hk's CTAs walk for
     query head h, read from the transposed lists exactly as the kernel's SparseQWalk reads them."""
     rm, rn = ratios
     n_tiles = -(-sk_rows // tile_n)
-    wp = torch.zeros(rows // 64, n_tiles, dtype=torch.float64)
+    wp = torch.zeros(rows // tile_m, n_tiles, dtype=torch.float64)
     wf = torch.zeros_like(wp)
     bb = 0 if q_num.shape[0] == 1 else b
     hb = 0 if q_num.shape[1] == 1 else h
@@ -239,19 +298,22 @@ def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, 
             for t in range(int(num[bb, hb, nb])):
                 for sub in range(rm):
                     m_block = int(idx[bb, hb, nb, t]) * rm + sub
-                    assert m_block < rows // 64, "a listed step reads past the padded row statistics"
+                    assert m_block < rows // tile_m, "a listed step reads past the padded row statistics"
                     w[m_block, n_block] += 1
-    expand = lambda w: w.repeat_interleave(64, 0).repeat_interleave(tile_n, 1)
+    expand = lambda w: w.repeat_interleave(tile_m, 0).repeat_interleave(tile_n, 1)
     return expand(wp), expand(wf)
 
 
-@pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_q_only_seqused", "softcap"])
-def test_host_wrapper_with_emulated_kernel(case, monkeypatch):
+@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_q_only_seqused", "softcap",
+                                  "deterministic_window"])
+def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     import math
 
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))  # D64: the 64- or the 128-query variant
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
     hq, hkv, d = 4, 2, 64
@@ -262,6 +324,9 @@ def test_host_wrapper_with_emulated_kernel(case, monkeypatch):
     elif case == "softcap":
         q, k, v, do = rnd(1, 33, hq, d), rnd(1, 90, hkv, d), rnd(1, 90, hkv, d), rnd(1, 33, hq, d)
         kw = dict(softcap=5.0, window_left=20, window_right=3)
+    elif case == "deterministic_window":
+        q, k, v, do = rnd(2, 300, hq, d), rnd(2, 200, hkv, d), rnd(2, 200, hkv, d), rnd(2, 300, hq, d)
+        kw = dict(window_left=70, causal=True)
     elif case == "varlen_window":
         cu_q, cu_k = torch.tensor([0, 40, 40, 107], dtype=torch.int32), torch.tensor([0, 30, 55, 55], dtype=torch.int32)
         q, k, v, do = rnd(107, hq, d), rnd(55, hkv, d), rnd(55, hkv, d), rnd(107, hq, d)
@@ -309,7 +374,7 @@ def test_host_wrapper_with_emulated_kernel(case, monkeypatch):
     ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
 
     grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
-    bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, False)
+    bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, case.startswith("deterministic"))
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
         err = (got.double() - r).norm() / r.norm()
@@ -345,8 +410,20 @@ SPARSE_CASES = {
 }
 
 
+# with 128 queries per step asked for (D64): case -> (ratios, queries per step) the walk must take
+SPARSE_CASES_TM128 = {
+    "doc_128x128_causal": ((1, 1), 128),
+    "doc_64x128": ((1, 1), 64),  # 64-row block-mask tiles: the 64-query variant walks them
+    "tail_per_head_128x256": ((1, 2), 128),
+    "doc_96_falls_back_dense": (None, 128),
+    "doc_128x128_d256": ((2, 2), 64),
+    "doc_64x64_narrow": ((1, 1), 64),
+}
+
+
+@pytest.mark.parametrize("tile_m", [64, 128])
 @pytest.mark.parametrize("case", list(SPARSE_CASES))
-def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
+def test_sparse_host_path_with_emulated_kernel(case, tile_m, monkeypatch):
     import math
 
     from torch_fa4.kernels.sm90 import bwd
@@ -356,6 +433,10 @@ def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
 
     kind, causal, block, per_head, expect = SPARSE_CASES[case]
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
+    want_tile_m = 64
+    if tile_m == 128:
+        expect, want_tile_m = SPARSE_CASES_TM128[case]
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
     b, sq, sk, hq, hkv = 2, 130, 300, 4, 2  # 130: the last 128-row block reaches past Sq
@@ -370,6 +451,7 @@ def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
                          block_mask_kv=block[1], max_seqlen_q=sq, max_seqlen_k=sk)
     assert bwd.unsupported_reason(call) is None
     assert bwd.variant_key(call, False)[-2] == expect
+    assert bwd.variant_key(call, False)[-3][3] == want_tile_m
     assert bwd.variant_key(call, True)[-2] is None  # deterministic: dense walk
 
     # float64 reference
@@ -398,18 +480,22 @@ def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
         assert (grads[1][:, 256:] == 0).all() and (grads[2][:, 256:] == 0).all()
 
 
-@pytest.mark.parametrize("d,hq,hkv,block,per_head,causal", [
-    (128, 4, 2, (128, 128), False, True),  # 2 query steps per block-mask row
-    (64, 2, 2, (128, 256), True, False),  # and 2 CTAs per block-mask column, per-head lists
-    (96, 6, 1, (64, 128), False, False),  # one step per row, MQA (6 heads share the lists walk)
-    (256, 4, 2, (128, 128), False, True),  # narrow: 64-key CTAs, 2 per block-mask column
-    (64, 4, 2, (64, 64), False, False),  # 64-key block-mask columns: the narrow variant at D=64
+@pytest.mark.parametrize("d,hq,hkv,block,per_head,causal,tile_m", [
+    (128, 4, 2, (128, 128), False, True, 64),  # 2 query steps per block-mask row
+    (64, 2, 2, (128, 256), True, False, 64),  # and 2 CTAs per block-mask column, per-head lists
+    (96, 6, 1, (64, 128), False, False, 64),  # one step per row, MQA (6 heads share the lists walk)
+    (256, 4, 2, (128, 128), False, True, 64),  # narrow: 64-key CTAs, 2 per block-mask column
+    (64, 4, 2, (64, 64), False, False, 64),  # 64-key block-mask columns: the narrow variant at D=64
+    (64, 4, 2, (128, 128), False, True, 128),  # 128 queries per step: one step per block-mask row
+    (64, 2, 2, (256, 128), True, False, 128),  # 2 steps of 128 per block-mask row, per-head lists
 ])
-def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, tmp_path):
+def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, tile_m, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
     from torch_fa4.mods import create_block_mask
     from torch_fa4.mods.prepare import prepare
     from torch_fa4.mods.registry import lookup
+
+    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
 
     mask_mod = _document_mask(torch.zeros(256, dtype=torch.int32))
     bm = create_block_mask(mask_mod, None, hq if per_head else None, 256, 256, device="cpu", BLOCK_SIZE=block)
@@ -422,10 +508,11 @@ def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, t
     vk = bwd.variant_key(call, False)
     tile_n = vk[-3][0]
     assert tile_n == (64 if d > 128 or block[1] == 64 else 128)
-    assert vk[-2] == (block[0] // 64, block[1] // tile_n)
+    assert vk[-3][3] == tile_m
+    assert vk[-2] == (block[0] // tile_m, block[1] // tile_n)
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
-    assert sass.count("HGMMA.") == 2 * (d // 16) + tile_n // 16 + 4 + 4  # S, dP, dQ, dK, dV as above
+    assert sass.count("HGMMA.") == 2 * (d // 16) + tile_n // 16 + 2 * (tile_m // 16)  # S, dP, dQ, dK, dV as above
     assert "UTMAREDG" in sass
     assert sass.count("LDL") + sass.count("STL") <= 64
 
@@ -505,19 +592,24 @@ def _tanh_bias_document_mods():
     return score_mod, mask_mod
 
 
+@pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("make_mods", [_alibi_mods, _tanh_bias_document_mods])
-def test_mods_variant_compiles_to_hgmma(make_mods, tmp_path, monkeypatch):
+def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
     from torch_fa4.mods.prepare import prepare
     from torch_fa4.mods.registry import lookup
 
+    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
     key, aux = prepare(*make_mods())
-    call = _call(d=128, hq=4, hkv=2, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
+    call = _call(d=d, hq=4, hkv=2, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
     assert bwd.unsupported_reason(call) is None
-    bwd.compile_variant(bwd.variant_key(call, False), dump_dir=str(tmp_path))
+    vk = bwd.variant_key(call, False)
+    assert vk[-3][3] == tile_m
+    bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
-    assert sass.count("HGMMA.") == 128 // 16 * 3 + 8
+    assert sass.count("HGMMA.") == d // 16 * 2 + 128 // 16 + 2 * (tile_m // 16)
     assert sass.count("LDL") + sass.count("STL") <= 64
+    assert sass.count("WARPGROUP.DEPBAR") <= 8
 
 
 def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):

@@ -3,7 +3,8 @@
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
-varlen, determinism, key tile and ring stages, block-mask tile ratios, mods key); shapes, strides,
+varlen, determinism, key tile, ring stages and queries per step, block-mask tile ratios, mods key);
+shapes, strides,
 scale, softcap value, window sizes, captured mod tensors and block-mask lists are runtime
 arguments, so new sizes or values never recompile.
 
@@ -13,8 +14,9 @@ strides, deterministic dQ. Varlen (cu_seqlens) runs one dense launch per sequenc
 packed-rows variant faults on the device, see bwd_kernel.py). score_mod/mask_mod are lowered into
 the kernel (derivative from the traced graph; validated on an H200 by
 tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
-dense batches, not deterministic, block-mask tiles multiples of the kernel's 64 query rows and
-128 keys, or 64 keys, which then selects the 64-key variant): each KV tile visits only the query
+dense batches, not deterministic, block-mask tiles multiples of the kernel's query rows per step
+(64, or 128 in the D64 variant: else that call steps 64 rows) and 128 keys, or 64 keys, which then
+selects the 64-key variant): each KV tile visits only the query
 tiles the mask lists for it and evaluates the mask_mod on partial tiles only. Otherwise the
 mask_mod is evaluated on every tile of the dense walk: slower, same result.
 """
@@ -30,13 +32,52 @@ if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-_TILE_M = 64  # must match Sm90AttentionBackward.tile_m
+_TILE_M = 64  # queries per kernel step everywhere but the D64 choice below
 _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
+# Queries per kernel step at head dims <= 64 (D = Dv = 64, 128-key CTAs): 64, or 128 (128 x 128
+# steps: S^T / dP^T of 64 keys x 128 queries per consumer warpgroup, dQ split by rows; see
+# bwd_kernel). Default 64 until the 128-query variant is measured on the GPU.
+# _D64_PASSES picks how the 128-query variant forms dS (bwd_kernel: p_from_bf16 / tm128_one_pass):
+# "two" (P while dP^T runs, dS from the bf16 P, dQ epilogue under the next step's products) or
+# "one" (P and dS in fp32 after both products land, no dQ-epilogue overlap).
+# Environment overrides, read on every call (benchmarks/bench.py --sweep bwd-tiles sets them):
+#   TORCH_FA4_BWD_TILE_M=64|128     TORCH_FA4_BWD_PASSES=two|one
+# Calls the 128-query variant does not take keep 64: head dims above 64, 64-key CTAs (block masks
+# of 64-key columns), block masks whose query tile is not a multiple of 128 (they keep their
+# block-sparse walk at 64 queries per step). Causal, window, softcap (always one pass), GQA,
+# seqused_k, deterministic mode and mods all run with 128.
+_D64_TILE_M = 64
+_D64_PASSES = "two"
+TILE_M_ENV = "TORCH_FA4_BWD_TILE_M"
+PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 
-def tiles(d: int, dv: int, tile_n: int | None = None) -> tuple[int, int, bool]:
+
+def _env_choice(name: str, default: str, allowed: tuple) -> str:
+    import os
+
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {allowed}")
+    return value
+
+
+def query_tile(d: int, dv: int, tile_n: int) -> tuple[int, bool]:
+    """(queries per kernel step, 128-query variant in one pass) for head dims d, dv with `tile_n`
+    keys per CTA."""
+    if tile_n == 128 and max(d, dv) <= 64:
+        tile_m = int(_env_choice(TILE_M_ENV, str(_D64_TILE_M), ("64", "128")))
+        if tile_m == 128:
+            return tile_m, _env_choice(PASSES_ENV, _D64_PASSES, ("two", "one")) == "one"
+        return tile_m, False
+    return _TILE_M, False
+
+
+def tiles(d: int, dv: int, tile_n: int | None = None, tile_m: int = _TILE_M) -> tuple[int, int, bool]:
     """(keys per CTA, Q/dO ring stages, dQ staged in the ring) for head dims d, dv (tile_n: force
-    64 or 128 keys).
+    64 or 128 keys; tile_m: queries per step).
 
     dK and dV of a key tile live in fp32 registers for the whole walk: 128 keys fit up to D=128
     (two warpgroups of 64 keys); beyond that the narrow variant shares 64 keys between the
@@ -46,17 +87,17 @@ def tiles(d: int, dv: int, tile_n: int | None = None) -> tuple[int, int, bool]:
     """
     if tile_n is None:
         tile_n = 128 if max(d, dv) <= 128 else 64
-    if _smem_bytes(d, dv, tile_n, 2, False) <= _SMEM_LIMIT:
+    if _smem_bytes(d, dv, tile_n, 2, False, tile_m) <= _SMEM_LIMIT:
         return tile_n, 2, False
-    if dv >= d and _smem_bytes(d, dv, tile_n, 2, True) <= _SMEM_LIMIT:
+    if tile_m == _TILE_M and dv >= d and _smem_bytes(d, dv, tile_n, 2, True) <= _SMEM_LIMIT:
         return tile_n, 2, True
     return tile_n, 1, False
 
 
-def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool) -> int:
+def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M) -> int:
     """Shared memory of bwd_kernel's Storage (16-bit inputs): Q/dO ring, K, V, dS^T (P^T) slots,
     fp32 dQ slabs (unless staged in the ring), LSE/dPsum ring, plus alignment slack."""
-    tm = _TILE_M
+    tm = tile_m
     ring = stages * tm * (d + dv) * 2 + 2 * stages * tm * 4
     slabs = 0 if dq_in_ring else tm * d * 4
     return ring + tile_n * (d + dv) * 2 + 2 * tile_n * tm * 2 + slabs + 6 * 1024
@@ -119,15 +160,23 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     from .bwd_sparse import ratios, sparse_walk_reason
 
     right, left = _window(call)
+    d, dv = call.head_dim, call.head_dim_v
     # the block-mask tile relative to the kernel's enters the variant; the lists are arguments
-    kernel_tiles = tiles(call.head_dim, call.head_dim_v)
+    tile_n = tiles(d, dv)[0]
+    tile_m, one_pass = query_tile(d, dv, tile_n)
     sparse = None
-    if sparse_walk_reason(call, deterministic, kernel_tiles[0]) is None:
-        sparse = ratios(call, kernel_tiles[0])
-    elif kernel_tiles[0] == 128 and sparse_walk_reason(call, deterministic, 64) is None:
+    if sparse_walk_reason(call, deterministic, tile_n, tile_m) is None:
+        sparse = ratios(call, tile_n, tile_m)
+    elif tile_m != _TILE_M and sparse_walk_reason(call, deterministic, tile_n, _TILE_M) is None:
+        # a block mask whose query tile is not a multiple of 128: 64 queries per step walk it
+        tile_m = _TILE_M
+        sparse = ratios(call, tile_n, tile_m)
+    elif tile_n == 128 and sparse_walk_reason(call, deterministic, 64) is None:
         # a block mask of 64-key columns: the 64-key (narrow) variant walks it
-        kernel_tiles = tiles(call.head_dim, call.head_dim_v, 64)
+        tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
+    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one pass)
+    kernel_tiles = (*tiles(d, dv, tile_n, tile_m=tile_m), tile_m, one_pass and tile_m == 128)
     return (
         call.q.dtype,
         call.head_dim,
@@ -234,10 +283,10 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
-    tile_n, stages, dq_in_ring = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass = kernel_tiles
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
-        tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring,
+        tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -270,8 +319,9 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return out
 
 
-def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0):
-    """Per query row, padded to whole query tiles: (lse * log2 e, rowsum(dO * O)) in fp32.
+def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, tile_m: int = _TILE_M):
+    """Per query row, padded to whole query tiles of `tile_m` rows (the variant's queries per
+    step): (lse * log2 e, rowsum(dO * O)) in fp32.
 
     Layout (B, Hq, rows) dense, (Hq, rows) varlen, contiguous. Rows with no visible key
     (lse = -inf) and padding rows get +inf, so that P = exp2(s - lse) = 0 there: their dq is 0,
@@ -283,9 +333,9 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0):
     """
     q = call.q
     if call.is_varlen:
-        rows = (math.ceil(q.shape[0] / _TILE_M) + 1) * _TILE_M  # TMA strides: 16-byte multiples
+        rows = (math.ceil(q.shape[0] / tile_m) + 1) * tile_m  # TMA strides: 16-byte multiples
     else:
-        rows = max(math.ceil(q.shape[1] / _TILE_M) * _TILE_M, min_rows)
+        rows = max(math.ceil(q.shape[1] / tile_m) * tile_m, min_rows)
     if dout.is_cuda:
         from . import bwd_prepare
 
@@ -309,6 +359,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         return
     key = variant_key(call, deterministic)
     fn = compile_variant(key)
+    tile_m = key[-3][3]  # queries per step: row statistics, dQ buffer, semaphores pad to it
     q, k, v = call.q, call.k, call.v
     right, left = _window(call)
     lists = [None] * 4
@@ -320,7 +371,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         min_rows = bwd_sparse.padded_rows(call)
     if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
-    lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows)
+    lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
     if call.is_varlen:
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
     else:
@@ -333,7 +384,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     sem = None
     if deterministic:
         max_q = call.max_seqlen_q if call.is_varlen else q.shape[1]
-        sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / _TILE_M)), dtype=torch.int32, device=q.device)
+        sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
     seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None

@@ -33,6 +33,15 @@ instead in the Q and dO buffers of the step just consumed (`dq_in_ring`: each is
 dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer once the TMA add
 has read it, early in the next step. bwd.tiles picks the configuration.
 
+128 queries per step (`tile_m = 128`; head dims <= 64 on the wide path, selected by bwd.query_tile,
+off by default): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
+registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
+warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
+per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix. Keeping
+the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at once and ptxas would
+serialize the wgmmas (C7512), so dS is formed either from the bf16 P registers (two passes,
+overlap_next_s on) or in one fp32 pass after both products (`tm128_one_pass`, no overlap).
+
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
@@ -64,7 +73,6 @@ LOG2_E = math.log2(math.e)
 
 
 class Sm90AttentionBackward:
-    tile_m = 64  # queries per step
     threads = 384
     producer_regs = 24
     consumer_regs = 240
@@ -89,10 +97,19 @@ class Sm90AttentionBackward:
         stages: int = 2,  # Q / dO / LSE / dPsum ring depth
         dq_in_ring: bool = False,  # stage dQ in the consumed Q / dO buffers (no dQ slabs)
         overlap_next_s: bool = True,  # dQ epilogue of step i under step i + 1's S^T, dP^T
+        tile_m: int = 64,  # queries per step: 64, or 128 on the wide path at head dims <= 64
+        tm128_one_pass: bool = False,  # 128 queries: P and dS in one pass (else dS from bf16 P)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
         self.tile_n = tile_n
+        assert tile_m in (64, 128)
+        # 128 queries per step (wide path, D = Dv <= 64): per consumer thread S^T and dP^T are
+        # 64 + 64 fp32, dK + dV 32 + 32, dQ 32. dQ splits the query rows between the warpgroups
+        # (each 64 rows x the full head dim: m64nDk16, no N=32 wgmmas) instead of the head dim.
+        assert tile_m == 64 or (tile_n == 128 and max(head_dim, head_dim_v) <= 64 and not dq_in_ring)
+        self.tile_m = tile_m
+        self.dq_split_rows = tile_m == 128
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = tile_n == 64
@@ -126,6 +143,23 @@ class Sm90AttentionBackward:
         # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P:
         # tanh' (softcap) or score_mod' at the unmodified score.
         self.one_pass = softcap or self.score_graph is not None
+        # 128 queries per step, two-pass path: the 64-query order (fp32 P kept for dS while dP^T
+        # lands and dV runs) needs S^T + dP^T + P (bf16, dV's A) + dK + dV = 224 registers at
+        # once and ptxas serializes every wgmma (C7512). Two ways that fit:
+        #   two passes, dS from the bf16 P registers (p_from_bf16): the fp32 P dies at its
+        #     conversion, before dP^T lands; dS carries one extra bf16 rounding of P (the
+        #     rounding dV already sees); overlap_next_s stays on;
+        #   one pass (tm128_one_pass): P and dS in fp32 once both products landed, as softcap
+        #     does; no overlap_next_s (one_pass paths never pipeline the dQ epilogue).
+        self.p_from_bf16 = False
+        if tile_m == 128 and not self.one_pass:
+            if tm128_one_pass:
+                self.one_pass = True
+            else:
+                self.p_from_bf16 = True
+        # dS^T to shared memory through stmatrix: at 128 queries the 32 swizzled addresses of
+        # per-register stores are hoisted out of the loop and spilled (~60 spill instructions)
+        self.dS_stmatrix = tile_m == 128
         # Software pipelining of the wide two-pass path: a step's dQ leaves the tensor cores
         # (wait_group(0)) but is staged and added only in the next step, after that step's S^T
         # (and dP^T: OVERLAP_DP) are issued, so the tensor cores work during the dQ epilogue. No
@@ -211,17 +245,19 @@ class Sm90AttentionBackward:
         split = 2 if const_expr(self.narrow) else 1
         sQ_layout = L.smem_layout(dt, tm, d, self.stages, d // split)
         sdO_layout = L.smem_layout(dt, tm, dv, self.stages, dv // split)
-        sK_layout = L.smem_layout(dt, tn, d, None, d // 2)
+        # (dQ split by query rows: each warpgroup reads K transposed in full, any swizzle atom.)
+        sK_layout = L.smem_layout(dt, tn, d, None, d if const_expr(self.dq_split_rows) else d // 2)
         sV_layout = L.smem_layout(dt, tn, dv, None, dv)
         # dS^T as (keys, queries), queries contiguous: the accumulator's adjacent columns land in
         # one 32-bit store, and dQ = dS K reads it as an MN-major A operand. Double-buffered
         # (narrow: slot 0 holds P^T, slot 1 dS^T, both read K-major as the A of dV / dK).
         sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
-        # dQ staging, one (tile_m, d/2) fp32 slab per consumer warpgroup, reduced into the fp32
-        # global buffer by one TMA add per slab (no per-element atomics).
-        sdQ_layout = L.smem_layout(Float32, tm, d // 2, None, d // 2)
+        # dQ staging, one fp32 slab per consumer warpgroup, reduced into the fp32 global buffer
+        # by one TMA add per slab (no per-element atomics): (tile_m, d/2) when the warpgroups
+        # split the head dim, (tile_m/2, d) when they split the query rows (tile_m = 128).
+        sdQ_layout = L.smem_layout(Float32, *self._dq_slab(), None, self._dq_slab()[1])
         tma_dQ, tdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, (tm, d // 2)
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, self._dq_slab()
         )
 
         tma_Q, tQ = cpasync.make_tiled_tma_atom(
@@ -257,8 +293,12 @@ class Sm90AttentionBackward:
             # dK / dV: A (P^T, dS^T) from registers, B = Q / dO transposed (MN-major).
             mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=True)
             mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, dv), a_in_registers=True)
-        # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
-        mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
+        if const_expr(self.dq_split_rows):
+            # dQ = dS K: 64 query rows per warpgroup, the whole head dim.
+            mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (2, 1, 1), (64, d))
+        else:
+            # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
+            mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
 
         sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
 
@@ -338,7 +378,7 @@ class Sm90AttentionBackward:
             sdQ = (ring_slabs(st.sQ, self.tile_m * self.d), ring_slabs(st.sdO, self.tile_m * self.dv))
         else:
             sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
-            sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)
+            sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)  # (slab rows, cols, wg)
         sLSE = st.sLSE.get_tensor(cute.make_layout((tm, self.stages)))
         sDp = st.sDp.get_tensor(cute.make_layout((tm, self.stages)))
 
@@ -421,6 +461,12 @@ class Sm90AttentionBackward:
             )
 
     # ------------------------------------------------------------------ helpers
+    def _dq_slab(self):
+        """(rows, cols) of one consumer warpgroup's dQ slab (and TMA add box)."""
+        if self.dq_split_rows:
+            return self.tile_m // 2, self.d
+        return self.tile_m, self.d // 2
+
     @cute.jit
     def _head_slice(self, t: cute.Tensor, h, b, off):
         """The (seq, ...) slab of head h, batch b; for varlen, offset to the batch's first row."""
@@ -508,6 +554,13 @@ class Sm90AttentionBackward:
         tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(L.transposed(sdS)))
         tdQrK = thr_dQ.make_fragment_B(thr_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
+        if const_expr(self.dS_stmatrix):
+            # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
+            # store (ptxas hoists the swizzled addresses out of the loop and spills them otherwise)
+            st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+            st_dS = cute.make_tiled_copy_C(st_atom, mma_SdP)
+            thr_st_dS = st_dS.get_slice(ctid)
+            tdSsdS_st = thr_st_dS.partition_D(sdS)
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = thr_dV.make_fragment_A(thr_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = thr_dK.make_fragment_A(thr_dK.partition_A(sdS))[None, None, None, 1]
@@ -516,9 +569,15 @@ class Sm90AttentionBackward:
             tdQsdQ_do = thr_dQ.partition_C(cute.group_modes(sdQ[1], 1, 3))
             prev_stage = Int32(0)
         else:
-            # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2), so
-            # each warpgroup's accumulator (columns [wg*d/2, (wg+1)*d/2)) lands in its own slab.
-            tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
+            # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2)
+            # (row r in slab r // (tile_m/2) when the warpgroups split the rows), so each
+            # warpgroup's accumulator lands in its own slab.
+            if const_expr(self.dq_split_rows):
+                half = tm // 2
+                rows_split = cute.make_layout(((half, 2), d), stride=((1, half * d), half))
+                tdQsdQ = thr_dQ.partition_C(cute.composition(sdQ, rows_split))
+            else:
+                tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
             sdQ_wg = sdQ[None, None, wg]
         # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
         # the TMA copy elects its issuing lane with a warp-synchronous instruction.
@@ -615,10 +674,14 @@ class Sm90AttentionBackward:
                 # dV += P^T dO  (P^T straight from registers)
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 warpgroup.wait_group(1)
+                Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     dpsum = sDp[cS[0, c][1], stage]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
+                        if const_expr(self.p_from_bf16):
+                            dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
+                        else:
+                            dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
                 rdS.store(acc_dP.load().to(self.dtype))
                 # dK += dS^T Q
                 self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
@@ -626,7 +689,10 @@ class Sm90AttentionBackward:
             if const_expr(not self.narrow):
                 # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
                 buf = step % 2
-                cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+                if const_expr(self.dS_stmatrix):
+                    cute.copy(st_dS, thr_st_dS.retile(rdS), tdSsdS_st[None, None, None, buf])
+                else:
+                    cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
@@ -695,12 +761,13 @@ class Sm90AttentionBackward:
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                           n_block, wg, diag, window_left, is_leader):
         """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
-        tm, d = self.tile_m, self.d
         cute.autovec_copy(rdQ, tdQsdQ)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
         if is_leader:
-            gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d // 2), (m_block, wg))
+            slab = self._dq_slab()
+            coord = (m_block * 2 + wg, 0) if const_expr(self.dq_split_rows) else (m_block, wg)
+            gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
             tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
                                            cute.group_modes(gdQ, 0, 2))
             if const_expr(self.deterministic):

@@ -25,12 +25,13 @@ from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
-TILE_M = 64  # query rows per kernel step (Sm90AttentionBackward.tile_m)
+TILE_M = 64  # query rows per kernel step unless the variant says otherwise (bwd.query_tile)
 
 
-def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int) -> Optional[str]:
-    """None when the block mask can drive the backward's walk (kernel key tile `tile_n`, see
-    bwd.tiles), else why the dense walk is used."""
+def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int,
+                       tile_m: int = TILE_M) -> Optional[str]:
+    """None when the block mask can drive the backward's walk (kernel key tile `tile_n`, query
+    step `tile_m`, see bwd.tiles / bwd.query_tile), else why the dense walk is used."""
     bm = call.block_mask
     if not bm:
         return "no block mask"
@@ -50,8 +51,8 @@ def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int) 
     if idx.shape[:3] != num.shape or full_idx.shape[3] != idx.shape[3]:
         # the transposed lists are built from one (B, H, nq, nkv) tile map
         return "block mask index tensors disagree in shape"
-    if call.block_mask_q % TILE_M:
-        return f"block mask q tile {call.block_mask_q} is not a multiple of {TILE_M}"
+    if call.block_mask_q % tile_m:
+        return f"block mask q tile {call.block_mask_q} is not a multiple of {tile_m}"
     if call.block_mask_kv % tile_n:
         return f"block mask kv tile {call.block_mask_kv} is not a multiple of {tile_n}"
     sq, sk = call.q.shape[1], call.k.shape[1]
@@ -60,9 +61,9 @@ def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int) 
     return None
 
 
-def ratios(call: "AttentionCall", tile_n: int) -> tuple[int, int]:
+def ratios(call: "AttentionCall", tile_n: int, tile_m: int = TILE_M) -> tuple[int, int]:
     """(kernel query steps per block-mask row, kernel key tiles per block-mask column)."""
-    return call.block_mask_q // TILE_M, call.block_mask_kv // tile_n
+    return call.block_mask_q // tile_m, call.block_mask_kv // tile_n
 
 
 def tile_classes(kv_num, kv_idx, full_num, full_idx) -> torch.Tensor:

@@ -71,10 +71,11 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
-          mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None):
+          mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None):
     """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
     bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
-    column) the backward must walk it with, None for the dense walk."""
+    column) the backward must walk it with, None for the dense walk; expect_tile_m: the queries
+    per kernel step the variant must have."""
     from torch_fa4.kernels.sm90 import bwd
 
     dev = "cuda"
@@ -142,6 +143,8 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
     assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
     if block_size is not None:
         assert bwd.variant_key(call, deterministic)[-2] == expect_sparse
+    if expect_tile_m is not None:
+        assert bwd.variant_key(call, deterministic)[-3][3] == expect_tile_m
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
@@ -198,7 +201,7 @@ def test_d256_ring_configurations(config, monkeypatch):
     # with separate dQ slabs is the fallback if that ever has to go: both must be right
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setattr(bwd, "tiles", lambda d, dv, tile_n=None: config)
+    monkeypatch.setattr(bwd, "tiles", lambda d, dv, tile_n=None, tile_m=64: config)
     _case(BF, 2, 333, 300, 4, 2, 256, 256, causal=True)
     _case(BF, 1, 200, 520, 2, 2, 256, 256, deterministic=True)
 
@@ -384,6 +387,73 @@ def test_flex_attention_block_mask_reaches_the_backward(monkeypatch):
         assert not torch.isnan(got).any()
         err = (got.double() - ref).norm() / ref.norm()
         assert err < 1.5e-2, f"{name}: relative error {err:.3e}"
+
+
+# ---- 128 queries per step at D64 (bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M=128), in both ways of
+# forming dS (TORCH_FA4_BWD_PASSES: "two" = dS from the bf16 P with the dQ epilogue overlapped,
+# "one" = P and dS in one fp32 pass)
+
+@pytest.fixture(params=["two", "one"])
+def tile_m_128(request, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
+    monkeypatch.setenv(bwd.PASSES_ENV, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(300, 517), (517, 300), (256, 384), (1, 77), (130, 130)])
+def test_tm128_d64(tile_m_128, causal, sq, sk):
+    _case(BF, 2, sq, sk, 2, 2, 64, 64, causal=causal, expect_tile_m=128)
+
+
+@pytest.mark.parametrize("hq,hkv,causal", [(4, 2, True), (6, 1, False), (8, 1, True)])
+def test_tm128_gqa(tile_m_128, hq, hkv, causal):
+    _case(BF, 2, 300, 517, hq, hkv, 64, 64, causal=causal, expect_tile_m=128)
+
+
+def test_tm128_fp16_strided(tile_m_128):
+    _case(FP, 2, 300, 517, 4, 2, 64, 64, strided=True, expect_tile_m=128)
+
+
+@pytest.mark.parametrize("left,right,causal", [(60, 20, False), (100, -1, True), (-1, 40, False)])
+def test_tm128_window(tile_m_128, left, right, causal):
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=causal, left=left, right=right, expect_tile_m=128)
+
+
+def test_tm128_softcap_seqused(tile_m_128):
+    _case(BF, 2, 300, 517, 2, 2, 64, 64, softcap=8.0, causal=True, expect_tile_m=128)
+    _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True, expect_tile_m=128)
+
+
+def test_tm128_deterministic(tile_m_128):
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, deterministic=True, expect_tile_m=128)
+    _case(BF, 1, 517, 300, 2, 2, 64, 64, left=90, right=10, deterministic=True, expect_tile_m=128)
+
+
+def test_tm128_varlen(tile_m_128):
+    _case(BF, 3, 300, 517, 4, 2, 64, 64, varlen=True, causal=True, expect_tile_m=128)
+
+
+@pytest.mark.parametrize("make_mods,causal", [(_alibi, True), (_tanh_bias_documents, False)])
+def test_tm128_mods(tile_m_128, make_mods, causal):
+    slopes = torch.rand(4, device="cuda")
+    doc = torch.sort(torch.randint(0, 4, (517,), device="cuda")).values.to(torch.int32)
+    score_mod, mask_mod = make_mods(slopes, doc)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+          expect_tile_m=128)
+
+
+@pytest.mark.parametrize("block,expect,tile_m", [
+    ((128, 128), (1, 1), 128), ((256, 128), (2, 1), 128),
+    ((64, 128), (1, 1), 64),  # 64-row block-mask tiles: the 64-query variant walks them
+])
+def test_tm128_block_sparse(tile_m_128, block, expect, tile_m):
+    doc = _doc_ids(517)
+    _, mask_mod = _documents(None, doc)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, mask_mod=mask_mod, block_size=block,
+          expect_sparse=expect, expect_tile_m=tile_m)
 
 
 def _bench():  # pragma: no cover - manual timing on the device machine
