@@ -84,6 +84,8 @@ VARIANTS = {
     "d64_192x128_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=False)),
     "d64_192x128_persistent": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=True)),
     "d64_192x128_causal_persistent": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=True)),
+    # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
+    "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
 }
 
@@ -155,6 +157,24 @@ def test_grid_policy(monkeypatch):
     assert ctas(4096, causal=True) == ctas(4096, window_left=100) == fwd_launch.ONE_CTA_PER_ITEM
     assert not fwd_host.default_config(_call(256)).persistent
     assert ctas(1024, D=256) == fwd_launch.ONE_CTA_PER_ITEM
+
+
+def test_d64_tile_policy():
+    """Long plain D64 calls take 192 x 128 tiles (3 K/V stages unless causal); short ones, other
+    head dims and the features that shape has not been measured or tested with keep 128 x 128."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def shape(S, D=64, **kw):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw))
+        return cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.persistent
+
+    assert shape(4096) == (192, 128, 3, False)
+    assert shape(16384, causal=True) == (192, 128, 2, False)
+    assert shape(2048) == (128, 128, 2, True)
+    assert shape(4096, D=128) == (128, 128, 2, True)
+    assert shape(4096, softcap=30.0)[:2] == (128, 128)
+    assert shape(4096, causal=True, window_left=256)[:2] == (128, 128)
 
 
 def test_compile_cache_reuses_variants():

@@ -28,10 +28,8 @@ MOD_MAX_POSITION = 1 << 23
 L2_BYTES = 50 * 1024 * 1024
 
 # (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup; key tiles sized so two
-# stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB). D=64 at
-# 192 x 128 (three consumer warpgroups at 160 registers) compiles clean since P is converted by
-# packed pairs (NOTES "Experiment 14"); 128 x 128 stays the default until it is measured. A block
-# mask's 128-row tiles would not divide into 192-row kernel tiles (`_block_mask_reason`).
+# stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB). D=64 has
+# a second shape for long plain calls, `_D64_WIDE` (see `_tiles`).
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
@@ -103,8 +101,30 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     return None
 
 
-def default_config(call: AttentionCall, **overrides) -> FwdConfig:
+# D=64 calls past 2048 queries without mods, softcap, window or varlen run 192 x 128 tiles: three
+# consumer warpgroups at 160 registers (they fit since P is converted by packed pairs), 1.5x the
+# query rows per K/V load. H100, NOTES "Experiment 19": +3-12% at S=4k/16k; at S=1k the ragged last
+# 192-row tile loses to 128 x 128 (-6%). A third K/V stage pays without causal masking only.
+# The features left out compiled with a few spills (softcap), spilled in the key loop (mask_mods),
+# cannot split a block mask's 128-row tiles, or have not run on the GPU at this shape (window, varlen).
+_D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
+_D64_WIDE_MIN_SEQLEN_Q = 2048
+
+
+def _tiles(call: AttentionCall) -> dict:
+    """tile_m, tile_n (and the options that go with them) for a call."""
     tile_m, tile_n = _TILES[call.head_dim]
+    plain = (call.mods is None and call.softcap <= 0 and not call.has_window and not call.is_varlen
+             and call.cu_seqlens_k is None)
+    if (call.head_dim == call.head_dim_v == 64 and plain
+            and fwd_launch.max_seqlens(call)[0] > _D64_WIDE_MIN_SEQLEN_Q):
+        return dict(_D64_WIDE, num_stages=2 if call.causal else 3)
+    return dict(tile_m=tile_m, tile_n=tile_n)
+
+
+def default_config(call: AttentionCall, **overrides) -> FwdConfig:
+    shape = _tiles(call)
+    tile_m, tile_n = shape["tile_m"], shape["tile_n"]
     opts = dict(_DEFAULT_OPTIONS[call.head_dim])
     mods = {}
     if call.mods is not None:
@@ -114,14 +134,14 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         tile_n = _block_tile_n(call)
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
-    opts["persistent"] = opts["persistent"] and _persistent_fits(call)
+    opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
         head_dim_v=call.head_dim_v,
         tile_m=tile_m,
         tile_n=tile_n,
-        num_stages=2,
+        num_stages=shape.get("num_stages", 2),
         causal=bool(call.causal),
         has_window=call.has_window,
         softcap=call.softcap > 0,

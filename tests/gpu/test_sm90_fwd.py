@@ -202,7 +202,7 @@ def test_three_consumer_warpgroups(causal):
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_three_consumer_warpgroups_128_key_tiles(monkeypatch, causal, persistent):
-    # 192 x 128 tiles at D64 (flash-attn-4's shape there), one-shot and persistent: not a default yet.
+    # 192 x 128 tiles at D64 (flash-attn-4's shape there, our default past 2048 queries), one-shot and persistent.
     # Sk = 650 leaves a ragged last key tile; 700 query rows a ragged last query tile. Persistent:
     # 5 CTAs, so each loops over several work items (32 and 6 items here).
     if persistent:
@@ -212,6 +212,18 @@ def test_three_consumer_warpgroups_128_key_tiles(monkeypatch, causal, persistent
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=causal), tile_m=192, tile_n=128, persistent=persistent)
     _check(_dense_call(1, 333, 1100, 3, 1, 64, dtype=torch.float16, causal=causal), tile_m=192, tile_n=128,
            persistent=persistent)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_default_past_2048_queries(causal):
+    # the default shape of long plain D64 calls (fwd_host._tiles): 192 x 128, three K/V stages
+    # without causal masking; Sq = 2100 leaves a ragged last query tile, Sk = 2500 a key tile
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _dense_call(1, 2100, 2500, 4, 2, 64, causal=causal)
+    cfg = fwd_host.default_config(call)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_stages) == (192, 128, 2 if causal else 3)
+    _check(call)
 
 
 def test_one_shot_grid():
