@@ -232,8 +232,9 @@ def _emulated_kernel(key):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
         mask_aux = [t for t in rest[10:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
-        # the kernel reads whole query tiles of tile_m rows: statistics and dQ buffer padded to them
-        assert lse2.shape[-1] % tile_m == 0 and dq_acc.shape[-2] == lse2.shape[-1]
+        # the kernel reads whole query tiles of tile_m rows: statistics padded to them; the dQ
+        # buffer is not (its TMA adds drop rows past Sq)
+        assert lse2.shape[-1] % tile_m == 0 and dq_acc.shape[-2] == q.shape[1]
         assert lse2.shape[-1] >= -(-q.shape[1] // tile_m) * tile_m
         if sem is not None:
             assert sem.shape[-1] == -(-q.shape[1] // tile_m)
