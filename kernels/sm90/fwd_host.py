@@ -103,7 +103,7 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 
 # D=64 calls past 2048 queries without mods, softcap, window or varlen run 192 x 128 tiles: three
 # consumer warpgroups at 160 registers (they fit since P is converted by packed pairs), 1.5x the
-# query rows per K/V load. H100, NOTES "Experiment 19": +3-12% at S=4k/16k; at S=1k the ragged last
+# query rows per K/V load. H100, NOTES "Experiment 17": +8-17% at S=4k/16k; at S=1k the ragged last
 # 192-row tile loses to 128 x 128 (-6%). A third K/V stage pays without causal masking only.
 # The features left out compiled with a few spills (softcap), spilled in the key loop (mask_mods),
 # cannot split a block mask's 128-row tiles, or have not run on the GPU at this shape (window, varlen).
