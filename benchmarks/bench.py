@@ -51,6 +51,8 @@ _SWEEPS = {
     "exp2": ({"hardware": {}, "emu8": dict(exp2_emulate_every=8), "emu4": dict(exp2_emulate_every=4),
               "emu3": dict(exp2_emulate_every=3)},
              [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
+    "rescale": ({"after P V": {}, "before P V": dict(early_o_rescale=True)},
+                [(D, S, c) for D in (64, 128) for S in (1024, 16384) for c in (False, True)]),
     "stages": ({"2 stages": dict(num_stages=2), "3 stages": dict(num_stages=3), "4 stages": dict(num_stages=4)},
                [(64, S, c) for S in (1024, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},

@@ -111,6 +111,8 @@ class FlashFwdSm90:
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         assert cfg.num_stages >= 1
+        # the early rescale applies every tile's factors; the conditional rescale skips some (fwd_config)
+        assert not (cfg.early_o_rescale and cfg.rescale_threshold is not None)
         # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
         # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
         # Q's buffer and the next Q waits for the O store.
@@ -470,6 +472,10 @@ class FlashFwdSm90:
         of S_t under the P V. Returns the ring positions and the softmax state after it."""
         n_block = walk.n_block(t)
         partial = self._is_partial(walk, t)
+        if const_expr(self.cfg.early_o_rescale):
+            # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
+            # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
+            scale_rows(acc_o, row_scale)
         pipe_k.consumer_wait(state)
         self._turn_wait(wg)
         _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
@@ -482,8 +488,9 @@ class FlashFwdSm90:
         moved = softmax.step(acc_s, row_scale)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
-        if moved:
-            scale_rows(acc_o, row_scale)
+        if const_expr(not self.cfg.early_o_rescale):
+            if moved:
+                scale_rows(acc_o, row_scale)
         convert_pairs(a_operand(acc_s), tOrP)
         v_state = state.clone()
         state.advance()
@@ -604,6 +611,8 @@ class FlashFwdSm90:
                     for t in cutlass.range(l, walk.count, unroll=1):
                         state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
 
+            if const_expr(cfg.early_o_rescale):
+                scale_rows(acc_o, row_scale)  # the last tile's factors, before its P V joins O
             pipe_v.consumer_wait(v_state)
             self._turn_wait(wg)
             _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)

@@ -30,6 +30,9 @@ class FwdConfig:
     persistent: bool = False  # about one CTA per SM looping over work items (else one CTA per item)
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
     exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
+    # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead
+    # of after it lands (off the path from the P V wait to the next issue); always-rescale only
+    early_o_rescale: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)
