@@ -175,7 +175,6 @@ def test_seqused_k_dense():
     dict(exp2_emulate_every=4),
     dict(rescale_threshold=8.0, exp2_emulate_every=2, pingpong=False),
     dict(early_o_rescale=True),
-    dict(early_o_rescale=True, tile_m=192, persistent=False),
 ])
 def test_softmax_options(opts):
     _check(_dense_call(2, 640, 640, 4, 4, 64, causal=True), **opts)
@@ -214,6 +213,11 @@ def test_three_consumer_warpgroups_128_key_tiles(monkeypatch, causal, persistent
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=causal), tile_m=192, tile_n=128, persistent=persistent)
     _check(_dense_call(1, 333, 1100, 3, 1, 64, dtype=torch.float16, causal=causal), tile_m=192, tile_n=128,
            persistent=persistent)
+
+
+def test_early_o_rescale_three_consumer_warpgroups():
+    _check(_dense_call(2, 700, 650, 4, 2, 64, causal=True), tile_m=192, tile_n=128, persistent=False,
+           early_o_rescale=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
