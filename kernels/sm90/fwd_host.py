@@ -152,7 +152,12 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         **opts,
         **mods,
     )
-    return replace(cfg, **overrides) if overrides else cfg
+    cfg = replace(cfg, **overrides) if overrides else cfg
+    if cfg.rescale_threshold is not None and "early_o_rescale" not in overrides:
+        # the conditional rescale decides per tile whether O moves at all, after that tile's
+        # softmax: it keeps the rescale where it was
+        cfg = replace(cfg, early_o_rescale=False)
+    return cfg
 
 
 def _persistent_fits(call: AttentionCall) -> bool:
