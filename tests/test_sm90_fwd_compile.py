@@ -119,9 +119,7 @@ def test_variant_compiles_to_hgmma(name, tmp_path):
     from torch_fa4.kernels.sm90 import fwd_host
 
     call_kw, cfg_kw = VARIANTS[name]
-    cfg = fwd_host.default_config(_call(**call_kw))
-    if cfg_kw:
-        cfg = replace(cfg, **cfg_kw)
+    cfg = fwd_host.default_config(_call(**call_kw), **cfg_kw)
     _compile_and_check_sass(cfg, tmp_path)
 
 
