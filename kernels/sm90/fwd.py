@@ -14,9 +14,9 @@ Consumer main loop (per warpgroup, key tiles from last to first so masked tiles 
     O += P_last V_last;  O /= rowsum;  LSE
 
 so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("intra-warpgroup
-overlap"). Up to D=128 the loop runs as three loops: the tiles at either end of the walk that the
+overlap"). With `split_mask_loops` (fwd_host picks it per head dim) the loop runs as three loops: the tiles at either end of the walk that the
 causal / window / length limits cut (with element masks) and the tiles between them (no mask code
-at all); `BlockRange.masked_ends` finds the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
+at all; `split_mask_loops`); `BlockRange.masked_ends` finds the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
 matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
 the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
 (kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
@@ -120,10 +120,11 @@ class FlashFwdSm90:
         ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
         q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
         self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
-        # separate key loops for masked and unmasked tiles (no mask code where none is needed);
-        # above D=128 the three loop copies leave ptxas short of registers and it serializes the
-        # wgmmas (D=192: a wait after every HGMMA), so those keep one loop with a per-tile check
-        self.split_mask_loops = self.hdim <= 128
+        # separate key loops for masked and unmasked tiles (no mask code where none is needed).
+        # Before P was converted by packed pairs, the loop copies left ptxas short of registers
+        # above D=128 and it serialized the wgmmas; now D=192/256 compile clean too (fwd_host
+        # decides per head dim from measurements)
+        self.split_mask_loops = cfg.split_mask_loops
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):

@@ -33,6 +33,9 @@ class FwdConfig:
     # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead
     # of after it lands (off the path from the P V wait to the next issue); always-rescale only
     early_o_rescale: bool = False
+    # separate key loops for the masked tiles at either end of the walk and the unmasked ones
+    # between them (fwd.py); one loop with a run-time mask branch otherwise
+    split_mask_loops: bool = True
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

@@ -41,8 +41,9 @@ _DEFAULT_OPTIONS = {
     64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
-    192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False),
-    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False),  # rescale: +5..7% measured
+    192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False, split_mask_loops=False),
+    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False,  # rescale: +5..7% measured
+              split_mask_loops=False),
 }
 
 

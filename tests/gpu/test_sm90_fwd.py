@@ -215,6 +215,16 @@ def test_three_consumer_warpgroups_128_key_tiles(monkeypatch, causal, persistent
            persistent=persistent)
 
 
+@pytest.mark.parametrize("D", [192, 256])
+def test_split_mask_loops_and_persistent_above_d128(D):
+    # since P is converted by packed pairs these compile without wgmma serialization; measured in
+    # bench.py --sweep d256 before becoming defaults
+    _check(_dense_call(2, 700, 650, 4, 2, D, causal=True), split_mask_loops=True)
+    _check(_dense_call(1, 333, 1100, 3, 1, D, causal=True, window_left=200, window_right=30, softcap=20.0),
+           split_mask_loops=True)
+    _check(_dense_call(2, 517, 900, 4, 4, D), split_mask_loops=True, persistent=True)
+
+
 def test_early_o_rescale_three_consumer_warpgroups():
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=True), tile_m=192, tile_n=128, persistent=False,
            early_o_rescale=True)
