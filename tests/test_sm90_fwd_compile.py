@@ -84,6 +84,9 @@ VARIANTS = {
     "d64_192x128_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=False)),
     "d64_192x128_persistent": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=True)),
     "d64_192x128_causal_persistent": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=True)),
+    # D256 past 2048 keys splits its key loop by mask (fwd_host._tiles)
+    "d256_causal_split": (dict(D=256, causal=True), dict(split_mask_loops=True)),
+    "d256_softcap_window_split": (dict(D=256, causal=True, softcap=30.0, window_left=512), dict(split_mask_loops=True)),
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
@@ -173,6 +176,17 @@ def test_d64_tile_policy():
     assert shape(4096, D=128) == (128, 128, 2, True)
     assert shape(4096, softcap=30.0)[:2] == (128, 128)
     assert shape(4096, causal=True, window_left=256)[:2] == (128, 128)
+
+
+def test_split_mask_loops_policy():
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def split(S, D):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True)).split_mask_loops
+
+    assert split(1024, 64) and split(1024, 128) and split(4096, 256)
+    assert not split(1024, 256) and not split(4096, 192)
 
 
 def test_compile_cache_reuses_variants():

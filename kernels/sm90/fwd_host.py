@@ -42,8 +42,7 @@ _DEFAULT_OPTIONS = {
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False, split_mask_loops=False),
-    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False,  # rescale: +5..7% measured
-              split_mask_loops=False),
+    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False),  # rescale: +5..7% measured
 }
 
 
@@ -113,9 +112,17 @@ _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _D64_WIDE_MIN_SEQLEN_Q = 2048
 
 
+# D=256 splits its key loop by mask (H100, NOTES "Experiment 20": +4-8% at S=16k, +-1% at S=4k)
+# except on short calls, where the single loop was 3.5% faster at S=1k.
+_D256_SPLIT_MIN_SEQLEN_K = 2048
+
+
 def _tiles(call: AttentionCall) -> dict:
     """tile_m, tile_n (and the options that go with them) for a call."""
     tile_m, tile_n = _TILES[call.head_dim]
+    if call.head_dim == 256:
+        return dict(tile_m=tile_m, tile_n=tile_n,
+                    split_mask_loops=fwd_launch.max_seqlens(call)[1] > _D256_SPLIT_MIN_SEQLEN_K)
     plain = (call.mods is None and call.softcap <= 0 and not call.has_window and not call.is_varlen
              and call.cu_seqlens_k is None)
     if (call.head_dim == call.head_dim_v == 64 and plain
@@ -137,6 +144,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
+    split_mask_loops = shape.get("split_mask_loops", opts.pop("split_mask_loops", True))
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
@@ -144,6 +152,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         tile_m=tile_m,
         tile_n=tile_n,
         num_stages=shape.get("num_stages", 2),
+        split_mask_loops=split_mask_loops,
         causal=bool(call.causal),
         has_window=call.has_window,
         softcap=call.softcap > 0,
