@@ -538,21 +538,31 @@ class Sm90AttentionBackward:
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
     ):
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
-        wg = ctid // 128
+        # The warpgroup index, known to the compiler as warp-uniform: shared-memory operand
+        # descriptors depend only on it, so their per-k-block arithmetic stays in uniform
+        # registers (UIADD3.64) instead of 64-bit vector adds + R2UR moves every step.
+        wg = cute.arch.make_warp_uniform(ctid // 128)
         thr_SdP = mma_SdP.get_slice(ctid)
         thr_dK = mma_dK.get_slice(ctid)
         thr_dV = mma_dV.get_slice(ctid)
         thr_dQ = mma_dQ.get_slice(ctid)
+        # Slices for shared-memory (descriptor) operands: every thread of a warpgroup holds the
+        # same descriptors, so the warpgroup's first thread stands for all of them.
+        wg_thr = wg * 128
+        ops_SdP = mma_SdP.get_slice(wg_thr)
+        ops_dK = mma_dK.get_slice(wg_thr)
+        ops_dV = mma_dV.get_slice(wg_thr)
+        ops_dQ = mma_dQ.get_slice(wg_thr)
 
         # Operand fragments (descriptors over shared memory).
-        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))
-        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))  # (.., .., .., stage)
-        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
-        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))
-        tdVrdO = thr_dV.make_fragment_B(thr_dV.partition_B(L.transposed(sdO)))
-        tdKrQ = thr_dK.make_fragment_B(thr_dK.partition_B(L.transposed(sQ)))
-        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(L.transposed(sdS)))
-        tdQrK = thr_dQ.make_fragment_B(thr_dQ.partition_B(L.transposed(sK)))
+        tSrK = ops_SdP.make_fragment_A(ops_SdP.partition_A(sK))
+        tSrQ = ops_SdP.make_fragment_B(ops_SdP.partition_B(sQ))  # (.., .., .., stage)
+        tPrV = ops_SdP.make_fragment_A(ops_SdP.partition_A(sV))
+        tPrdO = ops_SdP.make_fragment_B(ops_SdP.partition_B(sdO))
+        tdVrdO = ops_dV.make_fragment_B(ops_dV.partition_B(L.transposed(sdO)))
+        tdKrQ = ops_dK.make_fragment_B(ops_dK.partition_B(L.transposed(sQ)))
+        tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
+        tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
         if const_expr(self.dS_stmatrix):
             # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
@@ -562,8 +572,8 @@ class Sm90AttentionBackward:
             thr_st_dS = st_dS.get_slice(ctid)
             tdSsdS_st = thr_st_dS.partition_D(sdS)
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
-            tdVrP = thr_dV.make_fragment_A(thr_dV.partition_A(sdS))[None, None, None, 0]
-            tdKrdS = thr_dK.make_fragment_A(thr_dK.partition_A(sdS))[None, None, None, 1]
+            tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
+            tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
         if const_expr(self.dq_in_ring):  # (.., stage) partitions; slab 0 of each for the TMA
             tdQsdQ_q = thr_dQ.partition_C(cute.group_modes(sdQ[0], 1, 3))
             tdQsdQ_do = thr_dQ.partition_C(cute.group_modes(sdQ[1], 1, 3))
