@@ -499,8 +499,10 @@ class Sm90AttentionBackward:
             cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
-            h_local, m_block, _ = walk.tile(step)
+            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
+            cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
             gQ = cute.local_tile(self._head_slice(mQ, h, b, q_off), (tm, self.d), (None, 0))
             gdO = cute.local_tile(self._head_slice(mdO, h, b, q_off), (tm, self.dv), (None, 0))
@@ -613,8 +615,10 @@ class Sm90AttentionBackward:
             rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
             prev_h = Int32(0)
             prev_m = Int32(0)
+        cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
-            h_local, m_block, partial = walk.tile(step)
+            h_local, m_block, partial = walk.at(step, cur_h, cur_m)
+            cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
             stage = state.index
             pipe.consumer_wait(state)
