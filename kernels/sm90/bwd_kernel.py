@@ -159,7 +159,7 @@ class Sm90AttentionBackward:
                 self.p_from_bf16 = True
         # dS^T to shared memory through stmatrix: at 128 queries the 32 swizzled addresses of
         # per-register stores are hoisted out of the loop and spilled (~60 spill instructions)
-        self.dS_stmatrix = tile_m == 128
+        self.dS_stmatrix = not self.narrow
         # Software pipelining of the wide two-pass path: a step's dQ leaves the tensor cores
         # (wait_group(0)) but is staged and added only in the next step, after that step's S^T
         # (and dP^T: OVERLAP_DP) are issued, so the tensor cores work during the dQ epilogue. No
