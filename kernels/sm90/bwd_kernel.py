@@ -775,7 +775,7 @@ class Sm90AttentionBackward:
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                           n_block, wg, diag, window_left, is_leader):
         """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
-        cute.autovec_copy(rdQ, tdQsdQ)
+        L.copy_to_swizzled(rdQ, tdQsdQ)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
         if is_leader:

@@ -9,6 +9,8 @@ These helpers only re-describe existing storage; none of them moves data.
 
 from __future__ import annotations
 
+import re
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
@@ -91,3 +93,51 @@ def make_mma(dtype, a_major, b_major, atom_layout, tile_mn, a_in_registers: bool
         tiler_mn=tile_mn,
         a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
     )
+
+
+def _ptr_swizzle(ptr):
+    """(bits, base, shift) of a swizzled pointer's Sw<B,M,S> (byte units), None if unswizzled."""
+    m = re.search(r"S<(\d+),(\d+),(\d+)>", str(ptr.type))
+    return tuple(int(g) for g in m.groups()) if m else None
+
+
+def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor):
+    """Register fragment -> this thread's partition of a swizzled shared-memory tile.
+
+    `autovec_copy` swizzles the full address of every vector (add, shift, xor per store), and
+    ptxas cannot hoist those: the swizzle does not commute with adding the per-value offset. It
+    does commute with any offset that is a multiple of 2^(B+M+S) bytes (the swizzle reads and
+    writes only the bits below that), so the static per-value offsets split into a low part
+    (few distinct values, one swizzled base address each, computed here once) and a high part
+    that becomes the store's immediate offset. Same addresses, same data as autovec_copy.
+    """
+    sw = _ptr_swizzle(dst.iterator)
+    if sw is None:
+        cute.autovec_copy(src, dst)
+    else:
+        bits, base, shift = sw
+        span = 1 << (bits + base + shift)
+        eb = dst.element_type.width // 8
+        n = int(cute.size(dst))
+        offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+        align = dst.iterator.alignment
+        # vector width: contiguous runs within an aligned chunk of the pointer's alignment
+        v = max(1, min(align // eb, 4))
+        while v > 1 and not all(
+            offs[e + i] == offs[e] + i * eb and offs[e] % (v * eb) == 0
+            for e in range(0, n, v) for i in range(v)
+        ):
+            v //= 2
+        t = dst.iterator.toint()
+        ymask = ((1 << bits) - 1) << base
+        bases = {}
+        for e in range(0, n, v):
+            low = offs[e] % span
+            if low not in bases:
+                a = t + low
+                phys = a ^ ((a >> shift) & ymask)
+                bases[low] = cute.make_ptr(dst.element_type, phys, cute.AddressSpace.smem,
+                                           assumed_align=v * eb)
+            d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
+            s = cute.make_tensor(src.iterator + int(cute.crd2idx(e, src.layout)), cute.make_layout(v))
+            cute.autovec_copy(s, d)
