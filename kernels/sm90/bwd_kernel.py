@@ -620,7 +620,7 @@ class Sm90AttentionBackward:
             h_local, m_block, partial = walk.at(step, cur_h, cur_m)
             cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
-            stage = state.index
+            stage = cute.arch.make_warp_uniform(state.index)
             pipe.consumer_wait(state)
 
             acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
