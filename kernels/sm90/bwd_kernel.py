@@ -600,8 +600,14 @@ class Sm90AttentionBackward:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        # (key, query) coordinates of this thread's S^T elements, in rows/cols order.
-        cS = L.rows_cols_view(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))
+        # (key, query) coordinates of this thread's S^T elements, in rows/cols order, split into
+        # the thread's offset (t_key, t_q: two registers) and the static per-value offsets of
+        # thread 0 (c0): coordinate (r, c) = (t_key + c0[r, c][0], t_q + c0[r, c][1]). Keeps the
+        # masks' per-element tests to one compare with an immediate each.
+        ident = cute.make_identity_tensor((tn, tm))
+        c_thr = L.rows_cols_view(thr_SdP.partition_C(ident))
+        c0 = L.rows_cols_view(mma_SdP.get_slice(0).partition_C(ident))
+        cS = (c_thr[0, 0][0] - c0[0, 0][0], c_thr[0, 0][1] - c0[0, 0][1], c0)
 
         if steps > 0:
             cute.arch.mbarrier_wait(bar_kv, 0)
@@ -690,7 +696,7 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(1)
                 Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    dpsum = sDp[cS[0, c][1], stage]
+                    dpsum = sDp[cS[1] + cS[2][0, c][1], stage]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                         if const_expr(self.p_from_bf16):
                             dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
@@ -840,15 +846,25 @@ class Sm90AttentionBackward:
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                        window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                        masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr):
+        t_key, t_q, c0 = cS
+        # The limits relative to this thread's first element: element (r, c) is key
+        # key0 + t_key + dr, query row row0 + t_q + dc with static dr, dc (c0).
+        lim_q = seqlen_q - row0 - t_q  # dc < lim_q: row inside the sequence
+        lim_k = seqlen_k - key0 - t_key  # dr < lim_k: key inside the sequence
+        rel = row0 + t_q + diag - key0 - t_key
+        lim_right = rel + window_right  # dr - dc <= lim_right
+        lim_left = rel - window_left  # dr - dc >= lim_left
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-            m_local = cS[0, c][1]
+            dc = c0[0, c][1]
+            m_local = t_q + dc
             lse2 = sLSE[m_local, stage]
             i = row0 + m_local
             dpsum = Float32(0.0)
             if const_expr(dP is not None):
                 dpsum = sDp[m_local, stage]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                j = key0 + cS[r, c][0]
+                dr = c0[r, c][0]
+                j = key0 + t_key + dr
                 x = S[r, c]
                 grad_factor = Float32(1.0)
                 if const_expr(self.softcap):
@@ -869,13 +885,13 @@ class Sm90AttentionBackward:
                 p = cute.math.exp2(x - lse2, fastmath=True)
                 visible = Boolean(True)
                 if const_expr(self.varlen):
-                    visible = visible & (i < seqlen_q)
+                    visible = visible & (dc < lim_q)  # i < seqlen_q
                 if const_expr(self.mask_k):
-                    visible = visible & (j < seqlen_k)
+                    visible = visible & (dr < lim_k)  # j < seqlen_k
                 if const_expr(self.has_right):
-                    visible = visible & (j <= i + diag + window_right)
+                    visible = visible & (dr - dc <= lim_right)  # j <= i + diag + window_right
                 if const_expr(self.has_left):
-                    visible = visible & (j >= i + diag - window_left)
+                    visible = visible & (dr - dc >= lim_left)  # j >= i + diag - window_left
                 if const_expr(use_mask_mod):
                     b, h, mask_aux = mod_ctx[0], mod_ctx[1], mod_ctx[3]
                     # Rows / keys past the sequence (the padded tail of the last tile, a block-mask
