@@ -607,7 +607,9 @@ class Sm90AttentionBackward:
         ident = cute.make_identity_tensor((tn, tm))
         c_thr = L.rows_cols_view(thr_SdP.partition_C(ident))
         c0 = L.rows_cols_view(mma_SdP.get_slice(0).partition_C(ident))
-        cS = (c_thr[0, 0][0] - c0[0, 0][0], c_thr[0, 0][1] - c0[0, 0][1], c0)
+        t_key = c_thr[0, 0][0] - c0[0, 0][0]
+        t_q = c_thr[0, 0][1] - c0[0, 0][1]
+        cS = (t_key, t_q, t_q - t_key, c0)
 
         if steps > 0:
             cute.arch.mbarrier_wait(bar_kv, 0)
@@ -696,7 +698,7 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(1)
                 Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    dpsum = sDp[cS[1] + cS[2][0, c][1], stage]
+                    dpsum = sDp[cS[1] + cS[3][0, c][1], stage]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                         if const_expr(self.p_from_bf16):
                             dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
@@ -846,12 +848,12 @@ class Sm90AttentionBackward:
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                        window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                        masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr):
-        t_key, t_q, c0 = cS
+        t_key, t_q, t_rel, c0 = cS
         # The limits relative to this thread's first element: element (r, c) is key
         # key0 + t_key + dr, query row row0 + t_q + dc with static dr, dc (c0).
         lim_q = seqlen_q - row0 - t_q  # dc < lim_q: row inside the sequence
         lim_k = seqlen_k - key0 - t_key  # dr < lim_k: key inside the sequence
-        rel = row0 + t_q + diag - key0 - t_key
+        rel = (row0 + diag - key0) + t_rel
         lim_right = rel + window_right  # dr - dc <= lim_right
         lim_left = rel - window_left  # dr - dc >= lim_left
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
