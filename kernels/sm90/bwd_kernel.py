@@ -587,10 +587,17 @@ class Sm90AttentionBackward:
             if const_expr(self.dq_split_rows):
                 half = tm // 2
                 rows_split = cute.make_layout(((half, 2), d), stride=((1, half * d), half))
-                tdQsdQ = thr_dQ.partition_C(cute.composition(sdQ, rows_split))
+                sdQ_tile = cute.composition(sdQ, rows_split)
             else:
-                tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
+                sdQ_tile = cute.group_modes(sdQ, 1, 3)
+            tdQsdQ = thr_dQ.partition_C(sdQ_tile)
             sdQ_wg = sdQ[None, None, wg]
+            # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
+            # static: lets copy_to_swizzled derive its store bases from one swizzled address.
+            ident_dq = cute.make_identity_tensor((tm, d))
+            self._dq_thread_offsets = tuple(
+                int(cute.crd2idx(mma_dQ.get_slice(t).partition_C(ident_dq)[0], sdQ_tile.layout)) * 4
+                for t in range(256))
         # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
         # the TMA copy elects its issuing lane with a warp-synchronous instruction.
         is_leader = (ctid % 128) // 32 == 0
@@ -783,7 +790,7 @@ class Sm90AttentionBackward:
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                           n_block, wg, diag, window_left, is_leader):
         """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
-        L.copy_to_swizzled(rdQ, tdQsdQ)
+        L.copy_to_swizzled(rdQ, tdQsdQ, getattr(self, "_dq_thread_offsets", None))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
         if is_leader:

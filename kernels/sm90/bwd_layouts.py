@@ -101,7 +101,41 @@ def _ptr_swizzle(ptr):
     return tuple(int(g) for g in m.groups()) if m else None
 
 
-def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor):
+def _swizzle_static(x: int, bits: int, base: int, shift: int) -> int:
+    return x ^ ((x >> shift) & (((1 << bits) - 1) << base))
+
+
+def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align):
+    """One shared-memory pointer per low offset: the swizzled address of this thread's pointer
+    plus that offset.
+
+    A swizzle is linear over GF(2) on the bits below 2^(B+M+S): for offsets with disjoint bits
+    swz(x | l) = swz(x) ^ swz(l). When every thread's offset inside the (span-aligned) tile
+    (`thread_offsets`, bytes, static) shares no bit with a low offset l, x + l = x | l and that
+    base is one XOR of the thread's own swizzled address with a constant; otherwise each base is
+    swizzled on its own."""
+    bits, base, shift = _ptr_swizzle(dst_ptr)
+    span = 1 << (bits + base + shift)
+    ymask = ((1 << bits) - 1) << base
+    t = dst_ptr.toint()
+    dtype = dst_ptr.dtype
+    xor_ok = thread_offsets is not None and all(
+        (o % span) & l == 0 for o in thread_offsets for l in lows)
+    out = {}
+    phys0 = None
+    for l in lows:
+        if xor_ok:
+            if phys0 is None:
+                phys0 = t ^ ((t >> shift) & ymask)
+            phys = phys0 ^ _swizzle_static(l, bits, base, shift) if l else phys0
+        else:
+            a = t + l
+            phys = a ^ ((a >> shift) & ymask)
+        out[l] = cute.make_ptr(dtype, phys, cute.AddressSpace.smem, assumed_align=align)
+    return out
+
+
+def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
     """Register fragment -> this thread's partition of a swizzled shared-memory tile.
 
     `autovec_copy` swizzles the full address of every vector (add, shift, xor per store), and
@@ -110,6 +144,7 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor):
     writes only the bits below that), so the static per-value offsets split into a low part
     (few distinct values, one swizzled base address each, computed here once) and a high part
     that becomes the store's immediate offset. Same addresses, same data as autovec_copy.
+    `thread_offsets`: see _swizzled_bases (then the bases are XORs of one address).
     """
     sw = _ptr_swizzle(dst.iterator)
     if sw is None:
@@ -128,16 +163,10 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor):
             for e in range(0, n, v) for i in range(v)
         ):
             v //= 2
-        t = dst.iterator.toint()
-        ymask = ((1 << bits) - 1) << base
-        bases = {}
+        lows = sorted({o % span for o in offs[::v]})
+        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, eb, v * eb)
         for e in range(0, n, v):
             low = offs[e] % span
-            if low not in bases:
-                a = t + low
-                phys = a ^ ((a >> shift) & ymask)
-                bases[low] = cute.make_ptr(dst.element_type, phys, cute.AddressSpace.smem,
-                                           assumed_align=v * eb)
             d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
             s = cute.make_tensor(src.iterator + int(cute.crd2idx(e, src.layout)), cute.make_layout(v))
             cute.autovec_copy(s, d)
