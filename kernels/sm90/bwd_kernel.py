@@ -573,6 +573,13 @@ class Sm90AttentionBackward:
             st_dS = cute.make_tiled_copy_C(st_atom, mma_SdP)
             thr_st_dS = st_dS.get_slice(ctid)
             tdSsdS_st = thr_st_dS.partition_D(sdS)
+            # static byte offset of every consumer thread's first stmatrix row in a dS^T slot
+            ident_dS = cute.make_identity_tensor((tn, tm))
+            sdS_slot = sdS[None, None, 0]
+            dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
+            dS_thread_offsets = tuple(
+                int(cute.crd2idx(st_dS.get_slice(t).partition_D(ident_dS)[0], sdS_slot.layout)) * 2
+                for t in range(256))
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
@@ -719,7 +726,9 @@ class Sm90AttentionBackward:
                 # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
                 buf = step % 2
                 if const_expr(self.dS_stmatrix):
-                    cute.copy(st_dS, thr_st_dS.retile(rdS), tdSsdS_st[None, None, None, buf])
+                    L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS),
+                                            tdSsdS_st[None, None, None, 0], dS_thread_offsets,
+                                            (buf, dS_slot_stride))
                 else:
                     cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 cute.arch.fence_proxy("async.shared", space="cta")

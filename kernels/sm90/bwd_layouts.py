@@ -105,7 +105,7 @@ def _swizzle_static(x: int, bits: int, base: int, shift: int) -> int:
     return x ^ ((x >> shift) & (((1 << bits) - 1) << base))
 
 
-def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align):
+def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align, extra_bytes=None):
     """One shared-memory pointer per low offset: the swizzled address of this thread's pointer
     plus that offset.
 
@@ -113,7 +113,8 @@ def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align):
     swz(x | l) = swz(x) ^ swz(l). When every thread's offset inside the (span-aligned) tile
     (`thread_offsets`, bytes, static) shares no bit with a low offset l, x + l = x | l and that
     base is one XOR of the thread's own swizzled address with a constant; otherwise each base is
-    swizzled on its own."""
+    swizzled on its own. `extra_bytes` (dynamic, a multiple of the swizzle span) is added after
+    swizzling, so the swizzled address itself stays loop-invariant."""
     bits, base, shift = _ptr_swizzle(dst_ptr)
     span = 1 << (bits + base + shift)
     ymask = ((1 << bits) - 1) << base
@@ -127,10 +128,14 @@ def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align):
         if xor_ok:
             if phys0 is None:
                 phys0 = t ^ ((t >> shift) & ymask)
+                if extra_bytes is not None:
+                    phys0 = phys0 + extra_bytes
             phys = phys0 ^ _swizzle_static(l, bits, base, shift) if l else phys0
         else:
             a = t + l
             phys = a ^ ((a >> shift) & ymask)
+            if extra_bytes is not None:
+                phys = phys + extra_bytes
         out[l] = cute.make_ptr(dtype, phys, cute.AddressSpace.smem, assumed_align=align)
     return out
 
@@ -170,3 +175,35 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
             d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
             s = cute.make_tensor(src.iterator + int(cute.crd2idx(e, src.layout)), cute.make_layout(v))
             cute.autovec_copy(s, d)
+
+
+def copy_atom_to_swizzled(atom, values: int, src: cute.Tensor, dst: cute.Tensor, thread_offsets=None,
+                          extra=None):
+    """`cute.copy` through a shared-memory store atom (stmatrix) that takes `values` elements of
+    one contiguous run per call, with the call addresses derived as in copy_to_swizzled.
+
+    src: the register fragment retiled for the copy, dst: the thread's partition of the swizzled
+    tile (same size); call k stores flat values [k * values, (k + 1) * values). extra: (index,
+    stride in elements), a dynamic slot offset added after swizzling (stride a multiple of the
+    swizzle span), e.g. the slot of a double buffer."""
+    bits, base, shift = _ptr_swizzle(dst.iterator)
+    span = 1 << (bits + base + shift)
+    eb = dst.element_type.width // 8
+    n = int(cute.size(dst))
+    assert n % values == 0
+    offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+    starts = list(range(0, n, values))
+    for e0 in starts:
+        assert all(offs[e0 + i] == offs[e0] + i * eb for i in range(values)), "call run not contiguous"
+    lows = sorted({offs[e0] % span for e0 in starts})
+    extra_bytes = None
+    if extra is not None:
+        idx, stride = extra
+        assert (stride * eb) % span == 0, "slot stride must be a multiple of the swizzle span"
+        extra_bytes = idx * (stride * eb)
+    bases = _swizzled_bases(dst.iterator, lows, thread_offsets, eb, values * eb, extra_bytes)
+    src_calls = cute.logical_divide(cute.group_modes(src, 0, cute.rank(src)), cute.make_layout(values))
+    for k, e0 in enumerate(starts):
+        low = offs[e0] % span
+        d = cute.make_tensor(bases[low] + (offs[e0] - low) // eb, cute.make_layout(values))
+        cute.copy(atom, src_calls[None, k], d)
