@@ -642,7 +642,7 @@ class Sm90AttentionBackward:
             h_local, m_block, partial = walk.at(step, cur_h, cur_m)
             cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
-            stage = cute.arch.make_warp_uniform(state.index)
+            stage = state.index
             pipe.consumer_wait(state)
 
             acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
@@ -765,10 +765,12 @@ class Sm90AttentionBackward:
                         pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
                     prev_stage = stage
                 else:
-                    if is_leader:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
-                    cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-                    self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                    # Reconverge the warp before the back edge: with the leader-only TMA region
+                    # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
+                    # cursor) in vector registers and rebuilds every stage-indexed descriptor
+                    # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
+                    cute.arch.sync_warp()
 
         if const_expr(ovl):
             if steps > 0:  # the last step's dQ

@@ -43,7 +43,7 @@ class DenseQWalk(DynamicState):
         return Int32(0), self.m_lo
 
     def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
-        return cute.arch.make_warp_uniform(cur_h), cute.arch.make_warp_uniform(cur_m), Boolean(True)
+        return cur_h, cur_m, Boolean(True)
 
     def advance(self, cur_h: Int32, cur_m: Int32):
         m = cur_m + 1
