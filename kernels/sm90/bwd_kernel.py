@@ -764,6 +764,7 @@ class Sm90AttentionBackward:
                     if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
                         pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
                     prev_stage = stage
+                    cute.arch.sync_warp()  # reconverge before the back edge (see below)
                 else:
                     self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
                     # Reconverge the warp before the back edge: with the leader-only TMA region
