@@ -37,10 +37,11 @@ has read it, early in the next step. bwd.tiles picks the configuration.
 off by default): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
 registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
 warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
-per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix. Keeping
-the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at once and ptxas would
-serialize the wgmmas (C7512), so dS is formed either from the bf16 P registers (two passes,
-overlap_next_s on) or in one fp32 pass after both products (`tm128_one_pass`, no overlap).
+per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix (as at
+64 queries). Keeping the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at
+once and ptxas would serialize the wgmmas (C7512), so dS is formed either from the bf16 P
+registers (two passes, overlap_next_s on) or in one fp32 pass after both products
+(`tm128_one_pass`, no overlap).
 
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
@@ -157,8 +158,10 @@ class Sm90AttentionBackward:
                 self.one_pass = True
             else:
                 self.p_from_bf16 = True
-        # dS^T to shared memory through stmatrix: at 128 queries the 32 swizzled addresses of
-        # per-register stores are hoisted out of the loop and spilled (~60 spill instructions)
+        # dS^T to shared memory through stmatrix on the wide path (64 or 128 queries): per-register
+        # stores need one swizzled address each (hoisted and spilled at 128 queries, ~60 spill
+        # instructions; rebuilt every step at 64, ~50 instructions); stmatrix needs four, derived
+        # from one loop-invariant address (bwd_layouts.copy_atom_to_swizzled).
         self.dS_stmatrix = not self.narrow
         # Software pipelining of the wide two-pass path: a step's dQ leaves the tensor cores
         # (wait_group(0)) but is staged and added only in the next step, after that step's S^T
