@@ -37,10 +37,11 @@ has read it, early in the next step. bwd.tiles picks the configuration.
 off by default): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
 registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
 warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
-per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix. Keeping
-the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at once and ptxas would
-serialize the wgmmas (C7512), so dS is formed either from the bf16 P registers (two passes,
-overlap_next_s on) or in one fp32 pass after both products (`tm128_one_pass`, no overlap).
+per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix (as at
+64 queries). Keeping the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at
+once and ptxas would serialize the wgmmas (C7512), so dS is formed either from the bf16 P
+registers (two passes, overlap_next_s on) or in one fp32 pass after both products
+(`tm128_one_pass`, no overlap).
 
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
@@ -157,9 +158,11 @@ class Sm90AttentionBackward:
                 self.one_pass = True
             else:
                 self.p_from_bf16 = True
-        # dS^T to shared memory through stmatrix: at 128 queries the 32 swizzled addresses of
-        # per-register stores are hoisted out of the loop and spilled (~60 spill instructions)
-        self.dS_stmatrix = tile_m == 128
+        # dS^T to shared memory through stmatrix on the wide path (64 or 128 queries): per-register
+        # stores need one swizzled address each (hoisted and spilled at 128 queries, ~60 spill
+        # instructions; rebuilt every step at 64, ~50 instructions); stmatrix needs four, derived
+        # from one loop-invariant address (bwd_layouts.copy_atom_to_swizzled).
+        self.dS_stmatrix = not self.narrow
         # Software pipelining of the wide two-pass path: a step's dQ leaves the tensor cores
         # (wait_group(0)) but is staged and added only in the next step, after that step's S^T
         # (and dP^T: OVERLAP_DP) are issued, so the tensor cores work during the dQ epilogue. No
@@ -499,8 +502,10 @@ class Sm90AttentionBackward:
             cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
-            h_local, m_block, _ = walk.tile(step)
+            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
+            cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
             gQ = cute.local_tile(self._head_slice(mQ, h, b, q_off), (tm, self.d), (None, 0))
             gdO = cute.local_tile(self._head_slice(mdO, h, b, q_off), (tm, self.dv), (None, 0))
@@ -538,21 +543,31 @@ class Sm90AttentionBackward:
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
     ):
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
-        wg = ctid // 128
+        # The warpgroup index, known to the compiler as warp-uniform: shared-memory operand
+        # descriptors depend only on it, so their per-k-block arithmetic stays in uniform
+        # registers (UIADD3.64) instead of 64-bit vector adds + R2UR moves every step.
+        wg = cute.arch.make_warp_uniform(ctid // 128)
         thr_SdP = mma_SdP.get_slice(ctid)
         thr_dK = mma_dK.get_slice(ctid)
         thr_dV = mma_dV.get_slice(ctid)
         thr_dQ = mma_dQ.get_slice(ctid)
+        # Slices for shared-memory (descriptor) operands: every thread of a warpgroup holds the
+        # same descriptors, so the warpgroup's first thread stands for all of them.
+        wg_thr = wg * 128
+        ops_SdP = mma_SdP.get_slice(wg_thr)
+        ops_dK = mma_dK.get_slice(wg_thr)
+        ops_dV = mma_dV.get_slice(wg_thr)
+        ops_dQ = mma_dQ.get_slice(wg_thr)
 
         # Operand fragments (descriptors over shared memory).
-        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))
-        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))  # (.., .., .., stage)
-        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
-        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))
-        tdVrdO = thr_dV.make_fragment_B(thr_dV.partition_B(L.transposed(sdO)))
-        tdKrQ = thr_dK.make_fragment_B(thr_dK.partition_B(L.transposed(sQ)))
-        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(L.transposed(sdS)))
-        tdQrK = thr_dQ.make_fragment_B(thr_dQ.partition_B(L.transposed(sK)))
+        tSrK = ops_SdP.make_fragment_A(ops_SdP.partition_A(sK))
+        tSrQ = ops_SdP.make_fragment_B(ops_SdP.partition_B(sQ))  # (.., .., .., stage)
+        tPrV = ops_SdP.make_fragment_A(ops_SdP.partition_A(sV))
+        tPrdO = ops_SdP.make_fragment_B(ops_SdP.partition_B(sdO))
+        tdVrdO = ops_dV.make_fragment_B(ops_dV.partition_B(L.transposed(sdO)))
+        tdKrQ = ops_dK.make_fragment_B(ops_dK.partition_B(L.transposed(sQ)))
+        tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
+        tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
         if const_expr(self.dS_stmatrix):
             # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
@@ -561,9 +576,16 @@ class Sm90AttentionBackward:
             st_dS = cute.make_tiled_copy_C(st_atom, mma_SdP)
             thr_st_dS = st_dS.get_slice(ctid)
             tdSsdS_st = thr_st_dS.partition_D(sdS)
+            # static byte offset of every consumer thread's first stmatrix row in a dS^T slot
+            ident_dS = cute.make_identity_tensor((tn, tm))
+            sdS_slot = sdS[None, None, 0]
+            dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
+            dS_thread_offsets = tuple(
+                int(cute.crd2idx(st_dS.get_slice(t).partition_D(ident_dS)[0], sdS_slot.layout)) * 2
+                for t in range(256))
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
-            tdVrP = thr_dV.make_fragment_A(thr_dV.partition_A(sdS))[None, None, None, 0]
-            tdKrdS = thr_dK.make_fragment_A(thr_dK.partition_A(sdS))[None, None, None, 1]
+            tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
+            tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
         if const_expr(self.dq_in_ring):  # (.., stage) partitions; slab 0 of each for the TMA
             tdQsdQ_q = thr_dQ.partition_C(cute.group_modes(sdQ[0], 1, 3))
             tdQsdQ_do = thr_dQ.partition_C(cute.group_modes(sdQ[1], 1, 3))
@@ -575,10 +597,17 @@ class Sm90AttentionBackward:
             if const_expr(self.dq_split_rows):
                 half = tm // 2
                 rows_split = cute.make_layout(((half, 2), d), stride=((1, half * d), half))
-                tdQsdQ = thr_dQ.partition_C(cute.composition(sdQ, rows_split))
+                sdQ_tile = cute.composition(sdQ, rows_split)
             else:
-                tdQsdQ = thr_dQ.partition_C(cute.group_modes(sdQ, 1, 3))
+                sdQ_tile = cute.group_modes(sdQ, 1, 3)
+            tdQsdQ = thr_dQ.partition_C(sdQ_tile)
             sdQ_wg = sdQ[None, None, wg]
+            # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
+            # static: lets copy_to_swizzled derive its store bases from one swizzled address.
+            ident_dq = cute.make_identity_tensor((tm, d))
+            self._dq_thread_offsets = tuple(
+                int(cute.crd2idx(mma_dQ.get_slice(t).partition_C(ident_dq)[0], sdQ_tile.layout)) * 4
+                for t in range(256))
         # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
         # the TMA copy elects its issuing lane with a warp-synchronous instruction.
         is_leader = (ctid % 128) // 32 == 0
@@ -588,8 +617,16 @@ class Sm90AttentionBackward:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        # (key, query) coordinates of this thread's S^T elements, in rows/cols order.
-        cS = L.rows_cols_view(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))
+        # (key, query) coordinates of this thread's S^T elements, in rows/cols order, split into
+        # the thread's offset (t_key, t_q: two registers) and the static per-value offsets of
+        # thread 0 (c0): coordinate (r, c) = (t_key + c0[r, c][0], t_q + c0[r, c][1]). Keeps the
+        # masks' per-element tests to one compare with an immediate each.
+        ident = cute.make_identity_tensor((tn, tm))
+        c_thr = L.rows_cols_view(thr_SdP.partition_C(ident))
+        c0 = L.rows_cols_view(mma_SdP.get_slice(0).partition_C(ident))
+        t_key = c_thr[0, 0][0] - c0[0, 0][0]
+        t_q = c_thr[0, 0][1] - c0[0, 0][1]
+        cS = (t_key, t_q, t_q - t_key, c0)
 
         if steps > 0:
             cute.arch.mbarrier_wait(bar_kv, 0)
@@ -603,8 +640,10 @@ class Sm90AttentionBackward:
             rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
             prev_h = Int32(0)
             prev_m = Int32(0)
+        cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
-            h_local, m_block, partial = walk.tile(step)
+            h_local, m_block, partial = walk.at(step, cur_h, cur_m)
+            cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
             stage = state.index
             pipe.consumer_wait(state)
@@ -676,7 +715,7 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(1)
                 Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    dpsum = sDp[cS[0, c][1], stage]
+                    dpsum = sDp[cS[1] + cS[3][0, c][1], stage]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                         if const_expr(self.p_from_bf16):
                             dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
@@ -690,7 +729,9 @@ class Sm90AttentionBackward:
                 # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
                 buf = step % 2
                 if const_expr(self.dS_stmatrix):
-                    cute.copy(st_dS, thr_st_dS.retile(rdS), tdSsdS_st[None, None, None, buf])
+                    L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS),
+                                            tdSsdS_st[None, None, None, 0], dS_thread_offsets,
+                                            (buf, dS_slot_stride))
                 else:
                     cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -726,11 +767,14 @@ class Sm90AttentionBackward:
                     if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
                         pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
                     prev_stage = stage
+                    cute.arch.sync_warp()  # reconverge before the back edge (see below)
                 else:
-                    if is_leader:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
-                    cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-                    self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                    # Reconverge the warp before the back edge: with the leader-only TMA region
+                    # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
+                    # cursor) in vector registers and rebuilds every stage-indexed descriptor
+                    # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
+                    cute.arch.sync_warp()
 
         if const_expr(ovl):
             if steps > 0:  # the last step's dQ
@@ -761,7 +805,7 @@ class Sm90AttentionBackward:
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                           n_block, wg, diag, window_left, is_leader):
         """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
-        cute.autovec_copy(rdQ, tdQsdQ)
+        L.copy_to_swizzled(rdQ, tdQsdQ, getattr(self, "_dq_thread_offsets", None))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
         if is_leader:
@@ -826,15 +870,25 @@ class Sm90AttentionBackward:
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                        window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                        masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr):
+        t_key, t_q, t_rel, c0 = cS
+        # The limits relative to this thread's first element: element (r, c) is key
+        # key0 + t_key + dr, query row row0 + t_q + dc with static dr, dc (c0).
+        lim_q = seqlen_q - row0 - t_q  # dc < lim_q: row inside the sequence
+        lim_k = seqlen_k - key0 - t_key  # dr < lim_k: key inside the sequence
+        rel = (row0 + diag - key0) + t_rel
+        lim_right = rel + window_right  # dr - dc <= lim_right
+        lim_left = rel - window_left  # dr - dc >= lim_left
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-            m_local = cS[0, c][1]
+            dc = c0[0, c][1]
+            m_local = t_q + dc
             lse2 = sLSE[m_local, stage]
             i = row0 + m_local
             dpsum = Float32(0.0)
             if const_expr(dP is not None):
                 dpsum = sDp[m_local, stage]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                j = key0 + cS[r, c][0]
+                dr = c0[r, c][0]
+                j = key0 + t_key + dr
                 x = S[r, c]
                 grad_factor = Float32(1.0)
                 if const_expr(self.softcap):
@@ -855,13 +909,13 @@ class Sm90AttentionBackward:
                 p = cute.math.exp2(x - lse2, fastmath=True)
                 visible = Boolean(True)
                 if const_expr(self.varlen):
-                    visible = visible & (i < seqlen_q)
+                    visible = visible & (dc < lim_q)  # i < seqlen_q
                 if const_expr(self.mask_k):
-                    visible = visible & (j < seqlen_k)
+                    visible = visible & (dr < lim_k)  # j < seqlen_k
                 if const_expr(self.has_right):
-                    visible = visible & (j <= i + diag + window_right)
+                    visible = visible & (dr - dc <= lim_right)  # j <= i + diag + window_right
                 if const_expr(self.has_left):
-                    visible = visible & (j >= i + diag - window_left)
+                    visible = visible & (dr - dc >= lim_left)  # j >= i + diag - window_left
                 if const_expr(use_mask_mod):
                     b, h, mask_aux = mod_ctx[0], mod_ctx[1], mod_ctx[3]
                     # Rows / keys past the sequence (the padded tail of the last tile, a block-mask

@@ -9,6 +9,8 @@ These helpers only re-describe existing storage; none of them moves data.
 
 from __future__ import annotations
 
+import re
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
@@ -91,3 +93,117 @@ def make_mma(dtype, a_major, b_major, atom_layout, tile_mn, a_in_registers: bool
         tiler_mn=tile_mn,
         a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
     )
+
+
+def _ptr_swizzle(ptr):
+    """(bits, base, shift) of a swizzled pointer's Sw<B,M,S> (byte units), None if unswizzled."""
+    m = re.search(r"S<(\d+),(\d+),(\d+)>", str(ptr.type))
+    return tuple(int(g) for g in m.groups()) if m else None
+
+
+def _swizzle_static(x: int, bits: int, base: int, shift: int) -> int:
+    return x ^ ((x >> shift) & (((1 << bits) - 1) << base))
+
+
+def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align, extra_bytes=None):
+    """One shared-memory pointer per low offset: the swizzled address of this thread's pointer
+    plus that offset.
+
+    A swizzle is linear over GF(2) on the bits below 2^(B+M+S): for offsets with disjoint bits
+    swz(x | l) = swz(x) ^ swz(l). When every thread's offset inside the (span-aligned) tile
+    (`thread_offsets`, bytes, static) shares no bit with a low offset l, x + l = x | l and that
+    base is one XOR of the thread's own swizzled address with a constant; otherwise each base is
+    swizzled on its own. `extra_bytes` (dynamic, a multiple of the swizzle span) is added after
+    swizzling, so the swizzled address itself stays loop-invariant."""
+    bits, base, shift = _ptr_swizzle(dst_ptr)
+    span = 1 << (bits + base + shift)
+    ymask = ((1 << bits) - 1) << base
+    t = dst_ptr.toint()
+    dtype = dst_ptr.dtype
+    xor_ok = thread_offsets is not None and all(
+        (o % span) & l == 0 for o in thread_offsets for l in lows)
+    out = {}
+    phys0 = None
+    for l in lows:
+        if xor_ok:
+            if phys0 is None:
+                phys0 = t ^ ((t >> shift) & ymask)
+                if extra_bytes is not None:
+                    phys0 = phys0 + extra_bytes
+            phys = phys0 ^ _swizzle_static(l, bits, base, shift) if l else phys0
+        else:
+            a = t + l
+            phys = a ^ ((a >> shift) & ymask)
+            if extra_bytes is not None:
+                phys = phys + extra_bytes
+        out[l] = cute.make_ptr(dtype, phys, cute.AddressSpace.smem, assumed_align=align)
+    return out
+
+
+def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
+    """Register fragment -> this thread's partition of a swizzled shared-memory tile.
+
+    `autovec_copy` swizzles the full address of every vector (add, shift, xor per store), and
+    ptxas cannot hoist those: the swizzle does not commute with adding the per-value offset. It
+    does commute with any offset that is a multiple of 2^(B+M+S) bytes (the swizzle reads and
+    writes only the bits below that), so the static per-value offsets split into a low part
+    (few distinct values, one swizzled base address each, computed here once) and a high part
+    that becomes the store's immediate offset. Same addresses, same data as autovec_copy.
+    `thread_offsets`: see _swizzled_bases (then the bases are XORs of one address).
+    """
+    sw = _ptr_swizzle(dst.iterator)
+    if sw is None:
+        cute.autovec_copy(src, dst)
+    else:
+        bits, base, shift = sw
+        span = 1 << (bits + base + shift)
+        eb = dst.element_type.width // 8
+        n = int(cute.size(dst))
+        offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+        align = dst.iterator.alignment
+        # vector width: contiguous runs within an aligned chunk of the pointer's alignment
+        v = max(1, min(align // eb, 4))
+        while v > 1 and not all(
+            offs[e + i] == offs[e] + i * eb and offs[e] % (v * eb) == 0
+            for e in range(0, n, v) for i in range(v)
+        ):
+            v //= 2
+        lows = sorted({o % span for o in offs[::v]})
+        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, eb, v * eb)
+        for e in range(0, n, v):
+            low = offs[e] % span
+            d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
+            s = cute.make_tensor(src.iterator + int(cute.crd2idx(e, src.layout)), cute.make_layout(v))
+            cute.autovec_copy(s, d)
+
+
+def copy_atom_to_swizzled(atom, values: int, src: cute.Tensor, dst: cute.Tensor, thread_offsets=None,
+                          extra=None):
+    """`cute.copy` through a shared-memory store atom (stmatrix) that takes `values` elements of
+    one contiguous run per call, with the call addresses derived as in copy_to_swizzled.
+
+    src: the register fragment retiled for the copy, dst: the thread's partition of the swizzled
+    tile (same size); call k stores flat values [k * values, (k + 1) * values). extra: (index,
+    stride in elements), a dynamic slot offset added after swizzling (stride a multiple of the
+    swizzle span), e.g. the slot of a double buffer."""
+    bits, base, shift = _ptr_swizzle(dst.iterator)
+    span = 1 << (bits + base + shift)
+    eb = dst.element_type.width // 8
+    n = int(cute.size(dst))
+    assert n % values == 0
+    offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+    starts = list(range(0, n, values))
+    for e0 in starts:
+        assert all(offs[e0 + i] == offs[e0] + i * eb for i in range(values)), "call run not contiguous"
+    lows = sorted({offs[e0] % span for e0 in starts})
+    extra_bytes = None
+    if extra is not None:
+        idx, stride = extra
+        assert (stride * eb) % span == 0, "slot stride must be a multiple of the swizzle span"
+        extra_bytes = idx * (stride * eb)
+    bases = _swizzled_bases(dst.iterator, lows, thread_offsets, eb, values * eb, extra_bytes)
+    src_calls = cute.logical_divide(cute.group_modes(src, 0, cute.rank(src)), cute.make_layout(values))
+    for k, e0 in enumerate(starts):
+        low = offs[e0] % span
+        d = cute.make_tensor(bases[low] + (offs[e0] - low) // eb, cute.make_layout(values))
+        cute.copy(atom, src_calls[None, k], d)

@@ -37,6 +37,19 @@ class DenseQWalk(DynamicState):
         h_local = step // self.n_m
         return h_local, self.m_lo + (step - h_local * self.n_m), Boolean(True)
 
+    # Cursor walk for loops that visit every step in order: (h_local, m_block) carried from one
+    # step to the next, no integer division per step.
+    def start(self):
+        return Int32(0), self.m_lo
+
+    def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
+        return cur_h, cur_m, Boolean(True)
+
+    def advance(self, cur_h: Int32, cur_m: Int32):
+        m = cur_m + 1
+        wrap = m == self.m_lo + self.n_m
+        return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo, m)
+
 
 class SparseQWalk(DynamicState):
     _dynamic_fields = ("starts", "num_partial", "heads", "count", "q_idx", "full_q_idx", "bm_b", "bm_n")
@@ -64,6 +77,16 @@ class SparseQWalk(DynamicState):
             self.heads.append(hb)
             total = total + (n_part + n_full) * ratio_m
         self.count = cutlass.select_(live, total, Int32(0))
+
+    # Cursor interface of DenseQWalk; a sparse step is found from its index alone.
+    def start(self):
+        return Int32(0), Int32(0)
+
+    def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
+        return self.tile(step)
+
+    def advance(self, cur_h: Int32, cur_m: Int32):
+        return cur_h, cur_m
 
     @cute.jit
     def tile(self, step: Int32):
