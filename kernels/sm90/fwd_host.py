@@ -33,15 +33,15 @@ L2_BYTES = 50 * 1024 * 1024
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
-# behind them. Persistent grids stop at D=128: above it the outer loop leaves ptxas short of
-# registers and it serializes the wgmmas (advisory C7512, a wait after every HGMMA); so do
-# windows and mods (`_persistent_fits`).
+# behind them. Persistent grids stop at D=128: above it the outer loop made ptxas serialize the
+# wgmmas (advisory C7512) until P was converted by packed pairs, and at D=256 it then measured no
+# gain (NOTES "Experiment 20"); windows and mods run one-shot too (`_persistent_fits`).
 _DEFAULT_OPTIONS = {
     # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too), +-1% at D64
     64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
-    192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False, split_mask_loops=False),
+    192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False),
     256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False),  # rescale: +5..7% measured
 }
 
@@ -112,14 +112,17 @@ _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _D64_WIDE_MIN_SEQLEN_Q = 2048
 
 
-# D=256 splits its key loop by mask (H100, NOTES "Experiment 20": +4-8% at S=16k, +-1% at S=4k)
-# except on short calls, where the single loop was 3.5% faster at S=1k.
+# Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=128; D=256 splits past 2048 keys
+# (H100, NOTES "Experiment 20": +4-8% at S=16k, +-1% at S=4k, the single loop 3.5% faster at S=1k);
+# D=192 keeps one loop (it compiles split, but has not been measured).
 _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
 def _tiles(call: AttentionCall) -> dict:
-    """tile_m, tile_n (and the options that go with them) for a call."""
+    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops)."""
     tile_m, tile_n = _TILES[call.head_dim]
+    if call.head_dim == 192:
+        return dict(tile_m=tile_m, tile_n=tile_n, split_mask_loops=False)
     if call.head_dim == 256:
         return dict(tile_m=tile_m, tile_n=tile_n,
                     split_mask_loops=fwd_launch.max_seqlens(call)[1] > _D256_SPLIT_MIN_SEQLEN_K)
@@ -144,7 +147,6 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
-    split_mask_loops = shape.get("split_mask_loops", opts.pop("split_mask_loops", True))
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
@@ -152,7 +154,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         tile_m=tile_m,
         tile_n=tile_n,
         num_stages=shape.get("num_stages", 2),
-        split_mask_loops=split_mask_loops,
+        split_mask_loops=shape.get("split_mask_loops", True),
         causal=bool(call.causal),
         has_window=call.has_window,
         softcap=call.softcap > 0,
