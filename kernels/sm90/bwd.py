@@ -4,9 +4,8 @@
 (bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
 varlen, determinism, key tile, ring stages and queries per step, block-mask tile ratios, mods key);
-shapes, strides,
-scale, softcap value, window sizes, captured mod tensors and block-mask lists are runtime
-arguments, so new sizes or values never recompile.
+shapes, strides, scale, softcap value, window sizes, captured mod tensors and block-mask lists are
+runtime arguments, so new sizes or values never recompile.
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
@@ -16,14 +15,15 @@ the kernel (derivative from the traced graph; validated on an H200 by
 tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
 dense batches, not deterministic, block-mask tiles multiples of the kernel's query rows per step
 (64, or 128 in the D64 variant: else that call steps 64 rows) and 128 keys, or 64 keys, which then
-selects the 64-key variant): each KV tile visits only the query
-tiles the mask lists for it and evaluates the mask_mod on partial tiles only. Otherwise the
+selects the 64-key variant): each KV tile visits only the query tiles the mask lists for it and
+evaluates the mask_mod on partial tiles only. Otherwise the
 mask_mod is evaluated on every tile of the dense walk: slower, same result.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,8 +55,6 @@ PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
-    import os
-
     value = os.environ.get(name, "").strip()
     if not value:
         return default

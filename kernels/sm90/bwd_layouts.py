@@ -105,7 +105,7 @@ def _swizzle_static(x: int, bits: int, base: int, shift: int) -> int:
     return x ^ ((x >> shift) & (((1 << bits) - 1) << base))
 
 
-def _swizzled_bases(dst_ptr, lows, thread_offsets, eb, align, extra_bytes=None):
+def _swizzled_bases(dst_ptr, lows, thread_offsets, align, extra_bytes=None):
     """One shared-memory pointer per low offset: the swizzled address of this thread's pointer
     plus that offset.
 
@@ -169,7 +169,7 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
         ):
             v //= 2
         lows = sorted({o % span for o in offs[::v]})
-        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, eb, v * eb)
+        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, v * eb)
         for e in range(0, n, v):
             low = offs[e] % span
             d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
@@ -201,7 +201,7 @@ def copy_atom_to_swizzled(atom, values: int, src: cute.Tensor, dst: cute.Tensor,
         idx, stride = extra
         assert (stride * eb) % span == 0, "slot stride must be a multiple of the swizzle span"
         extra_bytes = idx * (stride * eb)
-    bases = _swizzled_bases(dst.iterator, lows, thread_offsets, eb, values * eb, extra_bytes)
+    bases = _swizzled_bases(dst.iterator, lows, thread_offsets, values * eb, extra_bytes)
     src_calls = cute.logical_divide(cute.group_modes(src, 0, cute.rank(src)), cute.make_layout(values))
     for k, e0 in enumerate(starts):
         low = offs[e0] % span

@@ -8,8 +8,8 @@ run here as one batch of T rows):
 
 written into (B, H, rows) fp32 buffers whose rows past S are padding: +inf for lse2, 0 for dpsum
 (bwd.row_statistics' contract; it picks `rows`: whole query tiles of the backward variant, 64 or
-128 rows, or more for a block-sparse walk; any count works here). One pass over dO and O, against the ~5 of the
-torch expression (upcast copies, product, sum, padded copies).
+128 rows, or more for a block-sparse walk; any count works here). One pass over dO and O, against
+the ~5 of the torch expression (upcast copies, product, sum, padded copies).
 
 Work split: a CTA takes 64 consecutive rows of one (batch, head), 4 threads per row; each thread
 loads every 4th 16-byte vector of its row of dO and of O (Dv / 32 vectors each, all issued before

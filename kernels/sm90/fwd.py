@@ -14,9 +14,10 @@ Consumer main loop (per warpgroup, key tiles from last to first so masked tiles 
     O += P_last V_last;  O /= rowsum;  LSE
 
 so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("intra-warpgroup
-overlap"). With `split_mask_loops` (fwd_host picks it per head dim) the loop runs as three loops: the tiles at either end of the walk that the
-causal / window / length limits cut (with element masks) and the tiles between them (no mask code
-at all; `split_mask_loops`); `BlockRange.masked_ends` finds the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
+overlap"). With `split_mask_loops` (fwd_host picks it per head dim) the loop runs as three
+loops: the tiles at either end of the walk that the causal / window / length limits cut (with
+element masks) and the tiles between them (no mask code at all); `BlockRange.masked_ends` finds
+the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
 matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
 the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
 (kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
@@ -120,11 +121,6 @@ class FlashFwdSm90:
         ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
         q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
         self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
-        # separate key loops for masked and unmasked tiles (no mask code where none is needed).
-        # Before P was converted by packed pairs, the loop copies left ptxas short of registers
-        # above D=128 and it serialized the wgmmas; now D=192/256 compile clean too (fwd_host
-        # decides per head dim from measurements)
-        self.split_mask_loops = cfg.split_mask_loops
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -595,7 +591,7 @@ class FlashFwdSm90:
 
             step = (acc_s, acc_o, tOrP, row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v,
                     tiled_mma_qk, tiled_mma_pv, brange, m_block, seqlen, score_scale, mods, walk, wg)
-            if const_expr(cfg.block_sparse or not self.split_mask_loops):
+            if const_expr(cfg.block_sparse or not cfg.split_mask_loops):
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     state, v_state, softmax = self._kv_step(i + 1, None, state, v_state, softmax, *step)
             else:
