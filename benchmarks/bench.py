@@ -71,6 +71,11 @@ _BWD_SWEEPS = {
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
                    "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the staggered dense walk (bwd_kernel `stagger`): non-causal rows only (causal ignores it)
+    "bwd-stagger": ({"stagger": {"TORCH_FA4_BWD_STAGGER": "1"}, "plain": {"TORCH_FA4_BWD_STAGGER": "0"}},
+                    [(128, S, False) for S in (1024, 4096, 16384)] + [(64, 4096, False), (64, 16384, False)]),
+    # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
+    "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }
 
 
@@ -275,6 +280,8 @@ def main():
                     help="torch_fa4 variants side by side with flash-attn-4 (see _SWEEPS, _BWD_SWEEPS), then stop")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation of a row this many times in turn; report the median")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -297,14 +304,31 @@ def main():
         B, H = tokens // S, width // D
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         row = {"row": label, "D": D, "S": S, "causal": causal}
+        fns = {}
         for name, make in makers.items():
             try:
-                fn = make(q, k, v, causal, **(extra or {}))
-                ms = _time_ms(fn)
-                row[name] = flops(B, H, S, D, causal) / ms / 1e9
+                fns[name] = make(q, k, v, causal, **(extra or {}))
             except Exception as e:  # a peer that cannot run this row is reported, not fatal
                 row[name] = None
                 row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        # --rounds N: every implementation timed N times in turn (a, b, a, b, ...); the row keeps
+        # the median round and the spread, so slow drift of the machine hits all alike
+        samples = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                if name in row:  # failed in an earlier round
+                    continue
+                try:
+                    samples[name].append(flops(B, H, S, D, causal) / _time_ms(fn) / 1e9)
+                except Exception as e:
+                    row[name] = None
+                    row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        for name, vals in samples.items():
+            if name not in row and vals:
+                vals.sort()
+                row[name] = vals[len(vals) // 2]
+                if len(vals) > 1:
+                    row.setdefault("spread", {})[name] = (vals[0], vals[-1])
         rows.append(row)
         _print_row(row, list(makers))
 
@@ -424,6 +448,9 @@ def _print_row(row, names):
     for n in names:
         v = row.get(n)
         cells.append(f"{n}={v:6.1f}" if v else f"{n}=   n/a")
+        lo_hi = row.get("spread", {}).get(n)
+        if lo_hi:
+            cells[-1] += f" [{lo_hi[0]:.0f}-{lo_hi[1]:.0f}]"
     ours = row.get("torch_fa4", row.get(names[0])) or 0
     ratio = ours / ref if ref else float("nan")
     print(f"{row['row']:<34} " + "  ".join(cells) + f"  ratio_vs_fa4={ratio:.3f}", flush=True)
