@@ -110,7 +110,7 @@ def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, mo
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][:5] == (128, 2, False, 128, passes == "one"), key[-3]
+    assert key[-3] == (128, 2, False, 128, passes == "one"), key[-3]
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
 
@@ -206,21 +206,6 @@ def test_variants_differ_only_where_code_differs():
     w2 = bwd.variant_key(_call(d=128, window_left=99, window_right=0), False)
     assert w1 == w2
     assert bwd.variant_key(_call(d=128), True) != bwd.variant_key(_call(d=128), False)
-
-
-def test_staggered_walk_only_where_every_key_tile_walks_every_query_tile(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    stagger = lambda call, det=False: bwd.variant_key(call, det)[-3][5]
-    assert stagger(_call(d=128))
-    assert not stagger(_call(d=128, causal=True))
-    assert not stagger(_call(d=128, window_left=10, window_right=3))
-    assert not stagger(_call(d=128), det=True)  # the deterministic order assumes the plain walk
-    monkeypatch.setenv(bwd.STAGGER_ENV, "0")
-    assert not stagger(_call(d=128))
-    monkeypatch.setenv(bwd.STAGGER_ENV, "yes")
-    with pytest.raises(ValueError, match=bwd.STAGGER_ENV):
-        bwd.variant_key(_call(d=128), False)
 
 
 # ---- the host wrapper (padding, -inf rows, dQ buffer, varlen splitting) around a float64

@@ -52,9 +52,6 @@ _D64_TILE_M = 128
 _D64_PASSES = "one"
 TILE_M_ENV = "TORCH_FA4_BWD_TILE_M"
 PASSES_ENV = "TORCH_FA4_BWD_PASSES"
-# Dense walks without causal / window limits start each key tile at a different query tile
-# (bwd_kernel `stagger`); TORCH_FA4_BWD_STAGGER=0 walks every key tile from query tile 0.
-STAGGER_ENV = "TORCH_FA4_BWD_STAGGER"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -177,11 +174,8 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         # a block mask of 64-key columns: the 64-key (narrow) variant walks it
         tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
-    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
-    # pass, staggered dense walk)
-    stagger = (_env_choice(STAGGER_ENV, "1", ("0", "1")) == "1" and right is None and left is None
-               and not deterministic and sparse is None)
-    kernel_tiles = (*tiles(d, dv, tile_n, tile_m=tile_m), tile_m, one_pass and tile_m == 128, stagger)
+    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one pass)
+    kernel_tiles = (*tiles(d, dv, tile_n, tile_m=tile_m), tile_m, one_pass and tile_m == 128)
     return (
         call.q.dtype,
         call.head_dim,
@@ -288,11 +282,10 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, stagger = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass = kernel_tiles
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
-        stagger=stagger,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -100,7 +100,6 @@ class Sm90AttentionBackward:
         overlap_next_s: bool = True,  # dQ epilogue of step i under step i + 1's S^T, dP^T
         tile_m: int = 64,  # queries per step: 64, or 128 on the wide path at head dims <= 64
         tm128_one_pass: bool = False,  # 128 queries: P and dS in one pass (else dS from bf16 P)
-        stagger: bool = False,  # dense full walks start at a query tile that depends on the key tile
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -170,12 +169,6 @@ class Sm90AttentionBackward:
         # wgmma is in flight across the loop's back edge (ptxas serializes every wgmma then:
         # C7514). Other paths ignore it.
         self.overlap_next_s = bool(overlap_next_s) and not (self.narrow or self.one_pass or dq_in_ring)
-        # Staggered walk (dense, no causal / window limit, not deterministic): every key tile of a
-        # head walks the same query tiles, and in lockstep they would all TMA-add their dQ into
-        # the same rows at the same time; starting key tile n at query tile n * tile_n / tile_m
-        # (wrapping) spreads the adds over the buffer, as causal walks are spread by the diagonal.
-        # The deterministic order counts earlier key tiles per query tile and keeps the plain walk.
-        self.stagger = stagger and not (causal_or_right or has_left or deterministic or sparse)
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
         self.sparse = sparse is not None
         self.ratio_m, self.ratio_n = sparse if sparse is not None else (1, 1)
@@ -448,10 +441,7 @@ class Sm90AttentionBackward:
             walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
         else:
-            first = None
-            if const_expr(self.stagger):
-                first = m_lo + (n_block * (tn // tm)) % cutlass.max(n_m, 1)
-            walk = DenseQWalk(m_lo, n_m, self.group, first)
+            walk = DenseQWalk(m_lo, n_m, self.group)
         steps = walk.count
 
         if warp_idx < 4:

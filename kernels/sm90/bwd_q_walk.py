@@ -25,29 +25,30 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 
 
 class DenseQWalk(DynamicState):
-    _dynamic_fields = ("m_lo", "n_m", "count", "m_first")
+    _dynamic_fields = ("m_lo", "n_m", "count")
 
-    def __init__(self, m_lo: Int32, n_m: Int32, group: int, first: Int32 | None = None):
-        """first: the query tile each head's walk starts at (wrapping around to m_lo after the
-        last); None starts at m_lo. Key tiles of one head that start at different query tiles
-        add their dQ into different rows at any moment (bwd_kernel: `stagger`)."""
+    def __init__(self, m_lo: Int32, n_m: Int32, group: int):
         self.m_lo = m_lo
         self.n_m = n_m
         self.count = n_m * group
-        self.m_first = m_lo if first is None else first
 
-    # Cursor walk (every step in order): (h_local, m_block) carried from one step to the next,
-    # no integer division per step. A head's walk ends when the cursor is back at m_first.
+    def tile(self, step: Int32):
+        """(h_local, m_block, partial) of a step; partial is unused by dense callers."""
+        h_local = step // self.n_m
+        return h_local, self.m_lo + (step - h_local * self.n_m), Boolean(True)
+
+    # Cursor walk for loops that visit every step in order: (h_local, m_block) carried from one
+    # step to the next, no integer division per step.
     def start(self):
-        return Int32(0), self.m_first
+        return Int32(0), self.m_lo
 
     def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
         return cur_h, cur_m, Boolean(True)
 
     def advance(self, cur_h: Int32, cur_m: Int32):
         m = cur_m + 1
-        m = cutlass.select_(m == self.m_lo + self.n_m, self.m_lo, m)
-        return cutlass.select_(m == self.m_first, cur_h + 1, cur_h), m
+        wrap = m == self.m_lo + self.n_m
+        return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo, m)
 
 
 class SparseQWalk(DynamicState):

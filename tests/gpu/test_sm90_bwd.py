@@ -231,13 +231,6 @@ def test_causal_odd_lengths(sq, sk):
     _case(BF, 2, sq, sk, 3, 3, 128, 128, causal=True)
 
 
-# Non-causal dense walks start each key tile at a different query tile and wrap around (the
-# staggered walk): odd lengths, GQA groups and more key tiles than query tiles.
-@pytest.mark.parametrize("sq,sk,hq,hkv,d", [(333, 700, 4, 2, 128), (517, 900, 3, 1, 64), (200, 1000, 2, 2, 96)])
-def test_staggered_walk_odd_lengths_gqa(sq, sk, hq, hkv, d):
-    _case(BF, 2, sq, sk, hq, hkv, d, d)
-
-
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1)])
 def test_gqa_mqa(hq, hkv):
     _case(BF, 2, 190, 260, hq, hkv, 128, 128, causal=True)
