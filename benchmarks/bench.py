@@ -71,9 +71,6 @@ _BWD_SWEEPS = {
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
                    "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # the staggered dense walk (bwd_kernel `stagger`): non-causal rows only (causal ignores it)
-    "bwd-stagger": ({"stagger": {"TORCH_FA4_BWD_STAGGER": "1"}, "plain": {"TORCH_FA4_BWD_STAGGER": "0"}},
-                    [(128, S, False) for S in (1024, 4096, 16384)] + [(64, 4096, False), (64, 16384, False)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

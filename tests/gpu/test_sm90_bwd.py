@@ -231,6 +231,13 @@ def test_causal_odd_lengths(sq, sk):
     _case(BF, 2, sq, sk, 3, 3, 128, 128, causal=True)
 
 
+# non-causal: every key tile walks every query tile; odd lengths, GQA groups, more key tiles than
+# query tiles
+@pytest.mark.parametrize("sq,sk,hq,hkv,d", [(333, 700, 4, 2, 128), (517, 900, 3, 1, 64), (200, 1000, 2, 2, 96)])
+def test_non_causal_odd_lengths_gqa(sq, sk, hq, hkv, d):
+    _case(BF, 2, sq, sk, hq, hkv, d, d)
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1)])
 def test_gqa_mqa(hq, hkv):
     _case(BF, 2, 190, 260, hq, hkv, 128, 128, causal=True)
