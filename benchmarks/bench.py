@@ -71,6 +71,9 @@ _BWD_SWEEPS = {
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
                    "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # dQ issued before dK, its epilogue under dK (bwd_kernel `dq_under_dk`), against dK first
+    "bwd-dq-first": ({"dk-first": {"TORCH_FA4_BWD_DQ_FIRST": "0"}, "dq-first": {"TORCH_FA4_BWD_DQ_FIRST": "1"}},
+                     [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

@@ -52,6 +52,10 @@ _D64_TILE_M = 128
 _D64_PASSES = "one"
 TILE_M_ENV = "TORCH_FA4_BWD_TILE_M"
 PASSES_ENV = "TORCH_FA4_BWD_PASSES"
+# Order of the last two products of a step (bwd_kernel `dq_under_dk`): "1" issues dQ before dK and
+# stages dQ while dK runs; "0" issues dK first and stages dQ under the next step's products.
+DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
+_DQ_FIRST = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -174,8 +178,12 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         # a block mask of 64-key columns: the 64-key (narrow) variant walks it
         tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
-    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one pass)
-    kernel_tiles = (*tiles(d, dv, tile_n, tile_m=tile_m), tile_m, one_pass and tile_m == 128)
+    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
+    # pass, dQ issued before dK)
+    ring = tiles(d, dv, tile_n, tile_m=tile_m)
+    dq_first = (_env_choice(DQ_FIRST_ENV, _DQ_FIRST, ("0", "1")) == "1" and tile_n == 128
+                and not ring[2])
+    kernel_tiles = (*ring, tile_m, one_pass and tile_m == 128, dq_first)
     return (
         call.q.dtype,
         call.head_dim,
@@ -282,10 +290,11 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_first = kernel_tiles
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
+        dq_under_dk=dq_first,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
