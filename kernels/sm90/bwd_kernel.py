@@ -178,6 +178,11 @@ class Sm90AttentionBackward:
         self.dq_under_dk = bool(dq_under_dk) and not (self.narrow or dq_in_ring)
         if self.dq_under_dk:
             self.overlap_next_s = False
+        # With dq_under_dk nothing runs between issuing S^T / dP^T and waiting for them, so the
+        # per-query LSE / dPsum loads from shared memory would sit on that path (short-scoreboard
+        # stalls at the first exp2): load them into registers before each wait instead. 64-query
+        # wide two-pass path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
+        self.prefetch_stats = self.dq_under_dk and tile_m == 64 and not self.one_pass
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
         self.sparse = sparse is not None
         self.ratio_m, self.ratio_n = sparse if sparse is not None else (1, 1)
@@ -716,16 +721,26 @@ class Sm90AttentionBackward:
                     self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             else:
                 # P while dP^T is still on the tensor cores; dS while dV is.
+                lse_vals = None
+                if const_expr(self.prefetch_stats):
+                    lse_vals = self._column_stats(sLSE, cS, stage, S)
                 warpgroup.wait_group(1)
                 self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
+                               lse_vals)
                 rP.store(acc_S.load().to(self.dtype))
                 # dV += P^T dO  (P^T straight from registers)
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                dpsum_vals = None
+                if const_expr(self.prefetch_stats):
+                    dpsum_vals = self._column_stats(sDp, cS, stage, S)
                 warpgroup.wait_group(1)
                 Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    dpsum = sDp[cS[1] + cS[3][0, c][1], stage]
+                    if const_expr(self.prefetch_stats):
+                        dpsum = dpsum_vals[c]
+                    else:
+                        dpsum = sDp[cS[1] + cS[3][0, c][1], stage]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                         if const_expr(self.p_from_bf16):
                             dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
@@ -846,9 +861,15 @@ class Sm90AttentionBackward:
                 cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
                 self._pass_turn(mSem, b, h, m_block)
 
+    def _column_stats(self, s_stat, cS, stage, S):
+        """This thread's per-query statistics (LSE or dPsum), one per column of S, from shared
+        memory into registers."""
+        t_q, c0 = cS[1], cS[3]
+        return [s_stat[t_q + c0[0, c][1], stage] for c in range(cute.size(S, mode=[1]))]
+
     @cute.jit
     def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx):
+                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
         """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
 
         Only tiles that cross a mask boundary pay for the per-element test; the mask_mod runs on
@@ -856,19 +877,19 @@ class Sm90AttentionBackward:
         args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                 window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
         if const_expr(self.mask_graph is not None and not self.sparse):
-            self._p_and_ds_tile(*args, True, True)
+            self._p_and_ds_tile(*args, True, True, lse_vals)
         elif const_expr(self.sparse):
             partial = mod_ctx[4]
             if partial:
-                self._p_and_ds_tile(*args, True, True)
+                self._p_and_ds_tile(*args, True, True, lse_vals)
             else:
-                self._p_and_ds_limits(*args)
+                self._p_and_ds_limits(*args, lse_vals)
         else:
-            self._p_and_ds_limits(*args)
+            self._p_and_ds_limits(*args, lse_vals)
 
     @cute.jit
     def _p_and_ds_limits(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                         window_left, window_right, scale, scale_log2, softcap_val, mod_ctx):
+                         window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
         """P (and dS) with the length / causal / window limits only, tested where a tile crosses."""
         tm, tn = self.tile_m, self.tile_n
         args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
@@ -884,16 +905,16 @@ class Sm90AttentionBackward:
             if const_expr(self.has_left):
                 crosses = crosses | (key0 < row0 + tm - 1 + diag - window_left)
             if crosses:
-                self._p_and_ds_tile(*args, True, False)
+                self._p_and_ds_tile(*args, True, False, lse_vals)
             else:
-                self._p_and_ds_tile(*args, False, False)
+                self._p_and_ds_tile(*args, False, False, lse_vals)
         else:
-            self._p_and_ds_tile(*args, False, False)
+            self._p_and_ds_tile(*args, False, False, lse_vals)
 
     @cute.jit
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                        window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
-                       masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr):
+                       masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr, lse_vals=None):
         t_key, t_q, t_rel, c0 = cS
         # The limits relative to this thread's first element: element (r, c) is key
         # key0 + t_key + dr, query row row0 + t_q + dc with static dr, dc (c0).
@@ -905,7 +926,7 @@ class Sm90AttentionBackward:
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             dc = c0[0, c][1]
             m_local = t_q + dc
-            lse2 = sLSE[m_local, stage]
+            lse2 = lse_vals[c] if const_expr(lse_vals is not None) else sLSE[m_local, stage]
             i = row0 + m_local
             dpsum = Float32(0.0)
             if const_expr(dP is not None):
