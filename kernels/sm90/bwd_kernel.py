@@ -180,8 +180,9 @@ class Sm90AttentionBackward:
             self.overlap_next_s = False
         # With dq_under_dk nothing runs between issuing S^T / dP^T and waiting for them, so the
         # per-query LSE / dPsum loads from shared memory would sit on that path (short-scoreboard
-        # stalls at the first exp2): load them into registers before each wait instead. 64-query
-        # wide two-pass path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
+        # stalls at the first exp2): load them into registers before the step's wgmmas instead
+        # (loads issued after them queue behind them and stall the same). 64-query wide two-pass
+        # path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
         self.prefetch_stats = self.dq_under_dk and tile_m == 64 and not self.one_pass
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
         self.sparse = sparse is not None
@@ -664,6 +665,12 @@ class Sm90AttentionBackward:
 
             acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
             acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+            lse_vals = None
+            dpsum_vals = None
+            if const_expr(self.prefetch_stats):
+                # before the products' wgmmas: loads issued behind them wait in the same queue
+                lse_vals = self._column_stats(sLSE, cS, stage, L.rows_cols_view(acc_S))
+                dpsum_vals = self._column_stats(sDp, cS, stage, L.rows_cols_view(acc_S))
             self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             if const_expr(not ovl or self.OVERLAP_DP):
                 self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
@@ -721,9 +728,6 @@ class Sm90AttentionBackward:
                     self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             else:
                 # P while dP^T is still on the tensor cores; dS while dV is.
-                lse_vals = None
-                if const_expr(self.prefetch_stats):
-                    lse_vals = self._column_stats(sLSE, cS, stage, S)
                 warpgroup.wait_group(1)
                 self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
@@ -731,9 +735,6 @@ class Sm90AttentionBackward:
                 rP.store(acc_S.load().to(self.dtype))
                 # dV += P^T dO  (P^T straight from registers)
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-                dpsum_vals = None
-                if const_expr(self.prefetch_stats):
-                    dpsum_vals = self._column_stats(sDp, cS, stage, S)
                 warpgroup.wait_group(1)
                 Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
