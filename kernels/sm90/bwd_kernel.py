@@ -852,26 +852,24 @@ class Sm90AttentionBackward:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
         if is_leader:
-            self._add_slab(tma_dQ, mdQacc, mSem, sdQ_wg, h, b, q_off, m_block, n_block, wg, diag,
-                           window_left)
+            if const_expr(self.deterministic):
+                self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
+            self._add_slab(tma_dQ, mdQacc, sdQ_wg, h, b, q_off, m_block, wg)
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
+                self._pass_turn(mSem, b, h, m_block, 1)
 
     @cute.jit
-    def _add_slab(self, tma_dQ, mdQacc, mSem, sdQ_wg, h, b, q_off, m_block, n_block, wg, diag,
-                  window_left):
-        """One warp: warpgroup wg's staged dQ slab -> one TMA reduce-add into the fp32 buffer (in
-        KV-tile order when deterministic), committed as one bulk group."""
+    def _add_slab(self, tma_dQ, mdQacc, sdQ_wg, h, b, q_off, m_block, wg):
+        """One warp: warpgroup wg's staged dQ slab -> one TMA reduce-add into the fp32 buffer,
+        committed as one bulk group."""
         slab = self._dq_slab()
         coord = (m_block * 2 + wg, 0) if const_expr(self.dq_split_rows) else (m_block, wg)
         gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
         tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
                                        cute.group_modes(gdQ, 0, 2))
-        if const_expr(self.deterministic):
-            self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
         cute.copy(tma_dQ, tS, tG)
         cute.arch.cp_async_bulk_commit_group()
-        if const_expr(self.deterministic):
-            cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
-            self._pass_turn(mSem, b, h, m_block)
 
     @cute.jit
     def _write_dq(self, mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
@@ -882,7 +880,9 @@ class Sm90AttentionBackward:
         Every consumer warpgroup syncs on its "empty" barrier once per step and arrives on "full"
         once per step (the overlap path emits the last step's dQ after its loop: still `steps`
         of each), so the writer arrives on "empty" exactly `steps` times too: once before the
-        first step, then after every step but the last; nothing when the walk is empty."""
+        first step, then after every step but the last; nothing when the walk is empty.
+        Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
+        semaphore wait overlapping the consumers' work on the step."""
         if steps > 0:
             for wg in cutlass.range_constexpr(2):  # both slabs start empty
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
@@ -892,10 +892,14 @@ class Sm90AttentionBackward:
             h_local, m_block, _ = walk.at(step, cur_h, cur_m)
             cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
+            if const_expr(self.deterministic):
+                self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
             for wg in cutlass.range_constexpr(2):
                 cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_HANDOFF_THREADS)
-                self._add_slab(tma_dQ, mdQacc, mSem, sdQ[None, None, wg], h, b, q_off, m_block,
-                               n_block, wg, diag, window_left)
+                self._add_slab(tma_dQ, mdQacc, sdQ[None, None, wg], h, b, q_off, m_block, wg)
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)  # both landed in global before the hand-off
+                self._pass_turn(mSem, b, h, m_block, 2)
             if step + 1 < steps:
                 for wg in cutlass.range_constexpr(2):
                     # bulk groups of this step: slab 0's add, then slab 1's
@@ -1029,8 +1033,9 @@ class Sm90AttentionBackward:
 
     @cute.jit
     def _wait_turn(self, mSem, b, h, m_block, n_block, diag, window_left):
-        """Spin (one thread per warpgroup) until every earlier KV tile has added its dQ."""
-        # Each KV tile's two warpgroups each bump the counter once after their add has landed.
+        """Spin (one lane of the adding warp) until every earlier KV tile has added its dQ."""
+        # Each KV tile bumps the counter by 2 once its two slabs' adds have landed: each leader
+        # warp by 1, or the writer warp by 2 for both.
         target = (n_block - self._first_kv_block(m_block, diag, window_left)) * 2
         ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
         if cute.arch.lane_idx() == 0:  # one lane polls; the warp reconverges below
@@ -1040,9 +1045,10 @@ class Sm90AttentionBackward:
         cute.arch.sync_warp()
 
     @cute.jit
-    def _pass_turn(self, mSem, b, h, m_block):
+    def _pass_turn(self, mSem, b, h, m_block, slabs: cutlass.Constexpr):
+        """Count `slabs` landed dQ adds of this KV tile (see _wait_turn)."""
         cute.arch.fence_proxy("async.global")  # order the TMA add before the counter release
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
-            cute.arch.atomic_add(ptr, Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_add(ptr, Int32(slabs), sem="release", scope="gpu")
