@@ -64,13 +64,17 @@ _SWEEPS = {
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through
 # torch_fa4.attention with those variables set around every backward call (kernels/sm90/bwd.py reads
-# TORCH_FA4_BWD_TILE_M / TORCH_FA4_BWD_PASSES on every call). "bwd-tiles": 64 vs 128 queries per
-# step at D64, the latter in both ways of forming dS.
+# TORCH_FA4_BWD_TILE_M / TORCH_FA4_BWD_PASSES / TORCH_FA4_BWD_DQ_WARP on every call). "bwd-tiles":
+# 64 vs 128 queries per step at D64, the latter in both ways of forming dS. "bwd-dq-warp": the dQ
+# TMA adds from the consumer leader warps vs from the dedicated writer warp (NOTES Experiment 22).
 _BWD_SWEEPS = {
     "bwd-tiles": ({"tm64": {"TORCH_FA4_BWD_TILE_M": "64"},
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
                    "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    "bwd-dq-warp": ({"leader adds": {"TORCH_FA4_BWD_DQ_WARP": "0"},
+                     "writer warp": {"TORCH_FA4_BWD_DQ_WARP": "1"}},
+                    [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 
