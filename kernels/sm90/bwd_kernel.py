@@ -641,8 +641,9 @@ class Sm90AttentionBackward:
             self._dq_thread_offsets = tuple(
                 int(cute.crd2idx(mma_dQ.get_slice(t).partition_C(ident_dq)[0], sdQ_tile.layout)) * 4
                 for t in range(256))
-        # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
-        # the TMA copy elects its issuing lane with a warp-synchronous instruction.
+        # Without the writer warp, the first warp of each warpgroup issues its TMA reduction. A
+        # whole warp, not one thread: the TMA copy elects its issuing lane with a warp-synchronous
+        # instruction.
         is_leader = (ctid % 128) // 32 == 0
 
         acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
