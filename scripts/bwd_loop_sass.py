@@ -1,7 +1,9 @@
 """Compile one sm90 backward variant on the CPU and count the SASS instructions of its main
 consumer loop (the backward branch whose body holds the 32 / N HGMMAs).
 
-    PYTHONPATH=$PWD python scripts/bwd_loop_sass.py D CAUSAL OUTDIR   (from the repository root)
+    PYTHONPATH=$PWD python scripts/bwd_loop_sass.py D CAUSAL OUTDIR [DETERMINISTIC]   (from the repository root)
+
+The TORCH_FA4_BWD_* environment overrides (kernels/sm90/bwd.py) pick the variant as in a call.
 """
 import collections
 import os
@@ -19,7 +21,8 @@ os.makedirs(out, exist_ok=True)
 for f in os.listdir(out):
     if f.endswith(".cubin"):
         os.remove(os.path.join(out, f))
-key = bwd.variant_key(_call(d=d, causal=causal), False)
+deterministic = len(sys.argv) > 4 and sys.argv[4] == "1"
+key = bwd.variant_key(_call(d=d, causal=causal), deterministic)
 bwd.compile_variant(key, dump_dir=out)
 s = sass_of(out)
 open(os.path.join(out, "k.sass"), "w").write(s)

@@ -83,6 +83,8 @@ def _check_backward_sass(sass, key, d, dv):
     # dQ epilogue, when a group was left in flight across the loop's back edge)
     waits = sass.count("WARPGROUP.DEPBAR")
     assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
+    # the dQ writer warp's slab hand-off is the kernel's only non-blocking named-barrier arrive
+    assert ("BAR.ARV" in sass) == key[-3][6], "dQ writer warp hand-off"
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -97,6 +99,51 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     d, dv = call.head_dim, call.head_dim_v
     assert key[-3][0] == (128 if max(d, dv) <= 128 else 64)
     _check_backward_sass(sass_of(tmp_path), key, d, dv)
+
+
+# the leader-warp dQ adds (TORCH_FA4_BWD_DQ_WARP=0) on the paths the writer warp takes by default
+@pytest.mark.parametrize("name", ["d64", "d128", "d96_causal", "d64_gqa_window", "d128_softcap_causal",
+                                  "d128_causal_deterministic"])
+def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, "0")
+    call_kw, deterministic = VARIANTS[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert not key[-3][6]
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+
+
+def test_dq_writer_warp_selection(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.DQ_WARP_ENV, raising=False)
+    dq_warp = lambda call, det=False: bwd.variant_key(call, det)[-3][6]
+    # on by default wherever the CTA holds 128 keys (separate dQ slabs), whatever the rest
+    for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, dv=64),
+               dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), dict(d=128, softcap=10.0)):
+        assert dq_warp(_call(**kw)), kw
+    assert dq_warp(_call(d=128, causal=True), det=True)
+    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
+    assert dq_warp(_call(d=64))
+    monkeypatch.delenv(bwd.TILE_M_ENV)
+    # 64-key variants keep the leader-warp adds: dQ staged in the ring (D256) hands the stage
+    # back to the producer from them; D192 (separate slabs) is not converted
+    assert bwd.variant_key(_call(d=256), False)[-3][2] and not dq_warp(_call(d=256))
+    assert not dq_warp(_call(d=192))
+    # the override enters the variant key (the compile cache is keyed on it)
+    on = bwd.variant_key(_call(d=128), False)
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, "0")
+    assert not dq_warp(_call(d=128)) and not dq_warp(_call(d=64))
+    assert bwd.variant_key(_call(d=128), False) != on
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, "1")
+    assert bwd.variant_key(_call(d=128), False) == on
+    assert not dq_warp(_call(d=256)) and not dq_warp(_call(d=192))
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, "on")
+    with pytest.raises(ValueError, match=bwd.DQ_WARP_ENV):
+        bwd.variant_key(_call(d=128), False)
 
 
 @pytest.mark.parametrize("passes", ["two", "one"])
@@ -122,7 +169,7 @@ def test_128_query_variant_selection(monkeypatch):
     monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
     assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
     monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    assert bwd.variant_key(_call(d=64), False)[-3] == (128, 2, False, 128, bwd._D64_PASSES == "one")
+    assert bwd.variant_key(_call(d=64), False)[-3][:5] == (128, 2, False, 128, bwd._D64_PASSES == "one")
     # head dims above 64 keep 64 queries per step
     for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
         assert bwd.variant_key(_call(d=d, dv=dv), False)[-3][3] == 64

@@ -3,9 +3,9 @@
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
-varlen, determinism, key tile, ring stages and queries per step, block-mask tile ratios, mods key);
-shapes, strides, scale, softcap value, window sizes, captured mod tensors and block-mask lists are
-runtime arguments, so new sizes or values never recompile.
+varlen, determinism, key tile, ring stages and queries per step, dQ writer warp, block-mask
+tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured mod tensors
+and block-mask lists are runtime arguments, so new sizes or values never recompile.
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
@@ -56,6 +56,11 @@ PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 # stages dQ while dK runs; "0" issues dK first and stages dQ under the next step's products.
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "0"
+# The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
+# each consumer warpgroup's leader warp: on for the 128-key variants (separate dQ slabs);
+# TORCH_FA4_BWD_DQ_WARP=0 gives the leader-warp adds back, =1 is the default. The 64-key variants
+# keep the leader adds (dQ staged in the ring needs them; D192 is not converted).
+DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -95,6 +100,12 @@ def tiles(d: int, dv: int, tile_n: int | None = None, tile_m: int = _TILE_M) -> 
     if tile_m == _TILE_M and dv >= d and _smem_bytes(d, dv, tile_n, 2, True) <= _SMEM_LIMIT:
         return tile_n, 2, True
     return tile_n, 1, False
+
+
+def dq_writer_warp(tile_n: int, dq_in_ring: bool) -> bool:
+    """Whether the variant with `tile_n` keys per CTA issues its dQ adds from a dedicated warp."""
+    on = _env_choice(DQ_WARP_ENV, "1", ("0", "1")) == "1"
+    return on and tile_n == 128 and not dq_in_ring
 
 
 def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M) -> int:
@@ -179,11 +190,12 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
-    # pass, dQ issued before dK)
-    ring = tiles(d, dv, tile_n, tile_m=tile_m)
+    # pass, dQ issued before dK, dQ adds from a dedicated warp)
+    tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     dq_first = (_env_choice(DQ_FIRST_ENV, _DQ_FIRST, ("0", "1")) == "1" and tile_n == 128
-                and not ring[2])
-    kernel_tiles = (*ring, tile_m, one_pass and tile_m == 128, dq_first)
+                and not dq_in_ring)
+    kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128, dq_first,
+                    dq_writer_warp(tile_n, dq_in_ring))
     return (
         call.q.dtype,
         call.head_dim,
@@ -290,11 +302,11 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_first = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_first, dq_warp = kernel_tiles
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
-        dq_under_dk=dq_first,
+        dq_under_dk=dq_first, dq_writer_warp=dq_warp,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

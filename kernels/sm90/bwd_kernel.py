@@ -7,6 +7,7 @@ in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contr
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
                into a two-stage ring guarded by mbarriers; it gives registers away (setmaxnreg).
+               With `dq_writer_warp`, its warp 1 issues the dQ TMA adds (see below).
   warpgroups 1-2 consumers, each owning 64 of the 128 keys:
       S^T  = K Q^T         (wgmma, both operands in shared memory)
       dP^T = V dO^T
@@ -21,6 +22,12 @@ Warp roles (384 threads):
   the end. `overlap_next_s` (on; wide two-pass path): the dQ of step i is staged and added
   during step i + 1, after that step's S^T and dP^T are issued, so the tensor cores are not idle
   during the dQ epilogue (+8-9% at D128 S4k, NOTES Experiment 13).
+  `dq_writer_warp` (separate dQ slabs only): the consumers only store their dQ half into the slab
+  and signal it; producer warp 1 issues the TMA add (and takes the deterministic turns) and hands
+  the slab back once the add has read it, through two named barriers per warpgroup ("slab
+  empty": writer arrives, consumers sync; "slab full": consumers arrive, writer syncs). The
+  consumers then never wait for a TMA read or a semaphore, and run one barrier per dQ instead
+  of two (NOTES Experiment 25).
 
 Narrow variant (tile_n = 64: head dims above 128, or block masks of 64-key columns): dK and dV of
 128 keys x 256 dims would need 256 fp32 registers per consumer thread, so both consumer warpgroups
@@ -71,6 +78,13 @@ from .bwd_q_walk import DenseQWalk, SparseQWalk
 
 LOG2_E = math.log2(math.e)
 
+# Named barriers (0 is __syncthreads): 1 both consumer warpgroups (256 threads); 2, 3 one consumer
+# warpgroup (128); with dq_writer_warp, per consumer warpgroup wg a "slab empty" (4 + wg) and a
+# "slab full" (6 + wg) barrier between that warpgroup and the dQ writer warp (128 + 32 threads).
+_BAR_DQ_EMPTY = 4
+_BAR_DQ_FULL = 6
+_DQ_HANDOFF_THREADS = 128 + 32
+
 
 
 class Sm90AttentionBackward:
@@ -98,9 +112,10 @@ class Sm90AttentionBackward:
         stages: int = 2,  # Q / dO / LSE / dPsum ring depth
         dq_in_ring: bool = False,  # stage dQ in the consumed Q / dO buffers (no dQ slabs)
         overlap_next_s: bool = True,  # dQ epilogue of step i under step i + 1's S^T, dP^T
-        dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
         tile_m: int = 64,  # queries per step: 64, or 128 on the wide path at head dims <= 64
         tm128_one_pass: bool = False,  # 128 queries: P and dS in one pass (else dS from bf16 P)
+        dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
+        dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -184,6 +199,10 @@ class Sm90AttentionBackward:
         # (loads issued after them queue behind them and stall the same). 64-query wide two-pass
         # path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
         self.prefetch_stats = self.dq_under_dk and tile_m == 64 and not self.one_pass
+        # A dedicated warp issues the dQ adds from the separate slabs (module docstring); dQ staged
+        # in the ring keeps the leader warps' adds, which also hand the stage back to the producer.
+        assert not (dq_writer_warp and dq_in_ring)
+        self.dq_writer_warp = dq_writer_warp
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
         self.sparse = sparse is not None
         self.ratio_m, self.ratio_n = sparse if sparse is not None else (1, 1)
@@ -468,6 +487,10 @@ class Sm90AttentionBackward:
                     tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv,
                     hkv, b, n_block, walk, steps, q_off, k_off,
                 )
+            if const_expr(self.dq_writer_warp):
+                if warp_idx == 1:
+                    self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
+                                   diag, window_left)
         else:
             # ================= consumer warpgroups
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
@@ -623,8 +646,9 @@ class Sm90AttentionBackward:
             self._dq_thread_offsets = tuple(
                 int(cute.crd2idx(mma_dQ.get_slice(t).partition_C(ident_dq)[0], sdQ_tile.layout)) * 4
                 for t in range(256))
-        # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
-        # the TMA copy elects its issuing lane with a warp-synchronous instruction.
+        # Without the writer warp, the first warp of each warpgroup issues its TMA reduction. A
+        # whole warp, not one thread: the TMA copy elects its issuing lane with a warp-synchronous
+        # instruction.
         is_leader = (ctid % 128) // 32 == 0
 
         acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
@@ -777,7 +801,8 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(0)
                 pipe.consumer_release(state)
                 state.advance()
-                cute.arch.sync_warp()  # reconverge before the back edge (see below)
+                if const_expr(not self.dq_writer_warp):
+                    cute.arch.sync_warp()  # reconverge before the back edge (see below)
             else:
                 warpgroup.wait_group(0)
                 if const_expr(not self.dq_in_ring):
@@ -810,18 +835,20 @@ class Sm90AttentionBackward:
                         cute.arch.sync_warp()  # reconverge before the back edge (see below)
                     else:
                         self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
-                        # Reconverge the warp before the back edge: with the leader-only TMA region
-                        # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
-                        # cursor) in vector registers and rebuilds every stage-indexed descriptor
-                        # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
-                        cute.arch.sync_warp()
+                        if const_expr(not self.dq_writer_warp):
+                            # Reconverge the warp before the back edge: with the leader-only TMA region
+                            # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
+                            # cursor) in vector registers and rebuilds every stage-indexed descriptor
+                            # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
+                            cute.arch.sync_warp()
 
         if const_expr(ovl):
             if steps > 0:  # the last step's dQ
                 self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
                              prev_m, n_block, wg, diag, window_left, is_leader)
-        if is_leader:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
+        if const_expr(not self.dq_writer_warp):
+            if is_leader:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
 
         # ---- epilogue: dK (scaled), dV in the input dtype. Every row this sequence owns in the
         # k tensor is written (zeros past seqlen_k); rows of the next sequence are left alone.
@@ -833,13 +860,21 @@ class Sm90AttentionBackward:
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
                 wg, diag, window_left, is_leader):
-        """overlap_next_s: a finished dQ, scaled -> this warpgroup's slab -> TMA add, as the
-        separate-slab path of the loop does it."""
-        if is_leader:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
-        cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-        self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                               n_block, wg, diag, window_left, is_leader)
+        """A finished dQ, scaled -> this warpgroup's slab -> TMA add into the fp32 buffer (the
+        separate-slab paths; with dq_writer_warp the writer warp issues the add)."""
+        if const_expr(self.dq_writer_warp):
+            # The writer's previous add has read the slab; store, then hand it over without
+            # waiting (the async-proxy fence orders the stores before the TMA read).
+            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_DQ_HANDOFF_THREADS)
+            L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_HANDOFF_THREADS)
+        else:
+            if is_leader:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
+            cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
+            self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
+                                   n_block, wg, diag, window_left, is_leader)
 
     @cute.jit
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
@@ -849,18 +884,61 @@ class Sm90AttentionBackward:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
         if is_leader:
-            slab = self._dq_slab()
-            coord = (m_block * 2 + wg, 0) if const_expr(self.dq_split_rows) else (m_block, wg)
-            gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
-            tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
-                                           cute.group_modes(gdQ, 0, 2))
             if const_expr(self.deterministic):
                 self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
-            cute.copy(tma_dQ, tS, tG)
-            cute.arch.cp_async_bulk_commit_group()
+            self._add_slab(tma_dQ, mdQacc, sdQ_wg, h, b, q_off, m_block, wg)
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0)  # landed in global before the hand-off
-                self._pass_turn(mSem, b, h, m_block)
+                self._pass_turn(mSem, b, h, m_block, 1)
+
+    @cute.jit
+    def _add_slab(self, tma_dQ, mdQacc, sdQ_wg, h, b, q_off, m_block, wg):
+        """One warp: warpgroup wg's staged dQ slab -> one TMA reduce-add into the fp32 buffer,
+        committed as one bulk group."""
+        slab = self._dq_slab()
+        coord = (m_block * 2 + wg, 0) if const_expr(self.dq_split_rows) else (m_block, wg)
+        gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
+        tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
+                                       cute.group_modes(gdQ, 0, 2))
+        cute.copy(tma_dQ, tS, tG)
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _write_dq(self, mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
+                  window_left):
+        """The dQ writer warp: walks the consumers' steps; per step and consumer warpgroup, waits
+        for the slab to be full, adds it into the fp32 buffer, and hands it back once read.
+
+        Every consumer warpgroup syncs on its "empty" barrier once per step and arrives on "full"
+        once per step (the overlap path emits the last step's dQ after its loop: still `steps`
+        of each), so the writer arrives on "empty" exactly `steps` times too: once before the
+        first step, then after every step but the last; nothing when the walk is empty.
+        Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
+        semaphore wait overlapping the consumers' work on the step."""
+        if steps > 0:
+            for wg in cutlass.range_constexpr(2):  # both slabs start empty
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
+                                         number_of_threads=_DQ_HANDOFF_THREADS)
+        cur_h, cur_m = walk.start()
+        for step in cutlass.range(steps, unroll=1):
+            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
+            cur_h, cur_m = walk.advance(cur_h, cur_m)
+            h = hkv * self.group + h_local
+            if const_expr(self.deterministic):
+                self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
+            for wg in cutlass.range_constexpr(2):
+                cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_HANDOFF_THREADS)
+                self._add_slab(tma_dQ, mdQacc, sdQ[None, None, wg], h, b, q_off, m_block, wg)
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)  # both landed in global before the hand-off
+                self._pass_turn(mSem, b, h, m_block, 2)
+            if step + 1 < steps:
+                for wg in cutlass.range_constexpr(2):
+                    # bulk groups of this step: slab 0's add, then slab 1's
+                    cute.arch.cp_async_bulk_wait_group(1 - wg, read=True)
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
+                                             number_of_threads=_DQ_HANDOFF_THREADS)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
 
     def _column_stats(self, s_stat, cS, stage, S):
         """This thread's per-query statistics (LSE or dPsum), one per column of S, from shared
@@ -993,8 +1071,9 @@ class Sm90AttentionBackward:
 
     @cute.jit
     def _wait_turn(self, mSem, b, h, m_block, n_block, diag, window_left):
-        """Spin (one thread per warpgroup) until every earlier KV tile has added its dQ."""
-        # Each KV tile's two warpgroups each bump the counter once after their add has landed.
+        """Spin (one lane of the adding warp) until every earlier KV tile has added its dQ."""
+        # Each KV tile bumps the counter by 2 once its two slabs' adds have landed: each leader
+        # warp by 1, or the writer warp by 2 for both.
         target = (n_block - self._first_kv_block(m_block, diag, window_left)) * 2
         ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
         if cute.arch.lane_idx() == 0:  # one lane polls; the warp reconverges below
@@ -1004,9 +1083,10 @@ class Sm90AttentionBackward:
         cute.arch.sync_warp()
 
     @cute.jit
-    def _pass_turn(self, mSem, b, h, m_block):
+    def _pass_turn(self, mSem, b, h, m_block, slabs: cutlass.Constexpr):
+        """Count `slabs` landed dQ adds of this KV tile (see _wait_turn)."""
         cute.arch.fence_proxy("async.global")  # order the TMA add before the counter release
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
-            cute.arch.atomic_add(ptr, Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_add(ptr, Int32(slabs), sem="release", scope="gpu")

@@ -71,11 +71,13 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
-          mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None):
+          mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None,
+          expect_dq_warp=None):
     """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
     bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
     column) the backward must walk it with, None for the dense walk; expect_tile_m: the queries
-    per kernel step the variant must have."""
+    per kernel step the variant must have; expect_dq_warp: whether it must add dQ from the
+    dedicated writer warp."""
     from torch_fa4.kernels.sm90 import bwd
 
     dev = "cuda"
@@ -145,6 +147,8 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         assert bwd.variant_key(call, deterministic)[-2] == expect_sparse
     if expect_tile_m is not None:
         assert bwd.variant_key(call, deterministic)[-3][3] == expect_tile_m
+    if expect_dq_warp is not None:
+        assert bwd.variant_key(call, deterministic)[-3][6] == expect_dq_warp
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
@@ -464,6 +468,50 @@ def test_tm128_block_sparse(tile_m_128, block, expect, tile_m):
     _, mask_mod = _documents(None, doc)
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, mask_mod=mask_mod, block_size=block,
           expect_sparse=expect, expect_tile_m=tile_m)
+
+
+# ---- the dQ TMA adds from the dedicated writer warp (bwd.DQ_WARP_ENV, default on at 128 keys per
+# CTA) against the consumer leader warps' adds: both must be right on every converted path
+
+@pytest.fixture(params=["1", "0"])
+def dq_warp(request, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, request.param)
+    return request.param == "1"
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True)])
+def test_dq_writer_warp(dq_warp, d, causal):
+    _case(BF, 2, 300, 517, 2, 2, d, d, causal=causal, expect_dq_warp=dq_warp)
+    _case(BF, 2, 1, 77, 2, 2, d, d, causal=causal, expect_dq_warp=dq_warp)  # one step per CTA
+
+
+@pytest.mark.parametrize("tile_m,passes", [(64, "two"), (128, "two"), (128, "one")])
+def test_dq_writer_warp_d64_query_tiles(dq_warp, tile_m, passes, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
+    monkeypatch.setenv(bwd.PASSES_ENV, passes)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=tile_m, expect_dq_warp=dq_warp)
+
+
+def test_dq_writer_warp_gqa_softcap(dq_warp):
+    _case(BF, 2, 300, 517, 6, 2, 128, 128, causal=True, expect_dq_warp=dq_warp)
+    _case(FP, 2, 333, 200, 8, 1, 64, 64, expect_dq_warp=dq_warp)
+    _case(BF, 2, 200, 260, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_warp=dq_warp)
+
+
+def test_dq_writer_warp_empty_walks(dq_warp):
+    # key tiles that no query sees (window; keys past seqused_k): the writer and the consumers
+    # must both skip the slab hand-off
+    _case(BF, 2, 300, 517, 2, 1, 128, 128, left=60, right=20, expect_dq_warp=dq_warp)
+    _case(BF, 3, 150, 600, 2, 2, 128, 128, seqused=True, expect_dq_warp=dq_warp)
+
+
+def test_dq_writer_warp_deterministic(dq_warp):
+    _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_warp=dq_warp)
+    _case(BF, 1, 517, 300, 2, 2, 64, 64, left=90, right=10, deterministic=True, expect_dq_warp=dq_warp)
 
 
 def _bench():  # pragma: no cover - manual timing on the device machine
