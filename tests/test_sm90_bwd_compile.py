@@ -116,6 +116,40 @@ def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
     _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
 
 
+# dK issued before dQ, dQ's epilogue in the next step (TORCH_FA4_BWD_DQ_FIRST=0), with either dQ adds
+@pytest.mark.parametrize("dq_warp", ["1", "0"])
+@pytest.mark.parametrize("name", ["d64", "d128", "d128_causal_deterministic", "d128_softcap_causal"])
+def test_backward_dk_first_order_compiles(name, dq_warp, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "0")
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, dq_warp)
+    call_kw, deterministic = VARIANTS[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert not key[-3][5] and key[-3][6] == (dq_warp == "1")
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+
+
+def test_dq_first_selection(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.DQ_FIRST_ENV, raising=False)
+    dq_first = lambda call, det=False: bwd.variant_key(call, det)[-3][5]
+    for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, softcap=10.0)):
+        assert dq_first(_call(**kw)), kw
+    assert dq_first(_call(d=128, causal=True), det=True)
+    # 64-key variants keep their order (the narrow path stages P^T and dS^T differently)
+    assert not dq_first(_call(d=192)) and not dq_first(_call(d=256))
+    on = bwd.variant_key(_call(d=128), False)
+    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "0")
+    assert not dq_first(_call(d=128)) and bwd.variant_key(_call(d=128), False) != on
+    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "later")
+    with pytest.raises(ValueError, match=bwd.DQ_FIRST_ENV):
+        bwd.variant_key(_call(d=128), False)
+
+
 def test_dq_writer_warp_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
@@ -157,7 +191,7 @@ def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, mo
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
-    assert key[-3] == (128, 2, False, 128, passes == "one"), key[-3]
+    assert key[-3][:5] == (128, 2, False, 128, passes == "one"), key[-3]
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
 

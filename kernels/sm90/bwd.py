@@ -52,10 +52,12 @@ _D64_TILE_M = 128
 _D64_PASSES = "one"
 TILE_M_ENV = "TORCH_FA4_BWD_TILE_M"
 PASSES_ENV = "TORCH_FA4_BWD_PASSES"
-# Order of the last two products of a step (bwd_kernel `dq_under_dk`): "1" issues dQ before dK and
-# stages dQ while dK runs; "0" issues dK first and stages dQ under the next step's products.
+# Order of the last two products of a step (bwd_kernel `dq_under_dk`) on the 128-key variants: "1"
+# issues dQ before dK and stages dQ while dK runs; "0" issues dK first and stages dQ under the next
+# step's products. With the dQ writer warp, "1" measured +5-9% at D128 and D64 non-causal, -1-2%
+# at D64 causal (H100, NOTES "Experiment 26").
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
-_DQ_FIRST = "0"
+_DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
 # each consumer warpgroup's leader warp: on for the 128-key variants (separate dQ slabs);
 # TORCH_FA4_BWD_DQ_WARP=0 gives the leader-warp adds back, =1 is the default. The 64-key variants

@@ -19,9 +19,11 @@ Warp roles (384 threads):
   P is computed while dP^T is still on the tensor cores, dS while dV is. Each warpgroup stages
   its dQ half in shared memory and adds it to the fp32 buffer with one TMA reduce-add (in
   KV-tile order under a per-query-tile semaphore when deterministic); dK, dV are written once at
-  the end. `overlap_next_s` (on; wide two-pass path): the dQ of step i is staged and added
-  during step i + 1, after that step's S^T and dP^T are issued, so the tensor cores are not idle
-  during the dQ epilogue (+8-9% at D128 S4k, NOTES Experiment 13).
+  the end. Order of a step's last products (`dq_under_dk`, the default on the 128-key variants):
+  after the dS^T barrier dQ is issued, then dK; once dQ lands it is scaled and staged while dK
+  runs (NOTES Experiments 24, 26). The alternative, `overlap_next_s` (wide two-pass path): dK
+  first, and the dQ of step i is staged and added during step i + 1, after that step's S^T and
+  dP^T are issued (NOTES Experiment 13).
   `dq_writer_warp` (separate dQ slabs only): the consumers only store their dQ half into the slab
   and signal it; producer warp 1 issues the TMA add (and takes the deterministic turns) and hands
   the slab back once the add has read it, through two named barriers per warpgroup ("slab

@@ -471,14 +471,17 @@ def test_tm128_block_sparse(tile_m_128, block, expect, tile_m):
 
 
 # ---- the dQ TMA adds from the dedicated writer warp (bwd.DQ_WARP_ENV, default on at 128 keys per
-# CTA) against the consumer leader warps' adds: both must be right on every converted path
+# CTA) against the consumer leader warps' adds, each with dQ issued before dK (bwd.DQ_FIRST_ENV,
+# the default) or after it (dQ epilogue in the next step): all four must be right on every path
 
-@pytest.fixture(params=["1", "0"])
+@pytest.fixture(params=["writer-dq_first", "leader-dq_first", "writer-dk_first", "leader-dk_first"])
 def dq_warp(request, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, request.param)
-    return request.param == "1"
+    adds, order = request.param.split("-")
+    monkeypatch.setenv(bwd.DQ_WARP_ENV, "1" if adds == "writer" else "0")
+    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "1" if order == "dq_first" else "0")
+    return adds == "writer"
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True)])
