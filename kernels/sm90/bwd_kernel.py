@@ -66,6 +66,7 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import mod_lowering as mods_dsl
+from ..common import static_layout as SL
 from . import bwd_layouts as L
 from .bwd_q_walk import DenseQWalk, SparseQWalk
 
@@ -591,8 +592,7 @@ class Sm90AttentionBackward:
             sdS_slot = sdS[None, None, 0]
             dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
             dS_thread_offsets = tuple(
-                int(cute.crd2idx(st_dS.get_slice(t).partition_D(ident_dS)[0], sdS_slot.layout)) * 2
-                for t in range(256))
+                SL.crd2idx(c, sdS_slot.layout) * 2 for c in SL.first_coords_copy_D(st_dS, 256, ident_dS))
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
@@ -616,8 +616,7 @@ class Sm90AttentionBackward:
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
             ident_dq = cute.make_identity_tensor((tm, d))
             self._dq_thread_offsets = tuple(
-                int(cute.crd2idx(mma_dQ.get_slice(t).partition_C(ident_dq)[0], sdQ_tile.layout)) * 4
-                for t in range(256))
+                SL.crd2idx(c, sdQ_tile.layout) * 4 for c in SL.first_coords_mma_C(mma_dQ, 256, ident_dq))
         # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
         # the TMA copy elects its issuing lane with a warp-synchronous instruction.
         is_leader = (ctid % 128) // 32 == 0

@@ -17,6 +17,8 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
+from ..common import static_layout as SL
+
 
 def acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), MMA_M, MMA_N) accumulator layout -> ((2, MMA_M), (2, V, MMA_N)).
@@ -159,7 +161,7 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
         span = 1 << (bits + base + shift)
         eb = dst.element_type.width // 8
         n = int(cute.size(dst))
-        offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+        offs = [SL.crd2idx(e, dst.layout) * eb for e in range(n)]
         align = dst.iterator.alignment
         # vector width: contiguous runs within an aligned chunk of the pointer's alignment
         v = max(1, min(align // eb, 4))
@@ -173,7 +175,7 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
         for e in range(0, n, v):
             low = offs[e] % span
             d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
-            s = cute.make_tensor(src.iterator + int(cute.crd2idx(e, src.layout)), cute.make_layout(v))
+            s = cute.make_tensor(src.iterator + SL.crd2idx(e, src.layout), cute.make_layout(v))
             cute.autovec_copy(s, d)
 
 
@@ -191,7 +193,7 @@ def copy_atom_to_swizzled(atom, values: int, src: cute.Tensor, dst: cute.Tensor,
     eb = dst.element_type.width // 8
     n = int(cute.size(dst))
     assert n % values == 0
-    offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+    offs = [SL.crd2idx(e, dst.layout) * eb for e in range(n)]
     starts = list(range(0, n, values))
     for e0 in starts:
         assert all(offs[e0 + i] == offs[e0] + i * eb for i in range(values)), "call run not contiguous"
