@@ -37,5 +37,6 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, block_range: BlockRange,
         hi = block_range.right_limit(row, seqlen_q, seqlen_k) - col0
         lo = block_range.left_limit(row, seqlen_q, seqlen_k) - col0
         for j in cutlass.range_constexpr(len(col_offsets)):
-            if (col_offsets[j] >= hi) | (col_offsets[j] < lo):
-                s[r, j] = -Float32.inf
+            # a select, not a dynamic `if` (an scf.if region per element, slow to trace)
+            masked = (col_offsets[j] >= hi) | (col_offsets[j] < lo)
+            s[r, j] = Float32(cutlass.select_(masked, -Float32.inf, s[r, j]))
