@@ -78,30 +78,49 @@ def _static_shape_stride(layout):
     return shape, stride
 
 
+def indexer(layout):
+    """A function coord -> int(cute.crd2idx(coord, layout)) for static coordinates: plain Python
+    when the layout is static (read once here), the DSL otherwise. Build it once per layout."""
+    ss = _static_shape_stride(layout)
+
+    def index(coord) -> int:
+        if ss is None or not _all_int(coord):
+            return int(cute.crd2idx(coord, layout))
+        value = _crd2idx(coord, *ss)
+        if _CHECK:
+            assert value == int(cute.crd2idx(coord, layout)), (coord, str(layout), value)
+        return value
+
+    return index
+
+
 def crd2idx(coord, layout) -> int:
-    """int(cute.crd2idx(coord, layout)) for a static coordinate and layout."""
-    ss = _static_shape_stride(layout) if _all_int(coord) else None
-    if ss is None:
-        return int(cute.crd2idx(coord, layout))
-    value = _crd2idx(coord, *ss)
-    if _CHECK:
-        assert value == int(cute.crd2idx(coord, layout)), (coord, str(layout), value)
-    return value
+    """int(cute.crd2idx(coord, layout)) for a static coordinate and layout (one-off; in a loop,
+    build an `indexer` once)."""
+    return indexer(layout)(coord)
 
 
-def _tile_coord(idx: int, tiler):
-    """Coordinate in a tile of `tiler` (ints or static layouts per mode) of the tile's flat index."""
-    sizes = tuple(t if type(t) is int else _size(_static_shape_stride(t)[0]) for t in tiler)
-    local = _idx2crd(idx, sizes)
+def _static_tiler(tiler):
+    """Per mode: an int (the mode's size, identity) or (size, shape, stride) of a static layout;
+    None if some mode is neither."""
+    if not isinstance(tiler, tuple):
+        return None
     out = []
-    for c, t in zip(local, tiler):
-        out.append(c if type(t) is int else _crd2idx(c, *_static_shape_stride(t)))
+    for t in tiler:
+        if type(t) is int:
+            out.append(t)
+            continue
+        ss = _static_shape_stride(t)
+        if ss is None:
+            return None
+        out.append((_size(ss[0]), *ss))
     return tuple(out)
 
 
-def _tiler_ok(tiler) -> bool:
-    return isinstance(tiler, tuple) and all(
-        type(t) is int or _static_shape_stride(t) is not None for t in tiler)
+def _tile_coord(idx: int, tiler):
+    """Coordinate in a tile of `tiler` (from _static_tiler) of the tile's flat index."""
+    local = _idx2crd(idx, tuple(t if type(t) is int else t[0] for t in tiler))
+    return tuple(c if type(t) is int else _crd2idx(c, t[1], t[2]) for c, t in zip(local, tiler))
 
 
 def first_coords_mma_C(tiled_mma, num_threads: int, ident) -> list:
@@ -110,8 +129,8 @@ def first_coords_mma_C(tiled_mma, num_threads: int, ident) -> list:
     tv = _static_shape_stride(tiled_mma.tv_layout_C_tiled)
     perm = tiled_mma.permutation_mnk
     # the M and N modes' permutations (tile sizes where there is none)
-    tiler = tuple(tiled_mma.get_tile_size(i) if perm[i] is None else perm[i] for i in range(2))
-    if tv is None or not _tiler_ok(tiler):
+    tiler = _static_tiler(tuple(tiled_mma.get_tile_size(i) if perm[i] is None else perm[i] for i in range(2)))
+    if tv is None or tiler is None:
         return [tiled_mma.get_slice(t).partition_C(ident)[0] for t in range(num_threads)]
     out = [_tile_coord(_crd2idx((t, 0), *tv), tiler) for t in range(num_threads)]
     if _CHECK:
@@ -125,8 +144,8 @@ def first_coords_copy_D(tiled_copy, num_threads: int, ident) -> list:
     """[tiled_copy.get_slice(t).partition_D(ident)[0] for t in range(num_threads)]: the coordinate
     of each thread's first destination value."""
     tv = _static_shape_stride(tiled_copy.layout_dst_tv_tiled)
-    tiler = tiled_copy.tiler_mn
-    if tv is None or not _tiler_ok(tiler):
+    tiler = _static_tiler(tiled_copy.tiler_mn)
+    if tv is None or tiler is None:
         return [tiled_copy.get_slice(t).partition_D(ident)[0] for t in range(num_threads)]
     out = [_tile_coord(_crd2idx((t, 0), *tv), tiler) for t in range(num_threads)]
     if _CHECK:

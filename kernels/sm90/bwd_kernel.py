@@ -591,8 +591,8 @@ class Sm90AttentionBackward:
             ident_dS = cute.make_identity_tensor((tn, tm))
             sdS_slot = sdS[None, None, 0]
             dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
-            dS_thread_offsets = tuple(
-                SL.crd2idx(c, sdS_slot.layout) * 2 for c in SL.first_coords_copy_D(st_dS, 256, ident_dS))
+            slot_index = SL.indexer(sdS_slot.layout)
+            dS_thread_offsets = tuple(slot_index(c) * 2 for c in SL.first_coords_copy_D(st_dS, 256, ident_dS))
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
@@ -615,8 +615,8 @@ class Sm90AttentionBackward:
             # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
             ident_dq = cute.make_identity_tensor((tm, d))
-            self._dq_thread_offsets = tuple(
-                SL.crd2idx(c, sdQ_tile.layout) * 4 for c in SL.first_coords_mma_C(mma_dQ, 256, ident_dq))
+            tile_index = SL.indexer(sdQ_tile.layout)
+            self._dq_thread_offsets = tuple(tile_index(c) * 4 for c in SL.first_coords_mma_C(mma_dQ, 256, ident_dq))
         # The first warp of each warpgroup issues its TMA reduction. A whole warp, not one thread:
         # the TMA copy elects its issuing lane with a warp-synchronous instruction.
         is_leader = (ctid % 128) // 32 == 0
