@@ -941,9 +941,18 @@ class Sm90AttentionBackward:
 
     @cute.jit
     def _store_rows(self, acc, tg, tc, rows_left, factor):
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            if tc[e][0] < rows_left:
-                tg[e] = (acc[e] * factor).to(self.dtype)
+        # tc: identity coordinates, this thread's origin (tc.iterator) plus static offsets. Its
+        # values fall on a few rows: one row test each (a dynamic `if` per element is an scf.if
+        # region per element, slow to trace), the row's elements stored in element order.
+        n = cute.size(acc)
+        row_off = [tc.layout(e)[0] for e in range(n)]
+        rows = sorted(set(row_off))
+        lim = rows_left - tc.iterator[0]
+        for i in cutlass.range_constexpr(len(rows)):
+            if rows[i] < lim:
+                for e in cutlass.range_constexpr(n):
+                    if const_expr(row_off[e] == rows[i]):
+                        tg[e] = (acc[e] * factor).to(self.dtype)
 
     # ------------------------------------------------------------------ deterministic dQ order
     @cute.jit
