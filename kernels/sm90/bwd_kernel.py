@@ -934,7 +934,7 @@ class Sm90AttentionBackward:
                     j_in = cutlass.min(j, seqlen_k - 1)
                     visible = visible & mods_dsl.mask_mod_value(self.mask_graph, b, h, i_in, j_in, mask_aux)
                 if const_expr(masked):
-                    p = p if visible else Float32(0.0)
+                    p = Float32(cutlass.select_(visible, p, Float32(0.0)))  # a select, not an scf.if
                 S[r, c] = p
                 if const_expr(dP is not None):
                     dP[r, c] = p * (dP[r, c] - dpsum) * grad_factor
