@@ -120,9 +120,11 @@ def test_128_query_variant_selection(monkeypatch):
 
     monkeypatch.delenv(bwd.TILE_M_ENV, raising=False)
     monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
+    monkeypatch.delenv(bwd.STAGGER_ENV, raising=False)
     assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
     monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    assert bwd.variant_key(_call(d=64), False)[-3] == (128, 2, False, 128, bwd._D64_PASSES == "one")
+    # (keys per CTA, stages, dQ in ring, queries per step, one pass, staggered walk)
+    assert bwd.variant_key(_call(d=64), False)[-3] == (128, 2, False, 128, bwd._D64_PASSES == "one", True)
     # head dims above 64 keep 64 queries per step
     for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
         assert bwd.variant_key(_call(d=d, dv=dv), False)[-3][3] == 64
