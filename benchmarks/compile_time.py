@@ -4,22 +4,66 @@ Times the CuTe DSL import once, then `compile_fwd` / the backward's `compile_var
 default variants, each compiled for the first time in this process (the in-process cache is
 empty; the opt-in disk cache is not used). Needs no GPU (CUTE_DSL_ARCH=sm_90a on a CPU machine).
 
-    python benchmarks/compile_time.py
+    python benchmarks/compile_time.py              # one process
+    python benchmarks/compile_time.py --phases     # + where each variant's time goes
+    python benchmarks/compile_time.py --runs 5     # 5 fresh processes: median [min-max] per line
+
+--phases splits each variant's time (by wrapping CuTe DSL internals, measurement only):
+  preprocess  the DSL's AST rewrite of each @cute.jit function, once per function per process
+  mlir        the MLIR pass pipeline: CuTe lowering, NVVM (LLVM -> PTX) and ptxas, one native call
+  host-jit    the host launch wrapper: MCJIT engine, its symbol lookup, the TVM-FFI re-link
+  trace       the rest: running the kernels' Python to build the MLIR module (and argument setup)
 """
 
+import argparse
 import os
+import re
+import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+_PHASES = ("preprocess", "mlir", "host-jit")
 
-def main():
+
+def _install_phase_timers(acc: dict) -> None:
+    from cutlass._mlir import execution_engine
+    from cutlass.base_dsl import compiler, dsl
+    from cutlass.cutlass_dsl import tvm_ffi_provider
+
+    def wrap(owner, name, phase):
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[phase] = acc.get(phase, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+    wrap(dsl.BaseDSL, "run_preprocessor", "preprocess")
+    wrap(compiler.Compiler, "compile", "mlir")
+    wrap(compiler.Compiler, "jit", "host-jit")
+    wrap(execution_engine.ExecutionEngine, "lookup", "host-jit")
+    for obj in vars(tvm_ffi_provider).values():
+        if isinstance(obj, type) and "_create_tvm_ffi_function" in vars(obj):
+            wrap(obj, "_create_tvm_ffi_function", "host-jit")
+
+
+def run_once(phases: bool) -> None:
     t0 = time.perf_counter()
     import cutlass.cute  # noqa: F401
 
     print(f"import cutlass.cute: {time.perf_counter() - t0:.2f} s")
+    acc: dict = {}
+    if phases:
+        _install_phase_timers(acc)
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import bwd, fwd_host
 
@@ -27,16 +71,53 @@ def main():
         q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
         return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, **kw)
 
-    cases = [("fwd D128 causal", call(128, 4096, causal=True)), ("fwd D64 S4k (192x128)", call(64, 4096)),
-             ("fwd D256 S4k causal", call(256, 4096, causal=True)), ("fwd D128 softcap window", call(128, 4096, softcap=30.0, window_left=256))]
-    for name, c in cases:
+    fwd = lambda c: fwd_host.compile_fwd(fwd_host.default_config(c))  # noqa: E731
+    back = lambda c: bwd.compile_variant(bwd.variant_key(c, False))  # noqa: E731
+    cases = [("fwd D128 causal", fwd, call(128, 4096, causal=True)),
+             ("fwd D64 S4k (192x128)", fwd, call(64, 4096)),
+             ("fwd D256 S4k causal", fwd, call(256, 4096, causal=True)),
+             ("fwd D128 softcap window", fwd, call(128, 4096, softcap=30.0, window_left=256)),
+             ("bwd D128 causal", back, call(128, 4096, causal=True)),
+             ("bwd D64", back, call(64, 4096))]
+    for name, compile_fn, c in cases:
+        acc.clear()
         t = time.perf_counter()
-        fwd_host.compile_fwd(fwd_host.default_config(c))
-        print(f"{name}: {time.perf_counter() - t:.2f} s")
-    for name, c in [("bwd D128 causal", call(128, 4096, causal=True)), ("bwd D64", call(64, 4096))]:
-        t = time.perf_counter()
-        bwd.compile_variant(bwd.variant_key(c, False))
-        print(f"{name}: {time.perf_counter() - t:.2f} s")
+        compile_fn(c)
+        total = time.perf_counter() - t
+        line = f"{name}: {total:.2f} s"
+        if phases:
+            parts = {p: acc.get(p, 0.0) for p in _PHASES}
+            parts["trace"] = total - sum(parts.values())
+            line += " (" + ", ".join(f"{p} {v:.2f}" for p, v in parts.items()) + ")"
+        print(line, flush=True)
+
+
+def run_many(runs: int, phases: bool) -> None:
+    """Each run in a fresh process; per line and number: median [min-max]."""
+    outputs = []
+    for _ in range(runs):
+        cmd = [sys.executable, __file__] + (["--phases"] if phases else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        outputs.append([line for line in out.splitlines() if ": " in line and " s" in line])
+    number = re.compile(r"\d+\.\d+")
+    for lines in zip(*outputs):
+        values = [[float(x) for x in number.findall(line)] for line in lines]
+        cols = []
+        for col in zip(*values):
+            cols.append(f"{statistics.median(col):.2f} [{min(col):.2f}-{max(col):.2f}]")
+        it = iter(cols)
+        print(number.sub(lambda m: next(it), lines[0]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phases", action="store_true", help="split each variant's time by phase")
+    parser.add_argument("--runs", type=int, default=1, help="fresh processes; prints median [min-max]")
+    args = parser.parse_args()
+    if args.runs > 1:
+        run_many(args.runs, args.phases)
+    else:
+        run_once(args.phases)
 
 
 if __name__ == "__main__":

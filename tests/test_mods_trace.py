@@ -533,3 +533,39 @@ def test_unsupported_capture_is_reported():
 
     obj = WithProperty()
     assert "properties" in _rejects(score_mod=lambda s, b, h, q, k: s + obj.t[h])
+
+
+def test_constant_mark_matches_torch_decorator():
+    # prepare._assume_constant_result sets by hand what torch.compiler.assume_constant_result sets
+    # (without importing Dynamo): if torch changes how it marks a function, this fails
+    import importlib
+
+    prep = importlib.import_module("torch_fa4.mods.prepare")
+
+    def mine():
+        return 0
+
+    def theirs():
+        return 0
+
+    mine._dynamo_marked_constant = True  # what the helper does while Dynamo is not loaded
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(theirs) == vars(mine)
+    assert prep._key_for_descs._dynamo_marked_constant is True
+
+
+def test_kernel_imports_do_not_load_dynamo():
+    # the kernels' mod lowering imports torch_fa4.mods (its __init__ runs): that must stay free of
+    # torch._dynamo, whose import costs ~2 s of every process's first kernel compile
+    import os
+    import subprocess
+    import sys
+
+    import torch_fa4
+
+    root = os.path.dirname(os.path.dirname(torch_fa4.__file__))  # this checkout's torch_fa4
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    code = ("import sys, torch, torch_fa4, torch_fa4.mods; from torch_fa4.mods import graph, registry, prepare; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

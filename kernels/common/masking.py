@@ -27,7 +27,11 @@ def static_offsets(coords: cute.Tensor):
 
 @cute.jit
 def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, block_range: BlockRange,
-               m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+               m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+               by_select: cutlass.Constexpr = False):
+    """by_select: one select per element instead of a dynamic `if` (an scf.if region per
+    element, slow to trace). The sm90 forward's cubins are identical either way; the sm100
+    forward's are not (more instructions with selects), so it keeps the `if`."""
     s = rows_cols(acc_s)
     row_offsets, col_offsets = static_offsets(coords)
     row0 = m_block * block_range.tile_m + coords.iterator[0]
@@ -37,5 +41,8 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, block_range: BlockRange,
         hi = block_range.right_limit(row, seqlen_q, seqlen_k) - col0
         lo = block_range.left_limit(row, seqlen_q, seqlen_k) - col0
         for j in cutlass.range_constexpr(len(col_offsets)):
-            if (col_offsets[j] >= hi) | (col_offsets[j] < lo):
+            masked = (col_offsets[j] >= hi) | (col_offsets[j] < lo)
+            if cutlass.const_expr(by_select):
+                s[r, j] = Float32(cutlass.select_(masked, -Float32.inf, s[r, j]))
+            elif masked:
                 s[r, j] = -Float32.inf

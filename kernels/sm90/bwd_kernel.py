@@ -75,6 +75,7 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import mod_lowering as mods_dsl
+from ..common import static_layout as SL
 from . import bwd_layouts as L
 from .bwd_q_walk import DenseQWalk, SparseQWalk
 
@@ -620,9 +621,8 @@ class Sm90AttentionBackward:
             ident_dS = cute.make_identity_tensor((tn, tm))
             sdS_slot = sdS[None, None, 0]
             dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
-            dS_thread_offsets = tuple(
-                int(cute.crd2idx(st_dS.get_slice(t).partition_D(ident_dS)[0], sdS_slot.layout)) * 2
-                for t in range(256))
+            slot_index = SL.indexer(sdS_slot.layout)
+            dS_thread_offsets = tuple(slot_index(c) * 2 for c in SL.first_coords_copy_D(st_dS, 256, ident_dS))
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
@@ -645,9 +645,8 @@ class Sm90AttentionBackward:
             # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
             ident_dq = cute.make_identity_tensor((tm, d))
-            self._dq_thread_offsets = tuple(
-                int(cute.crd2idx(mma_dQ.get_slice(t).partition_C(ident_dq)[0], sdQ_tile.layout)) * 4
-                for t in range(256))
+            tile_index = SL.indexer(sdQ_tile.layout)
+            self._dq_thread_offsets = tuple(tile_index(c) * 4 for c in SL.first_coords_mma_C(mma_dQ, 256, ident_dq))
         # Without the writer warp, the first warp of each warpgroup issues its TMA reduction. A
         # whole warp, not one thread: the TMA copy elects its issuing lane with a warp-synchronous
         # instruction.
@@ -1051,16 +1050,25 @@ class Sm90AttentionBackward:
                     j_in = cutlass.min(j, seqlen_k - 1)
                     visible = visible & mods_dsl.mask_mod_value(self.mask_graph, b, h, i_in, j_in, mask_aux)
                 if const_expr(masked):
-                    p = p if visible else Float32(0.0)
+                    p = Float32(cutlass.select_(visible, p, Float32(0.0)))  # a select, not an scf.if
                 S[r, c] = p
                 if const_expr(dP is not None):
                     dP[r, c] = p * (dP[r, c] - dpsum) * grad_factor
 
     @cute.jit
     def _store_rows(self, acc, tg, tc, rows_left, factor):
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            if tc[e][0] < rows_left:
-                tg[e] = (acc[e] * factor).to(self.dtype)
+        # tc: identity coordinates, this thread's origin (tc.iterator) plus static offsets. Its
+        # values fall on a few rows: one row test each (a dynamic `if` per element is an scf.if
+        # region per element, slow to trace), the row's elements stored in element order.
+        n = cute.size(acc)
+        row_off = [tc.layout(e)[0] for e in range(n)]
+        rows = sorted(set(row_off))
+        lim = rows_left - tc.iterator[0]
+        for i in cutlass.range_constexpr(len(rows)):
+            if rows[i] < lim:
+                for e in cutlass.range_constexpr(n):
+                    if const_expr(row_off[e] == rows[i]):
+                        tg[e] = (acc[e] * factor).to(self.dtype)
 
     # ------------------------------------------------------------------ deterministic dQ order
     @cute.jit

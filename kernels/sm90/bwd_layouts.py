@@ -17,6 +17,8 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
+from ..common import static_layout as SL
+
 
 def acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), MMA_M, MMA_N) accumulator layout -> ((2, MMA_M), (2, V, MMA_N)).
@@ -159,7 +161,8 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
         span = 1 << (bits + base + shift)
         eb = dst.element_type.width // 8
         n = int(cute.size(dst))
-        offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+        dst_index = SL.indexer(dst.layout)
+        offs = [dst_index(e) * eb for e in range(n)]
         align = dst.iterator.alignment
         # vector width: contiguous runs within an aligned chunk of the pointer's alignment
         v = max(1, min(align // eb, 4))
@@ -170,10 +173,11 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
             v //= 2
         lows = sorted({o % span for o in offs[::v]})
         bases = _swizzled_bases(dst.iterator, lows, thread_offsets, v * eb)
+        src_index = SL.indexer(src.layout)
         for e in range(0, n, v):
             low = offs[e] % span
             d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
-            s = cute.make_tensor(src.iterator + int(cute.crd2idx(e, src.layout)), cute.make_layout(v))
+            s = cute.make_tensor(src.iterator + src_index(e), cute.make_layout(v))
             cute.autovec_copy(s, d)
 
 
@@ -191,7 +195,8 @@ def copy_atom_to_swizzled(atom, values: int, src: cute.Tensor, dst: cute.Tensor,
     eb = dst.element_type.width // 8
     n = int(cute.size(dst))
     assert n % values == 0
-    offs = [int(cute.crd2idx(e, dst.layout)) * eb for e in range(n)]
+    dst_index = SL.indexer(dst.layout)
+    offs = [dst_index(e) * eb for e in range(n)]
     starts = list(range(0, n, values))
     for e0 in starts:
         assert all(offs[e0 + i] == offs[e0] + i * eb for i in range(values)), "call run not contiguous"

@@ -448,9 +448,9 @@ class FlashFwdSm90:
             mods.score_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
         if const_expr(masked is None):
             if brange.needs_mask(n_block, m_block, seqlen.seqlen_q, seqlen.seqlen_k):
-                apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k)
+                apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k, True)
         elif const_expr(masked):
-            apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k)
+            apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k, True)
         if const_expr(self.mask_graph is not None):
             if const_expr(self.cfg.block_sparse):
                 if partial:

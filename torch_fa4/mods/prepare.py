@@ -27,6 +27,7 @@ or be created outside the compiled function.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,20 @@ from torch_fa4.mods import capture
 from torch_fa4.mods.trace import ModTraceError, trace_mod
 
 _LOCK = threading.Lock()
+
+
+def _assume_constant_result(fn):
+    """`torch.compiler.assume_constant_result`, without importing torch._dynamo when nothing has.
+
+    That decorator imports Dynamo (~2 s on the 2-core CPU machine) only to set one attribute on
+    `fn`; importing this module is on the path of every kernel compile (the kernels' mod lowering
+    imports torch_fa4.mods.graph, which runs this package's __init__), so a plain first call paid
+    it. While Dynamo is not loaded, nothing can be tracing yet: setting the same attribute is
+    equivalent, and tests/test_mods_trace.py checks it against the real decorator."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 _KEYS: dict[tuple, str] = {}
 
 
@@ -48,7 +63,7 @@ def prepare(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> tupl
     return key, score_tensors + mask_tensors
 
 
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def _key_for_descs(score_desc: Any, mask_desc: Any) -> str:
     try:
         cache_key = (score_desc, mask_desc)
