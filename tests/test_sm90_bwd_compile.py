@@ -201,7 +201,6 @@ def test_128_query_variant_selection(monkeypatch):
 
     monkeypatch.delenv(bwd.TILE_M_ENV, raising=False)
     monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
-    monkeypatch.delenv(bwd.STAGGER_ENV, raising=False)
     assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
     monkeypatch.setenv(bwd.TILE_M_ENV, "128")
     assert bwd.variant_key(_call(d=64), False)[-3][:5] == (128, 2, False, 128, bwd._D64_PASSES == "one")
