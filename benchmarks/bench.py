@@ -292,7 +292,7 @@ def main():
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="time every implementation of a row this many times in turn; report the median")
+                    help="time every implementation of a row this many times in turn; report the upper median")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -323,7 +323,8 @@ def main():
                 row[name] = None
                 row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
         # --rounds N: every implementation timed N times in turn (a, b, a, b, ...); the row keeps
-        # the median round and the spread, so slow drift of the machine hits all alike
+        # the upper median round (with 2: the better one) and the spread, so slow drift of the
+        # machine hits all alike
         samples = {name: [] for name in fns}
         for _ in range(args.rounds):
             for name, fn in fns.items():
