@@ -7,16 +7,12 @@ set -u
 OUT=${OUT:-ncu_out}
 KIND=${KIND:-bwd}
 mkdir -p "$OUT"
+source "$(dirname "$0")/ncu_kernel_name.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 flag=""; [ "$KIND" = bwd ] && flag=--bwd
 for row in ${ROWS:-128:4096:0 64:4096:0}; do
   for impl in torch_fa4 flash-attn-4; do
-    case "$KIND/$impl" in
-      bwd/torch_fa4) k=Sm90AttentionBackward ;;
-      bwd/flash-attn-4) k=FlashAttentionBackwardSm90 ;;
-      fwd/torch_fa4) k=FlashFwdSm90 ;;
-      fwd/flash-attn-4) k=FlashAttentionForwardSm90 ;;
-    esac
+    k=$(ncu_kernel_name "$KIND" "$impl")
     log="$OUT/ncu_${KIND}_${impl}_${row//:/_}.log"
     "$NCU" --clock-control none -k "regex:$k" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \

@@ -9,15 +9,11 @@ OUT=${OUT:-ncu_out}
 KIND=${KIND:-bwd}
 ROW=${ROW:-128:4096:0}
 mkdir -p "$OUT"
+source "$(dirname "$0")/ncu_kernel_name.sh"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 flag=""; [ "$KIND" = bwd ] && flag=--bwd
 for impl in ${IMPLS:-torch_fa4 flash-attn-4}; do
-  case "$KIND/$impl" in
-    bwd/torch_fa4) k=Sm90AttentionBackward ;;
-    bwd/flash-attn-4) k=FlashAttentionBackwardSm90 ;;
-    fwd/torch_fa4) k=FlashFwdSm90 ;;
-    fwd/flash-attn-4) k=FlashAttentionForwardSm90 ;;
-  esac
+  k=$(ncu_kernel_name "$KIND" "$impl")
   rep="/tmp/src_${KIND}_${impl}"
   "$NCU" --clock-control none -k "regex:$k" --launch-skip 3 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --import-source no -f -o "$rep" \

@@ -123,33 +123,33 @@ def _tile_coord(idx: int, tiler):
     return tuple(c if type(t) is int else _crd2idx(c, t[1], t[2]) for c, t in zip(local, tiler))
 
 
-def first_coords_mma_C(tiled_mma, num_threads: int, ident) -> list:
-    """[tiled_mma.get_slice(t).partition_C(ident)[0] for t in range(num_threads)]: the (m, n)
-    coordinate of each thread's first accumulator value. `ident`: an identity tensor of the tile."""
-    tv = _static_shape_stride(tiled_mma.tv_layout_C_tiled)
-    perm = tiled_mma.permutation_mnk
-    # the M and N modes' permutations (tile sizes where there is none)
-    tiler = _static_tiler(tuple(tiled_mma.get_tile_size(i) if perm[i] is None else perm[i] for i in range(2)))
+def _first_coords(tv, tiler, num_threads: int, reference) -> list:
+    """Each thread's first coordinate from a static (thread, value) layout and tiler; falls back to
+    `reference(t)` (the DSL's own answer) when either is not static, and checks against it under
+    TORCH_FA4_CHECK_STATIC_LAYOUT=1."""
     if tv is None or tiler is None:
-        return [tiled_mma.get_slice(t).partition_C(ident)[0] for t in range(num_threads)]
+        return [reference(t) for t in range(num_threads)]
     out = [_tile_coord(_crd2idx((t, 0), *tv), tiler) for t in range(num_threads)]
     if _CHECK:
         for t in range(num_threads):
-            ref = tiled_mma.get_slice(t).partition_C(ident)[0]
+            ref = reference(t)
             assert tuple(ref) == out[t], (t, ref, out[t])
     return out
+
+
+def first_coords_mma_C(tiled_mma, num_threads: int, ident) -> list:
+    """[tiled_mma.get_slice(t).partition_C(ident)[0] for t in range(num_threads)]: the (m, n)
+    coordinate of each thread's first accumulator value. `ident`: an identity tensor of the tile."""
+    perm = tiled_mma.permutation_mnk
+    # the M and N modes' permutations (tile sizes where there is none)
+    tiler = _static_tiler(tuple(tiled_mma.get_tile_size(i) if perm[i] is None else perm[i] for i in range(2)))
+    return _first_coords(_static_shape_stride(tiled_mma.tv_layout_C_tiled), tiler, num_threads,
+                         lambda t: tiled_mma.get_slice(t).partition_C(ident)[0])
 
 
 def first_coords_copy_D(tiled_copy, num_threads: int, ident) -> list:
     """[tiled_copy.get_slice(t).partition_D(ident)[0] for t in range(num_threads)]: the coordinate
     of each thread's first destination value."""
-    tv = _static_shape_stride(tiled_copy.layout_dst_tv_tiled)
-    tiler = _static_tiler(tiled_copy.tiler_mn)
-    if tv is None or tiler is None:
-        return [tiled_copy.get_slice(t).partition_D(ident)[0] for t in range(num_threads)]
-    out = [_tile_coord(_crd2idx((t, 0), *tv), tiler) for t in range(num_threads)]
-    if _CHECK:
-        for t in range(num_threads):
-            ref = tiled_copy.get_slice(t).partition_D(ident)[0]
-            assert tuple(ref) == out[t], (t, ref, out[t])
-    return out
+    return _first_coords(_static_shape_stride(tiled_copy.layout_dst_tv_tiled),
+                         _static_tiler(tiled_copy.tiler_mn), num_threads,
+                         lambda t: tiled_copy.get_slice(t).partition_D(ident)[0])
