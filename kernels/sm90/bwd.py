@@ -1,10 +1,11 @@
 """sm90 backward entry point: which calls the kernel takes, and running it.
 
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
-(bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
+(bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come
+from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
-varlen, determinism, key tile, ring stages and queries per step, dQ writer warp, block-mask
-tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured mod tensors
+varlen, determinism, key tile, ring stages and queries per step, dQ order and writer warp,
+block-mask tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured mod tensors
 and block-mask lists are runtime arguments, so new sizes or values never recompile.
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
