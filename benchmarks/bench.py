@@ -64,18 +64,15 @@ _SWEEPS = {
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through
 # torch_fa4.attention with those variables set around every backward call (kernels/sm90/bwd.py reads
-# TORCH_FA4_BWD_TILE_M / TORCH_FA4_BWD_PASSES / TORCH_FA4_BWD_DQ_WARP on every call). "bwd-tiles":
-# 64 vs 128 queries per step at D64, the latter in both ways of forming dS. "bwd-dq-warp": the dQ
-# TMA adds from the consumer leader warps vs from the dedicated writer warp (NOTES Experiment 22).
+# TORCH_FA4_BWD_TILE_M / _PASSES / _DQ_WARP / _DQ_FIRST on every call). "bwd-tiles": 64 vs 128
+# queries per step at D64, the latter in both ways of forming dS. "bwd-dq-4way": the dQ TMA adds
+# from the consumer leader warps or the dedicated writer warp, each with dK or dQ issued first
+# (NOTES Experiments 24-26; the pairwise sweeps of Experiments 24 and 25 are its columns).
 _BWD_SWEEPS = {
     "bwd-tiles": ({"tm64": {"TORCH_FA4_BWD_TILE_M": "64"},
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
                    "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # dQ issued before dK, its epilogue under dK (bwd_kernel `dq_under_dk`), against dK first
-    "bwd-dq-first": ({"dk-first": {"TORCH_FA4_BWD_DQ_FIRST": "0"}, "dq-first": {"TORCH_FA4_BWD_DQ_FIRST": "1"}},
-                     [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # the two dQ choices together: leader-warp or writer-warp adds x dK or dQ issued first
     "bwd-dq-4way": ({"lead/dk": {"TORCH_FA4_BWD_DQ_WARP": "0", "TORCH_FA4_BWD_DQ_FIRST": "0"},
                      "writer/dk": {"TORCH_FA4_BWD_DQ_WARP": "1", "TORCH_FA4_BWD_DQ_FIRST": "0"},
                      "lead/dq": {"TORCH_FA4_BWD_DQ_WARP": "0", "TORCH_FA4_BWD_DQ_FIRST": "1"},
@@ -84,9 +81,6 @@ _BWD_SWEEPS = {
                     + [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
-    "bwd-dq-warp": ({"leader adds": {"TORCH_FA4_BWD_DQ_WARP": "0"},
-                     "writer warp": {"TORCH_FA4_BWD_DQ_WARP": "1"}},
-                    [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 

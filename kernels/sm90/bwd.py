@@ -5,8 +5,8 @@
 from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
 varlen, determinism, key tile, ring stages and queries per step, dQ order and writer warp,
-block-mask tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured mod tensors
-and block-mask lists are runtime arguments, so new sizes or values never recompile.
+block-mask tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured
+mod tensors and block-mask lists are runtime arguments, so new sizes or values never recompile.
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
@@ -105,10 +105,22 @@ def tiles(d: int, dv: int, tile_n: int | None = None, tile_m: int = _TILE_M) -> 
     return tile_n, 1, False
 
 
+def _separate_dq_slabs(tile_n: int, dq_in_ring: bool) -> bool:
+    """The 128-key variants, whose dQ goes through its own shared-memory slabs: where the dQ order
+    and the writer warp apply."""
+    return tile_n == 128 and not dq_in_ring
+
+
 def dq_writer_warp(tile_n: int, dq_in_ring: bool) -> bool:
     """Whether the variant with `tile_n` keys per CTA issues its dQ adds from a dedicated warp."""
     on = _env_choice(DQ_WARP_ENV, "1", ("0", "1")) == "1"
-    return on and tile_n == 128 and not dq_in_ring
+    return on and _separate_dq_slabs(tile_n, dq_in_ring)
+
+
+def dq_first(tile_n: int, dq_in_ring: bool) -> bool:
+    """Whether the variant issues dQ before dK (its epilogue under dK)."""
+    on = _env_choice(DQ_FIRST_ENV, _DQ_FIRST, ("0", "1")) == "1"
+    return on and _separate_dq_slabs(tile_n, dq_in_ring)
 
 
 def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M) -> int:
@@ -195,10 +207,8 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
     # pass, dQ issued before dK, dQ adds from a dedicated warp)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
-    dq_first = (_env_choice(DQ_FIRST_ENV, _DQ_FIRST, ("0", "1")) == "1" and tile_n == 128
-                and not dq_in_ring)
-    kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128, dq_first,
-                    dq_writer_warp(tile_n, dq_in_ring))
+    kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring))
     return (
         call.q.dtype,
         call.head_dim,
@@ -305,11 +315,11 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
 
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_first, dq_warp = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp = kernel_tiles
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
-        dq_under_dk=dq_first, dq_writer_warp=dq_warp,
+        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -89,7 +89,6 @@ _BAR_DQ_FULL = 6
 _DQ_HANDOFF_THREADS = 128 + 32
 
 
-
 class Sm90AttentionBackward:
     threads = 384
     producer_regs = 24
@@ -761,12 +760,11 @@ class Sm90AttentionBackward:
                 # dV += P^T dO  (P^T straight from registers)
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 warpgroup.wait_group(1)
+                if const_expr(not self.prefetch_stats):
+                    dpsum_vals = self._column_stats(sDp, cS, stage, S)
                 Pb = L.rows_cols_view(rP)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    if const_expr(self.prefetch_stats):
-                        dpsum = dpsum_vals[c]
-                    else:
-                        dpsum = sDp[cS[1] + cS[3][0, c][1], stage]
+                    dpsum = dpsum_vals[c]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                         if const_expr(self.p_from_bf16):
                             dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)

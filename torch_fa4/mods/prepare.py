@@ -51,6 +51,8 @@ def _assume_constant_result(fn):
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
     return fn
+
+
 _KEYS: dict[tuple, str] = {}
 
 
