@@ -64,6 +64,12 @@ _DQ_FIRST = "1"
 # TORCH_FA4_BWD_DQ_WARP=0 gives the leader-warp adds back, =1 is the default. The 64-key variants
 # keep the leader adds (dQ staged in the ring needs them; D192 is not converted).
 DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
+# Phase tracing, a measuring tool (benchmarks/bwd_trace.py): TORCH_FA4_BWD_TRACE=N compiles a
+# variant that stamps a clock at bwd_kernel.TRACE_EVENTS of the first N steps of the CTAs of batch
+# 0, KV head 0; `backward` leaves them in LAST_TRACE, (key tiles, 2 warpgroups, N, events) int32.
+# Not with deterministic mode (the stamps go through the semaphore argument).
+TRACE_ENV = "TORCH_FA4_BWD_TRACE"
+LAST_TRACE = None
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -205,10 +211,11 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
-    # pass, dQ issued before dK, dQ adds from a dedicated warp)
+    # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
+    trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring))
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace)
     return (
         call.q.dtype,
         call.head_dim,
@@ -313,13 +320,15 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    sem = fake(Int32, (nb, hq, sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4) if deterministic else None
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace = kernel_tiles
+    sem = None
+    if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
+        sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
 
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp = kernel_tiles
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
-        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp,
+        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -418,6 +427,13 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if deterministic:
         max_q = call.max_seqlen_q if call.is_varlen else q.shape[1]
         sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
+    elif key[-3][7]:
+        from .bwd_kernel import TRACE_EVENTS
+
+        global LAST_TRACE
+        n_tiles = math.ceil(k.shape[1] / key[-3][0])
+        sem = torch.zeros((n_tiles, 2, key[-3][7] * len(TRACE_EVENTS)), dtype=torch.int32, device=q.device)
+        LAST_TRACE = sem
     seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None

@@ -88,6 +88,12 @@ _BAR_DQ_EMPTY = 4
 _BAR_DQ_FULL = 6
 _DQ_HANDOFF_THREADS = 128 + 32
 
+# Phase tracing (trace_steps > 0): the points of a step where a clock is stamped, in order.
+TRACE_EVENTS = (
+    "top", "ring_ready", "products_issued", "S_landed", "dV_issued", "dP_landed", "dS_stored",
+    "dS_barrier", "dQ_dK_issued", "dQ_landed", "dQ_handed", "step_end",
+)
+
 
 class Sm90AttentionBackward:
     threads = 384
@@ -118,6 +124,7 @@ class Sm90AttentionBackward:
         tm128_one_pass: bool = False,  # 128 queries: P and dS in one pass (else dS from bf16 P)
         dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
         dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
+        trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -211,6 +218,11 @@ class Sm90AttentionBackward:
         assert not self.sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         # the deterministic dQ order counts every earlier key tile; a sparse walk skips some
         assert not (self.sparse and deterministic), "deterministic mode walks densely"
+        # Phase tracing, a measuring tool: the first thread of each consumer warpgroup of the CTAs
+        # of batch 0, KV head 0 writes a 32-bit clock at TRACE_EVENTS points of its first
+        # `trace_steps` steps into mSem, then (n_blocks, 2, trace_steps * TRACE_EVENTS) int32.
+        assert not (trace_steps and deterministic), "tracing reuses the semaphore argument"
+        self.trace_steps = trace_steps
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -685,7 +697,10 @@ class Sm90AttentionBackward:
             cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
             stage = state.index
+            stamp = lambda event: self._stamp(mSem, n_block, hkv, b, ctid, step, event)
+            stamp(0)
             pipe.consumer_wait(state)
+            stamp(1)
 
             acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
             acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
@@ -698,6 +713,7 @@ class Sm90AttentionBackward:
             self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             if const_expr(not ovl or self.OVERLAP_DP):
                 self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+            stamp(2)
             if const_expr(ovl):
                 # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
                 # (rdQ_prev: plain registers, written after that step's wait_group(0)). The
@@ -753,13 +769,16 @@ class Sm90AttentionBackward:
             else:
                 # P while dP^T is still on the tensor cores; dS while dV is.
                 warpgroup.wait_group(1)
+                stamp(3)
                 self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                                lse_vals)
                 rP.store(acc_S.load().to(self.dtype))
                 # dV += P^T dO  (P^T straight from registers)
                 self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                stamp(4)
                 warpgroup.wait_group(1)
+                stamp(5)
                 if const_expr(not self.prefetch_stats):
                     dpsum_vals = self._column_stats(sDp, cS, stage, S)
                 Pb = L.rows_cols_view(rP)
@@ -785,19 +804,25 @@ class Sm90AttentionBackward:
                 else:
                     cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 cute.arch.fence_proxy("async.shared", space="cta")
+                stamp(6)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                stamp(7)
 
             acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
             self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
             if const_expr(self.dq_under_dk):
                 # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
                 self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+                stamp(8)
                 warpgroup.wait_group(1)
+                stamp(9)
                 rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
                 rdQ.store(acc_dQ.load() * scale)
                 self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                              n_block, wg, diag, window_left, is_leader)
+                stamp(10)
                 warpgroup.wait_group(0)
+                stamp(11)
                 pipe.consumer_release(state)
                 state.advance()
                 if const_expr(not self.dq_writer_warp):
@@ -855,6 +880,15 @@ class Sm90AttentionBackward:
         gdV = cute.local_tile(self._head_slice(mdV, hkv, b, k_off), (tn, dv), (n_block, 0))
         self._store_rows(acc_dK, thr_dK.partition_C(gdK), thr_dK.partition_C(cute.make_identity_tensor((tn, d))), rows_k - n_block * tn, scale)
         self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))
+
+    @cute.jit
+    def _stamp(self, mTrace, n_block, hkv, b, ctid, step, event: cutlass.Constexpr):
+        """Phase tracing: this warpgroup's clock at TRACE_EVENTS[event] of `step` (no code when off)."""
+        if const_expr(self.trace_steps > 0):
+            if ctid % 128 == 0:
+                if hkv + b == 0:
+                    if step < self.trace_steps:
+                        mTrace[n_block, ctid // 128, step * len(TRACE_EVENTS) + event] = cute.arch.clock()
 
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
@@ -994,6 +1028,7 @@ class Sm90AttentionBackward:
                        window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                        masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr, lse_vals=None):
         t_key, t_q, t_rel, c0 = cS
+        n_cols = cute.size(S, mode=[1])
         # The limits relative to this thread's first element: element (r, c) is key
         # key0 + t_key + dr, query row row0 + t_q + dc with static dr, dc (c0).
         lim_q = seqlen_q - row0 - t_q  # dc < lim_q: row inside the sequence
@@ -1001,7 +1036,7 @@ class Sm90AttentionBackward:
         rel = (row0 + diag - key0) + t_rel
         lim_right = rel + window_right  # dr - dc <= lim_right
         lim_left = rel - window_left  # dr - dc >= lim_left
-        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc
             lse2 = lse_vals[c] if const_expr(lse_vals is not None) else sLSE[m_local, stage]

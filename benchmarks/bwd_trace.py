@@ -1,0 +1,124 @@
+"""Where a backward step's time goes: clock stamps inside the sm90 backward kernel, per phase.
+
+    python benchmarks/bwd_trace.py [--rows 128:4096:0,128:4096:1] [--steps 24] [--out trace.json]
+
+For each row (D:S:causal, B = 16384 / S, H = 2048 / D, bf16) the backward is compiled once more
+with TORCH_FA4_BWD_TRACE (kernels/sm90/bwd.py): the first thread of each consumer warpgroup of the
+CTAs of batch 0, KV head 0 stamps the SM clock at bwd_kernel.TRACE_EVENTS of its first `--steps`
+steps. Printed per event: the median number of cycles since the previous stamped event (steps
+after the first two, every key tile, both warpgroups), and the median step. The untraced kernels'
+times (ours and flash-attn-4's main backward kernel, from the profiler) give the cycles of a
+64-query step that the measured kernel time implies for each, so the two can be compared.
+The stamps cost a few instructions each, so the traced step is a little slower than the untraced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+
+def _kernel_ms(fn) -> float:
+    """Mean time of the CUDA kernel with the most total time (the main backward kernel), over 10
+    calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            times.setdefault(ev.name, []).append(ev.device_time if hasattr(ev, "device_time") else ev.cuda_time)
+    name, vals = max(times.items(), key=lambda kv: sum(kv[1]))
+    return sum(vals) / len(vals) / 1000.0
+
+
+def _phases(trace: torch.Tensor, events: tuple, skip: int = 2) -> dict:
+    t = trace.cpu().to(torch.int64) & 0xFFFFFFFF  # (tiles, 2, steps, events), 32-bit clocks
+    tiles, wgs, steps, _ = t.shape
+    out = {e: [] for e in events[1:]}
+    step_cycles = []
+    for i in range(tiles):
+        for w in range(wgs):
+            for s in range(skip, steps):
+                row = t[i, w, s]
+                if row[0] == 0:
+                    continue  # the CTA had fewer steps
+                prev = int(row[0])
+                for e in range(1, len(events)):
+                    if row[e] == 0:
+                        continue  # not stamped on this path
+                    out[events[e]].append((int(row[e]) - prev) & 0xFFFFFFFF)
+                    prev = int(row[e])
+                if s + 1 < steps and t[i, w, s + 1, 0] != 0:
+                    step_cycles.append((int(t[i, w, s + 1, 0]) - int(row[0])) & 0xFFFFFFFF)
+    med = {e: statistics.median(v) for e, v in out.items() if v}
+    med["step"] = statistics.median(step_cycles) if step_cycles else None
+    return med
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="128:4096:0,128:4096:1,128:16384:0,64:4096:0")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch_fa4
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90.bwd_kernel import TRACE_EVENTS
+
+    results = []
+    for spec in args.rows.split(","):
+        D, S, causal = (int(x) for x in spec.split(":"))
+        causal = bool(causal)
+        B, H = 16384 // S, 2048 // D
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = torch_fa4.attention(q, k, v, causal=causal)
+        g = torch.randn_like(out)
+        ours = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
+        ours_ms = _kernel_ms(ours)
+        os.environ[bwd.TRACE_ENV] = str(args.steps)
+        try:
+            ours()
+            torch.cuda.synchronize()
+            phases = _phases(bwd.LAST_TRACE.view(*bwd.LAST_TRACE.shape[:2], args.steps, len(TRACE_EVENTS)),
+                             TRACE_EVENTS)
+        finally:
+            os.environ.pop(bwd.TRACE_ENV)
+        fa_ms = None
+        try:
+            from flash_attn.cute.interface import flash_attn_func
+
+            qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+            of = flash_attn_func(qf, kf, vf, causal=causal)
+            of = of[0] if isinstance(of, tuple) else of
+            fa = lambda: torch.autograd.grad(of, (qf, kf, vf), g, retain_graph=True)  # noqa: E731
+            fa_ms = _kernel_ms(fa)
+        except Exception as exc:  # flash-attn-4 missing: our numbers alone
+            print(f"flash-attn-4: {exc!r}")
+        row = dict(D=D, S=S, causal=causal, ours_kernel_ms=ours_ms, fa4_kernel_ms=fa_ms, phases=phases)
+        if phases.get("step"):
+            # cycles per 64-query step implied by each kernel's time, scaled by our traced step
+            row["fa4_step_equiv"] = phases["step"] * fa_ms / ours_ms if fa_ms else None
+        results.append(row)
+        print(f"D{D} S{S}{' causal' if causal else ''}: kernel ours {ours_ms:.3f} ms, "
+              f"flash-attn-4 {fa_ms if fa_ms is None else round(fa_ms, 3)} ms; traced step {phases.get('step')} cycles")
+        print("   " + "  ".join(f"{e}={int(c)}" for e, c in phases.items() if e != "step"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
