@@ -56,6 +56,11 @@ _SWEEPS = {
              [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "rescale": ({"after P V": {}, "before P V": dict(early_o_rescale=True)},
                 [(D, S, c) for D in (64, 128) for S in (1024, 16384) for c in (False, True)]),
+    # the wide D64 tile (192 x 128, three consumer warpgroups) and D128's: turn-taking, FA4's
+    # softmax options
+    "wide": ({"default": {}, "no-pingpong": dict(pingpong=False), "emu4": dict(exp2_emulate_every=4),
+              "rescale8": dict(rescale_threshold=8.0)},
+             [(64, S, c) for S in (4096, 16384) for c in (False, True)] + [(128, S, False) for S in (4096, 16384)]),
     "stages": ({"2 stages": dict(num_stages=2), "3 stages": dict(num_stages=3), "4 stages": dict(num_stages=4)},
                [(64, S, c) for S in (1024, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
@@ -79,6 +84,9 @@ _BWD_SWEEPS = {
                      "writer/dq": {"TORCH_FA4_BWD_DQ_WARP": "1", "TORCH_FA4_BWD_DQ_FIRST": "1"}},
                     [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]
                     + [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
+    # every k-th column of P from the FMA-pipe polynomial instead of MUFU ex2
+    "bwd-exp2": ({f"emu{k}": {"TORCH_FA4_BWD_EXP2_EMU": str(k)} for k in (0, 4, 3, 2)},
+                 [(D, S, c) for D in (128, 64) for S in (4096, 16384) for c in (False, True)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

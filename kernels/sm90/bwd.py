@@ -70,6 +70,10 @@ DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Not with deterministic mode (the stamps go through the semaphore argument).
 TRACE_ENV = "TORCH_FA4_BWD_TRACE"
 LAST_TRACE = None
+# Every k-th column of P computed with the FMA-pipe polynomial instead of MUFU ex2 (bwd_kernel
+# `exp2_emulate_every`): TORCH_FA4_BWD_EXP2_EMU=k, 0 = all hardware ex2.
+EXP2_EMU_ENV = "TORCH_FA4_BWD_EXP2_EMU"
+_EXP2_EMU = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -214,8 +218,9 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
+    emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace)
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate)
     return (
         call.q.dtype,
         call.head_dim,
@@ -320,7 +325,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -328,7 +333,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
-        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace,
+        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

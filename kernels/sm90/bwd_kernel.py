@@ -75,6 +75,7 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import mod_lowering as mods_dsl
+from ..common.exp2_emulation import exp2_fma
 from ..common import static_layout as SL
 from . import bwd_layouts as L
 from .bwd_q_walk import DenseQWalk, SparseQWalk
@@ -125,6 +126,7 @@ class Sm90AttentionBackward:
         dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
         dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
+        exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -223,6 +225,11 @@ class Sm90AttentionBackward:
         # `trace_steps` steps into mSem, then (n_blocks, 2, trace_steps * TRACE_EVENTS) int32.
         assert not (trace_steps and deterministic), "tracing reuses the semaphore argument"
         self.trace_steps = trace_steps
+        # FA4's split of the exponentials between the MUFU unit and a polynomial on the FMA pipe
+        # (kernels/common/exp2_emulation.py): the P pass is MUFU-bound (per SM sub-partition 2
+        # warps x 32 ex2 x 8 cycles = 512 cycles at 64 queries, ~100 other instructions per warp)
+        # while the tensor cores wait for it (NOTES Experiment 28).
+        self.exp2_emulate_every = exp2_emulate_every
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -1064,7 +1071,11 @@ class Sm90AttentionBackward:
                     if const_expr(self.grad_graph is not None):
                         grad_factor = grad_factor * mods_dsl.score_grad_value(
                             self.grad_graph, s_in, b, h, i, j, score_aux)
-                p = cute.math.exp2(x - lse2, fastmath=True)
+                k_emu = self.exp2_emulate_every
+                if const_expr(k_emu > 0 and c % k_emu == k_emu - 1):
+                    p = exp2_fma(x - lse2)  # exactly 0 at -inf (empty rows: lse2 = +inf)
+                else:
+                    p = cute.math.exp2(x - lse2, fastmath=True)
                 visible = Boolean(True)
                 if const_expr(self.varlen):
                     visible = visible & (dc < lim_q)  # i < seqlen_q
