@@ -87,6 +87,9 @@ _BWD_SWEEPS = {
     # every k-th column of P from the FMA-pipe polynomial instead of MUFU ex2
     "bwd-exp2": ({f"emu{k}": {"TORCH_FA4_BWD_EXP2_EMU": str(k)} for k in (0, 4, 3, 2)},
                  [(D, S, c) for D in (128, 64) for S in (4096, 16384) for c in (False, True)]),
+    # dP^T's accumulator from -dPsum (one multiply per dS element) or from zero
+    "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
+                 [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

@@ -354,7 +354,7 @@ def _emulated_kernel(key):
                 p = torch.exp2(x - f(lse2[b, h, :sq])[:, None]) * weight
                 dp = f(do[b, :, h]) @ f(v[b, :, hk]).T
                 ds = p * (dp - f(dpsum[b, h, :sq])[:, None]) * factor
-                dq_acc[b, h, :sq] += (scale * ds @ f(k[b, :, hk])).float()
+                dq_acc[b, h, :sq] += (ds @ f(k[b, :, hk])).float()  # unscaled: bwd.py scales
                 gk[:, hk] += scale * ds.T @ f(q[b, :, h])
                 gv[:, hk] += p.T @ f(do[b, :, h])
             dk[b].copy_(gk)

@@ -74,6 +74,10 @@ LAST_TRACE = None
 # `exp2_emulate_every`): TORCH_FA4_BWD_EXP2_EMU=k, 0 = all hardware ex2.
 EXP2_EMU_ENV = "TORCH_FA4_BWD_EXP2_EMU"
 _EXP2_EMU = "0"
+# dP^T's accumulator initialised to -dPsum (bwd_kernel `fold_dpsum`, the 64-query two-pass path):
+# TORCH_FA4_BWD_FOLD_DPSUM=1|0; on: +0.4-5% on the D128 rows (H100, NOTES Experiment 31).
+FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
+_FOLD_DPSUM = "1"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -219,8 +223,9 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
+    fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate)
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold)
     return (
         call.q.dtype,
         call.head_dim,
@@ -325,7 +330,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -333,7 +338,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
-        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate,
+        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -455,10 +460,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
         int(left or 0), int(right or 0), int(max_k), *aux,
     )
+    # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype
     if call.is_varlen:
-        dq.copy_(dq_acc[:, : q.shape[0]].transpose(0, 1))
+        torch.mul(dq_acc[:, : q.shape[0]].transpose(0, 1), call.scale, out=dq)
     else:
-        dq.copy_(dq_acc_rows)
+        torch.mul(dq_acc_rows, call.scale, out=dq)
 
 
 def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic):

@@ -61,6 +61,8 @@ time through the dense variant until it is fixed.
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
+The kernel adds ds' k to the dQ buffer unscaled: bwd.py applies `scale` in the conversion to the
+output dtype it makes anyway (32 multiplies per step off the dQ epilogue, which runs under dK).
 where ds' = ds * ds/d(scale*qk) (1 without softcap, 1 - tanh^2 with it).
 """
 
@@ -127,6 +129,7 @@ class Sm90AttentionBackward:
         dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
+        fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -210,6 +213,11 @@ class Sm90AttentionBackward:
         # (loads issued after them queue behind them and stall the same). 64-query wide two-pass
         # path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
         self.prefetch_stats = self.dq_under_dk and tile_m == 64 and not self.one_pass
+        # With the statistics in registers before the products, dP^T's accumulator starts at
+        # -dPsum instead of 0, so dS = P * (dP - dPsum) is one multiply per element and the dPsum
+        # registers die before the P pass. ptxas then issues dP^T only after S^T has landed,
+        # between the P pass's exponentials (NOTES Experiment 31).
+        self.fold_dpsum = bool(fold_dpsum) and self.prefetch_stats
         # A dedicated warp issues the dQ adds from the separate slabs (module docstring); dQ staged
         # in the ring keeps the leader warps' adds, which also hand the stage back to the producer.
         assert not (dq_writer_warp and dq_in_ring)
@@ -691,7 +699,7 @@ class Sm90AttentionBackward:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         ovl = self.overlap_next_s
         if const_expr(ovl):
-            # dQ of the previous step (scaled), and the head / query tile it belongs to; added to
+            # dQ of the previous step (unscaled), and the head / query tile it belongs to; added to
             # the fp32 buffer during the next step (or after the loop). A copy made after the
             # wait: registers defined by a wgmma and read in the next iteration make ptxas wait
             # for all groups before that read (C7517), which would cover the next S^T.
@@ -717,9 +725,14 @@ class Sm90AttentionBackward:
                 # before the products' wgmmas: loads issued behind them wait in the same queue
                 lse_vals = self._column_stats(sLSE, cS, stage, L.rows_cols_view(acc_S))
                 dpsum_vals = self._column_stats(sDp, cS, stage, L.rows_cols_view(acc_S))
+            if const_expr(self.fold_dpsum):
+                dP_init = L.rows_cols_view(acc_dP)
+                for c in cutlass.range_constexpr(cute.size(dP_init, mode=[1])):
+                    for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
+                        dP_init[r, c] = -dpsum_vals[c]
             self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             if const_expr(not ovl or self.OVERLAP_DP):
-                self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+                self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
             stamp(2)
             if const_expr(ovl):
                 # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
@@ -792,7 +805,9 @@ class Sm90AttentionBackward:
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     dpsum = dpsum_vals[c]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        if const_expr(self.p_from_bf16):
+                        if const_expr(self.fold_dpsum):
+                            dP[r, c] = S[r, c] * dP[r, c]  # dP^T started at -dPsum
+                        elif const_expr(self.p_from_bf16):
                             dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
                         else:
                             dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
@@ -824,7 +839,7 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(1)
                 stamp(9)
                 rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
-                rdQ.store(acc_dQ.load() * scale)
+                rdQ.store(acc_dQ.load())
                 self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                              n_block, wg, diag, window_left, is_leader)
                 stamp(10)
@@ -840,15 +855,19 @@ class Sm90AttentionBackward:
                     pipe.consumer_release(state)  # Q, dO, LSE, dPsum of this stage are consumed
                 state.advance()
                 if const_expr(ovl):
-                    rdQ_prev.store(acc_dQ.load() * scale)
+                    # A real copy: an unmodified one ptxas folds into the wgmma's registers,
+                    # which then count as read in the next iteration (C7517, every wgmma
+                    # serialized). softcap_val is 1.0 on this path (softcap runs one pass), and
+                    # ptxas cannot see that at compile time.
+                    rdQ_prev.store(acc_dQ.load() * softcap_val)
                     prev_h = h
                     prev_m = m_block
                 else:
-                    # dQ (scaled) -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
+                    # dQ -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
                     # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
                     # the whole tile is harmless.
                     rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
-                    rdQ.store(acc_dQ.load() * scale)
+                    rdQ.store(acc_dQ.load())
                     dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
                     if const_expr(self.dq_in_ring):
                         # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
