@@ -460,11 +460,13 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
         int(left or 0), int(right or 0), int(max_k), *aux,
     )
-    # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype
-    if call.is_varlen:
-        torch.mul(dq_acc[:, : q.shape[0]].transpose(0, 1), call.scale, out=dq)
-    else:
-        torch.mul(dq_acc_rows, call.scale, out=dq)
+    # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
+    # out= refuses autograd, and these buffers are results, never differentiated through)
+    with torch.no_grad():
+        if call.is_varlen:
+            torch.mul(dq_acc[:, : q.shape[0]].transpose(0, 1), call.scale, out=dq)
+        else:
+            torch.mul(dq_acc_rows, call.scale, out=dq)
 
 
 def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic):
