@@ -219,7 +219,8 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
-    # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps)
+    # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
+    # k-th column, dP^T from -dPsum)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))

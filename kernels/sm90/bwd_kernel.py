@@ -61,9 +61,9 @@ time through the dense variant until it is fixed.
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
+where ds' = ds * ds/d(scale*qk) (1 without softcap, 1 - tanh^2 with it).
 The kernel adds ds' k to the dQ buffer unscaled: bwd.py applies `scale` in the conversion to the
 output dtype it makes anyway (32 multiplies per step off the dQ epilogue, which runs under dK).
-where ds' = ds * ds/d(scale*qk) (1 without softcap, 1 - tanh^2 with it).
 """
 
 from __future__ import annotations
