@@ -78,6 +78,10 @@ _EXP2_EMU = "0"
 # TORCH_FA4_BWD_FOLD_DPSUM=1|0; on: +0.4-5% on the D128 rows (H100, NOTES Experiment 31).
 FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
 _FOLD_DPSUM = "1"
+# Order of a CTA's query tiles on the dense walk (bwd_q_walk.DenseQWalk): "up" from the first
+# tile that sees the key tile, "down" from the last. TORCH_FA4_BWD_Q_ORDER=up|down.
+Q_ORDER_ENV = "TORCH_FA4_BWD_Q_ORDER"
+_Q_ORDER = "up"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -220,13 +224,15 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         sparse = ratios(call, 64)
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
     # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
-    # k-th column, dP^T from -dPsum)
+    # k-th column, dP^T from -dPsum, query tiles walked last to first)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
+    descending = sparse is None and _env_choice(Q_ORDER_ENV, _Q_ORDER, ("up", "down")) == "down"
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold)
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
+                    descending)
     return (
         call.q.dtype,
         call.head_dim,
@@ -331,7 +337,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold, descending = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -340,6 +346,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
+        q_descending=descending,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

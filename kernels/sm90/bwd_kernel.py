@@ -130,6 +130,7 @@ class Sm90AttentionBackward:
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
         fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
+        q_descending: bool = False,  # dense walk: each head's query tiles from the last one down
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -218,6 +219,7 @@ class Sm90AttentionBackward:
         # registers die before the P pass. ptxas then issues dP^T only after S^T has landed,
         # between the P pass's exponentials (NOTES Experiment 31).
         self.fold_dpsum = bool(fold_dpsum) and self.prefetch_stats
+        self.q_descending = bool(q_descending)
         # A dedicated warp issues the dQ adds from the separate slabs (module docstring); dQ staged
         # in the ring keeps the leader warps' adds, which also hand the stage back to the producer.
         assert not (dq_writer_warp and dq_in_ring)
@@ -504,7 +506,7 @@ class Sm90AttentionBackward:
             walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
         else:
-            walk = DenseQWalk(m_lo, n_m, self.group)
+            walk = DenseQWalk(m_lo, n_m, self.group, self.q_descending)
         steps = walk.count
 
         if warp_idx < 4:
