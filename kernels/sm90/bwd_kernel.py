@@ -87,10 +87,12 @@ LOG2_E = math.log2(math.e)
 # Named barriers (0 is __syncthreads): 1 both consumer warpgroups (256 threads); 2, 3 one consumer
 # warpgroup (128); with dq_writer_warp, per consumer warpgroup wg a "slab empty" (4 + wg) and a
 # "slab full" (6 + wg) barrier between that warpgroup and the dQ writer warp (128 + 32 threads);
-# with pingpong, 8 + wg: warpgroup wg's turn to issue its products (256 threads).
+# with pingpong, 8 + wg: warpgroup wg's turn to issue its products (256 threads); with dQ split
+# by keys, 10: warpgroup 0's dQ partial is in the slab for warpgroup 1 to add onto (256).
 _BAR_DQ_EMPTY = 4
 _BAR_DQ_FULL = 6
 _BAR_TURN = 8  # pingpong: 8 + wg, warpgroup wg's turn to issue its products (both: 256 threads)
+_BAR_DQ_PART = 10  # split keys: warpgroup 0's dQ partial is in the slab (both: 256 threads)
 _DQ_HANDOFF_THREADS = 128 + 32
 
 # Phase tracing (trace_steps > 0): the points of a step where a clock is stamped, in order.
@@ -225,12 +227,15 @@ class Sm90AttentionBackward:
         self.fold_dpsum = bool(fold_dpsum) and self.prefetch_stats
         self.q_descending = bool(q_descending)
         # dQ split by keys instead of by head dim: each warpgroup computes dQ = dS K over its own
-        # 64 keys for the whole head dim (64 fp32 registers instead of 32) and the writer warp
-        # adds both (64, d) slabs, twice the dQ reduction traffic. In exchange the warpgroups
-        # never wait for each other within a step (their dS^T halves are their own: one
-        # 128-thread barrier instead of the 256-thread one), so one's elementwise passes can run
-        # under the other's products (NOTES Experiment 33). dS^T is single-buffered per
-        # warpgroup: its dQ has landed before it writes the next step's.
+        # 64 keys for the whole head dim (64 fp32 registers instead of 32). The two partial sums
+        # meet in one (64, d) slab: warpgroup 0 stores its own, warpgroup 1 adds its onto it
+        # (named barrier _BAR_DQ_PART), the writer warp adds the slab into the fp32 buffer (one
+        # TMA add per step, as before; two adds of both partials doubled the reduction traffic
+        # and ran ~25% slower, NOTES Experiment 33). The warpgroups never meet earlier in a step
+        # (each reads only its own dS^T: a 128-thread barrier instead of the 256-thread one), so
+        # warpgroup 1 may trail by up to a step and its elementwise passes can run under
+        # warpgroup 0's products. dS^T is single-buffered per warpgroup: its dQ has landed
+        # before it writes the next step's.
         self.dq_split_keys = bool(dq_split_keys)
         if self.dq_split_keys:
             assert not self.narrow and tile_m == 64 and self.dq_under_dk and dq_writer_warp
@@ -395,7 +400,7 @@ class Sm90AttentionBackward:
             # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
 
-        sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
+        sdQ_elems = 32 if const_expr(self.dq_in_ring) else self._dq_slabs() * cute.cosize(sdQ_layout)  # 32: unused
 
         @cute.struct
         class Storage:
@@ -472,7 +477,7 @@ class Sm90AttentionBackward:
 
             sdQ = (ring_slabs(st.sQ, self.tile_m * self.d), ring_slabs(st.sdO, self.tile_m * self.dv))
         else:
-            sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
+            sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(self._dq_slabs(), stride=cute.cosize(sdQ_layout)))
             sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)  # (slab rows, cols, wg)
         sLSE = st.sLSE.get_tensor(cute.make_layout((tm, self.stages)))
         sDp = st.sDp.get_tensor(cute.make_layout((tm, self.stages)))
@@ -560,6 +565,10 @@ class Sm90AttentionBackward:
             )
 
     # ------------------------------------------------------------------ helpers
+    def _dq_slabs(self):
+        """Number of dQ slabs: one per consumer warpgroup, or one shared (split keys)."""
+        return 1 if self.dq_split_keys else 2
+
     def _dq_slab(self):
         """(rows, cols) of one consumer warpgroup's dQ slab (and TMA add box)."""
         if self.dq_split_rows:
@@ -709,7 +718,7 @@ class Sm90AttentionBackward:
                 sdQ_tile = sdQ[None, None, 0]  # each warpgroup its own whole-width slab
             else:
                 sdQ_tile = cute.group_modes(sdQ, 1, 3)
-            sdQ_wg = sdQ[None, None, wg]
+            sdQ_wg = sdQ[None, None, 0 if const_expr(self.dq_split_keys) else wg]
             tdQsdQ = thr_dQ.partition_C(sdQ_wg if const_expr(self.dq_split_keys) else sdQ_tile)
             # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
@@ -985,7 +994,19 @@ class Sm90AttentionBackward:
                 wg, diag, window_left, is_leader):
         """A finished dQ, scaled -> this warpgroup's slab -> TMA add into the fp32 buffer (the
         separate-slab paths; with dq_writer_warp the writer warp issues the add)."""
-        if const_expr(self.dq_writer_warp):
+        if const_expr(self.dq_split_keys):
+            # One slab, two partial sums: warpgroup 0 stores once the writer's previous add has
+            # read the slab, warpgroup 1 adds onto that and hands the slab to the writer.
+            if wg == 0:
+                cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY, number_of_threads=_DQ_HANDOFF_THREADS)
+                L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets)
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_PART, number_of_threads=256)
+            else:
+                cute.arch.barrier(barrier_id=_BAR_DQ_PART, number_of_threads=256)
+                L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets, accumulate=True)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL, number_of_threads=_DQ_HANDOFF_THREADS)
+        elif const_expr(self.dq_writer_warp):
             # The writer's previous add has read the slab; store, then hand it over without
             # waiting (the async-proxy fence orders the stores before the TMA read).
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_DQ_HANDOFF_THREADS)
@@ -1042,8 +1063,9 @@ class Sm90AttentionBackward:
         first step, then after every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
         semaphore wait overlapping the consumers' work on the step."""
+        slabs = self._dq_slabs()
         if steps > 0:
-            for wg in cutlass.range_constexpr(2):  # both slabs start empty
+            for wg in cutlass.range_constexpr(slabs):  # the slabs start empty
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_HANDOFF_THREADS)
         cur_h, cur_m = walk.start()
@@ -1053,16 +1075,16 @@ class Sm90AttentionBackward:
             h = hkv * self.group + h_local
             if const_expr(self.deterministic):
                 self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
-            for wg in cutlass.range_constexpr(2):
+            for wg in cutlass.range_constexpr(slabs):
                 cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_HANDOFF_THREADS)
                 self._add_slab(tma_dQ, mdQacc, sdQ[None, None, wg], h, b, q_off, m_block, wg)
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0)  # both landed in global before the hand-off
                 self._pass_turn(mSem, b, h, m_block, 2)
             if step + 1 < steps:
-                for wg in cutlass.range_constexpr(2):
+                for wg in cutlass.range_constexpr(slabs):
                     # bulk groups of this step: slab 0's add, then slab 1's
-                    cute.arch.cp_async_bulk_wait_group(1 - wg, read=True)
+                    cute.arch.cp_async_bulk_wait_group(slabs - 1 - wg, read=True)
                     cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                              number_of_threads=_DQ_HANDOFF_THREADS)
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
