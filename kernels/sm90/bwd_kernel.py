@@ -88,11 +88,12 @@ LOG2_E = math.log2(math.e)
 # warpgroup (128); with dq_writer_warp, per consumer warpgroup wg a "slab empty" (4 + wg) and a
 # "slab full" (6 + wg) barrier between that warpgroup and the dQ writer warp (128 + 32 threads);
 # with pingpong, 8 + wg: warpgroup wg's turn to issue its products (256 threads); with dQ split
-# by keys, 10: warpgroup 0's dQ partial is in the slab for warpgroup 1 to add onto (256).
+# by keys, 4 + slot / 6 + slot for the two slabs (step parity) and 10 + slot: warpgroup 0's dQ
+# partial is in the slab for warpgroup 1 to add onto (256).
 _BAR_DQ_EMPTY = 4
 _BAR_DQ_FULL = 6
 _BAR_TURN = 8  # pingpong: 8 + wg, warpgroup wg's turn to issue its products (both: 256 threads)
-_BAR_DQ_PART = 10  # split keys: warpgroup 0's dQ partial is in the slab (both: 256 threads)
+_BAR_DQ_PART = 10  # split keys: 10 + slot, warpgroup 0's dQ partial is in the slab (256 threads)
 _DQ_HANDOFF_THREADS = 128 + 32
 
 # Phase tracing (trace_steps > 0): the points of a step where a clock is stamped, in order.
@@ -228,10 +229,10 @@ class Sm90AttentionBackward:
         self.q_descending = bool(q_descending)
         # dQ split by keys instead of by head dim: each warpgroup computes dQ = dS K over its own
         # 64 keys for the whole head dim (64 fp32 registers instead of 32). The two partial sums
-        # meet in one (64, d) slab: warpgroup 0 stores its own, warpgroup 1 adds its onto it
-        # (named barrier _BAR_DQ_PART), the writer warp adds the slab into the fp32 buffer (one
-        # TMA add per step, as before; two adds of both partials doubled the reduction traffic
-        # and ran ~25% slower, NOTES Experiment 33). The warpgroups never meet earlier in a step
+        # meet in a (64, d) slab (two, alternating by step parity): warpgroup 0 stores its own,
+        # warpgroup 1 adds its onto it (named barriers _BAR_DQ_PART + slot), the writer warp
+        # adds the slab into the fp32 buffer (one TMA add per step, as before; two adds of both
+        # partials doubled the reduction traffic and ran ~25% slower, NOTES Experiment 33). The warpgroups never meet earlier in a step
         # (each reads only its own dS^T: a 128-thread barrier instead of the 256-thread one), so
         # warpgroup 1 may trail by up to a step and its elementwise passes can run under
         # warpgroup 0's products. dS^T is single-buffered per warpgroup: its dQ has landed
@@ -550,7 +551,10 @@ class Sm90AttentionBackward:
                     tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv,
                     hkv, b, n_block, walk, steps, q_off, k_off,
                 )
-            if const_expr(self.dq_writer_warp):
+            if const_expr(self.dq_split_keys):
+                if warp_idx == 1:
+                    self._write_dq_chain(mdQacc, tma_dQ, sdQ, hkv, b, walk, steps, q_off)
+            elif const_expr(self.dq_writer_warp):
                 if warp_idx == 1:
                     self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
                                    diag, window_left)
@@ -566,8 +570,9 @@ class Sm90AttentionBackward:
 
     # ------------------------------------------------------------------ helpers
     def _dq_slabs(self):
-        """Number of dQ slabs: one per consumer warpgroup, or one shared (split keys)."""
-        return 1 if self.dq_split_keys else 2
+        """Number of dQ slabs: one per consumer warpgroup, or (split keys) one per step parity,
+        shared by both warpgroups."""
+        return 2
 
     def _dq_slab(self):
         """(rows, cols) of one consumer warpgroup's dQ slab (and TMA add box)."""
@@ -719,6 +724,7 @@ class Sm90AttentionBackward:
             else:
                 sdQ_tile = cute.group_modes(sdQ, 1, 3)
             sdQ_wg = sdQ[None, None, 0 if const_expr(self.dq_split_keys) else wg]
+            self._slab_stride = int(cute.crd2idx((0, 0, 1), sdQ.layout))  # elements between slabs
             tdQsdQ = thr_dQ.partition_C(sdQ_wg if const_expr(self.dq_split_keys) else sdQ_tile)
             # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
@@ -913,8 +919,11 @@ class Sm90AttentionBackward:
                 stamp(9)
                 rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
                 rdQ.store(acc_dQ.load())
-                self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                             n_block, wg, diag, window_left, is_leader)
+                if const_expr(self.dq_split_keys):
+                    self._dq_chain_out(rdQ, tdQsdQ, wg, step % 2)
+                else:
+                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
+                                 n_block, wg, diag, window_left, is_leader)
                 stamp(10)
                 warpgroup.wait_group(0)
                 stamp(11)
@@ -994,19 +1003,7 @@ class Sm90AttentionBackward:
                 wg, diag, window_left, is_leader):
         """A finished dQ, scaled -> this warpgroup's slab -> TMA add into the fp32 buffer (the
         separate-slab paths; with dq_writer_warp the writer warp issues the add)."""
-        if const_expr(self.dq_split_keys):
-            # One slab, two partial sums: warpgroup 0 stores once the writer's previous add has
-            # read the slab, warpgroup 1 adds onto that and hands the slab to the writer.
-            if wg == 0:
-                cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY, number_of_threads=_DQ_HANDOFF_THREADS)
-                L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets)
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_PART, number_of_threads=256)
-            else:
-                cute.arch.barrier(barrier_id=_BAR_DQ_PART, number_of_threads=256)
-                L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets, accumulate=True)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL, number_of_threads=_DQ_HANDOFF_THREADS)
-        elif const_expr(self.dq_writer_warp):
+        if const_expr(self.dq_writer_warp):
             # The writer's previous add has read the slab; store, then hand it over without
             # waiting (the async-proxy fence orders the stores before the TMA read).
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_DQ_HANDOFF_THREADS)
@@ -1019,6 +1016,46 @@ class Sm90AttentionBackward:
             cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
             self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                                    n_block, wg, diag, window_left, is_leader)
+
+    @cute.jit
+    def _dq_chain_out(self, rdQ, tdQsdQ, wg, slot):
+        """Split keys: this warpgroup's dQ partial into the step's slab (`slot`, step parity).
+        Warpgroup 0 stores once the writer's add two steps back has read the slab; warpgroup 1
+        adds onto that and hands the slab to the writer."""
+        extra = (slot, self._slab_stride)
+        if wg == 0:
+            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
+            L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets, extra=extra)
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_PART + slot, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=_BAR_DQ_PART + slot, number_of_threads=256)
+            L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets, accumulate=True, extra=extra)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + slot, number_of_threads=_DQ_HANDOFF_THREADS)
+
+    @cute.jit
+    def _write_dq_chain(self, mdQacc, tma_dQ, sdQ, hkv, b, walk, steps, q_off):
+        """The writer warp with dQ split by keys: per step, once warpgroup 1 has added onto the
+        slab of the step's parity, one TMA add of it; the slab goes back to warpgroup 0 once that
+        add has read it (checked one step later, so the read overlaps the next step). Each slab
+        gets as many "empty" arrivals as warpgroup 0 has steps on it."""
+        for slot in cutlass.range_constexpr(2):
+            if steps > slot:
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
+        cur_h, cur_m = walk.start()
+        for step in cutlass.range(steps, unroll=1):
+            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
+            cur_h, cur_m = walk.advance(cur_h, cur_m)
+            h = hkv * self.group + h_local
+            slot = step % 2
+            cute.arch.barrier(barrier_id=_BAR_DQ_FULL + slot, number_of_threads=_DQ_HANDOFF_THREADS)
+            self._add_slab(tma_dQ, mdQacc, sdQ[None, None, slot], h, b, q_off, m_block, 0)
+            if step >= 1:
+                cute.arch.cp_async_bulk_wait_group(1, read=True)  # the previous step's add read
+                if step + 1 < steps:  # warpgroup 0 uses that slab again at step + 1
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + 1 - slot,
+                                             number_of_threads=_DQ_HANDOFF_THREADS)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
 
     @cute.jit
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,

@@ -142,7 +142,8 @@ def _swizzled_bases(dst_ptr, lows, thread_offsets, align, extra_bytes=None):
     return out
 
 
-def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, accumulate: bool = False):
+def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, accumulate: bool = False,
+                     extra=None):
     """Register fragment -> this thread's partition of a swizzled shared-memory tile.
 
     `autovec_copy` swizzles the full address of every vector (add, shift, xor per store), and
@@ -153,7 +154,8 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, ac
     that becomes the store's immediate offset. Same addresses, same data as autovec_copy.
     `thread_offsets`: see _swizzled_bases (then the bases are XORs of one address).
     `accumulate`: dst += src, one vector at a time (load, add, store), so no second fragment of
-    registers is live.
+    registers is live. `extra`: (index, stride in elements), a dynamic slot offset added after
+    swizzling, as in copy_atom_to_swizzled.
     """
     sw = _ptr_swizzle(dst.iterator)
     if sw is None:
@@ -175,7 +177,12 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, ac
         ):
             v //= 2
         lows = sorted({o % span for o in offs[::v]})
-        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, v * eb)
+        extra_bytes = None
+        if extra is not None:
+            idx, stride = extra
+            assert (stride * eb) % span == 0, "slot stride must be a multiple of the swizzle span"
+            extra_bytes = idx * (stride * eb)
+        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, v * eb, extra_bytes)
         src_index = SL.indexer(src.layout)
         for e in range(0, n, v):
             low = offs[e] % span
