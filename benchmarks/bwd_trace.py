@@ -42,13 +42,21 @@ def _kernel_ms(fn) -> float:
     return sum(vals) / len(vals) / 1000.0
 
 
-def _phases(trace: torch.Tensor, events: tuple, skip: int = 2) -> dict:
+def _phases(trace: torch.Tensor, events: tuple, skip: int = 2, wgs=(0, 1)) -> dict:
+    """Median cycles per phase over the warpgroups `wgs`; with both, also the median lag of
+    warpgroup 1's step start behind warpgroup 0's ("wg1_lag")."""
     t = trace.cpu().to(torch.int64) & 0xFFFFFFFF  # (tiles, 2, steps, events), 32-bit clocks
-    tiles, wgs, steps, _ = t.shape
+    tiles, _, steps, _ = t.shape
     out = {e: [] for e in events[1:]}
     step_cycles = []
+    lags = []
     for i in range(tiles):
-        for w in range(wgs):
+        if len(wgs) == 2:
+            for s in range(skip, steps):
+                if t[i, 0, s, 0] != 0 and t[i, 1, s, 0] != 0:
+                    lag = (int(t[i, 1, s, 0]) - int(t[i, 0, s, 0])) & 0xFFFFFFFF
+                    lags.append(lag - (1 << 32) if lag >= 1 << 31 else lag)
+        for w in wgs:
             for s in range(skip, steps):
                 row = t[i, w, s]
                 if row[0] == 0:
@@ -63,6 +71,8 @@ def _phases(trace: torch.Tensor, events: tuple, skip: int = 2) -> dict:
                     step_cycles.append((int(t[i, w, s + 1, 0]) - int(row[0])) & 0xFFFFFFFF)
     med = {e: statistics.median(v) for e, v in out.items() if v}
     med["step"] = statistics.median(step_cycles) if step_cycles else None
+    if lags:
+        med["wg1_lag"] = statistics.median(lags)
     return med
 
 
@@ -71,6 +81,7 @@ def main():
     ap.add_argument("--rows", default="128:4096:0,128:4096:1,128:16384:0,64:4096:0")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--per-wg", action="store_true", help="also each consumer warpgroup's phases")
     args = ap.parse_args()
 
     import torch_fa4
@@ -92,8 +103,9 @@ def main():
         try:
             ours()
             torch.cuda.synchronize()
-            phases = _phases(bwd.LAST_TRACE.view(*bwd.LAST_TRACE.shape[:2], args.steps, len(TRACE_EVENTS)),
-                             TRACE_EVENTS)
+            trace = bwd.LAST_TRACE.view(*bwd.LAST_TRACE.shape[:2], args.steps, len(TRACE_EVENTS))
+            phases = _phases(trace, TRACE_EVENTS)
+            per_wg = [_phases(trace, TRACE_EVENTS, wgs=(w,)) for w in (0, 1)] if args.per_wg else []
         finally:
             os.environ.pop(bwd.TRACE_ENV)
         fa_ms = None
@@ -115,6 +127,8 @@ def main():
         print(f"D{D} S{S}{' causal' if causal else ''}: kernel ours {ours_ms:.3f} ms, "
               f"flash-attn-4 {fa_ms if fa_ms is None else round(fa_ms, 3)} ms; traced step {phases.get('step')} cycles")
         print("   " + "  ".join(f"{e}={int(c)}" for e, c in phases.items() if e != "step"))
+        for w, ph in enumerate(per_wg):
+            print(f"   wg{w}: " + "  ".join(f"{e}={int(c)}" for e, c in ph.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1036,9 +1036,9 @@ class Sm90AttentionBackward:
     @cute.jit
     def _write_dq_chain(self, mdQacc, tma_dQ, sdQ, hkv, b, walk, steps, q_off):
         """The writer warp with dQ split by keys: per step, once warpgroup 1 has added onto the
-        slab of the step's parity, one TMA add of it; the slab goes back to warpgroup 0 once that
-        add has read it (checked one step later, so the read overlaps the next step). Each slab
-        gets as many "empty" arrivals as warpgroup 0 has steps on it."""
+        slab of the step's parity, one TMA add of it; the slab goes back to warpgroup 0 as soon as
+        that add has read it. Each slab gets as many "empty" arrivals as warpgroup 0 has steps
+        on it."""
         for slot in cutlass.range_constexpr(2):
             if steps > slot:
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
@@ -1050,11 +1050,9 @@ class Sm90AttentionBackward:
             slot = step % 2
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + slot, number_of_threads=_DQ_HANDOFF_THREADS)
             self._add_slab(tma_dQ, mdQacc, sdQ[None, None, slot], h, b, q_off, m_block, 0)
-            if step >= 1:
-                cute.arch.cp_async_bulk_wait_group(1, read=True)  # the previous step's add read
-                if step + 1 < steps:  # warpgroup 0 uses that slab again at step + 1
-                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + 1 - slot,
-                                             number_of_threads=_DQ_HANDOFF_THREADS)
+            if step + 2 < steps:  # warpgroup 0 uses this slab again at step + 2
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
 
     @cute.jit
