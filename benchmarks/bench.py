@@ -90,15 +90,6 @@ _BWD_SWEEPS = {
     # dP^T's accumulator from -dPsum (one multiply per dS element) or from zero
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # a CTA's query tiles walked first to last or last to first (all rows; causal is the question)
-    "bwd-order": ({"up": {"TORCH_FA4_BWD_Q_ORDER": "up"}, "down": {"TORCH_FA4_BWD_Q_ORDER": "down"}},
-                  [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # dQ by head-dim halves (warpgroups meet at a dS^T barrier) or by keys, alone or with the
-    # warpgroups taking turns issuing their products (the 64-query two-pass path: D96, D128)
-    "bwd-split": ({"dims": {"TORCH_FA4_BWD_DQ_SPLIT": "dims"},
-                   "keys": {"TORCH_FA4_BWD_DQ_SPLIT": "keys", "TORCH_FA4_BWD_PINGPONG": "0"},
-                   "keys+turns": {"TORCH_FA4_BWD_DQ_SPLIT": "keys", "TORCH_FA4_BWD_PINGPONG": "1"}},
-                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

@@ -69,10 +69,8 @@ def _check_backward_sass(sass, key, d, dv):
     # S, dP and dQ: (K extent / 16) each (dQ's is the key tile: with the head dim split between
     # the warpgroups (64 queries) or the query rows (128 queries), one 64-row tile each);
     # dK, dV: tile_m / 16 each.
-    # (dQ split by keys: each warpgroup's dQ runs over its own 64 keys, the whole head dim)
     tile_n, tile_m = key[-3][0], key[-3][3]
-    dq_keys = tile_n // 2 if key[-3][11] else tile_n
-    assert hgmma == d // 16 + dv // 16 + dq_keys // 16 + 2 * (tile_m // 16), f"{hgmma} HGMMA instructions"
+    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16), f"{hgmma} HGMMA instructions"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
     assert "USETMAXREG" in sass or "SETMAXNREG" in sass.upper(), "no register reallocation"
@@ -132,35 +130,6 @@ def test_backward_dk_first_order_compiles(name, dq_warp, tmp_path, monkeypatch):
     assert not key[-3][5] and key[-3][6] == (dq_warp == "1")
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
-
-
-# dQ split by keys (TORCH_FA4_BWD_DQ_SPLIT=keys), with and without the warpgroups taking turns
-# (TORCH_FA4_BWD_PINGPONG), and the query tiles walked last to first (TORCH_FA4_BWD_Q_ORDER=down)
-@pytest.mark.parametrize("mode", ["keys", "keys-pingpong", "keys-pingpong-down", "dims-down"])
-@pytest.mark.parametrize("name", ["d128", "d96_causal", "d128_fp16_causal", "d64_gqa_window"])
-def test_backward_dq_split_and_order_compile(name, mode, tmp_path, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    parts = mode.split("-")
-    monkeypatch.setenv(bwd.DQ_SPLIT_ENV, parts[0])
-    monkeypatch.setenv(bwd.PINGPONG_ENV, "1" if "pingpong" in parts else "0")
-    monkeypatch.setenv(bwd.Q_ORDER_ENV, "down" if "down" in parts else "up")
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
-    # D64 walks 128 queries per step: the split applies to the 64-query path only
-    split = parts[0] == "keys" and call.head_dim != 64
-    assert key[-3][10:] == ("down" in parts, split, split and "pingpong" in parts), key[-3]
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    sass = sass_of(tmp_path)
-    _check_backward_sass(sass, key, call.head_dim, call.head_dim_v)
-    # 256-thread named barriers: the dS^T barrier of both warpgroups (id 1) unless dQ is split by
-    # keys; then the dQ partial hand-over (ids 10 + slot: an arrive and a wait), and with the
-    # turn-taking also an initial hand-over, a wait and a hand-over per step (ids 8 + wg)
-    bars_256 = [line.split("*/")[-1].strip() for line in sass.splitlines() if "BAR." in line and "0x100" in line]
-    assert any(b.startswith("BAR.SYNC.DEFER_BLOCKING 0x1,") for b in bars_256) != split, bars_256
-    if split:
-        assert len(bars_256) == (5 if key[-3][12] else 2), bars_256
 
 
 def test_dq_first_selection(monkeypatch):

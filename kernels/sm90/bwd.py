@@ -78,20 +78,6 @@ _EXP2_EMU = "0"
 # TORCH_FA4_BWD_FOLD_DPSUM=1|0; on: +0.4-5% on the D128 rows (H100, NOTES Experiment 31).
 FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
 _FOLD_DPSUM = "1"
-# Order of a CTA's query tiles on the dense walk (bwd_q_walk.DenseQWalk): "up" from the first
-# tile that sees the key tile, "down" from the last. TORCH_FA4_BWD_Q_ORDER=up|down.
-Q_ORDER_ENV = "TORCH_FA4_BWD_Q_ORDER"
-_Q_ORDER = "up"
-# How the two consumer warpgroups share dQ = dS K on the 64-query two-pass path (bwd_kernel
-# `dq_split_keys`): "dims" (each half of the head dim over all 128 keys; the warpgroups meet at a
-# dS^T barrier every step) or "keys" (each the whole head dim over its own 64 keys; no meeting,
-# twice the dQ adds). TORCH_FA4_BWD_DQ_SPLIT=dims|keys.
-DQ_SPLIT_ENV = "TORCH_FA4_BWD_DQ_SPLIT"
-_DQ_SPLIT = "dims"
-# With dQ split by keys, the warpgroups take turns issuing their S^T / dP^T (bwd_kernel
-# `pingpong`): TORCH_FA4_BWD_PINGPONG=1|0.
-PINGPONG_ENV = "TORCH_FA4_BWD_PINGPONG"
-_PINGPONG = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -234,21 +220,13 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         sparse = ratios(call, 64)
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
     # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
-    # k-th column, dP^T from -dPsum, query tiles walked last to first, dQ split by keys,
-    # warpgroups taking turns)
+    # k-th column, dP^T from -dPsum)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
-    descending = sparse is None and _env_choice(Q_ORDER_ENV, _Q_ORDER, ("up", "down")) == "down"
-    two_pass = not (call.softcap > 0 or (call.mods is not None and call.mods.score_graph is not None))
-    split_keys = (_env_choice(DQ_SPLIT_ENV, _DQ_SPLIT, ("dims", "keys")) == "keys" and two_pass
-                  and tile_n == 128 and tile_m == _TILE_M and not deterministic
-                  and dq_first(tile_n, dq_in_ring) and dq_writer_warp(tile_n, dq_in_ring))
-    pingpong = split_keys and _env_choice(PINGPONG_ENV, _PINGPONG, ("0", "1")) == "1"
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
-                    descending, split_keys, pingpong)
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold)
     return (
         call.q.dtype,
         call.head_dim,
@@ -353,7 +331,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold, descending, split_keys, pingpong = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -362,7 +340,6 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
-        q_descending=descending, dq_split_keys=split_keys, pingpong=pingpong,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -86,14 +86,9 @@ LOG2_E = math.log2(math.e)
 
 # Named barriers (0 is __syncthreads): 1 both consumer warpgroups (256 threads); 2, 3 one consumer
 # warpgroup (128); with dq_writer_warp, per consumer warpgroup wg a "slab empty" (4 + wg) and a
-# "slab full" (6 + wg) barrier between that warpgroup and the dQ writer warp (128 + 32 threads);
-# with pingpong, 8 + wg: warpgroup wg's turn to issue its products (256 threads); with dQ split
-# by keys, 4 + slot / 6 + slot for the two slabs (step parity) and 10 + slot: warpgroup 0's dQ
-# partial is in the slab for warpgroup 1 to add onto (256).
+# "slab full" (6 + wg) barrier between that warpgroup and the dQ writer warp (128 + 32 threads).
 _BAR_DQ_EMPTY = 4
 _BAR_DQ_FULL = 6
-_BAR_TURN = 8  # pingpong: 8 + wg, warpgroup wg's turn to issue its products (both: 256 threads)
-_BAR_DQ_PART = 10  # split keys: 10 + slot, warpgroup 0's dQ partial is in the slab (256 threads)
 _DQ_HANDOFF_THREADS = 128 + 32
 
 # Phase tracing (trace_steps > 0): the points of a step where a clock is stamped, in order.
@@ -135,9 +130,6 @@ class Sm90AttentionBackward:
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
         fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
-        q_descending: bool = False,  # dense walk: each head's query tiles from the last one down
-        dq_split_keys: bool = False,  # each warpgroup's dQ from its own 64 keys (no dS^T barrier)
-        pingpong: bool = False,  # split keys: the warpgroups take turns issuing S^T / dP^T
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -226,27 +218,6 @@ class Sm90AttentionBackward:
         # registers die before the P pass. ptxas then issues dP^T only after S^T has landed,
         # between the P pass's exponentials (NOTES Experiment 31).
         self.fold_dpsum = bool(fold_dpsum) and self.prefetch_stats
-        self.q_descending = bool(q_descending)
-        # dQ split by keys instead of by head dim: each warpgroup computes dQ = dS K over its own
-        # 64 keys for the whole head dim (64 fp32 registers instead of 32). The two partial sums
-        # meet in a (64, d) slab (two, alternating by step parity): warpgroup 0 stores its own,
-        # warpgroup 1 adds its onto it (named barriers _BAR_DQ_PART + slot), the writer warp
-        # adds the slab into the fp32 buffer (one TMA add per step, as before; two adds of both
-        # partials doubled the reduction traffic and ran ~25% slower, NOTES Experiment 33). The warpgroups never meet earlier in a step
-        # (each reads only its own dS^T: a 128-thread barrier instead of the 256-thread one), so
-        # warpgroup 1 may trail by up to a step and its elementwise passes can run under
-        # warpgroup 0's products. dS^T is single-buffered per warpgroup: its dQ has landed
-        # before it writes the next step's.
-        self.dq_split_keys = bool(dq_split_keys)
-        if self.dq_split_keys:
-            assert not self.narrow and tile_m == 64 and self.dq_under_dk and dq_writer_warp
-            assert not (deterministic or dq_in_ring or self.one_pass)
-        # Turn-taking (split keys only): a warpgroup issues its step's S^T and dP^T only after the
-        # other has issued its own, through two named barriers (_BAR_TURN + wg), warpgroup 0
-        # first. The products of the two then queue one after the other instead of sharing the
-        # tensor cores, so one warpgroup's P pass runs while the other's products execute.
-        assert not pingpong or self.dq_split_keys
-        self.pingpong = bool(pingpong)
         # A dedicated warp issues the dQ adds from the separate slabs (module docstring); dQ staged
         # in the ring keeps the leader warps' adds, which also hand the stage back to the producer.
         assert not (dq_writer_warp and dq_in_ring)
@@ -341,13 +312,12 @@ class Sm90AttentionBackward:
         sQ_layout = L.smem_layout(dt, tm, d, self.stages, d // split)
         sdO_layout = L.smem_layout(dt, tm, dv, self.stages, dv // split)
         # (dQ split by query rows: each warpgroup reads K transposed in full, any swizzle atom.)
-        full_k = self.dq_split_rows or self.dq_split_keys
-        sK_layout = L.smem_layout(dt, tn, d, None, d if const_expr(full_k) else d // 2)
+        sK_layout = L.smem_layout(dt, tn, d, None, d if const_expr(self.dq_split_rows) else d // 2)
         sV_layout = L.smem_layout(dt, tn, dv, None, dv)
         # dS^T as (keys, queries), queries contiguous: the accumulator's adjacent columns land in
         # one 32-bit store, and dQ = dS K reads it as an MN-major A operand. Double-buffered
         # (narrow: slot 0 holds P^T, slot 1 dS^T, both read K-major as the A of dV / dK).
-        sdS_layout = L.smem_layout(dt, tn, tm, 1 if const_expr(self.dq_split_keys) else 2, tm)
+        sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
         # dQ staging, one fp32 slab per consumer warpgroup, reduced into the fp32 global buffer
         # by one TMA add per slab (no per-element atomics): (tile_m, d/2) when the warpgroups
         # split the head dim, (tile_m/2, d) when they split the query rows (tile_m = 128).
@@ -387,21 +357,16 @@ class Sm90AttentionBackward:
             # S^T / dP^T: 2 warpgroups stacked along the keys.
             mma_SdP = L.make_mma(dt, K_MAJ, K_MAJ, (2, 1, 1), (64, tm))
             # dK / dV: A (P^T, dS^T) from registers, B = Q / dO transposed (MN-major).
-            # (split keys: dK's A = dS^T from shared memory, where dQ reads it anyway; its 16
-            # registers would sit inside the 64 that dQ's accumulator needs in one block.)
-            mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=not self.dq_split_keys)
+            mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=True)
             mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, dv), a_in_registers=True)
         if const_expr(self.dq_split_rows):
             # dQ = dS K: 64 query rows per warpgroup, the whole head dim.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (2, 1, 1), (64, d))
-        elif const_expr(self.dq_split_keys):
-            # dQ = dS K over one warpgroup's 64 keys, the whole head dim: a one-warpgroup MMA
-            mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 1, 1), (64, d))
         else:
             # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
 
-        sdQ_elems = 32 if const_expr(self.dq_in_ring) else self._dq_slabs() * cute.cosize(sdQ_layout)  # 32: unused
+        sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
 
         @cute.struct
         class Storage:
@@ -478,7 +443,7 @@ class Sm90AttentionBackward:
 
             sdQ = (ring_slabs(st.sQ, self.tile_m * self.d), ring_slabs(st.sdO, self.tile_m * self.dv))
         else:
-            sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(self._dq_slabs(), stride=cute.cosize(sdQ_layout)))
+            sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
             sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)  # (slab rows, cols, wg)
         sLSE = st.sLSE.get_tensor(cute.make_layout((tm, self.stages)))
         sDp = st.sDp.get_tensor(cute.make_layout((tm, self.stages)))
@@ -539,7 +504,7 @@ class Sm90AttentionBackward:
             walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
         else:
-            walk = DenseQWalk(m_lo, n_m, self.group, self.q_descending)
+            walk = DenseQWalk(m_lo, n_m, self.group)
         steps = walk.count
 
         if warp_idx < 4:
@@ -551,10 +516,7 @@ class Sm90AttentionBackward:
                     tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv,
                     hkv, b, n_block, walk, steps, q_off, k_off,
                 )
-            if const_expr(self.dq_split_keys):
-                if warp_idx == 1:
-                    self._write_dq_chain(mdQacc, tma_dQ, sdQ, hkv, b, walk, steps, q_off)
-            elif const_expr(self.dq_writer_warp):
+            if const_expr(self.dq_writer_warp):
                 if warp_idx == 1:
                     self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
                                    diag, window_left)
@@ -569,17 +531,10 @@ class Sm90AttentionBackward:
             )
 
     # ------------------------------------------------------------------ helpers
-    def _dq_slabs(self):
-        """Number of dQ slabs: one per consumer warpgroup, or (split keys) one per step parity,
-        shared by both warpgroups."""
-        return 2
-
     def _dq_slab(self):
         """(rows, cols) of one consumer warpgroup's dQ slab (and TMA add box)."""
         if self.dq_split_rows:
             return self.tile_m // 2, self.d
-        if self.dq_split_keys:
-            return self.tile_m, self.d
         return self.tile_m, self.d // 2
 
     @cute.jit
@@ -662,14 +617,14 @@ class Sm90AttentionBackward:
         thr_SdP = mma_SdP.get_slice(ctid)
         thr_dK = mma_dK.get_slice(ctid)
         thr_dV = mma_dV.get_slice(ctid)
-        thr_dQ = mma_dQ.get_slice(ctid % 128 if const_expr(self.dq_split_keys) else ctid)
+        thr_dQ = mma_dQ.get_slice(ctid)
         # Slices for shared-memory (descriptor) operands: every thread of a warpgroup holds the
         # same descriptors, so the warpgroup's first thread stands for all of them.
         wg_thr = wg * 128
         ops_SdP = mma_SdP.get_slice(wg_thr)
         ops_dK = mma_dK.get_slice(wg_thr)
         ops_dV = mma_dV.get_slice(wg_thr)
-        ops_dQ = mma_dQ.get_slice(0 if const_expr(self.dq_split_keys) else wg_thr)
+        ops_dQ = mma_dQ.get_slice(wg_thr)
 
         # Operand fragments (descriptors over shared memory).
         tSrK = ops_SdP.make_fragment_A(ops_SdP.partition_A(sK))
@@ -678,15 +633,8 @@ class Sm90AttentionBackward:
         tPrdO = ops_SdP.make_fragment_B(ops_SdP.partition_B(sdO))
         tdVrdO = ops_dV.make_fragment_B(ops_dV.partition_B(L.transposed(sdO)))
         tdKrQ = ops_dK.make_fragment_B(ops_dK.partition_B(L.transposed(sQ)))
-        if const_expr(self.dq_split_keys):
-            # this warpgroup's 64 keys of dS (queries x keys) and of K^T (head dim x keys)
-            dS_own = cute.flat_divide(L.transposed(sdS), (tm, 64))[None, None, 0, wg, None]
-            K_own = cute.flat_divide(L.transposed(sK), (d, 64))[None, None, 0, wg]
-            tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(dS_own))
-            tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(K_own))
-        else:
-            tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
-            tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
+        tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
+        tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
         if const_expr(self.dS_stmatrix):
             # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
@@ -698,15 +646,12 @@ class Sm90AttentionBackward:
             # static byte offset of every consumer thread's first stmatrix row in a dS^T slot
             ident_dS = cute.make_identity_tensor((tn, tm))
             sdS_slot = sdS[None, None, 0]
-            dS_slots = cute.size(sdS, mode=[2])
-            dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout)) if dS_slots > 1 else 0
+            dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
             slot_index = SL.indexer(sdS_slot.layout)
             dS_thread_offsets = tuple(slot_index(c) * 2 for c in SL.first_coords_copy_D(st_dS, 256, ident_dS))
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
-        if const_expr(self.dq_split_keys):  # dK's A: this warpgroup's dS^T (its single slot)
-            tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 0]
         if const_expr(self.dq_in_ring):  # (.., stage) partitions; slab 0 of each for the TMA
             tdQsdQ_q = thr_dQ.partition_C(cute.group_modes(sdQ[0], 1, 3))
             tdQsdQ_do = thr_dQ.partition_C(cute.group_modes(sdQ[1], 1, 3))
@@ -719,19 +664,15 @@ class Sm90AttentionBackward:
                 half = tm // 2
                 rows_split = cute.make_layout(((half, 2), d), stride=((1, half * d), half))
                 sdQ_tile = cute.composition(sdQ, rows_split)
-            elif const_expr(self.dq_split_keys):
-                sdQ_tile = sdQ[None, None, 0]  # each warpgroup its own whole-width slab
             else:
                 sdQ_tile = cute.group_modes(sdQ, 1, 3)
-            sdQ_wg = sdQ[None, None, 0 if const_expr(self.dq_split_keys) else wg]
-            self._slab_stride = int(cute.crd2idx((0, 0, 1), sdQ.layout))  # elements between slabs
-            tdQsdQ = thr_dQ.partition_C(sdQ_wg if const_expr(self.dq_split_keys) else sdQ_tile)
+            tdQsdQ = thr_dQ.partition_C(sdQ_tile)
+            sdQ_wg = sdQ[None, None, wg]
             # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
             ident_dq = cute.make_identity_tensor((tm, d))
             tile_index = SL.indexer(sdQ_tile.layout)
-            dq_threads = 128 if const_expr(self.dq_split_keys) else 256
-            self._dq_thread_offsets = tuple(tile_index(c) * 4 for c in SL.first_coords_mma_C(mma_dQ, dq_threads, ident_dq))
+            self._dq_thread_offsets = tuple(tile_index(c) * 4 for c in SL.first_coords_mma_C(mma_dQ, 256, ident_dq))
         # Without the writer warp, the first warp of each warpgroup issues its TMA reduction. A
         # whole warp, not one thread: the TMA copy elects its issuing lane with a warp-synchronous
         # instruction.
@@ -765,10 +706,6 @@ class Sm90AttentionBackward:
             rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
             prev_h = Int32(0)
             prev_m = Int32(0)
-        if const_expr(self.pingpong):
-            if steps > 0:
-                if wg == 1:  # warpgroup 0 goes first
-                    cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=256)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
             h_local, m_block, partial = walk.at(step, cur_h, cur_m)
@@ -793,16 +730,9 @@ class Sm90AttentionBackward:
                 for c in cutlass.range_constexpr(cute.size(dP_init, mode=[1])):
                     for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
                         dP_init[r, c] = -dpsum_vals[c]
-            if const_expr(self.pingpong):
-                cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=256)
             self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             if const_expr(not ovl or self.OVERLAP_DP):
                 self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
-            if const_expr(self.pingpong):
-                # the other warpgroup's turn; warpgroup 1 hands none back after its last step
-                # (so both barriers see as many arrivals as waits)
-                if wg == 0 or step + 1 < steps:
-                    cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=256)
             stamp(2)
             if const_expr(ovl):
                 # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
@@ -887,9 +817,8 @@ class Sm90AttentionBackward:
                     self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
 
             if const_expr(not self.narrow):
-                # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs
-                # (split keys: this warpgroup's own single buffer, read by its own dQ only).
-                buf = 0 if const_expr(self.dq_split_keys) else step % 2
+                # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
+                buf = step % 2
                 if const_expr(self.dS_stmatrix):
                     L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS),
                                             tdSsdS_st[None, None, None, 0], dS_thread_offsets,
@@ -898,32 +827,21 @@ class Sm90AttentionBackward:
                     cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 stamp(6)
-                if const_expr(self.dq_split_keys):
-                    cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-                else:
-                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stamp(7)
 
             acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
-            if const_expr(self.dq_split_keys):
-                # dV (issued before the dS pass, long done) releases P's registers before dQ's
-                # 64 accumulators go live: with P still held ptxas serializes every wgmma (C7512)
-                warpgroup.wait_group(0)
             self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
             if const_expr(self.dq_under_dk):
                 # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
-                dS_a = tdKrdS if const_expr(self.dq_split_keys) else L.as_operand_a(rdS)
-                self._wgmma(mma_dK, acc_dK, dS_a, tdKrQ[None, None, None, stage], False)
+                self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
                 stamp(8)
                 warpgroup.wait_group(1)
                 stamp(9)
                 rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
                 rdQ.store(acc_dQ.load())
-                if const_expr(self.dq_split_keys):
-                    self._dq_chain_out(rdQ, tdQsdQ, wg, step % 2)
-                else:
-                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                                 n_block, wg, diag, window_left, is_leader)
+                self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
+                             n_block, wg, diag, window_left, is_leader)
                 stamp(10)
                 warpgroup.wait_group(0)
                 stamp(11)
@@ -1018,44 +936,6 @@ class Sm90AttentionBackward:
                                    n_block, wg, diag, window_left, is_leader)
 
     @cute.jit
-    def _dq_chain_out(self, rdQ, tdQsdQ, wg, slot):
-        """Split keys: this warpgroup's dQ partial into the step's slab (`slot`, step parity).
-        Warpgroup 0 stores once the writer's add two steps back has read the slab; warpgroup 1
-        adds onto that and hands the slab to the writer."""
-        extra = (slot, self._slab_stride)
-        if wg == 0:
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
-            L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets, extra=extra)
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_PART + slot, number_of_threads=256)
-        else:
-            cute.arch.barrier(barrier_id=_BAR_DQ_PART + slot, number_of_threads=256)
-            L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets, accumulate=True, extra=extra)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + slot, number_of_threads=_DQ_HANDOFF_THREADS)
-
-    @cute.jit
-    def _write_dq_chain(self, mdQacc, tma_dQ, sdQ, hkv, b, walk, steps, q_off):
-        """The writer warp with dQ split by keys: per step, once warpgroup 1 has added onto the
-        slab of the step's parity, one TMA add of it; the slab goes back to warpgroup 0 as soon as
-        that add has read it. Each slab gets as many "empty" arrivals as warpgroup 0 has steps
-        on it."""
-        for slot in cutlass.range_constexpr(2):
-            if steps > slot:
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
-        cur_h, cur_m = walk.start()
-        for step in cutlass.range(steps, unroll=1):
-            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
-            cur_h, cur_m = walk.advance(cur_h, cur_m)
-            h = hkv * self.group + h_local
-            slot = step % 2
-            cute.arch.barrier(barrier_id=_BAR_DQ_FULL + slot, number_of_threads=_DQ_HANDOFF_THREADS)
-            self._add_slab(tma_dQ, mdQacc, sdQ[None, None, slot], h, b, q_off, m_block, 0)
-            if step + 2 < steps:  # warpgroup 0 uses this slab again at step + 2
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + slot, number_of_threads=_DQ_HANDOFF_THREADS)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
-
-    @cute.jit
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                           n_block, wg, diag, window_left, is_leader):
         """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
@@ -1075,11 +955,7 @@ class Sm90AttentionBackward:
         """One warp: warpgroup wg's staged dQ slab -> one TMA reduce-add into the fp32 buffer,
         committed as one bulk group."""
         slab = self._dq_slab()
-        coord = (m_block, wg)
-        if const_expr(self.dq_split_rows):
-            coord = (m_block * 2 + wg, 0)
-        elif const_expr(self.dq_split_keys):
-            coord = (m_block, 0)  # both warpgroups' slabs add onto the whole tile
+        coord = (m_block * 2 + wg, 0) if const_expr(self.dq_split_rows) else (m_block, wg)
         gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
         tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
                                        cute.group_modes(gdQ, 0, 2))
@@ -1098,9 +974,8 @@ class Sm90AttentionBackward:
         first step, then after every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
         semaphore wait overlapping the consumers' work on the step."""
-        slabs = self._dq_slabs()
         if steps > 0:
-            for wg in cutlass.range_constexpr(slabs):  # the slabs start empty
+            for wg in cutlass.range_constexpr(2):  # both slabs start empty
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_HANDOFF_THREADS)
         cur_h, cur_m = walk.start()
@@ -1110,16 +985,16 @@ class Sm90AttentionBackward:
             h = hkv * self.group + h_local
             if const_expr(self.deterministic):
                 self._wait_turn(mSem, b, h, m_block, n_block, diag, window_left)
-            for wg in cutlass.range_constexpr(slabs):
+            for wg in cutlass.range_constexpr(2):
                 cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_HANDOFF_THREADS)
                 self._add_slab(tma_dQ, mdQacc, sdQ[None, None, wg], h, b, q_off, m_block, wg)
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0)  # both landed in global before the hand-off
                 self._pass_turn(mSem, b, h, m_block, 2)
             if step + 1 < steps:
-                for wg in cutlass.range_constexpr(slabs):
+                for wg in cutlass.range_constexpr(2):
                     # bulk groups of this step: slab 0's add, then slab 1's
-                    cute.arch.cp_async_bulk_wait_group(slabs - 1 - wg, read=True)
+                    cute.arch.cp_async_bulk_wait_group(1 - wg, read=True)
                     cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                              number_of_threads=_DQ_HANDOFF_THREADS)
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read

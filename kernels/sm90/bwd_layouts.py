@@ -142,8 +142,7 @@ def _swizzled_bases(dst_ptr, lows, thread_offsets, align, extra_bytes=None):
     return out
 
 
-def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, accumulate: bool = False,
-                     extra=None):
+def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None):
     """Register fragment -> this thread's partition of a swizzled shared-memory tile.
 
     `autovec_copy` swizzles the full address of every vector (add, shift, xor per store), and
@@ -153,13 +152,9 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, ac
     (few distinct values, one swizzled base address each, computed here once) and a high part
     that becomes the store's immediate offset. Same addresses, same data as autovec_copy.
     `thread_offsets`: see _swizzled_bases (then the bases are XORs of one address).
-    `accumulate`: dst += src, one vector at a time (load, add, store), so no second fragment of
-    registers is live. `extra`: (index, stride in elements), a dynamic slot offset added after
-    swizzling, as in copy_atom_to_swizzled.
     """
     sw = _ptr_swizzle(dst.iterator)
     if sw is None:
-        assert not accumulate, "accumulate: swizzled destinations only"
         cute.autovec_copy(src, dst)
     else:
         bits, base, shift = sw
@@ -177,25 +172,13 @@ def copy_to_swizzled(src: cute.Tensor, dst: cute.Tensor, thread_offsets=None, ac
         ):
             v //= 2
         lows = sorted({o % span for o in offs[::v]})
-        extra_bytes = None
-        if extra is not None:
-            idx, stride = extra
-            assert (stride * eb) % span == 0, "slot stride must be a multiple of the swizzle span"
-            extra_bytes = idx * (stride * eb)
-        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, v * eb, extra_bytes)
+        bases = _swizzled_bases(dst.iterator, lows, thread_offsets, v * eb)
         src_index = SL.indexer(src.layout)
         for e in range(0, n, v):
             low = offs[e] % span
             d = cute.make_tensor(bases[low] + (offs[e] - low) // eb, cute.make_layout(v))
             s = cute.make_tensor(src.iterator + src_index(e), cute.make_layout(v))
-            if accumulate:
-                acc = cute.make_rmem_tensor(cute.make_layout(v), src.element_type)
-                cute.autovec_copy(d, acc)
-                for i in range(v):
-                    acc[i] = acc[i] + s[i]
-                cute.autovec_copy(acc, d)
-            else:
-                cute.autovec_copy(s, d)
+            cute.autovec_copy(s, d)
 
 
 def copy_atom_to_swizzled(atom, values: int, src: cute.Tensor, dst: cute.Tensor, thread_offsets=None,

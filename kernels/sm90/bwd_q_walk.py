@@ -6,7 +6,7 @@ of the GQA group come one after the other (`h_local` 0 .. group-1, query head
 hkv * group + h_local).
 
 - `DenseQWalk`: query tiles [m_lo, m_lo + n_m) for every head: the tiles whose rows can see the
-  key tile under causal / window limits (bwd_kernel computes the range), ascending or descending.
+  key tile under causal / window limits (bwd_kernel computes the range).
 - `SparseQWalk`: only the query tiles the block mask lists for this key tile (the transposed lists
   from bwd_sparse.py): per head, first the partial ones (mask_mod must be evaluated), then the
   full ones (mask_mod is true everywhere). A block-mask tile of (ratio_m * tile_m) rows and
@@ -27,40 +27,25 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 class DenseQWalk(DynamicState):
     _dynamic_fields = ("m_lo", "n_m", "count")
 
-    def __init__(self, m_lo: Int32, n_m: Int32, group: int, descending: bool = False):
-        """descending: each head's tiles from the last down to m_lo. Under a causal mask every
-        key tile's walk then ends at its own diagonal but starts at the same last tile, so the
-        CTAs of a head read the same Q / dO tile and add into the same dQ rows at about the same
-        time (as without a mask) instead of each at its own distance from the diagonal."""
+    def __init__(self, m_lo: Int32, n_m: Int32, group: int):
         self.m_lo = m_lo
         self.n_m = n_m
         self.count = n_m * group
-        self.descending = descending
-
-    def _m(self, i: Int32):
-        """m_block of the i-th tile of a head's walk."""
-        if const_expr(self.descending):
-            return self.m_lo + self.n_m - 1 - i
-        return self.m_lo + i
 
     def tile(self, step: Int32):
         """(h_local, m_block, partial) of a step; partial is unused by dense callers."""
         h_local = step // self.n_m
-        return h_local, self._m(step - h_local * self.n_m), Boolean(True)
+        return h_local, self.m_lo + (step - h_local * self.n_m), Boolean(True)
 
     # Cursor walk for loops that visit every step in order: (h_local, m_block) carried from one
     # step to the next, no integer division per step.
     def start(self):
-        return Int32(0), self._m(Int32(0))
+        return Int32(0), self.m_lo
 
     def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
         return cur_h, cur_m, Boolean(True)
 
     def advance(self, cur_h: Int32, cur_m: Int32):
-        if const_expr(self.descending):
-            m = cur_m - 1
-            wrap = m < self.m_lo
-            return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self._m(Int32(0)), m)
         m = cur_m + 1
         wrap = m == self.m_lo + self.n_m
         return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo, m)

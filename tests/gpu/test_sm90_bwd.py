@@ -517,59 +517,6 @@ def test_dq_writer_warp_deterministic(dq_warp):
     _case(BF, 1, 517, 300, 2, 2, 64, 64, left=90, right=10, deterministic=True, expect_dq_warp=dq_warp)
 
 
-
-# ---- dQ split by keys (bwd.DQ_SPLIT_ENV=keys: each consumer warpgroup adds dQ of its own 64 keys,
-# no dS^T barrier between them), alone and with the warpgroups taking turns (bwd.PINGPONG_ENV),
-# and the query tiles walked last to first (bwd.Q_ORDER_ENV=down)
-
-@pytest.fixture(params=["keys", "keys-pingpong", "dims-down", "keys-pingpong-down"])
-def dq_split(request, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    parts = request.param.split("-")
-    monkeypatch.setenv(bwd.DQ_SPLIT_ENV, parts[0])
-    monkeypatch.setenv(bwd.PINGPONG_ENV, "1" if "pingpong" in parts else "0")
-    monkeypatch.setenv(bwd.Q_ORDER_ENV, "down" if "down" in parts else "up")
-    return parts[0] == "keys", "pingpong" in parts, "down" in parts
-
-
-def _expect_split(call_kw, expected, deterministic=False):
-    from torch_fa4.kernels.sm90 import bwd
-
-    split, pingpong, down = expected
-    key = bwd.variant_key(_call_for_key(**call_kw), deterministic)[-3]
-    assert key[10:13] == (down, split, pingpong), key
-
-
-def _call_for_key(d, causal=False, softcap=0.0):
-    q = torch.empty(1, 16, 2, d, dtype=BF)
-    return AttentionCall(q=q, k=q, v=q, scale=d**-0.5, causal=causal, softcap=softcap)
-
-
-@pytest.mark.parametrize("d,causal", [(96, True), (128, False), (128, True)])
-def test_dq_split(dq_split, d, causal):
-    _expect_split(dict(d=d, causal=causal), dq_split)
-    _case(BF, 2, 300, 517, 2, 2, d, d, causal=causal)
-    _case(BF, 2, 517, 300, 2, 2, d, d, causal=causal)
-    _case(BF, 2, 1, 77, 2, 2, d, d, causal=causal)  # one step per CTA
-
-
-def test_dq_split_gqa_window_fp16_seqused(dq_split):
-    _case(BF, 2, 300, 517, 6, 2, 128, 128, causal=True)
-    _case(FP, 2, 333, 200, 8, 1, 128, 128)
-    _case(BF, 2, 300, 517, 2, 1, 128, 128, left=60, right=20)  # key tiles no query sees
-    _case(BF, 3, 150, 600, 2, 2, 128, 128, seqused=True)
-
-
-def test_dq_split_keeps_dims_where_it_does_not_apply(dq_split):
-    # softcap (one pass), deterministic mode: dQ by head-dim halves whatever the switch says
-    split, pingpong, down = dq_split
-    _expect_split(dict(d=128, softcap=8.0), (False, False, down))
-    _expect_split(dict(d=128, causal=True), (False, False, down), deterministic=True)
-    _case(BF, 2, 200, 260, 2, 2, 128, 128, softcap=8.0, causal=True)
-    _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True)
-
-
 def _bench():  # pragma: no cover - manual timing on the device machine
     import triton.testing
 
