@@ -90,9 +90,6 @@ _BWD_SWEEPS = {
     # dP^T's accumulator from -dPsum (one multiply per dS element) or from zero
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # dQ through shared-memory slabs + TMA adds, or straight from registers with vector reductions
-    "bwd-atomics": ({"tma": {"TORCH_FA4_BWD_DQ_ATOMICS": "0"}, "red": {"TORCH_FA4_BWD_DQ_ATOMICS": "1"}},
-                    [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

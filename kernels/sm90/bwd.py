@@ -78,11 +78,6 @@ _EXP2_EMU = "0"
 # TORCH_FA4_BWD_FOLD_DPSUM=1|0; on: +0.4-5% on the D128 rows (H100, NOTES Experiment 31).
 FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
 _FOLD_DPSUM = "1"
-# dQ added from the accumulator registers with vector reductions instead of shared-memory slabs +
-# TMA adds (bwd_kernel `dq_atomics`; where dQ is issued before dK, not in deterministic mode):
-# TORCH_FA4_BWD_DQ_ATOMICS=1|0.
-DQ_ATOMICS_ENV = "TORCH_FA4_BWD_DQ_ATOMICS"
-_DQ_ATOMICS = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -225,16 +220,13 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         sparse = ratios(call, 64)
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
     # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
-    # k-th column, dP^T from -dPsum, dQ added from registers)
+    # k-th column, dP^T from -dPsum)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
-    atomics = (_env_choice(DQ_ATOMICS_ENV, _DQ_ATOMICS, ("0", "1")) == "1" and not deterministic
-               and dq_first(tile_n, dq_in_ring))
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring) and not atomics,
-                    trace, emulate, fold, atomics)
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold)
     return (
         call.q.dtype,
         call.head_dim,
@@ -339,7 +331,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold, atomics = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -348,7 +340,6 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
-        dq_atomics=atomics,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -78,7 +78,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import mod_lowering as mods_dsl
 from ..common.exp2_emulation import exp2_fma
-from ..common.global_reduce import red_add_v2_f32
 from ..common import static_layout as SL
 from . import bwd_layouts as L
 from .bwd_q_walk import DenseQWalk, SparseQWalk
@@ -131,7 +130,6 @@ class Sm90AttentionBackward:
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
         fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
-        dq_atomics: bool = False,  # dQ added from registers (red.global.add.v2.f32), no smem slabs
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -224,14 +222,6 @@ class Sm90AttentionBackward:
         # in the ring keeps the leader warps' adds, which also hand the stage back to the producer.
         assert not (dq_writer_warp and dq_in_ring)
         self.dq_writer_warp = dq_writer_warp
-        # dQ straight from the accumulator registers into the fp32 buffer with vector reductions
-        # (two adjacent columns per instruction): no shared-memory staging, no TMA add, no
-        # writer warp. Shared memory bandwidth, not the tensor cores, bounds a step (~370 KB
-        # moved per 64-query step at D128, of which the dQ slab's store and TMA read are 64 KB;
-        # NOTES Experiment 34); the price is per-thread atomics into L2.
-        self.dq_atomics = bool(dq_atomics)
-        if self.dq_atomics:
-            assert self.dq_under_dk and not (dq_writer_warp or dq_in_ring or deterministic)
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
         self.sparse = sparse is not None
         self.ratio_m, self.ratio_n = sparse if sparse is not None else (1, 1)
@@ -376,7 +366,7 @@ class Sm90AttentionBackward:
             # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
 
-        sdQ_elems = 32 if const_expr(self.dq_in_ring or self.dq_atomics) else 2 * cute.cosize(sdQ_layout)  # 32: unused
+        sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
 
         @cute.struct
         class Storage:
@@ -395,7 +385,7 @@ class Sm90AttentionBackward:
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
         grid = (cute.ceil_div(max_seqlen_k, tn), num_kv_heads, batch)
         self.kernel(
-            tQ, tK, tV, tdO, tLSE, tDp, mdQacc if const_expr(self.dq_atomics) else tdQ, mdK, mdV,
+            tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ,
             mCuQ, mCuK, mSeqUsedK, mSem,
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
@@ -848,13 +838,10 @@ class Sm90AttentionBackward:
                 stamp(8)
                 warpgroup.wait_group(1)
                 stamp(9)
-                if const_expr(self.dq_atomics):
-                    self._dq_red(acc_dQ, thr_dQ, mdQacc, h, b, q_off, m_block, seqlen_q)
-                else:
-                    rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
-                    rdQ.store(acc_dQ.load())
-                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                                 n_block, wg, diag, window_left, is_leader, stamp)
+                rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
+                rdQ.store(acc_dQ.load())
+                self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
+                             n_block, wg, diag, window_left, is_leader, stamp)
                 stamp(11)
                 warpgroup.wait_group(0)
                 stamp(12)
@@ -909,7 +896,7 @@ class Sm90AttentionBackward:
             if steps > 0:  # the last step's dQ
                 self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
                              prev_m, n_block, wg, diag, window_left, is_leader)
-        if const_expr(not (self.dq_writer_warp or self.dq_atomics)):
+        if const_expr(not self.dq_writer_warp):
             if is_leader:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
 
@@ -949,28 +936,6 @@ class Sm90AttentionBackward:
             cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
             self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
                                    n_block, wg, diag, window_left, is_leader)
-
-    @cute.jit
-    def _dq_red(self, acc_dQ, thr_dQ, mdQacc, h, b, q_off, m_block, seqlen_q):
-        """dq_atomics: this thread's dQ values added into the fp32 buffer, two adjacent head-dim
-        columns per vector reduction; rows past seqlen_q skipped (the buffer is unpadded)."""
-        tm, d = self.tile_m, self.d
-        gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d), (m_block, 0))
-        tg = thr_dQ.partition_C(gdQ)
-        tc = thr_dQ.partition_C(cute.make_identity_tensor((tm, d)))
-        n = cute.size(acc_dQ)
-        coords = [tc.layout(e) for e in range(n)]
-        # pairs (e, e + 1): same row, adjacent columns (the accumulator's register pairs)
-        assert all(coords[e + 1][0] == coords[e][0] and coords[e + 1][1] == coords[e][1] + 1
-                   for e in range(0, n, 2)), "dQ accumulator pairs are not adjacent columns"
-        rows = sorted({c[0] for c in coords})
-        lim = seqlen_q - m_block * tm - tc.iterator[0]
-        for i in cutlass.range_constexpr(len(rows)):
-            if rows[i] < lim:
-                for e in cutlass.range_constexpr(0, n, 2):
-                    if const_expr(coords[e][0] == rows[i]):
-                        ptr = tg.iterator + tg.layout(e)
-                        red_add_v2_f32(ptr.toint(), acc_dQ[e], acc_dQ[e + 1])
 
     @cute.jit
     def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
