@@ -707,3 +707,22 @@ def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):
     key, aux = prepare(score_mod, None)
     call = _call(d=64, hq=4, hkv=4, mod_key=key, mods=lookup(key), aux_tensors=aux)
     assert "not supported" in bwd.unsupported_reason(call)
+
+
+# The measuring tool (TORCH_FA4_BWD_TRACE, benchmarks/bwd_trace.py): the traced D128 variant reads
+# the SM clock once per TRACE_EVENTS entry of a step (the default path stamps all of them), the
+# untraced one never.
+@pytest.mark.parametrize("trace", ["0", "4"])
+def test_backward_trace_stamps(trace, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90.bwd_kernel import TRACE_EVENTS
+
+    monkeypatch.setenv(bwd.TRACE_ENV, trace)
+    call = _call(d=128)
+    key = bwd.variant_key(call, False)
+    assert key[-3][7] == int(trace)
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    clocks = sass.count("SR_CLOCKLO")
+    assert clocks == (len(TRACE_EVENTS) if trace != "0" else 0), clocks
+    _check_backward_sass(sass, key, 128, 128)
