@@ -2,7 +2,8 @@
 
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come
-from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch copy.
+from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch multiply (it
+applies the softmax scale, which the kernel leaves out of dQ).
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
 varlen, determinism, key tile, ring stages and queries per step, dQ order and writer warp,
 block-mask tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured

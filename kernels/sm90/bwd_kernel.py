@@ -919,8 +919,9 @@ class Sm90AttentionBackward:
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
                 wg, diag, window_left, is_leader, stamp=None):
-        """A finished dQ, scaled -> this warpgroup's slab -> TMA add into the fp32 buffer (the
-        separate-slab paths; with dq_writer_warp the writer warp issues the add)."""
+        """A finished dQ (unscaled: bwd.py applies the scale) -> this warpgroup's slab -> TMA add
+        into the fp32 buffer (the separate-slab paths; with dq_writer_warp the writer warp issues
+        the add)."""
         if const_expr(self.dq_writer_warp):
             # The writer's previous add has read the slab; store, then hand it over without
             # waiting (the async-proxy fence orders the stores before the TMA read).

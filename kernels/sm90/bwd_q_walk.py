@@ -32,11 +32,6 @@ class DenseQWalk(DynamicState):
         self.n_m = n_m
         self.count = n_m * group
 
-    def tile(self, step: Int32):
-        """(h_local, m_block, partial) of a step; partial is unused by dense callers."""
-        h_local = step // self.n_m
-        return h_local, self.m_lo + (step - h_local * self.n_m), Boolean(True)
-
     # Cursor walk for loops that visit every step in order: (h_local, m_block) carried from one
     # step to the next, no integer division per step.
     def start(self):
