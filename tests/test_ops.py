@@ -100,6 +100,60 @@ def test_gradcheck_varlen_and_seqused():
     assert torch.autograd.gradcheck(lambda q, k, v: torch_fa4.attention(q, k, v, seqused_k=used), (q, k, v))
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True, softcap=2.0), dict(window_size=(3, 1), deterministic=True)], ids=str)
+def test_eager_function_matches_op_autograd(kw):
+    """Eager calls record autograd through eager_autograd.AttentionFunction; the op's own autograd
+    (register_autograd, used by torch.compile and direct op callers) must give the same results."""
+    from torch_fa4 import eager_autograd
+
+    q, k, v = _leaf(2, 9, 4, 16), _leaf(2, 12, 2, 16), _leaf(2, 12, 2, 16)
+    out = torch_fa4.attention(q, k, v, **kw)
+    assert type(out.grad_fn).__name__ == "AttentionFunctionBackward"
+    left, right = kw.get("window_size", (-1, -1))
+    if kw.get("causal"):
+        right = 0
+    op_out, _ = torch.ops.torch_fa4.fwd(q, k, v, [], None, None, None, [], 9, 12, 0.25, kw.get("causal", False),
+                                        left, right, kw.get("softcap", 0.0), "", 128, 128,
+                                        kw.get("deterministic", False))
+    assert type(op_out.grad_fn).__name__ != "AttentionFunctionBackward"
+    assert torch.equal(out, op_out)
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(op_out, (q, k, v), grad)):
+        assert torch.equal(g, w)
+    # no autograd to record: the op is called directly
+    with torch.no_grad():
+        assert torch_fa4.attention(q, k, v, **kw).grad_fn is None
+    assert not eager_autograd.use_function(q.detach(), k.detach(), v.detach())
+    # the lse output carries no gradient
+    _, lse = torch_fa4.attention(q, k, v, return_lse=True, **kw)
+    assert not lse.requires_grad
+
+
+def test_eager_backward_shows_the_op_to_dispatch_modes():
+    """The eager backward skips the bwd op's entry only when nothing could see it: under a
+    TorchDispatchMode the op itself runs (and the mode records it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _leaf(1, 5, 2, 16), _leaf(1, 5, 2, 16), _leaf(1, 5, 2, 16)
+    out = torch_fa4.attention(q, k, v)
+    grad = torch.randn_like(out)
+    want = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    with Record() as mode:
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    assert any(name.startswith("torch_fa4.bwd") for name in mode.ops), mode.ops[:5]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
 

@@ -150,6 +150,23 @@ def test_dq_first_selection(monkeypatch):
         bwd.variant_key(_call(d=128), False)
 
 
+def test_variant_key_memo_agrees(monkeypatch):
+    """variant_key is memoized on what it reads: every call gets the key a fresh derivation gives,
+    including after an environment knob changes between calls."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    cases = [dict(d=64), dict(d=128), dict(d=128, causal=True), dict(d=128, window_right=8),
+             dict(d=128, window_left=8), dict(d=96, softcap=5.0), dict(d=128, hq=4, hkv=1),
+             dict(d=256, dtype=torch.float16), dict(d=128, seqused=True), dict(d=64, varlen=True)]
+    for det in (False, True):
+        for kw in cases:
+            for env in ("", "64"):
+                monkeypatch.setenv(bwd.TILE_M_ENV, env)
+                for _ in range(2):
+                    assert bwd.variant_key(_call(**kw), det) == bwd._variant_key(_call(**kw), det), (kw, det, env)
+    assert bwd.variant_key(_call(d=64), False) != bwd.variant_key(_call(d=64, causal=True), False)
+
+
 def test_dq_writer_warp_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 

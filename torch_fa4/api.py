@@ -2,7 +2,8 @@
 
 Both normalise their arguments, check them (`checks`), turn mods into a registry key plus captured
 tensors (`torch_fa4.mods.prepare`) and call the `torch_fa4::fwd` op, which autograd and
-torch.compile understand.
+torch.compile understand (eager calls that record autograd reach the same op through
+`eager_autograd`, whose bookkeeping is cheaper).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_fa4 import checks
+from torch_fa4 import checks, eager_autograd
 
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
@@ -74,11 +75,13 @@ def attention(
 
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q, seq_dim=1)
     max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k, seq_dim=1)
-    out, lse = torch.ops.torch_fa4.fwd(
-        q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors,
-        max_seqlen_q, max_seqlen_k, float(scale), bool(causal), window_left, window_right,
-        float(softcap), mod_key, bm_q, bm_kv, bool(deterministic),
-    )
+    rest = (aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
+            float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv,
+            bool(deterministic))
+    if eager_autograd.use_function(q, k, v):  # the same op, without its generic autograd wrapper
+        out, lse = eager_autograd.AttentionFunction.apply(q, k, v, rest)
+    else:
+        out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
     if return_lse:
         return out, lse.detach()
     return out

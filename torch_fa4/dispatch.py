@@ -9,6 +9,7 @@ runs on the reference. `TORCH_FA4_BACKEND=reference` forces the reference everyw
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -23,9 +24,36 @@ _ARCH_PACKAGES = {9: "torch_fa4.kernels.sm90", 10: "torch_fa4.kernels.sm100"}
 _warned: set[str] = set()
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, asked of the driver once per device."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _arch_package(device: torch.device) -> Optional[str]:
-    major, _ = torch.cuda.get_device_capability(device)
-    return _ARCH_PACKAGES.get(major)
+    return _ARCH_PACKAGES.get(capability(device)[0])
+
+
+_modules: dict[tuple[str, str], object] = {}
+
+
+def _kernel_module(name: str, direction: str):
+    """The module holding `direction`'s kernel of architecture package `name`, or None. Looked up
+    once: this sits on every call's path."""
+    key = (name, direction)
+    if key not in _modules:
+        # The architecture package's forward lives in the package itself; its backward in `<pkg>.bwd`.
+        try:
+            _modules[key] = importlib.import_module(name if direction == "forward" else name + ".bwd")
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith(name):
+                raise
+            _modules[key] = None
+    return _modules[key]
 
 
 def _is_empty(call: AttentionCall) -> bool:
@@ -46,13 +74,7 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
     name = _arch_package(call.q.device)
     if name is None:
         return None
-    # The architecture package's forward lives in the package itself; its backward in `<pkg>.bwd`.
-    try:
-        module = importlib.import_module(name if direction == "forward" else name + ".bwd")
-    except ModuleNotFoundError as e:
-        if not e.name or not e.name.startswith(name):
-            raise
-        module = None
+    module = _kernel_module(name, direction)
     if module is None or getattr(module, direction, None) is None:
         reason = f"no {direction} kernel for this architecture yet"
     else:

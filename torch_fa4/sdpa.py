@@ -98,17 +98,9 @@ def device_reason(*tensors) -> Optional[str]:
     (device,) = devices
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    return arch_reason(_capability(device))
+    from torch_fa4 import dispatch
 
-
-@functools.lru_cache(maxsize=None)
-def _capability_cached(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_cached(index)
+    return arch_reason(dispatch.capability(device))
 
 
 def _op_args(q, k, v, scale: Optional[float], is_causal: bool) -> tuple:

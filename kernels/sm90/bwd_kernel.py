@@ -238,6 +238,8 @@ class Sm90AttentionBackward:
         # warps x 32 ex2 x 8 cycles = 512 cycles at 64 queries, ~100 other instructions per warp)
         # while the tensor cores wait for it (NOTES Experiment 28).
         self.exp2_emulate_every = exp2_emulate_every
+        # dK / dV leave through shared memory and TMA stores (see __call__)
+        self.stage_dkdv = not varlen and not self.narrow
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -338,6 +340,16 @@ class Sm90AttentionBackward:
         tma_V, tV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (tn, dv)
         )
+        # dK / dV leave through the K / V buffers (free once the walk is over) and one TMA store
+        # each: direct stores of the accumulators cost ~5 us per CTA at the end of its walk
+        # (16-byte pieces of 8 rows per warp instruction, every SM storing at once), 13-17% of a
+        # 1k-token backward (NOTES Experiment 36). Varlen keeps the direct stores (a whole tile
+        # would overwrite the next sequence's first rows), and so do the 64-key variants (D > 128:
+        # their head-dim split between the warpgroups does not partition the K buffer's layout).
+        tma_dK = tma_dV = None
+        if const_expr(self.stage_dkdv):
+            tma_dK, mdK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
+            tma_dV, mdV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, dv))
         row_layout = cute.make_layout(tm)
         tma_LSE, tLSE = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mLSE2, row_layout, (tm,)
@@ -386,7 +398,7 @@ class Sm90AttentionBackward:
         grid = (cute.ceil_div(max_seqlen_k, tn), num_kv_heads, batch)
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
             mCuQ, mCuK, mSeqUsedK, mSem,
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
@@ -404,7 +416,7 @@ class Sm90AttentionBackward:
         mdK: cute.Tensor, mdV: cute.Tensor,
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_dO: cute.CopyAtom, tma_LSE: cute.CopyAtom, tma_Dp: cute.CopyAtom,
-        tma_dQ: cute.CopyAtom,
+        tma_dQ: cute.CopyAtom, tma_dK, tma_dV,
         mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
@@ -524,7 +536,7 @@ class Sm90AttentionBackward:
             # ================= consumer warpgroups
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self._consume(
-                mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
+                mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
                 mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
                 window_left, window_right, hkv, b, n_block, walk, steps,
                 seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
@@ -604,7 +616,7 @@ class Sm90AttentionBackward:
 
     @cute.jit
     def _consume(
-        self, mdQacc, tma_dQ, mdK, mdV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
+        self, mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
         mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
         window_left, window_right, hkv, b, n_block, walk, steps,
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
@@ -904,8 +916,15 @@ class Sm90AttentionBackward:
         # k tensor is written (zeros past seqlen_k); rows of the next sequence are left alone.
         gdK = cute.local_tile(self._head_slice(mdK, hkv, b, k_off), (tn, d), (n_block, 0))
         gdV = cute.local_tile(self._head_slice(mdV, hkv, b, k_off), (tn, dv), (n_block, 0))
-        self._store_rows(acc_dK, thr_dK.partition_C(gdK), thr_dK.partition_C(cute.make_identity_tensor((tn, d))), rows_k - n_block * tn, scale)
-        self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))
+        if const_expr(not self.stage_dkdv):
+            self._store_rows(acc_dK, thr_dK.partition_C(gdK), thr_dK.partition_C(cute.make_identity_tensor((tn, d))), rows_k - n_block * tn, scale)
+            self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))
+        else:
+            # TMA drops the rows past the tensor's end; rows past seqused_k hold zeros
+            self._store_via_smem(acc_dK, thr_dK, sK, tma_dK, gdK, scale, ctid)
+            self._store_via_smem(acc_dV, thr_dV, sV, tma_dV, gdV, Float32(1.0), ctid)
+            if ctid // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
 
     @cute.jit
     def _stamp(self, mTrace, n_block, hkv, b, ctid, step, event: cutlass.Constexpr):
@@ -1120,6 +1139,25 @@ class Sm90AttentionBackward:
                 S[r, c] = p
                 if const_expr(dP is not None):
                     dP[r, c] = p * (dP[r, c] - dpsum) * grad_factor
+
+    @cute.jit
+    def _store_via_smem(self, acc, thr, s_tile, tma_store, g_tile, factor, ctid):
+        """A (keys, head dim) accumulator of both consumer warpgroups -> `s_tile` (the K or V
+        buffer, in the input dtype) -> one TMA store into `g_tile`, issued by the first consumer
+        warp (which must wait for the read before the CTA exits)."""
+        # every consumer is past its last product reading the buffer (S^T and dQ read K, dP^T V)
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        r = cute.make_rmem_tensor_like(acc, self.dtype)
+        r.store((acc.load() * factor).to(self.dtype))
+        L.copy_to_swizzled(r, thr.partition_C(s_tile))
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes before the TMA read
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        if ctid // 32 == 0:
+            one = cute.make_layout(1)
+            tS, tG = cpasync.tma_partition(tma_store, 0, one, cute.group_modes(s_tile, 0, 2),
+                                           cute.group_modes(g_tile, 0, 2))
+            cute.copy(tma_store, tS, tG)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _store_rows(self, acc, tg, tc, rows_left, factor):
