@@ -90,6 +90,10 @@ _BWD_SWEEPS = {
     # dP^T's accumulator from -dPsum (one multiply per dS element) or from zero
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # CTA order (bwd_kernel._cta_coords): key tiles of groups of G (kv head, batch) pairs, longest first
+    "bwd-cta-group": ({f"G{g}": {"TORCH_FA4_BWD_CTA_GROUP": str(g)} for g in (1, 4, 8, 16, 1024)},
+                      [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (True, False)
+                       if c or S == 4096]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

@@ -30,11 +30,14 @@ class AttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)  # the API returns LSE detached
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse on every backward
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
+        if grad_out is None:  # nothing reached `out` (grads are not materialized)
+            return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if _plain(grad_out, q, k, v):

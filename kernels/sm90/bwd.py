@@ -2,8 +2,8 @@
 
 `backward` = preprocessing (dPsum = rowsum(dO * O), LSE in log2 units) -> the CuTe DSL kernel
 (bwd_kernel.py) -> dQ fp32 -> dtype. The row statistics (lse in log2 units, rowsum(dO * O)) come
-from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one torch multiply (it
-applies the softmax scale, which the kernel leaves out of dQ).
+from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one more pass
+(bwd_dq_convert.py; it applies the softmax scale, which the kernel leaves out of dQ).
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
 varlen, determinism, key tile, ring stages and queries per step, dQ order and writer warp,
 block-mask tile ratios, mods key); shapes, strides, scale, softcap value, window sizes, captured
@@ -274,6 +274,20 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     )
 
 
+# CTA order (bwd_kernel._cta_coords): key tiles of groups of this many (kv head, batch) pairs,
+# longest walks first, under causal masks; 1 (one pair's key tiles in a row) otherwise.
+# TORCH_FA4_BWD_CTA_GROUP=N overrides (a runtime argument: no recompile).
+CTA_GROUP_ENV = "TORCH_FA4_BWD_CTA_GROUP"
+_CAUSAL_CTA_GROUP = 8
+
+
+def cta_group(call: "AttentionCall", pairs: int) -> int:
+    value = os.environ.get(CTA_GROUP_ENV, "").strip()
+    if value:
+        return max(1, min(int(value), pairs))
+    return min(_CAUSAL_CTA_GROUP, pairs) if call.causal else 1
+
+
 def _window(call: "AttentionCall") -> tuple[int | None, int | None]:
     """Effective (right, left) key limits relative to the diagonal; None = unbounded."""
     right = call.window_right if call.window_right >= 0 else None
@@ -388,7 +402,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     tvm = _use_tvm_ffi()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem, *lists,
-            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), *aux, stream)
+            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), *aux, stream)
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
     if dump_dir is not None:
         options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
@@ -489,13 +503,18 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
         cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-        int(left or 0), int(right or 0), int(max_k), *aux,
+        int(left or 0), int(right or 0), int(max_k), cta_group(call, k.shape[-2] * call.batch), *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)
     with torch.no_grad():
         if call.is_varlen:
             torch.mul(dq_acc[:, : q.shape[0]].transpose(0, 1), call.scale, out=dq)
+            return
+        from . import bwd_dq_convert
+
+        if bwd_dq_convert.takes(dq_acc_rows, dq):
+            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale)
         else:
             torch.mul(dq_acc_rows, call.scale, out=dq)
 

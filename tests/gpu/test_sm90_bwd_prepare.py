@@ -186,3 +186,34 @@ def test_attention_backward_matches_float64_with_fused_statistics(d, varlen, mon
         assert not torch.isnan(got.grad).any(), f"d{name} has NaN"
         err = ((got.grad.double() - want.grad).norm() / want.grad.norm()).item()
         assert err < 1.5e-2, f"d{name}: relative error {err:.3e}"
+
+
+# ---- the last pass: dq = dq_acc * scale in the input dtype (kernels/sm90/bwd_dq_convert.py)
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [8, 2040, 2048, 2056, 3 * 517 * 5 * 64])
+def test_dq_conversion_matches_torch(n, dtype):
+    """Fresh fp32 values (some beyond the 16-bit range), a NaN-poisoned output: the same bits as
+    torch's multiply-then-round, including a partial last CTA and a single chunk."""
+    from torch_fa4.kernels.sm90 import bwd_dq_convert
+
+    src = torch.randn(n, device="cuda") * 3
+    src[:: 97] *= 1e5  # overflow to inf in fp16 alike
+    dst = torch.full((n,), float("nan"), device="cuda", dtype=dtype)
+    assert bwd_dq_convert.takes(src, dst)
+    bwd_dq_convert.scaled_narrow(src, dst, 0.0883)
+    want = (src * 0.0883).to(dtype)
+    assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
+
+
+def test_dq_conversion_refuses_layouts_it_cannot_read():
+    from torch_fa4.kernels.sm90 import bwd_dq_convert
+
+    src = torch.zeros(4, 64, device="cuda")
+    dst = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
+    assert bwd_dq_convert.takes(src, dst)
+    assert not bwd_dq_convert.takes(src.t(), dst)  # not contiguous
+    assert not bwd_dq_convert.takes(src.view(-1)[4:], dst.view(-1)[4:])  # 16-byte misaligned, odd count
+    assert not bwd_dq_convert.takes(src, dst.float())  # not a 16-bit output
+    assert bwd_dq_convert.takes(src[:, :60].contiguous(), dst[:, :60].contiguous())  # 240: a multiple of 8
+    assert not bwd_dq_convert.takes(torch.zeros(36, device="cuda"), torch.zeros(36, device="cuda", dtype=torch.bfloat16))

@@ -1,0 +1,95 @@
+"""sm90 backward's last pass as one CuTe DSL kernel: the fp32 dQ buffer -> dq in the input dtype.
+
+The backward kernel adds every key tile's dQ into an fp32 buffer laid out like dq itself
+(B, Sq, Hq, D), and leaves the softmax scale out (bwd_kernel: one multiply per element less in
+the loop). This pass applies it while narrowing: dq = dq_acc * scale, element for element, both
+contiguous, so it is a flat loop over N = B * Sq * Hq * D elements.
+
+`torch.mul(dq_acc, scale, out=dq)` did the same in 67 us at 16k tokens x 2048 (H200): with an
+output dtype that differs from the input's, torch runs its unrolled (not vectorized) elementwise
+kernel. Here each thread reads 8 floats as two 16-byte loads and writes 8 16-bit values as one
+16-byte store, so the pass moves its 3 x 67 MB at close to DRAM bandwidth.
+
+Compiled once per output dtype; N is symbolic (a multiple of 8: head dims are).
+Importing this module loads CuTe DSL; bwd.py imports it only for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32
+
+VEC = 8  # elements per thread: 2 x 16-byte fp32 loads, 1 x 16-byte store of 16-bit values
+THREADS = 256
+MAX_ELEMENTS = 2**31 - VEC * THREADS  # 32-bit element indices
+
+
+class ScaledNarrowKernel:
+    """fn(src, dst, scale): dst[i] = src[i] * scale for i < N, src fp32 (N,), dst 16-bit (N,)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    @cute.jit
+    def __call__(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32, stream):
+        per_cta = VEC * THREADS
+        grid = ((cute.size(src) + per_cta - 1) // per_cta, 1, 1)
+        self.kernel(src, dst, scale).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        chunk = bidx * THREADS + tidx  # this thread's 8 elements: column `chunk` below
+        src_v = cute.logical_divide(src, cute.make_layout(VEC))  # (VEC, N / VEC)
+        dst_v = cute.logical_divide(dst, cute.make_layout(VEC))
+        if chunk * VEC < cute.size(src):
+            r_src = cute.make_rmem_tensor((VEC,), Float32)
+            cute.autovec_copy(src_v[None, chunk], r_src)
+            r_dst = cute.make_rmem_tensor((VEC,), self.dtype)
+            r_dst.store((r_src.load() * scale).to(self.dtype))
+            cute.autovec_copy(r_dst, dst_v[None, chunk])
+
+
+def _cute_dtype(dtype: torch.dtype):
+    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+
+
+def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None):
+    """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
+    cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there."""
+    from torch_fa4.kernels import compile_cache
+
+    if dump_dir is not None:
+        return _compile(dtype, arch, dump_dir)
+    return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype), lambda: _compile(dtype, arch, None))
+
+
+def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None):
+    from .bwd import _use_tvm_ffi
+
+    n = cute.sym_int(divisibility=VEC)
+    src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
+    dst = cute.runtime.make_fake_tensor(_cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
+    tvm = _use_tvm_ffi()  # without tvm_ffi (a CPU-only checkout) it still compiles, for the tests
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
+    if dump_dir is not None:
+        options += f" --keep-cubin --dump-dir {dump_dir}"
+    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype)), src, dst, Float32(1.0), stream, options=options)
+
+
+def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether the kernel takes this pair: CUDA, contiguous, fp32 -> fp16/bf16, equal sizes that
+    are multiples of 8, 16-byte aligned, within 32-bit indexing."""
+    return (src.is_cuda and src.dtype == torch.float32 and dst.dtype in (torch.float16, torch.bfloat16)
+            and src.is_contiguous() and dst.is_contiguous() and src.numel() == dst.numel()
+            and src.numel() % VEC == 0 and 0 < src.numel() <= MAX_ELEMENTS
+            and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0)
+
+
+def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
+    """dst = src * scale in dst's dtype (call when `takes(src, dst)`)."""
+    compile_kernel(dst.dtype)(src.view(-1), dst.view(-1), float(scale))
