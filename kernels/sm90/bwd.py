@@ -274,18 +274,16 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     )
 
 
-# CTA order (bwd_kernel._cta_coords): key tiles of groups of this many (kv head, batch) pairs,
-# longest walks first, under causal masks; 1 (one pair's key tiles in a row) otherwise.
-# TORCH_FA4_BWD_CTA_GROUP=N overrides (a runtime argument: no recompile).
+# CTA order (bwd_kernel._cta_coords): the key tiles of groups of G (kv head, batch) pairs, the
+# longest causal walks first. G = 1, one pair's key tiles in a row, everywhere: on an H200 G = 4
+# or 8 moved the causal rows by -4% to +3% (S16k lost, S4k gained; NOTES Experiment 37).
+# TORCH_FA4_BWD_CTA_GROUP=G overrides (a runtime argument: no recompile; bench --sweep bwd-cta-group).
 CTA_GROUP_ENV = "TORCH_FA4_BWD_CTA_GROUP"
-_CAUSAL_CTA_GROUP = 8
 
 
 def cta_group(call: "AttentionCall", pairs: int) -> int:
     value = os.environ.get(CTA_GROUP_ENV, "").strip()
-    if value:
-        return max(1, min(int(value), pairs))
-    return min(_CAUSAL_CTA_GROUP, pairs) if call.causal else 1
+    return max(1, min(int(value), pairs)) if value else 1
 
 
 def _window(call: "AttentionCall") -> tuple[int | None, int | None]:
