@@ -49,9 +49,13 @@ def test_varlen_and_dense_share_one_compiled_kernel(monkeypatch):
     assert keys == [(torch.bfloat16, 64)] * 2
 
 
-def _emulated(dout, out, lse, lse2, dpsum):
+def _emulated(dout, out, lse, lse2, dpsum, dq_acc=None):
     """The compiled kernel's contract in float64 torch, checking the arguments it would be given
-    against the compiled signature (4-d dO/O with 16-byte strides, 3-d lse and outputs)."""
+    against the compiled signature (4-d dO/O with 16-byte strides, 3-d lse and outputs, the dQ
+    buffer to zero: 4-d rows of dO's (B, S, H))."""
+    if dq_acc is not None:
+        assert dq_acc.dim() == 4 and dq_acc.shape[:3] == dout.shape[:3] and dq_acc.is_contiguous()
+        dq_acc.zero_()
     assert dout.dim() == out.dim() == 4 and lse.dim() == lse2.dim() == dpsum.dim() == 3
     for t in (dout, out):
         assert t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]), t.stride()
@@ -62,6 +66,39 @@ def _emulated(dout, out, lse, lse2, dpsum):
     dpsum[..., :s] = (dout.double() * out.double()).sum(-1).transpose(1, 2)
     lse2[..., s:] = math.inf
     dpsum[..., s:] = 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
+def test_kernel_zeroing_the_dq_buffer_adds_only_vector_stores(dv, d, dtype, tmp_path):
+    from torch_fa4.kernels.sm90 import bwd_prepare
+
+    bwd_prepare.compile_kernel(dtype, dv, dump_dir=str(tmp_path), d_zero=d)
+    sass = sass_of(tmp_path)
+    per_thread = d // (bwd_prepare.ZERO_VEC * bwd_prepare.THREADS_PER_ROW)
+    assert sass.count("STG.E.128") == per_thread, "the dQ row is not zeroed in 16-byte stores"
+    assert sass.count("LDG.E.128") == 2 * dv // (bwd_prepare.VEC * bwd_prepare.THREADS_PER_ROW)
+    assert sass.count("STG.E ") == 4 and "LDL" not in sass and "STL" not in sass
+
+
+def test_backward_host_zeroes_the_dq_buffer_in_either_path(monkeypatch):
+    """bwd.row_statistics zeroes the dQ buffer it is handed: inside the fused pass on CUDA, by
+    torch on the CPU path (here)."""
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import bwd
+
+    dout = torch.randn(2, 70, 3, 64).to(torch.bfloat16)
+    call = AttentionCall(q=dout, k=dout, v=dout, scale=1.0)
+    dq_acc = torch.full((2, 70, 3, 64), math.nan)
+    bwd.row_statistics(call, dout, dout.clone(), torch.randn(2, 3, 70), zero_dq=dq_acc)
+    assert (dq_acc == 0).all()
+    # what the fused pass would be handed: dense fp32 rows matching dO, D a multiple of 16
+    from torch_fa4.kernels.sm90 import bwd_prepare
+
+    assert bwd_prepare.dq_zeroing_takes(dq_acc, dout)
+    assert not bwd_prepare.dq_zeroing_takes(dq_acc.transpose(1, 2), dout)
+    assert not bwd_prepare.dq_zeroing_takes(dq_acc[..., :40], dout)
+    assert not bwd_prepare.dq_zeroing_takes(dq_acc[:, :69], dout)
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -414,7 +414,8 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return out
 
 
-def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, tile_m: int = _TILE_M):
+def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, tile_m: int = _TILE_M,
+                   zero_dq=None):
     """Per query row, padded to whole query tiles of `tile_m` rows (the variant's queries per
     step): (lse * log2 e, rowsum(dO * O)) in fp32.
 
@@ -425,6 +426,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
 
     CUDA tensors go through one fused CuTe DSL kernel (bwd_prepare.py) where it takes them;
     otherwise (CPU, unaligned or expanded views) the torch expression below runs.
+    `zero_dq`: a dQ buffer to zero as well (inside the fused pass where it can).
     """
     q = call.q
     if call.is_varlen:
@@ -435,7 +437,13 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
         from . import bwd_prepare
 
         if bwd_prepare.unsupported_reason(dout, out, lse) is None:
-            return (*bwd_prepare.row_statistics(dout, out, lse, rows), rows)
+            fused_zero = zero_dq is not None and bwd_prepare.dq_zeroing_takes(zero_dq, dout)
+            stats = bwd_prepare.row_statistics(dout, out, lse, rows, zero_dq if fused_zero else None)
+            if zero_dq is not None and not fused_zero:
+                zero_dq.zero_()
+            return (*stats, rows)
+    if zero_dq is not None:
+        zero_dq.zero_()
     lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
     dpsum = (dout.float() * out.float()).sum(-1)  # (B, Sq, Hq) or (Tq, Hq)
     if call.is_varlen:
@@ -466,14 +474,16 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         min_rows = bwd_sparse.padded_rows(call)
     if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
-    lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
     if call.is_varlen:
+        lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
     else:
         # dq's (B, Sq, Hq, D) layout, unpadded (the kernel's TMA adds drop rows past Sq), handed
-        # to the kernel as a (B, Hq, Sq, D) view: the conversion below is one contiguous pass
-        dq_acc_rows = torch.zeros((q.shape[0], q.shape[1], call.num_heads, call.head_dim),
+        # to the kernel as a (B, Hq, Sq, D) view: the conversion below is one contiguous pass.
+        # Zeroed by the row-statistics pass.
+        dq_acc_rows = torch.empty((q.shape[0], q.shape[1], call.num_heads, call.head_dim),
                                   dtype=torch.float32, device=q.device)
+        lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
         dq_acc = dq_acc_rows.transpose(1, 2)
     max_k = call.max_seqlen_k if call.is_varlen else k.shape[1]
     sem = None

@@ -30,39 +30,45 @@ import math
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 ROWS_PER_CTA = 64
 THREADS_PER_ROW = 4  # a power of two dividing 32: a row's threads share one warp
 VEC = 8  # 16-bit elements per 16-byte load
+ZERO_VEC = 4  # fp32 elements per 16-byte store (the dQ buffer's zeros)
 SUPPORTED_DV = (64, 96, 128, 192, 256)
 LOG2E = math.log2(math.e)
 _SHUFFLE_STEPS = THREADS_PER_ROW.bit_length() - 1  # butterfly steps over a row's threads
 
 
 class RowStatisticsKernel:
-    """fn(dout, out, lse, lse2, dpsum): dout/out (B, S, H, Dv), lse (B, H, S), lse2/dpsum
-    (B, H, rows) with rows >= S (written in full, padding included)."""
+    """fn(dout, out, lse, lse2, dpsum, dq_acc): dout/out (B, S, H, Dv), lse (B, H, S), lse2/dpsum
+    (B, H, rows) with rows >= S (written in full, padding included); dq_acc (B, S, H, d_zero) fp32
+    is zeroed on the way (None when d_zero = 0)."""
 
     threads = ROWS_PER_CTA * THREADS_PER_ROW
 
-    def __init__(self, dtype, dv: int):
+    def __init__(self, dtype, dv: int, d_zero: int = 0):
         if dv % (VEC * THREADS_PER_ROW):
             raise ValueError(f"Dv={dv} is not a multiple of {VEC * THREADS_PER_ROW}")
+        if d_zero % (ZERO_VEC * THREADS_PER_ROW):
+            raise ValueError(f"D={d_zero} is not a multiple of {ZERO_VEC * THREADS_PER_ROW}")
         self.dtype = dtype
         self.dv = dv
         self.vecs_per_thread = dv // (VEC * THREADS_PER_ROW)
+        self.d_zero = d_zero
+        self.zero_vecs_per_thread = d_zero // (ZERO_VEC * THREADS_PER_ROW)
 
     @cute.jit
     def __call__(self, dout: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
-                 dpsum: cute.Tensor, stream):
+                 dpsum: cute.Tensor, dq_acc, stream):
         batch, heads, rows = lse2.shape
         grid = ((rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, heads, batch)
-        self.kernel(dout, out, lse, lse2, dpsum).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+        self.kernel(dout, out, lse, lse2, dpsum, dq_acc).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, dout: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
-               dpsum: cute.Tensor):
+               dpsum: cute.Tensor, dq_acc):
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
         seqlen = dout.shape[1]
@@ -83,6 +89,14 @@ class RowStatisticsKernel:
             for j in cutlass.range_constexpr(self.vecs_per_thread):
                 cute.autovec_copy(do_vecs[None, part + j * THREADS_PER_ROW], r_do[None, j])
                 cute.autovec_copy(o_vecs[None, part + j * THREADS_PER_ROW], r_o[None, j])
+            if const_expr(self.d_zero > 0):
+                # the backward's dQ buffer row, zeroed while the loads are in flight (a separate
+                # fill pass cost one more launch and ~30 us at 16k tokens x 2048 on an H200)
+                z_vecs = cute.logical_divide(dq_acc[b, row, h, None], cute.make_layout(ZERO_VEC))
+                zero = cute.make_rmem_tensor((ZERO_VEC,), Float32)
+                zero.fill(0.0)
+                for j in cutlass.range_constexpr(self.zero_vecs_per_thread):
+                    cute.autovec_copy(zero, z_vecs[None, part + j * THREADS_PER_ROW])
             prod = r_do.load().to(Float32) * r_o.load().to(Float32)
             acc = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         # outside the branch: every lane of the warp takes part in the shuffles
@@ -103,20 +117,22 @@ def _cute_dtype(dtype: torch.dtype):
     return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
 
 
-def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: str | None = None):
-    """cute.compile the kernel for (dtype, Dv) against symbolic shapes and strides (no GPU needed).
+def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: str | None = None,
+                   d_zero: int = 0):
+    """cute.compile the kernel for (dtype, Dv, head dim of the dQ buffer it zeroes or 0) against
+    symbolic shapes and strides (no GPU needed).
 
     Cached per process (kernels/compile_cache.py); dump_dir: also keep the cubin there (always
     compiles, bypassing the cache)."""
     from torch_fa4.kernels import compile_cache
 
     if dump_dir is not None:
-        return _compile(dtype, dv, arch, dump_dir)
-    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv),
-                                        lambda: _compile(dtype, dv, arch, None))
+        return _compile(dtype, dv, arch, dump_dir, d_zero)
+    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero),
+                                        lambda: _compile(dtype, dv, arch, None, d_zero))
 
 
-def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None):
+def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0):
     from .bwd import _use_tvm_ffi
 
     sym, s64 = cute.sym_int, cute.sym_int64
@@ -132,13 +148,18 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None):
     lse = fake(Float32, (b, h, s), (s64(), s64(), s64()), 4)  # slices of per-sequence views
     lse2 = fake(Float32, (b, h, rows), (s64(), s64(), 1), 4)
     dpsum = fake(Float32, (b, h, rows), (s64(), s64(), 1), 4)
+    dq_acc = None
+    if d_zero:
+        a4 = lambda: s64(divisibility=ZERO_VEC)
+        dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
     # Without tvm_ffi (a CPU-only checkout) the kernel still compiles, for the compile tests.
     tvm = _use_tvm_ffi()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
     if dump_dir is not None:
         options += f" --keep-cubin --dump-dir {dump_dir}"
-    return cute.compile(RowStatisticsKernel(cdt, dv), dout, out, lse, lse2, dpsum, stream, options=options)
+    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero), dout, out, lse, lse2, dpsum, dq_acc, stream,
+                        options=options)
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -187,17 +208,18 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
     return None
 
 
-def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int):
+def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None):
     """(lse2, dpsum), each (B, H, rows) dense or (H, rows) varlen, contiguous fp32, from dout/out
-    (B, S, H, Dv) or (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None."""
+    (B, S, H, Dv) or (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
+    dq_acc: a dense (B, S, H, D) fp32 buffer to zero in the same pass (see dq_zeroing_takes)."""
     # one allocation for both (each costs the host time per call); the second half starts B*H*rows
     # floats in, 16-byte aligned for the backward's TMA with bwd.row_statistics' rows (whole tiles)
     lse2, dpsum = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
-    row_statistics_into(dout, out, lse, lse2, dpsum)
+    row_statistics_into(dout, out, lse, lse2, dpsum, dq_acc)
     return lse2, dpsum
 
 
-def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor) -> None:
+def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None) -> None:
     """Like row_statistics, into given contiguous fp32 buffers of shape (*lse.shape[:-1], rows),
     rows >= S; every element is written (padding included)."""
     for t in (lse2, dpsum):
@@ -205,5 +227,17 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor)
         assert t.shape[-1] >= lse.shape[-1], "fewer rows than the sequence"
     if dout.dim() == 3:  # varlen: the packed rows are one batch of T rows
         dout, out, lse, lse2, dpsum = (t.unsqueeze(0) for t in (dout, out, lse, lse2, dpsum))
-    fn = compile_kernel(dout.dtype, dout.shape[-1])
-    fn(_packed_size_one_strides(dout), _packed_size_one_strides(out), lse, lse2, dpsum)
+    if dq_acc is None:
+        fn = compile_kernel(dout.dtype, dout.shape[-1])
+    else:
+        assert dq_zeroing_takes(dq_acc, dout), "dQ buffer the pass cannot zero"
+        fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=dq_acc.shape[-1])
+    fn(_packed_size_one_strides(dout), _packed_size_one_strides(out), lse, lse2, dpsum, dq_acc)
+
+
+def dq_zeroing_takes(dq_acc: torch.Tensor, dout: torch.Tensor) -> bool:
+    """Whether the pass can zero this dQ buffer: dense (B, S, H, D) fp32 rows matching dO's,
+    contiguous, D a multiple of 16, 16-byte aligned."""
+    return (dout.dim() == 4 and dq_acc.dtype == torch.float32 and dq_acc.shape[:3] == dout.shape[:3]
+            and dq_acc.is_contiguous() and dq_acc.shape[-1] % (ZERO_VEC * THREADS_PER_ROW) == 0
+            and dq_acc.data_ptr() % 16 == 0)

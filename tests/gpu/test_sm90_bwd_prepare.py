@@ -217,3 +217,18 @@ def test_dq_conversion_refuses_layouts_it_cannot_read():
     assert not bwd_dq_convert.takes(src, dst.float())  # not a 16-bit output
     assert bwd_dq_convert.takes(src[:, :60].contiguous(), dst[:, :60].contiguous())  # 240: a multiple of 8
     assert not bwd_dq_convert.takes(torch.zeros(36, device="cuda"), torch.zeros(36, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
+def test_fused_pass_zeroes_the_dq_buffer(dv, d):
+    """The row-statistics pass zeroes the backward's (B, S, H, D) fp32 dQ buffer, NaN-poisoned
+    here, and still writes the same statistics."""
+    from torch_fa4.kernels.sm90 import bwd_prepare
+
+    dout, out, lse = _inputs("dense", dv, torch.bfloat16)
+    dq_acc = torch.full((*dout.shape[:3], d), math.nan, device="cuda")
+    rows = math.ceil(lse.shape[-1] / 64) * 64
+    lse2, dpsum = bwd_prepare.row_statistics(dout, out, lse, rows, dq_acc)
+    torch.cuda.synchronize()
+    assert (dq_acc == 0).all()
+    _check(lse2, dpsum, dout, out, lse, rows)
