@@ -1,11 +1,12 @@
 """Eager-mode autograd for `torch_fa4.attention`: one small autograd.Function around the two ops.
 
 The `torch_fa4::fwd` op carries its own autograd (ops.py, `register_autograd`), and that is what
-torch.compile and direct op callers use. In eager mode that generic wrapper costs more than the
-attention itself at short sequences: because the op takes `list[Tensor]` arguments, torch wraps
-its autograd.Function to flatten and rebuild all 19 arguments through pytree on every forward and
-backward. On the H100 host one `autograd.grad` through it took ~570 us, of which the backward op
-call was ~220 us (benchmarks/NOTES.md "Session 8"), longer than a 16k-token D128 backward kernel.
+torch.compile and direct op callers use. In eager mode that generic wrapper is costly on the host:
+because the op takes `list[Tensor]` arguments, torch wraps its autograd.Function to flatten and
+rebuild all 19 arguments through pytree on every forward and backward, and the bwd op's own entry
+and exit add more. On the GPU host one `autograd.grad` through it took ~570 us, of which the
+backward op call was ~220 us (benchmarks/NOTES.md "Session 8"): at 1k tokens the host then fell
+behind the kernels.
 
 This Function saves the same tensors and calls the same forward op (below autograd, so its wrapper
 is not entered); its backward runs the bwd op's implementation directly unless something could
