@@ -276,7 +276,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
 
 # CTA order (bwd_kernel._cta_coords): the key tiles of groups of G (kv head, batch) pairs, the
 # longest causal walks first. G = 1, one pair's key tiles in a row, everywhere: on an H200 G = 4
-# or 8 moved the causal rows by -4% to +3% (S16k lost, S4k gained; NOTES Experiment 37).
+# or 8 moved the causal rows by -4% to +3% (S16k lost, S4k gained; NOTES Experiment 38).
 # TORCH_FA4_BWD_CTA_GROUP=G overrides (a runtime argument: no recompile; bench --sweep bwd-cta-group).
 CTA_GROUP_ENV = "TORCH_FA4_BWD_CTA_GROUP"
 

@@ -343,8 +343,8 @@ class Sm90AttentionBackward:
         )
         # dK / dV leave through the K / V buffers (free once the walk is over) and one TMA store
         # each: direct stores of the accumulators cost ~5 us per CTA at the end of its walk
-        # (16-byte pieces of 8 rows per warp instruction, every SM storing at once), 13-17% of a
-        # 1k-token backward (NOTES Experiment 36). Varlen keeps the direct stores (a whole tile
+        # (16-byte pieces of 8 rows per warp instruction, every SM storing at once), 12-17% of a
+        # 1k-token backward's main kernel (NOTES Experiment 37). Varlen keeps the direct stores (a whole tile
         # would overwrite the next sequence's first rows), and so do the 64-key variants (D > 128:
         # their head-dim split between the warpgroups does not partition the K buffer's layout).
         tma_dK = tma_dV = None
