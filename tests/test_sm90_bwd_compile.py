@@ -85,6 +85,14 @@ def _check_backward_sass(sass, key, d, dv):
     assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
     # the dQ writer warp's slab hand-off is the kernel's only non-blocking named-barrier arrive
     assert ("BAR.ARV" in sass) == key[-3][6], "dQ writer warp hand-off"
+    # dK / dV leave through shared memory and TMA stores (128-key CTAs, dense), else directly
+    varlen = key[7]
+    if tile_n == 128 and not varlen:
+        assert "UTMASTG" in sass, "dK / dV are not stored through TMA"
+        if not key[-3][7]:  # (the trace variant stores its clock stamps)
+            assert "STG.E" not in sass, "direct global stores besides the TMA stores"
+    else:
+        assert "UTMASTG" not in sass and "STG.E" in sass
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -327,8 +335,9 @@ def _emulated_kernel(key):
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
         q_num, q_idx, full_num, full_idx = rest[:4]
-        scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
-        mask_aux = [t for t in rest[10:] if t is not None][mods.num_score_aux if mods else 0:]
+        scale, scale_log2, softcap_val, left, right, max_k, cta_group = rest[4:11]
+        assert cta_group >= 1  # the CTA order changes nothing the emulation computes
+        mask_aux = [t for t in rest[11:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
         # the kernel reads whole query tiles of tile_m rows: statistics padded to them; the dQ
         # buffer is not (its TMA adds drop rows past Sq)
