@@ -307,6 +307,19 @@ def _use_tvm_ffi() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
+def compile_stream_and_options(arch: str, dump_dir: str | None):
+    """(fake stream, cute.compile options) shared by the backward's kernels: TVM-FFI launches where
+    tvm_ffi is installed (without it, a CPU-only checkout, kernels still compile for the tests);
+    dump_dir: also keep the cubin and PTX there."""
+    import cutlass.cute as cute
+
+    tvm = _use_tvm_ffi()
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
+    if dump_dir is not None:
+        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm), options
+
+
 def compile_variant(key: tuple, arch: str = "sm_90a", dump_dir: str | None = None):
     """Compile one variant against symbolic shapes (no GPU needed).
 
@@ -396,14 +409,9 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
-    # Without tvm_ffi (a CPU-only checkout) the kernel still compiles, for the compile tests.
-    tvm = _use_tvm_ffi()
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
+    stream, options = compile_stream_and_options(arch, dump_dir)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), *aux, stream)
-    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
-    if dump_dir is not None:
-        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
     return cute.compile(kernel, *args, options=options)
 
 

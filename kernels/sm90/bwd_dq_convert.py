@@ -16,7 +16,6 @@ Importing this module loads CuTe DSL; bwd.py imports it only for CUDA tensors.
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32
@@ -53,10 +52,6 @@ class ScaledNarrowKernel:
             cute.autovec_copy(r_dst, dst_v[None, chunk])
 
 
-def _cute_dtype(dtype: torch.dtype):
-    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
-
-
 def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None):
     """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
     cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there."""
@@ -68,16 +63,12 @@ def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | Non
 
 
 def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None):
-    from .bwd import _use_tvm_ffi
+    from .bwd import _cute_dtype, compile_stream_and_options
 
     n = cute.sym_int(divisibility=VEC)
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
     dst = cute.runtime.make_fake_tensor(_cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
-    tvm = _use_tvm_ffi()  # without tvm_ffi (a CPU-only checkout) it still compiles, for the tests
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
-    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
-    if dump_dir is not None:
-        options += f" --keep-cubin --dump-dir {dump_dir}"
+    stream, options = compile_stream_and_options(arch, dump_dir)
     return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype)), src, dst, Float32(1.0), stream, options=options)
 
 

@@ -113,10 +113,6 @@ class RowStatisticsKernel:
                 dpsum[b, h, row] = Float32(0.0)
 
 
-def _cute_dtype(dtype: torch.dtype):
-    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
-
-
 def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: str | None = None,
                    d_zero: int = 0):
     """cute.compile the kernel for (dtype, Dv, head dim of the dQ buffer it zeroes or 0) against
@@ -133,7 +129,7 @@ def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: 
 
 
 def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0):
-    from .bwd import _use_tvm_ffi
+    from .bwd import _cute_dtype, compile_stream_and_options
 
     sym, s64 = cute.sym_int, cute.sym_int64
     al = lambda: s64(divisibility=VEC)  # 16-byte strides: every row starts 16-byte aligned
@@ -152,12 +148,7 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
     if d_zero:
         a4 = lambda: s64(divisibility=ZERO_VEC)
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
-    # Without tvm_ffi (a CPU-only checkout) the kernel still compiles, for the compile tests.
-    tvm = _use_tvm_ffi()
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
-    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
-    if dump_dir is not None:
-        options += f" --keep-cubin --dump-dir {dump_dir}"
+    stream, options = compile_stream_and_options(arch, dump_dir)
     return cute.compile(RowStatisticsKernel(cdt, dv, d_zero), dout, out, lse, lse2, dpsum, dq_acc, stream,
                         options=options)
 
@@ -221,7 +212,8 @@ def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, row
 
 def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None) -> None:
     """Like row_statistics, into given contiguous fp32 buffers of shape (*lse.shape[:-1], rows),
-    rows >= S; every element is written (padding included)."""
+    rows >= S; every element is written (padding included). dq_acc, if given, must satisfy
+    dq_zeroing_takes (the caller checks it once)."""
     for t in (lse2, dpsum):
         assert t.dtype == torch.float32 and t.shape[:-1] == lse.shape[:-1] and t.stride(-1) == 1, t.shape
         assert t.shape[-1] >= lse.shape[-1], "fewer rows than the sequence"
@@ -230,7 +222,6 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor,
     if dq_acc is None:
         fn = compile_kernel(dout.dtype, dout.shape[-1])
     else:
-        assert dq_zeroing_takes(dq_acc, dout), "dQ buffer the pass cannot zero"
         fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=dq_acc.shape[-1])
     fn(_packed_size_one_strides(dout), _packed_size_one_strides(out), lse, lse2, dpsum, dq_acc)
 
