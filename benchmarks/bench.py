@@ -70,14 +70,20 @@ _SWEEPS = {
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through
 # torch_fa4.attention with those variables set around every backward call (kernels/sm90/bwd.py reads
 # TORCH_FA4_BWD_TILE_M / _PASSES / _DQ_WARP / _DQ_FIRST on every call). "bwd-tiles": 64 vs 128
-# queries per step at D64, the latter in both ways of forming dS. "bwd-dq-4way": the dQ TMA adds
+# queries per step at D64, the latter in the three ways of forming dS. "bwd-dq-4way": the dQ TMA adds
 # from the consumer leader warps or the dedicated writer warp, each with dK or dQ issued first
 # (NOTES Experiments 24-26; the pairwise sweeps of Experiments 24 and 25 are its columns).
 _BWD_SWEEPS = {
     "bwd-tiles": ({"tm64": {"TORCH_FA4_BWD_TILE_M": "64"},
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
-                   "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"}},
+                   "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"},
+                   "tm128-split": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "split"}},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # queries per step at D128 without masks: 64, or 80 (dQ as dQ^T = K^T dS^T)
+    "bwd-d128-tile": ({"tm64": {"TORCH_FA4_BWD_D128_TILE_M": "64"},
+                       "tm80-one": {"TORCH_FA4_BWD_D128_TILE_M": "80", "TORCH_FA4_BWD_D128_PASSES": "one"},
+                       "tm80-two": {"TORCH_FA4_BWD_D128_TILE_M": "80", "TORCH_FA4_BWD_D128_PASSES": "two"}},
+                      [(128, S, False) for S in (1024, 4096, 16384)]),
     "bwd-dq-4way": ({"lead/dk": {"TORCH_FA4_BWD_DQ_WARP": "0", "TORCH_FA4_BWD_DQ_FIRST": "0"},
                      "writer/dk": {"TORCH_FA4_BWD_DQ_WARP": "1", "TORCH_FA4_BWD_DQ_FIRST": "0"},
                      "lead/dq": {"TORCH_FA4_BWD_DQ_WARP": "0", "TORCH_FA4_BWD_DQ_FIRST": "1"},

@@ -48,12 +48,12 @@ VARIANTS = {
     "d256_fp16_causal_gqa": (dict(d=256, dtype=torch.float16, hq=4, hkv=1, causal=True), False),
     "d192_dv128_softcap_window": (dict(d=192, dv=128, softcap=10.0, window_left=64, window_right=16), False),
     "d256_causal_deterministic": (dict(d=256, causal=True), True),
-    "d256_dv128_causal": (dict(d=256, dv=128, causal=True), False),  # one-stage ring (Dv < D)
+    "d256_dv128_causal": (dict(d=256, dv=128, causal=True), False),  # two stages, dQ slabs (Dv < D)
 }
 
 
 # 128 queries per step (D = Dv = 64, 128-key CTAs; bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M), in
-# both ways of forming dS (bwd._D64_PASSES / TORCH_FA4_BWD_PASSES): name -> (call, deterministic)
+# the three ways of forming dS (bwd._D64_PASSES / TORCH_FA4_BWD_PASSES): name -> (call, deterministic)
 VARIANTS_TM128 = {
     "tm128_d64": (dict(d=64), False),
     "tm128_d64_causal": (dict(d=64, causal=True), False),
@@ -61,6 +61,14 @@ VARIANTS_TM128 = {
     "tm128_d64_softcap": (dict(d=64, softcap=10.0, causal=True), False),
     "tm128_d64_causal_deterministic": (dict(d=64, causal=True), True),
     "tm128_d64_fp16_seqused_gqa": (dict(d=64, dtype=torch.float16, hq=6, hkv=2, seqused=True), False),
+}
+
+
+# 80 queries per step (D = Dv = 128 without masks; bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
+# dQ as dQ^T, dS stored keys-contiguous by a transposing stmatrix, in both ways of forming dS
+VARIANTS_TM80 = {
+    "tm80_d128": (dict(d=128), False),
+    "tm80_d128_fp16_gqa_seqused": (dict(d=128, dtype=torch.float16, hq=6, hkv=2, seqused=True), False),
 }
 
 
@@ -205,7 +213,7 @@ def test_dq_writer_warp_selection(monkeypatch):
         bwd.variant_key(_call(d=128), False)
 
 
-@pytest.mark.parametrize("passes", ["two", "one"])
+@pytest.mark.parametrize("passes", ["two", "one", "split"])
 @pytest.mark.parametrize("name", list(VARIANTS_TM128))
 def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
@@ -216,9 +224,46 @@ def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, mo
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][:5] == (128, 2, False, 128, passes == "one"), key[-3]
+    assert key[-3][:5] == (128, 2, False, 128, passes), key[-3]
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+
+
+@pytest.mark.parametrize("passes", ["one", "two"])
+@pytest.mark.parametrize("name", list(VARIANTS_TM80))
+def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
+    monkeypatch.setenv(bwd.D128_PASSES_ENV, passes)
+    call_kw, deterministic = VARIANTS_TM80[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3][:5] == (128, 2, False, 80, passes), key[-3]
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    _check_backward_sass(sass, key, call.head_dim, call.head_dim_v)
+    assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
+
+
+def test_80_query_variant_selection(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.D128_PASSES_ENV, raising=False)
+    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
+    assert bwd.variant_key(_call(d=128), False)[-3][3:5] == (80, bwd._D128_PASSES)
+    # masks, softcap, mods-free deterministic mode and other head dims keep 64 queries per step
+    for kw, det in ((dict(d=128, causal=True), False), (dict(d=128, window_left=64, window_right=0), False),
+                    (dict(d=128, softcap=5.0), False), (dict(d=128), True), (dict(d=96), False),
+                    (dict(d=128, dv=64), False)):
+        assert bwd.variant_key(_call(**kw), det)[-3][3:5] == (64, None), kw
+    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "64")
+    assert bwd.variant_key(_call(d=128), False)[-3][3:5] == (64, None)
+    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
+    monkeypatch.setenv(bwd.D128_PASSES_ENV, "split")
+    with pytest.raises(ValueError, match=bwd.D128_PASSES_ENV):
+        bwd.variant_key(_call(d=128), False)
+    assert bwd.tiles(128, 128, tile_m=80) == (128, 2, False)
 
 
 def test_128_query_variant_selection(monkeypatch):
@@ -228,7 +273,7 @@ def test_128_query_variant_selection(monkeypatch):
     monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
     assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
     monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    assert bwd.variant_key(_call(d=64), False)[-3][:5] == (128, 2, False, 128, bwd._D64_PASSES == "one")
+    assert bwd.variant_key(_call(d=64), False)[-3][:5] == (128, 2, False, 128, bwd._D64_PASSES)
     # head dims above 64 keep 64 queries per step
     for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
         assert bwd.variant_key(_call(d=d, dv=dv), False)[-3][3] == 64

@@ -41,11 +41,13 @@ _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 # steps: S^T / dP^T of 64 keys x 128 queries per consumer warpgroup, dQ split by rows; see
 # bwd_kernel). 128 in one pass is the default: on an H100 it ran +13-33% over 64 queries on every
 # D64 row of the benchmark, and +9-14% over "two" (NOTES "Experiment 18").
-# _D64_PASSES picks how the 128-query variant forms dS (bwd_kernel: p_from_bf16 / tm128_one_pass):
-# "two" (P while dP^T runs, dS from the bf16 P, dQ epilogue under the next step's products) or
-# "one" (P and dS in fp32 after both products land, no dQ-epilogue overlap).
+# _D64_PASSES picks how the 128-query variant forms dS (bwd_kernel `passes`):
+# "two" (P while dP^T runs, dS from the bf16 P, dQ epilogue under the next step's products),
+# "one" (P and dS in fp32 after both products land, no dQ-epilogue overlap) or
+# "split" (P in fp32 while dP^T runs, dS from that fp32 P once dP^T landed, then dV; flash-attn-4's
+# order: within 0-5% of "one" on an H100, NOTES Experiment 41).
 # Environment overrides, read on every call (benchmarks/bench.py --sweep bwd-tiles sets them):
-#   TORCH_FA4_BWD_TILE_M=64|128     TORCH_FA4_BWD_PASSES=two|one
+#   TORCH_FA4_BWD_TILE_M=64|128     TORCH_FA4_BWD_PASSES=two|one|split
 # Calls the 128-query variant does not take keep 64: head dims above 64, 64-key CTAs (block masks
 # of 64-key columns), block masks whose query tile is not a multiple of 128 (they keep their
 # block-sparse walk at 64 queries per step). Causal, window, softcap (always one pass), GQA,
@@ -58,6 +60,17 @@ PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 # issues dQ before dK and stages dQ while dK runs; "0" issues dK first and stages dQ under the next
 # step's products. With the dQ writer warp, "1" measured +5-9% at D128 and D64 non-causal, -1-2%
 # at D64 causal (H100, NOTES "Experiment 26").
+# Queries per kernel step at D = Dv = 128 (128-key CTAs) for calls without a causal / window mask,
+# softcap, mods, block mask or deterministic mode: 64, or 80 (flash-attn-4's tile there; dQ
+# computed as dQ^T = K^T dS^T). 64 stays the default: on an H100 the 80-query variant ran 1-2%
+# below it in one pass and 7-11% below in two (NOTES Experiment 42).
+# TORCH_FA4_BWD_D128_TILE_M=64|80 overrides.
+D128_TILE_M_ENV = "TORCH_FA4_BWD_D128_TILE_M"
+_D128_TILE_M = "64"
+# How the 80-query variant forms dS (as _D64_PASSES; "split" does not fit its registers):
+# TORCH_FA4_BWD_D128_PASSES=one|two.
+D128_PASSES_ENV = "TORCH_FA4_BWD_D128_PASSES"
+_D128_PASSES = "one"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
@@ -90,15 +103,23 @@ def _env_choice(name: str, default: str, allowed: tuple) -> str:
     return value
 
 
-def query_tile(d: int, dv: int, tile_n: int) -> tuple[int, bool]:
-    """(queries per kernel step, 128-query variant in one pass) for head dims d, dv with `tile_n`
-    keys per CTA."""
+def query_tile(d: int, dv: int, tile_n: int) -> tuple[int, str | None]:
+    """(queries per kernel step, how the 128-query variant forms dS: _D64_PASSES; None at 64
+    queries) for head dims d, dv with `tile_n` keys per CTA."""
     if tile_n == 128 and max(d, dv) <= 64:
         tile_m = int(_env_choice(TILE_M_ENV, str(_D64_TILE_M), ("64", "128")))
         if tile_m == 128:
-            return tile_m, _env_choice(PASSES_ENV, _D64_PASSES, ("two", "one")) == "one"
-        return tile_m, False
-    return _TILE_M, False
+            return tile_m, _env_choice(PASSES_ENV, _D64_PASSES, ("two", "one", "split"))
+        return tile_m, None
+    return _TILE_M, None
+
+
+def _takes_80_queries(call: "AttentionCall", deterministic: bool) -> bool:
+    """Whether a dense 128-key call at D = Dv = 128 runs 80 queries per step (D128_TILE_M_ENV)."""
+    plain = (call.head_dim == call.head_dim_v == 128 and not call.causal and call.window_left < 0
+             and call.window_right < 0 and not call.softcap and call.mods is None
+             and not call.block_mask and not deterministic)
+    return plain and _env_choice(D128_TILE_M_ENV, _D128_TILE_M, ("64", "80")) == "80"
 
 
 def tiles(d: int, dv: int, tile_n: int | None = None, tile_m: int = _TILE_M) -> tuple[int, int, bool]:
@@ -139,12 +160,22 @@ def dq_first(tile_n: int, dq_in_ring: bool) -> bool:
 
 
 def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M) -> int:
-    """Shared memory of bwd_kernel's Storage (16-bit inputs): Q/dO ring, K, V, dS^T (P^T) slots,
-    fp32 dQ slabs (unless staged in the ring), LSE/dPsum ring, plus alignment slack."""
+    """Shared memory of bwd_kernel's Storage (16-bit inputs), field by field with its alignments:
+    ring barriers, LSE / dPsum ring (128-byte aligned), then 1024-byte aligned Q / dO ring, K, V,
+    dS^T (P^T) slots and fp32 dQ slabs (none when dQ is staged in the ring)."""
     tm = tile_m
-    ring = stages * tm * (d + dv) * 2 + 2 * stages * tm * 4
-    slabs = 0 if dq_in_ring else tm * d * 4
-    return ring + tile_n * (d + dv) * 2 + 2 * tile_n * tm * 2 + slabs + 6 * 1024
+
+    def after(offset: int, align: int, size: int) -> int:
+        return -(-offset // align) * align + size
+
+    n = 8 * (2 * stages + 1)
+    stat = -(-tm // 32) * 32 * stages * 4  # stages of 128-byte multiples (TMA destinations)
+    n = after(after(n, 128, stat), 128, stat)
+    slabs = 32 * 4 if dq_in_ring else tm * d * 4
+    for size in (stages * tm * d * 2, stages * tm * dv * 2, tile_n * d * 2, tile_n * dv * 2,
+                 2 * tile_n * tm * 2, slabs):
+        n = after(n, 1024, size)
+    return n
 
 
 def unsupported_reason(call: "AttentionCall") -> str | None:
@@ -207,7 +238,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
-_ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, EXP2_EMU_ENV, FOLD_DPSUM_ENV)
+_ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, EXP2_EMU_ENV, FOLD_DPSUM_ENV)
 _variant_memo: dict = {}
 
 
@@ -236,7 +267,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     d, dv = call.head_dim, call.head_dim_v
     # the block-mask tile relative to the kernel's enters the variant; the lists are arguments
     tile_n = tiles(d, dv)[0]
-    tile_m, one_pass = query_tile(d, dv, tile_n)
+    tile_m, passes = query_tile(d, dv, tile_n)
     sparse = None
     if sparse_walk_reason(call, deterministic, tile_n, tile_m) is None:
         sparse = ratios(call, tile_n, tile_m)
@@ -248,14 +279,17 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         # a block mask of 64-key columns: the 64-key (narrow) variant walks it
         tile_n, tile_m = 64, _TILE_M
         sparse = ratios(call, 64)
-    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, 128 queries in one
-    # pass, dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
+    elif tile_n == 128 and tile_m == _TILE_M and _takes_80_queries(call, deterministic):
+        tile_m = 80
+        passes = _env_choice(D128_PASSES_ENV, _D128_PASSES, ("one", "two"))
+    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, the 128-query
+    # variant's passes (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
     # k-th column, dP^T from -dPsum)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
-    kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, one_pass and tile_m == 128,
+    kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, passes if tile_m != _TILE_M else None,
                     dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold)
     return (
         call.q.dtype,
@@ -386,14 +420,14 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, tm128_one_pass, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
 
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
-        tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, tm128_one_pass=tm128_one_pass,
+        tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
     )
     lists = [None] * 4

@@ -43,14 +43,24 @@ dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer
 has read it, early in the next step. bwd.tiles picks the configuration.
 
 128 queries per step (`tile_m = 128`; head dims <= 64 on the wide path, selected by bwd.query_tile,
-off by default): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
+the default there): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
 registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
 warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
 per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix (as at
 64 queries). Keeping the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at
 once and ptxas would serialize the wgmmas (C7512), so dS is formed either from the bf16 P
-registers (two passes, overlap_next_s on) or in one fp32 pass after both products
-(`tm128_one_pass`, no overlap).
+registers (two passes, overlap_next_s on), in one fp32 pass after both products
+(`passes="one"`, no overlap), or from the fp32 P kept while dP^T lands, with dV issued only
+after dS (`"split"`: no wgmma is in flight while S^T, dP^T and P are all live).
+
+80 queries per step (`tile_m = 80`, D = Dv = 128 without masks, softcap or mods; selected by
+bwd._takes_80_queries, off by default: not faster yet, NOTES Experiment 42): flash-attn-4's D128
+tile. S^T, dP^T are m64n80 per warpgroup, dV and dK take five k-blocks of 16 queries, and dQ, whose
+M would be 80, is computed transposed: dQ^T = K^T dS^T, each warpgroup half of the head dim by all
+80 queries, stored transposed into its (80, d/2) slab. dS goes to shared memory as (queries, keys),
+keys contiguous, through a transposing stmatrix, so that dQ^T reads it K-major with a 128-byte
+swizzle (queries contiguous would allow only 32 bytes: ~3% slower). The LSE / dPsum ring stages
+are padded to 96 values (TMA destinations are 128-byte aligned).
 
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
@@ -123,8 +133,8 @@ class Sm90AttentionBackward:
         stages: int = 2,  # Q / dO / LSE / dPsum ring depth
         dq_in_ring: bool = False,  # stage dQ in the consumed Q / dO buffers (no dQ slabs)
         overlap_next_s: bool = True,  # dQ epilogue of step i under step i + 1's S^T, dP^T
-        tile_m: int = 64,  # queries per step: 64, or 128 on the wide path at head dims <= 64
-        tm128_one_pass: bool = False,  # 128 queries: P and dS in one pass (else dS from bf16 P)
+        tile_m: int = 64,  # queries per step: 64; 128 (wide path, head dims <= 64); 80 (wide, dQ^T)
+        passes: str | None = None,  # 128 / 80 queries: "two", "one" or "split" (module docstring)
         dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
         dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
@@ -134,13 +144,18 @@ class Sm90AttentionBackward:
         self.dtype = dtype
         assert tile_n in (64, 128)
         self.tile_n = tile_n
-        assert tile_m in (64, 128)
+        assert tile_m in (64, 80, 128)
         # 128 queries per step (wide path, D = Dv <= 64): per consumer thread S^T and dP^T are
         # 64 + 64 fp32, dK + dV 32 + 32, dQ 32. dQ splits the query rows between the warpgroups
         # (each 64 rows x the full head dim: m64nDk16, no N=32 wgmmas) instead of the head dim.
-        assert tile_m == 64 or (tile_n == 128 and max(head_dim, head_dim_v) <= 64 and not dq_in_ring)
+        assert tile_m != 128 or (tile_n == 128 and max(head_dim, head_dim_v) <= 64 and not dq_in_ring)
         self.tile_m = tile_m
         self.dq_split_rows = tile_m == 128
+        # 80 queries per step (wide path, flash-attn-4's D128 tile: the same fixed cost per step
+        # spread over 25% more queries; module docstring). dQ = dS K would need an M of 80, so
+        # each warpgroup computes dQ^T = K^T dS^T for half of the head dim (M = 64, N = 80).
+        self.dq_transposed = tile_m == 80
+        assert not self.dq_transposed or (tile_n == 128 and not dq_in_ring and max(head_dim, head_dim_v) <= 128)
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = tile_n == 64
@@ -180,14 +195,22 @@ class Sm90AttentionBackward:
         #   two passes, dS from the bf16 P registers (p_from_bf16): the fp32 P dies at its
         #     conversion, before dP^T lands; dS carries one extra bf16 rounding of P (the
         #     rounding dV already sees); overlap_next_s stays on;
-        #   one pass (tm128_one_pass): P and dS in fp32 once both products landed, as softcap
-        #     does; no overlap_next_s (one_pass paths never pipeline the dQ epilogue).
+        #   one pass ("one"): P and dS in fp32 once both products landed, as softcap
+        #     does; no overlap_next_s (one_pass paths never pipeline the dQ epilogue);
+        #   split ("split", flash-attn-4's order): P in fp32 while dP^T is in flight, dS from it
+        #     once dP^T landed, and only then the bf16 P and dV, so no wgmma is outstanding
+        #     while S^T, dP^T and P are all live. Softcap and score_mod (dS needs the unmodified
+        #     score) keep "one".
+        #   80 queries (D128) take "one" or "two"; "split" (and the 64-query order) make ptxas
+        #   serialize the wgmmas there (C7512).
+        assert tile_m == 64 or passes in ("two", "one", "split"), passes
+        assert tile_m != 80 or passes != "split", "80 queries: split does not fit (C7512)"
         self.p_from_bf16 = False
-        if tile_m == 128 and not self.one_pass:
-            if tm128_one_pass:
-                self.one_pass = True
-            else:
-                self.p_from_bf16 = True
+        self.p_under_dp = False
+        if tile_m != 64 and not self.one_pass:
+            self.one_pass = passes != "two"
+            self.p_from_bf16 = passes == "two"
+            self.p_under_dp = passes == "split"
         # dS^T to shared memory through stmatrix on the wide path (64 or 128 queries): per-register
         # stores need one swizzled address each (hoisted and spilled at 128 queries, ~60 spill
         # instructions; rebuilt every step at 64, ~50 instructions); stmatrix needs four, derived
@@ -321,6 +344,11 @@ class Sm90AttentionBackward:
         # one 32-bit store, and dQ = dS K reads it as an MN-major A operand. Double-buffered
         # (narrow: slot 0 holds P^T, slot 1 dS^T, both read K-major as the A of dV / dK).
         sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
+        if const_expr(self.dq_transposed):
+            # dQ^T: dS as (queries, keys), keys contiguous (128-byte swizzle; 80 queries would
+            # allow only 32 bytes the other way round), read K-major as dQ^T's B operand and
+            # written by transposing stmatrix.
+            sdS_layout = L.smem_layout(dt, tm, tn, 2, tn)
         # dQ staging, one fp32 slab per consumer warpgroup, reduced into the fp32 global buffer
         # by one TMA add per slab (no per-element atomics): (tile_m, d/2) when the warpgroups
         # split the head dim, (tile_m/2, d) when they split the query rows (tile_m = 128).
@@ -375,6 +403,10 @@ class Sm90AttentionBackward:
         if const_expr(self.dq_split_rows):
             # dQ = dS K: 64 query rows per warpgroup, the whole head dim.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (2, 1, 1), (64, d))
+        elif const_expr(self.dq_transposed):
+            # dQ^T = K^T dS^T: half of the head dim (M) per warpgroup, all tile_m queries (N);
+            # A = K read transposed (head dim contiguous), B = dS as (queries, keys), K-major.
+            mma_dQ = L.make_mma(dt, MN_MAJ, K_MAJ, (2, 1, 1), (64, tm))
         else:
             # dQ = dS K: one 64-row tile, head dim split between the warpgroups.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
@@ -385,8 +417,8 @@ class Sm90AttentionBackward:
         class Storage:
             bar_qdo: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             bar_kv: cute.struct.MemRange[cutlass.Int64, 1]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
-            sDp: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
+            sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
@@ -458,8 +490,9 @@ class Sm90AttentionBackward:
         else:
             sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
             sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)  # (slab rows, cols, wg)
-        sLSE = st.sLSE.get_tensor(cute.make_layout((tm, self.stages)))
-        sDp = st.sDp.get_tensor(cute.make_layout((tm, self.stages)))
+        stat_layout = cute.make_layout((tm, self.stages), stride=(1, self._stat_stage()))
+        sLSE = st.sLSE.get_tensor(stat_layout)
+        sDp = st.sDp.get_tensor(stat_layout)
 
         bytes_step = (
             cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
@@ -563,6 +596,15 @@ class Sm90AttentionBackward:
         pair = group * cta_group + r - n_block * g
         return n_block, pair % heads, pair // heads
 
+    def _stat_stage(self):
+        """fp32 elements per ring stage of the LSE / dPsum buffers: tile_m rounded up to 128 bytes,
+        the alignment a TMA destination in shared memory needs (80 queries: 96)."""
+        return -(-self.tile_m // 32) * 32
+
+    def _dq_acc_tile(self):
+        """(M, N) of the dQ product over both warpgroups: (tile_m, d), or (d, tile_m) for dQ^T."""
+        return (self.d, self.tile_m) if self.dq_transposed else (self.tile_m, self.d)
+
     def _dq_slab(self):
         """(rows, cols) of one consumer warpgroup's dQ slab (and TMA add box)."""
         if self.dq_split_rows:
@@ -665,13 +707,18 @@ class Sm90AttentionBackward:
         tPrdO = ops_SdP.make_fragment_B(ops_SdP.partition_B(sdO))
         tdVrdO = ops_dV.make_fragment_B(ops_dV.partition_B(L.transposed(sdO)))
         tdKrQ = ops_dK.make_fragment_B(ops_dK.partition_B(L.transposed(sQ)))
-        tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
-        tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
+        if const_expr(self.dq_transposed):
+            tdQrK = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sK)))  # (d, keys)
+            tdQrdS = ops_dQ.make_fragment_B(ops_dQ.partition_B(sdS))  # (queries, keys)
+            sdS = L.transposed(sdS)  # (keys, queries) from here on, as S^T's accumulator
+        else:
+            tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
+            tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
         if const_expr(self.dS_stmatrix):
             # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
             # store (ptxas hoists the swizzled addresses out of the loop and spills them otherwise)
-            st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+            st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.dq_transposed, 4), self.dtype)
             st_dS = cute.make_tiled_copy_C(st_atom, mma_SdP)
             thr_st_dS = st_dS.get_slice(ctid)
             tdSsdS_st = thr_st_dS.partition_D(sdS)
@@ -696,13 +743,17 @@ class Sm90AttentionBackward:
                 half = tm // 2
                 rows_split = cute.make_layout(((half, 2), d), stride=((1, half * d), half))
                 sdQ_tile = cute.composition(sdQ, rows_split)
+            elif const_expr(self.dq_transposed):
+                # the (d, tile_m) tile of dQ^T: head-dim column c of slab c // (d/2), transposed
+                half = d // 2
+                sdQ_tile = cute.composition(sdQ, cute.make_layout(((half, 2), tm), stride=((tm, tm * half), 1)))
             else:
                 sdQ_tile = cute.group_modes(sdQ, 1, 3)
             tdQsdQ = thr_dQ.partition_C(sdQ_tile)
             sdQ_wg = sdQ[None, None, wg]
             # Byte offset of every consumer thread's first dQ element in the (1024-aligned) slabs,
             # static: lets copy_to_swizzled derive its store bases from one swizzled address.
-            ident_dq = cute.make_identity_tensor((tm, d))
+            ident_dq = cute.make_identity_tensor(self._dq_acc_tile())
             tile_index = SL.indexer(sdQ_tile.layout)
             self._dq_thread_offsets = tuple(tile_index(c) * 4 for c in SL.first_coords_mma_C(mma_dQ, 256, ident_dq))
         # Without the writer warp, the first warp of each warpgroup issues its TMA reduction. A
@@ -735,7 +786,7 @@ class Sm90AttentionBackward:
             # the fp32 buffer during the next step (or after the loop). A copy made after the
             # wait: registers defined by a wgmma and read in the next iteration make ptxas wait
             # for all groups before that read (C7517), which would cover the next S^T.
-            rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+            rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
             prev_h = Int32(0)
             prev_m = Int32(0)
         cur_h, cur_m = walk.start()
@@ -808,6 +859,25 @@ class Sm90AttentionBackward:
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 self._wgmma(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
                 self._wgmma(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
+            elif const_expr(self.p_under_dp):
+                # P (fp32, in place) while dP^T is still on the tensor cores; dS from it once
+                # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T, dP^T
+                # and dK, dV are live (and the dPsum values are loaded after it landed).
+                warpgroup.wait_group(1)
+                stamp(3)
+                self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+                warpgroup.wait_group(0)
+                stamp(5)
+                dpsum_vals = self._column_stats(sDp, cS, stage, S)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum_vals[c])
+                rP.store(acc_S.load().to(self.dtype))
+                rdS.store(acc_dP.load().to(self.dtype))
+                self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                if const_expr(not self.dq_under_dk):
+                    self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             elif const_expr(self.one_pass):
                 # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
                 warpgroup.wait_group(0)
@@ -862,8 +932,11 @@ class Sm90AttentionBackward:
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 stamp(7)
 
-            acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
-            self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
+            acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
+            if const_expr(self.dq_transposed):
+                self._wgmma(mma_dQ, acc_dQ, tdQrK, tdQrdS[None, None, None, buf], True)
+            else:
+                self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
             if const_expr(self.dq_under_dk):
                 # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
                 self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)

@@ -195,7 +195,7 @@ def test_large_head_dims_gqa(d, hq, hkv):
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (128, 256), (256, 64), (256, 128), (192, 256)])
 def test_large_head_dims_dv_differs(d, dv):
-    # (256, 128): one-stage ring; (192, 256): dQ staged in the ring
+    # (256, 128): two stages and dQ slabs in 226 KB of shared memory; (192, 256): dQ staged in the ring
     _case(FP, 1, 160, 200, 2, 2, d, dv)
 
 
@@ -403,11 +403,51 @@ def test_flex_attention_block_mask_reaches_the_backward(monkeypatch):
         assert err < 1.5e-2, f"{name}: relative error {err:.3e}"
 
 
-# ---- 128 queries per step at D64 (bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M=128), in both ways of
-# forming dS (TORCH_FA4_BWD_PASSES: "two" = dS from the bf16 P with the dQ epilogue overlapped,
-# "one" = P and dS in one fp32 pass)
+# ---- 80 queries per step at D128 without masks (bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
+# dQ computed transposed; dS in one fp32 pass with P or from the bf16 P (D128_PASSES_ENV)
 
-@pytest.fixture(params=["two", "one"])
+@pytest.fixture(params=["one", "two"])
+def tile_m_80(request, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
+    monkeypatch.setenv(bwd.D128_PASSES_ENV, request.param)
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 517), (517, 300), (80, 160), (1, 77), (161, 130), (400, 64)])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2)])
+def test_tm80_d128(tile_m_80, sq, sk, hq, hkv):
+    _case(BF, 2, sq, sk, hq, hkv, 128, 128, expect_tile_m=80)
+
+
+def test_tm80_fp16_strided_seqused(tile_m_80):
+    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_tile_m=80)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_tile_m=80)
+
+
+def test_tm80_varlen(tile_m_80):
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)
+
+
+def test_tm80_not_taken_where_it_does_not_apply(tile_m_80):
+    # masks, softcap and deterministic mode keep 64 queries per step
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, causal=True, expect_tile_m=64)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, expect_tile_m=64)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, deterministic=True, expect_tile_m=64)
+
+
+def test_d128_64_queries_without_masks(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "64")
+    _case(BF, 2, 300, 517, 6, 2, 128, 128, expect_tile_m=64)
+
+
+# ---- 128 queries per step at D64 (bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M=128), in the three ways
+# of forming dS (TORCH_FA4_BWD_PASSES: "two" = dS from the bf16 P with the dQ epilogue overlapped,
+# "one" = P and dS in one fp32 pass, "split" = fp32 P while dP^T lands, dS after it)
+
+@pytest.fixture(params=["two", "one", "split"])
 def tile_m_128(request, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
@@ -490,7 +530,7 @@ def test_dq_writer_warp(dq_warp, d, causal):
     _case(BF, 2, 1, 77, 2, 2, d, d, causal=causal, expect_dq_warp=dq_warp)  # one step per CTA
 
 
-@pytest.mark.parametrize("tile_m,passes", [(64, "two"), (128, "two"), (128, "one")])
+@pytest.mark.parametrize("tile_m,passes", [(64, "two"), (128, "two"), (128, "one"), (128, "split")])
 def test_dq_writer_warp_d64_query_tiles(dq_warp, tile_m, passes, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
