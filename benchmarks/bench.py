@@ -94,6 +94,9 @@ _BWD_SWEEPS = {
     "bwd-exp2": ({f"emu{k}": {"TORCH_FA4_BWD_EXP2_EMU": str(k)} for k in (0, 4, 3, 2)},
                  [(D, S, c) for D in (128, 64) for S in (4096, 16384) for c in (False, True)]),
     # dP^T's accumulator from -dPsum (one multiply per dS element) or from zero
+    # programmatic dependent launch between the backward's three kernels, off / on
+    "bwd-pdl": ({"off": {"TORCH_FA4_BWD_PDL": "0"}, "on": {"TORCH_FA4_BWD_PDL": "1"}},
+                [(D, S, c) for D in (128, 64) for S in (1024, 4096) for c in (False, True)]),
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # CTA order (bwd_kernel._cta_coords): key tiles of groups of G (kv head, batch) pairs, longest first

@@ -91,6 +91,8 @@ def _check_backward_sass(sass, key, d, dv):
     # dQ epilogue, when a group was left in flight across the loop's back edge)
     waits = sass.count("WARPGROUP.DEPBAR")
     assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
+    # programmatic dependent launch: launch_dependents (PREEXIT) and the grid wait (ACQBULK)
+    assert ("PREEXIT" in sass) == ("ACQBULK" in sass) == key[-3][10], "programmatic dependent launch"
     # the dQ writer warp's slab hand-off is the kernel's only non-blocking named-barrier arrive
     assert ("BAR.ARV" in sass) == key[-3][6], "dQ writer warp hand-off"
     # dK / dV leave through shared memory and TMA stores (128-key CTAs, dense), else directly
@@ -115,6 +117,16 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     d, dv = call.head_dim, call.head_dim_v
     assert key[-3][0] == (128 if max(d, dv) <= 128 else 64)
     _check_backward_sass(sass_of(tmp_path), key, d, dv)
+
+
+def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PDL_ENV, "0")
+    key = bwd.variant_key(_call(d=128), False)
+    assert key[-3][10] is False
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    _check_backward_sass(sass_of(tmp_path), key, 128, 128)
 
 
 # the leader-warp dQ adds (TORCH_FA4_BWD_DQ_WARP=0) on the paths the writer warp takes by default

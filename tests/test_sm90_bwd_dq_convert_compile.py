@@ -20,6 +20,14 @@ def test_kernel_compiles_to_vector_accesses(dtype, tmp_path):
     assert sass.count("STG.E.128") == 1, "8 16-bit values per thread are not one 16-byte store"
     assert sass.count("FMUL") == 8  # the scale, once per element
     assert "LDL" not in sass and "STL" not in sass
+    assert "ACQBULK" in sass, "no grid-dependency wait (programmatic dependent launch)"
+
+
+def test_kernel_without_programmatic_dependent_launch(tmp_path):
+    from torch_fa4.kernels.sm90 import bwd_dq_convert
+
+    bwd_dq_convert.compile_kernel(torch.bfloat16, dump_dir=str(tmp_path), pdl=False)
+    assert "ACQBULK" not in sass_of(tmp_path)
 
 
 def test_cpu_tensors_take_the_torch_path():

@@ -71,6 +71,10 @@ _D128_TILE_M = "64"
 # TORCH_FA4_BWD_D128_PASSES=one|two.
 D128_PASSES_ENV = "TORCH_FA4_BWD_D128_PASSES"
 _D128_PASSES = "one"
+# Programmatic dependent launch between the backward's three kernels (bwd_kernel `pdl`, the dQ
+# conversion's too): the main kernel's prologue and K / V loads overlap the row-statistics pass,
+# and the conversion is scheduled under the main kernel's last wave. TORCH_FA4_BWD_PDL=0|1.
+PDL_ENV = "TORCH_FA4_BWD_PDL"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
@@ -151,6 +155,11 @@ def dq_writer_warp(tile_n: int, dq_in_ring: bool) -> bool:
     """Whether the variant with `tile_n` keys per CTA issues its dQ adds from a dedicated warp."""
     on = _env_choice(DQ_WARP_ENV, "1", ("0", "1")) == "1"
     return on and _separate_dq_slabs(tile_n, dq_in_ring)
+
+
+def pdl() -> bool:
+    """Whether the backward's kernels launch as programmatic dependents (PDL_ENV)."""
+    return _env_choice(PDL_ENV, "1", ("0", "1")) == "1"
 
 
 def dq_first(tile_n: int, dq_in_ring: bool) -> bool:
@@ -238,7 +247,8 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
-_ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, EXP2_EMU_ENV, FOLD_DPSUM_ENV)
+_ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV,
+               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV)
 _variant_memo: dict = {}
 
 
@@ -284,13 +294,14 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         passes = _env_choice(D128_PASSES_ENV, _D128_PASSES, ("one", "two"))
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, the 128-query
     # variant's passes (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
-    # k-th column, dP^T from -dPsum)
+    # k-th column, dP^T from -dPsum, programmatic dependent launch)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, passes if tile_m != _TILE_M else None,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold)
+                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
+                    pdl())
     return (
         call.q.dtype,
         call.head_dim,
@@ -420,7 +431,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold = kernel_tiles
+    tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -429,6 +440,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
+        pdl=use_pdl,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -564,7 +576,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         from . import bwd_dq_convert
 
         if bwd_dq_convert.takes(dq_acc_rows, dq):
-            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale)
+            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3][10])
         else:
             torch.mul(dq_acc_rows, call.scale, out=dq)
 

@@ -16,6 +16,7 @@ Importing this module loads CuTe DSL; bwd.py imports it only for CUDA tensors.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32
@@ -28,17 +29,21 @@ MAX_ELEMENTS = 2**31 - VEC * THREADS  # 32-bit element indices
 class ScaledNarrowKernel:
     """fn(src, dst, scale): dst[i] = src[i] * scale for i < N, src fp32 (N,), dst 16-bit (N,)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, pdl: bool = True):
         self.dtype = dtype
+        self.pdl = pdl  # programmatic dependent launch after the main backward kernel
 
     @cute.jit
     def __call__(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32, stream):
         per_cta = VEC * THREADS
         grid = ((cute.size(src) + per_cta - 1) // per_cta, 1, 1)
-        self.kernel(src, dst, scale).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+        # programmatic dependent launch: scheduled while the main kernel's last CTAs run
+        self.kernel(src, dst, scale).launch(grid=grid, block=(THREADS, 1, 1), stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the main kernel's dQ adds have all landed
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         chunk = bidx * THREADS + tidx  # this thread's 8 elements: column `chunk` below
@@ -52,24 +57,26 @@ class ScaledNarrowKernel:
             cute.autovec_copy(r_dst, dst_v[None, chunk])
 
 
-def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None):
+def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None, pdl: bool = True):
     """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
-    cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there."""
+    cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there. pdl:
+    launched as a programmatic dependent of the main backward kernel (bwd.PDL_ENV)."""
     from torch_fa4.kernels import compile_cache
 
     if dump_dir is not None:
-        return _compile(dtype, arch, dump_dir)
-    return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype), lambda: _compile(dtype, arch, None))
+        return _compile(dtype, arch, dump_dir, pdl)
+    return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype, pdl),
+                                        lambda: _compile(dtype, arch, None, pdl))
 
 
-def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None):
+def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True):
     from .bwd import _cute_dtype, compile_stream_and_options
 
     n = cute.sym_int(divisibility=VEC)
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
     dst = cute.runtime.make_fake_tensor(_cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype)), src, dst, Float32(1.0), stream, options=options)
+    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype), pdl), src, dst, Float32(1.0), stream, options=options)
 
 
 def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
@@ -81,6 +88,6 @@ def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0)
 
 
-def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
+def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float, pdl: bool = True) -> None:
     """dst = src * scale in dst's dtype (call when `takes(src, dst)`)."""
-    compile_kernel(dst.dtype)(src.view(-1), dst.view(-1), float(scale))
+    compile_kernel(dst.dtype, pdl=pdl)(src.view(-1), dst.view(-1), float(scale))

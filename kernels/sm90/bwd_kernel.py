@@ -140,6 +140,7 @@ class Sm90AttentionBackward:
         trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
         fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
+        pdl: bool = True,  # programmatic dependent launch after the row-statistics pass (kernel)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -261,6 +262,7 @@ class Sm90AttentionBackward:
         # warps x 32 ex2 x 8 cycles = 512 cycles at 64 queries, ~100 other instructions per warp)
         # while the tensor cores wait for it (NOTES Experiment 28).
         self.exp2_emulate_every = exp2_emulate_every
+        self.pdl = pdl
         # dK / dV leave through shared memory and TMA stores (see __call__)
         self.stage_dkdv = not varlen and not self.narrow
 
@@ -438,7 +440,7 @@ class Sm90AttentionBackward:
             mma_SdP, mma_dK, mma_dV, mma_dQ,
             scale, scale_log2, softcap_val, window_left, window_right, cta_group,
             score_aux, mask_aux, Storage,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -516,6 +518,15 @@ class Sm90AttentionBackward:
                 cute.arch.mbarrier_init(bar_kv, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        # Programmatic dependent launch (`use_pdl`): this grid may start while the row-statistics
+        # pass that precedes it still runs. Everything up to here (shared memory, barriers) and the
+        # producer's K / V loads overlap its tail; every other global access (LSE / dPsum loads,
+        # dQ adds into the buffer that pass zeroes) waits for it. The dQ conversion after this
+        # kernel may be scheduled once all of its CTAs are running (it waits for the grid too).
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            if warp_idx != 0:
+                cute.arch.griddepcontrol_wait()
 
         # ---- sequence bookkeeping (same on every thread)
         q_off = Int32(0)
@@ -642,6 +653,8 @@ class Sm90AttentionBackward:
             cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv)
             cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
 
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):

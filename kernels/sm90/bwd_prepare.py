@@ -69,6 +69,9 @@ class RowStatisticsKernel:
     @cute.kernel
     def kernel(self, dout: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
                dpsum: cute.Tensor, dq_acc):
+        # The main backward kernel (launched with programmatic dependent launch) may start its
+        # prologue now; it waits for this grid before it reads anything this one writes.
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
         seqlen = dout.shape[1]

@@ -403,6 +403,15 @@ def test_flex_attention_block_mask_reaches_the_backward(monkeypatch):
         assert err < 1.5e-2, f"{name}: relative error {err:.3e}"
 
 
+def test_without_programmatic_dependent_launch(monkeypatch):
+    # TORCH_FA4_BWD_PDL=0: the three backward kernels launch one after the other, as plain launches
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PDL_ENV, "0")
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True)
+    _case(BF, 2, 517, 300, 2, 2, 64, 64)
+
+
 # ---- 80 queries per step at D128 without masks (bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
 # dQ computed transposed; dS in one fp32 pass with P or from the bf16 P (D128_PASSES_ENV)
 
