@@ -63,7 +63,7 @@ PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 # Queries per kernel step at D = Dv = 128 (128-key CTAs) for calls without a causal / window mask,
 # softcap, mods, block mask or deterministic mode: 64, or 80 (flash-attn-4's tile there; dQ
 # computed as dQ^T = K^T dS^T). 64 stays the default: on an H100 the 80-query variant ran 1-2%
-# below it in one pass and 7-11% below in two (NOTES Experiment 42).
+# below it in one pass and 8-11% below in two (NOTES Experiment 42).
 # TORCH_FA4_BWD_D128_TILE_M=64|80 overrides.
 D128_TILE_M_ENV = "TORCH_FA4_BWD_D128_TILE_M"
 _D128_TILE_M = "64"
@@ -292,9 +292,9 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     elif tile_n == 128 and tile_m == _TILE_M and _takes_80_queries(call, deterministic):
         tile_m = 80
         passes = _env_choice(D128_PASSES_ENV, _D128_PASSES, ("one", "two"))
-    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, the 128-query
-    # variant's passes (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced steps, exp2 emulated every
-    # k-th column, dP^T from -dPsum, programmatic dependent launch)
+    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, how the 128- / 80-query
+    # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
+    # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
