@@ -154,6 +154,43 @@ def test_eager_backward_shows_the_op_to_dispatch_modes():
         assert torch.equal(g, w)
 
 
+def test_eager_inference_skips_only_an_unobserved_op_entry():
+    """Eager calls with nothing to record run the fwd op's body directly (eager_autograd.direct);
+    the result equals the op's, and a dispatch mode, the meta device or an input that requires grad
+    still go through the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_fa4 import eager_autograd
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    rest = ([], None, None, None, [], 9, 12, 0.25, True, -1, 0, 0.0, "", 128, 128, False)
+    assert eager_autograd.direct(q, k, v, rest)
+    op_out, op_lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+    out, lse = torch_fa4.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
+    with Record() as mode:
+        assert not eager_autograd.direct(q, k, v, rest)
+        seen = torch_fa4.attention(q, k, v, causal=True)
+    assert any(name.startswith("torch_fa4.fwd") for name in mode.ops), mode.ops[:5]
+    assert torch.equal(seen, out)
+    meta = [t.to("meta") for t in (q, k, v)]
+    assert not eager_autograd.direct(*meta, rest)
+    assert torch_fa4.attention(*meta, causal=True).shape == out.shape  # the op's fake kernel
+    bias = torch.randn(4, requires_grad=True)
+    assert not eager_autograd.direct(q, k, v, ([bias], *rest[1:]))
+    with torch.no_grad():
+        assert eager_autograd.direct(q, k, v, ([bias], *rest[1:]))
+
+
 def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_fa4 import checks, eager_autograd
+from torch_fa4 import checks, eager_autograd, ops
 
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
@@ -80,6 +80,8 @@ def attention(
             bool(deterministic))
     if eager_autograd.use_function(q, k, v):  # the same op, without its generic autograd wrapper
         out, lse = eager_autograd.AttentionFunction.apply(q, k, v, rest)
+    elif eager_autograd.direct(q, k, v, rest):  # eager, no autograd: the op's body, without its entry
+        out, lse = ops.fwd_impl(q, k, v, *rest)
     else:
         out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
     if return_lse:

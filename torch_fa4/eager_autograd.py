@@ -8,10 +8,11 @@ and exit add more. On the GPU host one `autograd.grad` through it took ~570 us, 
 backward op call was ~220 us (benchmarks/NOTES.md "Session 8"): at 1k tokens the host then fell
 behind the kernels.
 
-This Function saves the same tensors and calls the same forward op (below autograd, so its wrapper
-is not entered); its backward runs the bwd op's implementation directly unless something could
-intercept the op (a dispatch mode, a tensor subclass), then the op itself. Eager and compiled runs
-compute the same thing; only the bookkeeping differs.
+This Function saves the same tensors and runs the same forward (below autograd, so its wrapper is
+not entered); its backward runs the bwd op's implementation directly unless something could
+intercept the op (a dispatch mode, a tensor subclass), then the op itself. Eager calls with no
+autograd to record skip the fwd op's entry the same way (`direct`). Eager and compiled runs compute
+the same thing; only the bookkeeping differs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rest):
-        out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+        if _plain(q, k, v, *_tensors(rest)):
+            out, lse = ops.fwd_impl(q, k, v, *rest)
+        else:
+            out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)  # the API returns LSE detached
@@ -50,8 +54,33 @@ class AttentionFunction(torch.autograd.Function):
 
 
 def _plain(*tensors) -> bool:
-    """Plain tensors and no torch dispatch mode: nothing would intercept the bwd op."""
-    return _get_current_dispatch_mode() is None and all(type(t) is torch.Tensor for t in tensors)
+    """Plain tensors, none on the meta device, and no torch dispatch or function mode: nothing
+    would intercept the op (a mode, a subclass, the meta device's fake kernel)."""
+    return (_get_current_dispatch_mode() is None and torch._C._len_torch_function_stack() == 0
+            and all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors))
+
+
+def _tensors(rest) -> list:
+    """The tensors among the op arguments after v (captured tensors, varlen and block-mask ones)."""
+    found = []
+    for x in rest:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            found.extend(t for t in x if isinstance(t, torch.Tensor))
+    return found
+
+
+def direct(q, k, v, rest) -> bool:
+    """Whether an eager call may run the fwd op's body without the op's entry (~40 us of host time
+    on the CPU machine): no autograd to record (no input requires grad, or grad mode is off), not
+    under torch.compile or functorch, and nothing that could intercept the op (`_plain`)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    tensors = (q, k, v, *_tensors(rest))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return _plain(*tensors)
 
 
 def use_function(q, k, v) -> bool:
