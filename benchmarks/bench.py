@@ -97,6 +97,9 @@ _BWD_SWEEPS = {
     # programmatic dependent launch between the backward's three kernels, off / on
     "bwd-pdl": ({"off": {"TORCH_FA4_BWD_PDL": "0"}, "on": {"TORCH_FA4_BWD_PDL": "1"}},
                 [(D, S, c) for D in (128, 64) for S in (1024, 4096) for c in (False, True)]),
+    # separate ring barriers for Q + LSE and dO + dPsum on the 128-query (D64) variant
+    "bwd-split-ring": ({"one": {"TORCH_FA4_BWD_SPLIT_RING": "0"}, "split": {"TORCH_FA4_BWD_SPLIT_RING": "1"}},
+                       [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # CTA order (bwd_kernel._cta_coords): key tiles of groups of G (kv head, batch) pairs, longest first

@@ -258,6 +258,20 @@ def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, mon
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
 
 
+@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_causal_deterministic"])
+def test_backward_split_ring_compiles(name, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "1")
+    call_kw, deterministic = VARIANTS_TM128[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3][11] is True and key[-3][3] == 128
+    assert bwd.variant_key(_call(d=128), False)[-3][11] is False  # 64-query variants keep one barrier
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+
+
 def test_80_query_variant_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 

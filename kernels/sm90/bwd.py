@@ -75,6 +75,13 @@ _D128_PASSES = "one"
 # conversion's too): the main kernel's prologue and K / V loads overlap the row-statistics pass,
 # and the conversion is scheduled under the main kernel's last wave. TORCH_FA4_BWD_PDL=0|1.
 PDL_ENV = "TORCH_FA4_BWD_PDL"
+# Separate ring barriers for Q + LSE and dO + dPsum on the 128-query variant (bwd_kernel
+# `split_ring`: S^T issued once Q has landed, as flash-attn-4 does). On: +0.4-4.3% on five of the
+# six D64 rows, -1.4% (wide range) on S4k causal (H100, NOTES Experiment 45). Off by default only
+# until the whole GPU suite has run with it on (the device time ran out; see NOTES).
+# TORCH_FA4_BWD_SPLIT_RING=0|1.
+SPLIT_RING_ENV = "TORCH_FA4_BWD_SPLIT_RING"
+_SPLIT_RING = "0"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
@@ -248,7 +255,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV,
-               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV)
+               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV)
 _variant_memo: dict = {}
 
 
@@ -294,14 +301,15 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         passes = _env_choice(D128_PASSES_ENV, _D128_PASSES, ("one", "two"))
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, how the 128- / 80-query
     # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
-    # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch)
+    # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
+    # separate Q / dO ring barriers)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, passes if tile_m != _TILE_M else None,
                     dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
-                    pdl())
+                    pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1")
     return (
         call.q.dtype,
         call.head_dim,
@@ -431,7 +439,8 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
-    tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl = kernel_tiles
+    (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
+     split_ring) = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -440,7 +449,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
-        pdl=use_pdl,
+        pdl=use_pdl, split_ring=split_ring,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -141,6 +141,7 @@ class Sm90AttentionBackward:
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
         fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
         pdl: bool = True,  # programmatic dependent launch after the row-statistics pass (kernel)
+        split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -263,6 +264,11 @@ class Sm90AttentionBackward:
         # while the tensor cores wait for it (NOTES Experiment 28).
         self.exp2_emulate_every = exp2_emulate_every
         self.pdl = pdl
+        # Separate barriers for a stage's Q + LSE and its dO + dPsum (flash-attn-4 has separate
+        # pipelines): S^T is issued as soon as Q has landed, dP^T once dO has. 128-query variant
+        # only (no statistics prefetched before the products there).
+        assert not split_ring or (tile_m == 128 and not self.prefetch_stats and not dq_in_ring)
+        self.split_ring = split_ring
         # dK / dV leave through shared memory and TMA stores (see __call__)
         self.stage_dkdv = not varlen and not self.narrow
 
@@ -419,6 +425,7 @@ class Sm90AttentionBackward:
         class Storage:
             bar_qdo: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             bar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            bar_do: cute.struct.MemRange[cutlass.Int64, self.stages * 2]  # split_ring only
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -496,22 +503,31 @@ class Sm90AttentionBackward:
         sLSE = st.sLSE.get_tensor(stat_layout)
         sDp = st.sDp.get_tensor(stat_layout)
 
-        bytes_step = (
-            cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-            + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
-            + 2 * tm * 4
-        )
+        bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + tm * 4
+        bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + tm * 4
         bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
             self.dtype, sV_layout
         )
+        # the stage ring: Q, dO, LSE, dPsum behind one barrier; with split_ring `pipe` holds Q + LSE
+        # and `pipe_do` dO + dPsum (same stages, same states)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bar_qdo.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # 8 warps
-            tx_count=bytes_step,
+            tx_count=bytes_q if const_expr(self.split_ring) else bytes_q + bytes_do,
             defer_sync=True,
         )
+        pipe_do = None
+        if const_expr(self.split_ring):
+            pipe_do = pipeline.PipelineTmaAsync.create(
+                barrier_storage=st.bar_do.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+                tx_count=bytes_do,
+                defer_sync=True,
+            )
         bar_kv = st.bar_kv.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -570,7 +586,7 @@ class Sm90AttentionBackward:
             if warp_idx == 0:
                 self._produce(
                     mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
-                    tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv,
+                    tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
                     hkv, b, n_block, walk, steps, q_off, k_off,
                 )
             if const_expr(self.dq_writer_warp):
@@ -581,7 +597,7 @@ class Sm90AttentionBackward:
             # ================= consumer warpgroups
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self._consume(
-                mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
+                mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
                 mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
                 window_left, window_right, hkv, b, n_block, walk, steps,
                 seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
@@ -637,7 +653,7 @@ class Sm90AttentionBackward:
     @cute.jit
     def _produce(
         self, mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp,
-        sQ, sK, sV, sdO, sLSE, sDp, pipe, bar_kv, bytes_kv: cutlass.Constexpr,
+        sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv: cutlass.Constexpr,
         hkv, b, n_block, walk, steps, q_off, k_off,
     ):
         tm, tn = self.tile_m, self.tile_n
@@ -673,9 +689,16 @@ class Sm90AttentionBackward:
             bar = pipe.producer_get_barrier(state)
             cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar)
+            if const_expr(self.split_ring):
+                pipe.producer_commit(state)
+                pipe_do.producer_acquire(state)
+                bar = pipe_do.producer_get_barrier(state)
             cute.copy(tma_dO, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_Dp, tDg[None, m_block], tDs[None, state.index], tma_bar_ptr=bar)
-            pipe.producer_commit(state)
+            if const_expr(self.split_ring):
+                pipe_do.producer_commit(state)
+            else:
+                pipe.producer_commit(state)
             state.advance()
 
     @cute.jit
@@ -691,7 +714,7 @@ class Sm90AttentionBackward:
 
     @cute.jit
     def _consume(
-        self, mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, bar_kv,
+        self, mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
         mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
         window_left, window_right, hkv, b, n_block, walk, steps,
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
@@ -827,6 +850,8 @@ class Sm90AttentionBackward:
                     for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
                         dP_init[r, c] = -dpsum_vals[c]
             self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            if const_expr(self.split_ring):
+                pipe_do.consumer_wait(state)  # dO, dPsum of this stage
             if const_expr(not ovl or self.OVERLAP_DP):
                 self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
             stamp(2)
@@ -964,6 +989,8 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(0)
                 stamp(12)
                 pipe.consumer_release(state)
+                if const_expr(self.split_ring):
+                    pipe_do.consumer_release(state)
                 state.advance()
                 if const_expr(not self.dq_writer_warp):
                     cute.arch.sync_warp()  # reconverge before the back edge (see below)
@@ -971,6 +998,8 @@ class Sm90AttentionBackward:
                 warpgroup.wait_group(0)
                 if const_expr(not self.dq_in_ring):
                     pipe.consumer_release(state)  # Q, dO, LSE, dPsum of this stage are consumed
+                    if const_expr(self.split_ring):
+                        pipe_do.consumer_release(state)
                 state.advance()
                 if const_expr(ovl):
                     # A real copy: an unmodified one ptxas folds into the wgmma's registers,

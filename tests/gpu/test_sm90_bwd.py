@@ -412,6 +412,18 @@ def test_without_programmatic_dependent_launch(monkeypatch):
     _case(BF, 2, 517, 300, 2, 2, 64, 64)
 
 
+def test_tm128_split_ring(monkeypatch):
+    # TORCH_FA4_BWD_SPLIT_RING=1: separate ring barriers for Q + LSE and dO + dPsum (128 queries)
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "1")
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
+    _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
+    _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True, expect_tile_m=128)
+    _case(BF, 2, 300, 517, 2, 2, 64, 64, softcap=8.0, causal=True, expect_tile_m=128)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, deterministic=True, expect_tile_m=128)
+
+
 # ---- 80 queries per step at D128 without masks (bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
 # dQ computed transposed; dS in one fp32 pass with P or from the bf16 P (D128_PASSES_ENV)
 
