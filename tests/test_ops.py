@@ -129,12 +129,11 @@ def test_eager_function_matches_op_autograd(kw):
     assert not lse.requires_grad
 
 
-def test_eager_backward_shows_the_op_to_dispatch_modes():
-    """The eager backward skips the bwd op's entry only when nothing could see it: under a
-    TorchDispatchMode the op itself runs (and the mode records it)."""
+def _record_ops():
+    """A TorchDispatchMode that records the name of every op it sees (in `.ops`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Record(TorchDispatchMode):
+    class RecordOps(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.ops = []
@@ -143,11 +142,17 @@ def test_eager_backward_shows_the_op_to_dispatch_modes():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
+    return RecordOps()
+
+
+def test_eager_backward_shows_the_op_to_dispatch_modes():
+    """The eager backward skips the bwd op's entry only when nothing could see it: under a
+    TorchDispatchMode the op itself runs (and the mode records it)."""
     q, k, v = _leaf(1, 5, 2, 16), _leaf(1, 5, 2, 16), _leaf(1, 5, 2, 16)
     out = torch_fa4.attention(q, k, v)
     grad = torch.randn_like(out)
     want = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-    with Record() as mode:
+    with _record_ops() as mode:
         got = torch.autograd.grad(out, (q, k, v), grad)
     assert any(name.startswith("torch_fa4.bwd") for name in mode.ops), mode.ops[:5]
     for g, w in zip(got, want):
@@ -158,18 +163,7 @@ def test_eager_inference_skips_only_an_unobserved_op_entry():
     """Eager calls with nothing to record run the fwd op's body directly (eager_autograd.direct);
     the result equals the op's, and a dispatch mode, the meta device or an input that requires grad
     still go through the op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from torch_fa4 import eager_autograd
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     q, k, v = torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
     rest = ([], None, None, None, [], 9, 12, 0.25, True, -1, 0, 0.0, "", 128, 128, False)
@@ -177,7 +171,7 @@ def test_eager_inference_skips_only_an_unobserved_op_entry():
     op_out, op_lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
     out, lse = torch_fa4.attention(q, k, v, causal=True, return_lse=True)
     assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
-    with Record() as mode:
+    with _record_ops() as mode:
         assert not eager_autograd.direct(q, k, v, rest)
         seen = torch_fa4.attention(q, k, v, causal=True)
     assert any(name.startswith("torch_fa4.fwd") for name in mode.ops), mode.ops[:5]

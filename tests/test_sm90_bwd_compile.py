@@ -105,6 +105,16 @@ def _check_backward_sass(sass, key, d, dv):
         assert "UTMASTG" not in sass and "STG.E" in sass
 
 
+def _compiled_and_checked(key, call, tmp_path) -> str:
+    """Compile the variant `key` into tmp_path, run the common SASS checks, return the SASS."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    bwd.compile_variant(key, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    _check_backward_sass(sass, key, call.head_dim, call.head_dim_v)
+    return sass
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     from torch_fa4.kernels.sm90 import bwd
@@ -113,20 +123,18 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    d, dv = call.head_dim, call.head_dim_v
-    assert key[-3][0] == (128 if max(d, dv) <= 128 else 64)
-    _check_backward_sass(sass_of(tmp_path), key, d, dv)
+    assert key[-3][0] == (128 if max(call.head_dim, call.head_dim_v) <= 128 else 64)
+    _compiled_and_checked(key, call, tmp_path)
 
 
 def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.setenv(bwd.PDL_ENV, "0")
-    key = bwd.variant_key(_call(d=128), False)
+    call = _call(d=128)
+    key = bwd.variant_key(call, False)
     assert key[-3][10] is False
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    _check_backward_sass(sass_of(tmp_path), key, 128, 128)
+    _compiled_and_checked(key, call, tmp_path)
 
 
 # the leader-warp dQ adds (TORCH_FA4_BWD_DQ_WARP=0) on the paths the writer warp takes by default
@@ -140,8 +148,7 @@ def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
     assert not key[-3][6]
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+    _compiled_and_checked(key, call, tmp_path)
 
 
 # dK issued before dQ, dQ's epilogue in the next step (TORCH_FA4_BWD_DQ_FIRST=0), with either dQ adds
@@ -156,8 +163,7 @@ def test_backward_dk_first_order_compiles(name, dq_warp, tmp_path, monkeypatch):
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
     assert not key[-3][5] and key[-3][6] == (dq_warp == "1")
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+    _compiled_and_checked(key, call, tmp_path)
 
 
 def test_dq_first_selection(monkeypatch):
@@ -237,8 +243,7 @@ def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, mo
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
     assert key[-3][:5] == (128, 2, False, 128, passes), key[-3]
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+    _compiled_and_checked(key, call, tmp_path)
 
 
 @pytest.mark.parametrize("passes", ["one", "two"])
@@ -252,9 +257,7 @@ def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, mon
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
     assert key[-3][:5] == (128, 2, False, 80, passes), key[-3]
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    sass = sass_of(tmp_path)
-    _check_backward_sass(sass, key, call.head_dim, call.head_dim_v)
+    sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
 
 
@@ -268,8 +271,7 @@ def test_backward_split_ring_compiles(name, tmp_path, monkeypatch):
     key = bwd.variant_key(call, deterministic)
     assert key[-3][11] is True and key[-3][3] == 128
     assert bwd.variant_key(_call(d=128), False)[-3][11] is False  # 64-query variants keep one barrier
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    _check_backward_sass(sass_of(tmp_path), key, call.head_dim, call.head_dim_v)
+    _compiled_and_checked(key, call, tmp_path)
 
 
 def test_80_query_variant_selection(monkeypatch):

@@ -71,11 +71,16 @@ def _tensors(rest) -> list:
     return found
 
 
+def _traced() -> bool:
+    """Under torch.compile or a functorch transform: they must see the op itself."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 def direct(q, k, v, rest) -> bool:
     """Whether an eager call may run the fwd op's body without the op's entry (~40 us of host time
     on the CPU machine): no autograd to record (no input requires grad, or grad mode is off), not
     under torch.compile or functorch, and nothing that could intercept the op (`_plain`)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if _traced():
         return False
     tensors = (q, k, v, *_tensors(rest))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -86,6 +91,6 @@ def direct(q, k, v, rest) -> bool:
 def use_function(q, k, v) -> bool:
     """Whether this call goes through AttentionFunction: eager, with autograd to record. Under
     torch.compile or functorch transforms the op's own autograd runs (they trace it)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if _traced():
         return False
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

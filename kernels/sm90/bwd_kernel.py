@@ -508,26 +508,22 @@ class Sm90AttentionBackward:
         bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
             self.dtype, sV_layout
         )
-        # the stage ring: Q, dO, LSE, dPsum behind one barrier; with split_ring `pipe` holds Q + LSE
-        # and `pipe_do` dO + dPsum (same stages, same states)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bar_qdo.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # 8 warps
-            tx_count=bytes_q if const_expr(self.split_ring) else bytes_q + bytes_do,
-            defer_sync=True,
-        )
-        pipe_do = None
-        if const_expr(self.split_ring):
-            pipe_do = pipeline.PipelineTmaAsync.create(
-                barrier_storage=st.bar_do.data_ptr(),
+        def ring(barriers, tx_count):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers.data_ptr(),
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
-                tx_count=bytes_do,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # 8 warps
+                tx_count=tx_count,
                 defer_sync=True,
             )
+
+        # the stage ring: Q, dO, LSE, dPsum behind one barrier; with split_ring `pipe` holds Q + LSE
+        # and `pipe_do` dO + dPsum (same stages, same states)
+        if const_expr(self.split_ring):
+            pipe, pipe_do = ring(st.bar_qdo, bytes_q), ring(st.bar_do, bytes_do)
+        else:
+            pipe, pipe_do = ring(st.bar_qdo, bytes_q + bytes_do), None
         bar_kv = st.bar_kv.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -700,6 +696,13 @@ class Sm90AttentionBackward:
             else:
                 pipe.producer_commit(state)
             state.advance()
+
+    @cute.jit
+    def _release_stage(self, pipe, pipe_do, state):
+        """Hand the ring stage `state` back to the producer (both barriers with split_ring)."""
+        pipe.consumer_release(state)
+        if const_expr(self.split_ring):
+            pipe_do.consumer_release(state)
 
     @cute.jit
     def _wgmma(self, mma: cute.TiledMma, acc, tA, tB, zero_init: cutlass.Constexpr):
@@ -988,18 +991,14 @@ class Sm90AttentionBackward:
                 stamp(11)
                 warpgroup.wait_group(0)
                 stamp(12)
-                pipe.consumer_release(state)
-                if const_expr(self.split_ring):
-                    pipe_do.consumer_release(state)
+                self._release_stage(pipe, pipe_do, state)
                 state.advance()
                 if const_expr(not self.dq_writer_warp):
                     cute.arch.sync_warp()  # reconverge before the back edge (see below)
             else:
                 warpgroup.wait_group(0)
                 if const_expr(not self.dq_in_ring):
-                    pipe.consumer_release(state)  # Q, dO, LSE, dPsum of this stage are consumed
-                    if const_expr(self.split_ring):
-                        pipe_do.consumer_release(state)
+                    self._release_stage(pipe, pipe_do, state)  # Q, dO, LSE, dPsum are consumed
                 state.advance()
                 if const_expr(ovl):
                     # A real copy: an unmodified one ptxas folds into the wgmma's registers,
