@@ -262,14 +262,17 @@ def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, mon
 
 
 @pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_causal_deterministic"])
-def test_backward_split_ring_compiles(name, tmp_path, monkeypatch):
+def test_backward_one_ring_barrier_compiles(name, tmp_path, monkeypatch):
+    # the default splits the ring barrier at 128 queries; TORCH_FA4_BWD_SPLIT_RING=0 keeps one
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "1")
+    monkeypatch.delenv(bwd.SPLIT_RING_ENV, raising=False)
     call_kw, deterministic = VARIANTS_TM128[name]
     call = _call(**call_kw)
+    assert bwd.variant_key(call, deterministic)[-3][11] is True
+    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "0")
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][11] is True and key[-3][3] == 128
+    assert key[-3][11] is False and key[-3][3] == 128
     assert bwd.variant_key(_call(d=128), False)[-3][11] is False  # 64-query variants keep one barrier
     _compiled_and_checked(key, call, tmp_path)
 

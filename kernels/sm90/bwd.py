@@ -77,11 +77,10 @@ _D128_PASSES = "one"
 PDL_ENV = "TORCH_FA4_BWD_PDL"
 # Separate ring barriers for Q + LSE and dO + dPsum on the 128-query variant (bwd_kernel
 # `split_ring`: S^T issued once Q has landed, as flash-attn-4 does). On: +0.4-4.3% on five of the
-# six D64 rows, -1.4% (wide range) on S4k causal (H100, NOTES Experiment 45). Off by default only
-# until the whole GPU suite has run with it on (the device time ran out; see NOTES).
-# TORCH_FA4_BWD_SPLIT_RING=0|1.
+# six D64 rows, -1.4% (wide range) on S4k causal (H100, NOTES Experiment 45).
+# TORCH_FA4_BWD_SPLIT_RING=0 gives the single barrier back.
 SPLIT_RING_ENV = "TORCH_FA4_BWD_SPLIT_RING"
-_SPLIT_RING = "0"
+_SPLIT_RING = "1"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of

@@ -412,11 +412,13 @@ def test_without_programmatic_dependent_launch(monkeypatch):
     _case(BF, 2, 517, 300, 2, 2, 64, 64)
 
 
-def test_tm128_split_ring(monkeypatch):
-    # TORCH_FA4_BWD_SPLIT_RING=1: separate ring barriers for Q + LSE and dO + dPsum (128 queries)
+@pytest.mark.parametrize("split_ring", ["0", "1"])
+def test_tm128_split_ring(monkeypatch, split_ring):
+    # TORCH_FA4_BWD_SPLIT_RING: separate ring barriers for Q + LSE and dO + dPsum (128 queries, the
+    # default "1"), or one barrier for the whole stage ("0")
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "1")
+    monkeypatch.setenv(bwd.SPLIT_RING_ENV, split_ring)
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
     _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
     _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True, expect_tile_m=128)
