@@ -63,6 +63,14 @@ _SWEEPS = {
              [(64, S, c) for S in (4096, 16384) for c in (False, True)] + [(128, S, False) for S in (4096, 16384)]),
     "stages": ({"2 stages": dict(num_stages=2), "3 stages": dict(num_stages=3), "4 stages": dict(num_stages=4)},
                [(64, S, c) for S in (1024, 16384) for c in (False, True)]),
+    # the wide D64 tile (192 x 128) one-shot against persistent, with two and three K/V stages
+    "wide-persistent": ({"one-shot s3": dict(persistent=False, num_stages=3),
+                         "persistent s3": dict(persistent=True, num_stages=3),
+                         "persistent s2": dict(persistent=True, num_stages=2)},
+                        [(64, S, False) for S in (4096, 16384)]),
+    # D128: two K/V stages and a separate O tile, or three stages with O staged over Q
+    "d128-stages": ({"2 stages": dict(num_stages=2), "3 stages": dict(num_stages=3)},
+                    [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
               [row for row in _GRID if row[0] <= 128]),
 }
