@@ -6,7 +6,9 @@ in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contr
 
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
-               into a two-stage ring guarded by mbarriers; it gives registers away (setmaxnreg).
+               into a two-stage ring guarded by mbarriers (at 128 queries per step Q + LSE and
+               dO + dPsum have separate barriers, `split_ring`); it gives registers away
+               (setmaxnreg).
                With `dq_writer_warp`, its warp 1 issues the dQ TMA adds (see below).
   warpgroups 1-2 consumers, each owning 64 of the 128 keys:
       S^T  = K Q^T         (wgmma, both operands in shared memory)
