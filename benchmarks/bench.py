@@ -114,6 +114,12 @@ _BWD_SWEEPS = {
     "bwd-cta-group": ({f"G{g}": {"TORCH_FA4_BWD_CTA_GROUP": str(g)} for g in (1, 4, 8, 16, 1024)},
                       [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (True, False)
                        if c or S == 4096]),
+    # CTA order (bwd_kernel._cta_coords): the last T (kv head, batch) pairs as one group
+    "bwd-cta-tail": ({f"T{t}": {"TORCH_FA4_BWD_CTA_TAIL": str(t)} for t in (1, 2, 4, 8, 16)},
+                     [(D, S, True) for D in (64, 128) for S in (1024, 4096, 16384)]),
+    # the plain order against the default tail group (bwd.cta_tail; "" = the default)
+    "bwd-cta-tail-auto": ({"T1": {"TORCH_FA4_BWD_CTA_TAIL": "1"}, "auto": {"TORCH_FA4_BWD_CTA_TAIL": ""}},
+                          [(D, S, True) for D in (64, 128) for S in (1024, 4096, 16384)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
 }

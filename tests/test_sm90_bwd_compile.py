@@ -411,9 +411,9 @@ def _emulated_kernel(key):
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
         q_num, q_idx, full_num, full_idx = rest[:4]
-        scale, scale_log2, softcap_val, left, right, max_k, cta_group = rest[4:11]
-        assert cta_group >= 1  # the CTA order changes nothing the emulation computes
-        mask_aux = [t for t in rest[11:] if t is not None][mods.num_score_aux if mods else 0:]
+        scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail = rest[4:12]
+        assert cta_group >= 1 and cta_tail >= 1  # the CTA order changes nothing the emulation computes
+        mask_aux = [t for t in rest[12:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
         # the kernel reads whole query tiles of tile_m rows: statistics padded to them; the dQ
         # buffer is not (its TMA adds drop rows past Sq)

@@ -338,6 +338,29 @@ def cta_group(call: "AttentionCall", pairs: int) -> int:
     return max(1, min(int(value), pairs)) if value else 1
 
 
+# The last T (kv head, batch) pairs start as one group (bwd_kernel._cta_coords): under a causal
+# mask the plain order leaves the last pairs' longest CTAs for the end of the grid. T is as many
+# pairs as fit their query-side bytes (Q, dO, the fp32 dQ buffer) in a 16 MB share of L2, at most
+# 16: grouping more costs the L2 reuse it leaves (H100, NOTES Experiment 53: T = 16 / 4 / 1 at
+# D64 S1k / D128 S4k / D128 S16k measured +2.2% / +3.7% / level, and T >= 2 lost 1-2% where a
+# pair needs 8 MB or more). Without a mask every CTA walks as far: T = 1.
+# TORCH_FA4_BWD_CTA_TAIL=T overrides (a runtime argument: no recompile).
+CTA_TAIL_ENV = "TORCH_FA4_BWD_CTA_TAIL"
+_CTA_TAIL_L2_BYTES = 16 << 20
+_CTA_TAIL_MAX = 16
+
+
+def cta_tail(call: "AttentionCall", pairs: int) -> int:
+    value = os.environ.get(CTA_TAIL_ENV, "").strip()
+    if value:
+        return max(1, min(int(value), pairs))
+    if not (call.causal or call.window_right >= 0 or call.window_left >= 0):
+        return 1
+    group = call.num_heads // call.num_heads_kv
+    pair_bytes = call.q.shape[1] * group * (call.head_dim * (2 + 4) + call.head_dim_v * 2)
+    return max(1, min(_CTA_TAIL_L2_BYTES // max(pair_bytes, 1), _CTA_TAIL_MAX, pairs))
+
+
 def _window(call: "AttentionCall") -> tuple[int | None, int | None]:
     """Effective (right, left) key limits relative to the diagonal; None = unbounded."""
     right = call.window_right if call.window_right >= 0 else None
@@ -465,7 +488,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     aux += [None] * (MAX_AUX - len(aux))
     stream, options = compile_stream_and_options(arch, dump_dir)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem, *lists,
-            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), *aux, stream)
+            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), *aux, stream)
     return cute.compile(kernel, *args, options=options)
 
 
@@ -573,7 +596,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
         cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-        int(left or 0), int(right or 0), int(max_k), cta_group(call, k.shape[-2] * call.batch), *aux,
+        int(left or 0), int(right or 0), int(max_k), cta_group(call, k.shape[-2] * call.batch),
+        cta_tail(call, k.shape[-2] * call.batch), *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)

@@ -304,6 +304,7 @@ class Sm90AttentionBackward:
         window_right: Int32,
         max_seqlen_k: Int32,
         cta_group: Int32,  # CTA order: groups of this many (kv head, batch) pairs (_cta_coords)
+        cta_tail: Int32,  # ... except the last this many pairs, one group (_cta_coords)
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,  # captured mod tensors, None when unused
         stream,
     ):
@@ -447,7 +448,7 @@ class Sm90AttentionBackward:
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_SdP, mma_dK, mma_dV, mma_dQ,
-            scale, scale_log2, softcap_val, window_left, window_right, cta_group,
+            scale, scale_log2, softcap_val, window_left, window_right, cta_group, cta_tail,
             score_aux, mask_aux, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl)
 
@@ -468,14 +469,14 @@ class Sm90AttentionBackward:
         mma_SdP: cute.TiledMma, mma_dK: cute.TiledMma, mma_dV: cute.TiledMma,
         mma_dQ: cute.TiledMma,
         scale: Float32, scale_log2: Float32, softcap_val: Float32,
-        window_left: Int32, window_right: Int32, cta_group: Int32,
+        window_left: Int32, window_right: Int32, cta_group: Int32, cta_tail: Int32,
         score_aux, mask_aux,
         Storage: cutlass.Constexpr,
     ):
         tm, tn = self.tile_m, self.tile_n
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, hkv, b = self._cta_coords(cta_group)
+        n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
@@ -603,22 +604,34 @@ class Sm90AttentionBackward:
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _cta_coords(self, cta_group):
+    def _cta_coords(self, cta_group, cta_tail):
         """(key tile, kv head, batch) of this CTA. The hardware starts CTAs in linear order (x
         fastest). With cta_group = G that order runs over groups of G (kv head, batch) pairs, key
         tiles outermost within a group: under a causal mask the first key tiles walk the most
         query tiles, so each group's longest CTAs start first (no long CTA left for the tail),
         while the group's CTAs still run together and share the query tiles they load.
-        G = 1 is the plain order (one pair's key tiles in a row)."""
+        G = 1 is the plain order (one pair's key tiles in a row). The last cta_tail pairs form
+        one group of their own whatever G is: only their longest CTAs need to start early, and
+        grouping only them keeps the other pairs' CTAs together in L2 (1: no tail group)."""
         bx, by, bz = cute.arch.block_idx()
         n_blocks, heads, batches = cute.arch.grid_dim()
         lin = bx + n_blocks * (by + heads * bz)
-        span = cta_group * n_blocks
-        group = lin // span
-        g = cutlass.min(cta_group, heads * batches - group * cta_group)  # the last group may be short
-        r = lin - group * span
-        n_block = r // g
-        pair = group * cta_group + r - n_block * g
+        pairs = heads * batches
+        tail = cutlass.min(cutlass.max(cta_tail, 1), pairs)
+        tail_start = (pairs - tail) * n_blocks  # first CTA of the tail group
+        n_block = Int32(0)
+        pair = Int32(0)
+        if lin >= tail_start:
+            r = lin - tail_start
+            n_block = r // tail
+            pair = pairs - tail + r - n_block * tail
+        else:
+            span = cta_group * n_blocks
+            group = lin // span
+            g = cutlass.min(cta_group, pairs - tail - group * cta_group)  # the last group may be short
+            r = lin - group * span
+            n_block = r // g
+            pair = group * cta_group + r - n_block * g
         return n_block, pair % heads, pair // heads
 
     def _stat_stage(self):
