@@ -828,3 +828,27 @@ def test_backward_trace_stamps(trace, tmp_path, monkeypatch):
     clocks = sass.count("SR_CLOCKLO")
     assert clocks == (len(TRACE_EVENTS) if trace != "0" else 0), clocks
     _check_backward_sass(sass, key, 128, 128)
+
+
+def test_cta_tail_groups_the_last_pairs_only_under_masks(monkeypatch):
+    # bwd.cta_tail: how many (kv head, batch) pairs start as one group at the end of the grid
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.CTA_TAIL_ENV, raising=False)
+
+    def call(s, d, hq=2, hkv=2, **kw):
+        q = torch.empty(1, s, hq, d, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, s, hkv, d, dtype=torch.bfloat16, device="meta")
+        return AttentionCall(q=q, k=k, v=k, scale=1.0, **kw)
+
+    assert bwd.cta_tail(call(1024, 64), pairs=512) == 1  # no mask: every CTA walks as far
+    # a pair's query side: S x group x (D x (2 + 4) + Dv x 2) bytes, 16 MB of them, at most 16 pairs
+    assert bwd.cta_tail(call(1024, 64, causal=True), pairs=512) == 16
+    assert bwd.cta_tail(call(4096, 128, causal=True), pairs=64) == 4
+    assert bwd.cta_tail(call(16384, 128, causal=True), pairs=16) == 1
+    assert bwd.cta_tail(call(4096, 128, hq=8, hkv=2, causal=True), pairs=64) == 1  # GQA: 4 heads a pair
+    assert bwd.cta_tail(call(1024, 64, window_left=128, window_right=0), pairs=512) == 16
+    assert bwd.cta_tail(call(1024, 64, causal=True), pairs=3) == 3  # never more than the grid has
+    monkeypatch.setenv(bwd.CTA_TAIL_ENV, "5")
+    assert bwd.cta_tail(call(16384, 128, causal=True), pairs=16) == 5
+    assert bwd.cta_tail(call(1024, 64), pairs=4) == 4
