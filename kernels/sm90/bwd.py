@@ -333,9 +333,14 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
 CTA_GROUP_ENV = "TORCH_FA4_BWD_CTA_GROUP"
 
 
+def _pairs_from_env(name: str, pairs: int) -> int | None:
+    """A count of (kv head, batch) pairs set in the environment, within 1..pairs; None if unset."""
+    value = os.environ.get(name, "").strip()
+    return max(1, min(int(value), pairs)) if value else None
+
+
 def cta_group(call: "AttentionCall", pairs: int) -> int:
-    value = os.environ.get(CTA_GROUP_ENV, "").strip()
-    return max(1, min(int(value), pairs)) if value else 1
+    return _pairs_from_env(CTA_GROUP_ENV, pairs) or 1
 
 
 # The last T (kv head, batch) pairs start as one group (bwd_kernel._cta_coords): under a causal
@@ -351,9 +356,9 @@ _CTA_TAIL_MAX = 16
 
 
 def cta_tail(call: "AttentionCall", pairs: int) -> int:
-    value = os.environ.get(CTA_TAIL_ENV, "").strip()
-    if value:
-        return max(1, min(int(value), pairs))
+    override = _pairs_from_env(CTA_TAIL_ENV, pairs)
+    if override is not None:
+        return override
     if not (call.causal or call.window_right >= 0 or call.window_left >= 0):
         return 1
     group = call.num_heads // call.num_heads_kv
@@ -586,6 +591,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
 
+    pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     q, k, v, dout, dk, dv = (_tma_view(t) for t in (q, k, v, dout, dk, dv))
     aux = [None] * MAX_AUX
     if call.mods is not None:
@@ -596,8 +602,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
         cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-        int(left or 0), int(right or 0), int(max_k), cta_group(call, k.shape[-2] * call.batch),
-        cta_tail(call, k.shape[-2] * call.batch), *aux,
+        int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs), *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)
