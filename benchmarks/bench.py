@@ -110,6 +110,11 @@ _BWD_SWEEPS = {
                        [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
                  [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # D64 step order (bwd_kernel `passes`, `dv_after_ds`): P / dS in one pass or P under dP^T, dV
+    # issued before or after the dS^T stores
+    "bwd-dv-order": ({f"{p}{'-dv-after' if a == '1' else ''}": {"TORCH_FA4_BWD_PASSES": p, "TORCH_FA4_BWD_DV_AFTER_DS": a}
+                      for p in ("one", "split") for a in ("0", "1")},
+                     [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # CTA order (bwd_kernel._cta_coords): key tiles of groups of G (kv head, batch) pairs, longest first
     "bwd-cta-group": ({f"G{g}": {"TORCH_FA4_BWD_CTA_GROUP": str(g)} for g in (1, 4, 8, 16, 1024)},
                       [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (True, False)

@@ -4,8 +4,9 @@
 
 For each row (D:S:causal, B = 16384 / S, H = 2048 / D, bf16) the backward is compiled once more
 with TORCH_FA4_BWD_TRACE (kernels/sm90/bwd.py): the first thread of each consumer warpgroup of the
-CTAs of batch 0, KV head 0 stamps the SM clock at bwd_kernel.TRACE_EVENTS of its first `--steps`
-steps. Printed per event: the median number of cycles since the previous stamped event (steps
+CTAs of one (batch, KV head) pair (`--pair`: batch 0 / head 0, whose CTAs start together in the
+first wave, or a pair in the middle of the launch order, the default) stamps the SM clock at
+bwd_kernel.TRACE_EVENTS of its first `--steps` steps; steps 0-2 are also reported one by one. Printed per event: the median number of cycles since the previous stamped event (steps
 after the first two, every key tile, both warpgroups), and the median step. The untraced kernels'
 times (ours and flash-attn-4's main backward kernel, from the profiler) give the cycles of a
 64-query step that the measured kernel time implies for each, so the two can be compared.
@@ -76,12 +77,75 @@ def _phases(trace: torch.Tensor, events: tuple, skip: int = 2, wgs=(0, 1)) -> di
     return med
 
 
+def _first_steps(trace: torch.Tensor, events: tuple, count: int = 3) -> list:
+    """Each CTA's steps 0 .. count-1 (medians over key tiles and both warpgroups): cycles from the
+    step's top to the next step's top, and per event. Under a causal mask step 0 is the diagonal
+    tile, so its excess over the later steps is the masked step's cost plus the ring's first fill."""
+    t = trace.cpu().to(torch.int64) & 0xFFFFFFFF
+    tiles, _, steps, _ = t.shape
+    out = []
+    for s in range(min(count, steps - 1)):
+        cta = [(i, w) for i in range(tiles) for w in (0, 1) if t[i, w, s, 0] != 0 and t[i, w, s + 1, 0] != 0]
+        if not cta:
+            break
+        row = {"step": statistics.median((int(t[i, w, s + 1, 0]) - int(t[i, w, s, 0])) & 0xFFFFFFFF for i, w in cta)}
+        deltas = {}
+        for i, w in cta:
+            prev = int(t[i, w, s, 0])
+            for e in range(1, len(events)):
+                if t[i, w, s, e] != 0:  # (0: not stamped on this path)
+                    deltas.setdefault(events[e], []).append((int(t[i, w, s, e]) - prev) & 0xFFFFFFFF)
+                    prev = int(t[i, w, s, e])
+        row.update({e: statistics.median(v) for e, v in deltas.items()})
+        out.append(row)
+    return out
+
+
+def _schedule(ctas: torch.Tensor, causal: bool) -> dict:
+    """The grid's schedule from every CTA's (start, end, SM) stamps, (key tiles, pairs, 3): the
+    kernel's span, the SMs' busy share, the idle gaps between consecutive CTAs on an SM and at the
+    end (tail), and (under a causal mask, where CTA lengths differ) the least-squares fit of a
+    CTA's duration against its key tiles' distance from the last one: slope = time per key tile,
+    intercept = the per-CTA fixed cost (prologue, first loads, epilogue). Times in microseconds."""
+    c = ctas.cpu().to(torch.int64) & 0xFFFFFFFF
+    tiles, pairs, _ = c.shape
+    t0 = int(c[..., 0].min())
+    start = ((c[..., 0] - t0) & 0xFFFFFFFF).double() / 1000
+    end = ((c[..., 1] - t0) & 0xFFFFFFFF).double() / 1000
+    sm = c[..., 2]
+    span = float(end.max())
+    dur = end - start
+    gaps, tails = [], []
+    for s in sm.unique().tolist():
+        sel = sm == s
+        order = torch.argsort(start[sel])
+        st, en = start[sel][order], end[sel][order]
+        gaps += (st[1:] - en[:-1]).tolist()
+        tails.append(span - float(en.max()))
+    out = dict(span_us=span, busy=float(dur.sum()) / (span * len(tails)), sms=len(tails),
+               gap_us_median=statistics.median(gaps) if gaps else None,
+               gap_us_mean=sum(gaps) / len(gaps) if gaps else None,
+               tail_us_mean=sum(tails) / len(tails))
+    if causal:
+        x = (tiles - torch.arange(tiles, dtype=torch.float64)).repeat_interleave(pairs)
+        y = dur.reshape(-1)
+        xm, ym = x.mean(), y.mean()
+        slope = float(((x - xm) * (y - ym)).sum() / ((x - xm) ** 2).sum())
+        out.update(per_tile_us=slope, per_cta_us=float(ym - slope * xm))
+    else:
+        out.update(cta_us_median=float(dur.median()))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="128:4096:0,128:4096:1,128:16384:0,64:4096:0")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=None)
     ap.add_argument("--per-wg", action="store_true", help="also each consumer warpgroup's phases")
+    ap.add_argument("--pair", default="middle", choices=("first", "middle"),
+                    help="trace the CTAs of batch 0, KV head 0 (they run in the first wave, which "
+                         "starts all at once) or of a pair in the middle of the launch order")
     args = ap.parse_args()
 
     import torch_fa4
@@ -100,14 +164,19 @@ def main():
         ours = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
         ours_ms = _kernel_ms(ours)
         os.environ[bwd.TRACE_ENV] = str(args.steps)
+        os.environ[bwd.TRACE_PAIR_ENV] = "0:0" if args.pair == "first" else f"{B // 2}:{H // 2 if B == 1 else 0}"
         try:
             ours()
             torch.cuda.synchronize()
-            trace = bwd.LAST_TRACE.view(*bwd.LAST_TRACE.shape[:2], args.steps, len(TRACE_EVENTS))
+            steps_part = bwd.LAST_TRACE[:, :2, :args.steps * len(TRACE_EVENTS)].contiguous()
+            trace = steps_part.view(bwd.LAST_TRACE.shape[0], 2, args.steps, len(TRACE_EVENTS))
+            schedule = _schedule(bwd.LAST_TRACE[:, 2:, :3], causal)
             phases = _phases(trace, TRACE_EVENTS)
+            first = _first_steps(trace, TRACE_EVENTS)
             per_wg = [_phases(trace, TRACE_EVENTS, wgs=(w,)) for w in (0, 1)] if args.per_wg else []
         finally:
             os.environ.pop(bwd.TRACE_ENV)
+            os.environ.pop(bwd.TRACE_PAIR_ENV)
         fa_ms = None
         try:
             from flash_attn.cute.interface import flash_attn_func
@@ -119,13 +188,19 @@ def main():
             fa_ms = _kernel_ms(fa)
         except Exception as exc:  # flash-attn-4 missing: our numbers alone
             print(f"flash-attn-4: {exc!r}")
-        row = dict(D=D, S=S, causal=causal, ours_kernel_ms=ours_ms, fa4_kernel_ms=fa_ms, phases=phases)
+        row = dict(D=D, S=S, causal=causal, ours_kernel_ms=ours_ms, fa4_kernel_ms=fa_ms, phases=phases,
+                   first_steps=first, schedule=schedule)
         if phases.get("step"):
             # cycles per 64-query step implied by each kernel's time, scaled by our traced step
             row["fa4_step_equiv"] = phases["step"] * fa_ms / ours_ms if fa_ms else None
         results.append(row)
         print(f"D{D} S{S}{' causal' if causal else ''}: kernel ours {ours_ms:.3f} ms, "
-              f"flash-attn-4 {fa_ms if fa_ms is None else round(fa_ms, 3)} ms; traced step {phases.get('step')} cycles")
+              f"flash-attn-4 {fa_ms if fa_ms is None else round(fa_ms, 3)} ms; traced step {phases.get('step')} cycles; "
+              f"steps 0-2 {[int(r['step']) for r in first]}")
+        print("   schedule: " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in schedule.items()))
+        for n, r in enumerate(first):
+            print(f"   step {n}: " + "  ".join(f"{e}={int(c)}" for e, c in r.items() if e != "step"))
         print("   " + "  ".join(f"{e}={int(c)}" for e, c in phases.items() if e != "step"))
         for w, ph in enumerate(per_wg):
             print(f"   wg{w}: " + "  ".join(f"{e}={int(c)}" for e, c in ph.items()))

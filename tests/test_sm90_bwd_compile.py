@@ -277,6 +277,30 @@ def test_backward_one_ring_barrier_compiles(name, tmp_path, monkeypatch):
     _compiled_and_checked(key, call, tmp_path)
 
 
+def _hgmma_between_ds_stores_and_fence(sass: str) -> int:
+    """HGMMAs issued between the loop's last dS^T stmatrix and the async-proxy fence after it."""
+    lines = sass.splitlines()
+    last_stsm = max(i for i, ln in enumerate(lines) if "STSM.16" in ln)
+    fence = next(i for i in range(last_stsm, len(lines)) if "FENCE.VIEW.ASYNC.S" in lines[i])
+    return sum("HGMMA." in ln for ln in lines[last_stsm:fence])
+
+
+@pytest.mark.parametrize("dv_after", ["0", "1"])
+@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_softcap"])
+def test_backward_dv_after_ds_stores(name, dv_after, tmp_path, monkeypatch):
+    # on (the default): dV's 8 HGMMAs (128 queries / 16) issue after the dS^T stmatrix, before
+    # the fence that orders those stores for the tensor cores; off: dV is issued before them
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DV_AFTER_DS_ENV, dv_after)
+    call_kw, deterministic = VARIANTS_TM128[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3][3] == 128 and key[-3][12] is (dv_after == "1")
+    sass = _compiled_and_checked(key, call, tmp_path)
+    assert _hgmma_between_ds_stores_and_fence(sass) == (8 if dv_after == "1" else 0)
+
+
 def test_80_query_variant_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
@@ -814,15 +838,17 @@ def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):
 # The measuring tool (TORCH_FA4_BWD_TRACE, benchmarks/bwd_trace.py): the traced D128 variant reads
 # the SM clock once per TRACE_EVENTS entry of a step (the default path stamps all of them), the
 # untraced one never.
-@pytest.mark.parametrize("trace", ["0", "4"])
-def test_backward_trace_stamps(trace, tmp_path, monkeypatch):
+@pytest.mark.parametrize("trace,pair", [("0", ""), ("4", ""), ("4", "1:2")])
+def test_backward_trace_stamps(trace, pair, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
     from torch_fa4.kernels.sm90.bwd_kernel import TRACE_EVENTS
 
     monkeypatch.setenv(bwd.TRACE_ENV, trace)
+    monkeypatch.setenv(bwd.TRACE_PAIR_ENV, pair)
     call = _call(d=128)
     key = bwd.variant_key(call, False)
-    assert key[-3][7] == int(trace)
+    # (steps, batch, kv head) of the traced pair; batch 0, head 0 unless TRACE_PAIR_ENV names one
+    assert key[-3][7] == (0 if trace == "0" else (4, 1, 2) if pair else (4, 0, 0))
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     clocks = sass.count("SR_CLOCKLO")

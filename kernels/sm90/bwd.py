@@ -45,7 +45,8 @@ _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 # "two" (P while dP^T runs, dS from the bf16 P, dQ epilogue under the next step's products),
 # "one" (P and dS in fp32 after both products land, no dQ-epilogue overlap) or
 # "split" (P in fp32 while dP^T runs, dS from that fp32 P once dP^T landed, then dV; flash-attn-4's
-# order: within 0-5% of "one" on an H100, NOTES Experiment 41).
+# order: within 0-5% of "one" on an H100, NOTES Experiment 41; with the separate Q / dO barriers
+# and dV issued after the dS^T stores, the default: NOTES Experiment 54).
 # Environment overrides, read on every call (benchmarks/bench.py --sweep bwd-tiles sets them):
 #   TORCH_FA4_BWD_TILE_M=64|128     TORCH_FA4_BWD_PASSES=two|one|split
 # Calls the 128-query variant does not take keep 64: head dims above 64, 64-key CTAs (block masks
@@ -53,7 +54,7 @@ _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 # block-sparse walk at 64 queries per step). Causal, window, softcap (always one pass), GQA,
 # seqused_k, deterministic mode and mods all run with 128.
 _D64_TILE_M = 128
-_D64_PASSES = "one"
+_D64_PASSES = "split"
 TILE_M_ENV = "TORCH_FA4_BWD_TILE_M"
 PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 # Order of the last two products of a step (bwd_kernel `dq_under_dk`) on the 128-key variants: "1"
@@ -81,6 +82,11 @@ PDL_ENV = "TORCH_FA4_BWD_PDL"
 # TORCH_FA4_BWD_SPLIT_RING=0 gives the single barrier back.
 SPLIT_RING_ENV = "TORCH_FA4_BWD_SPLIT_RING"
 _SPLIT_RING = "1"
+# dV issued after the dS^T stores on the one-pass / split wide variants (bwd_kernel `dv_after_ds`):
+# with "split" the traced D64 step went from 4989 to 4692 cycles and the kernel ran 3-5% faster
+# (H100, NOTES Experiment 54). TORCH_FA4_BWD_DV_AFTER_DS=0 gives the old order back.
+DV_AFTER_DS_ENV = "TORCH_FA4_BWD_DV_AFTER_DS"
+_DV_AFTER_DS = "1"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
@@ -90,9 +96,12 @@ _DQ_FIRST = "1"
 DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Phase tracing, a measuring tool (benchmarks/bwd_trace.py): TORCH_FA4_BWD_TRACE=N compiles a
 # variant that stamps a clock at bwd_kernel.TRACE_EVENTS of the first N steps of the CTAs of batch
-# 0, KV head 0; `backward` leaves them in LAST_TRACE, (key tiles, 2 warpgroups, N, events) int32.
+# 0, KV head 0 (TORCH_FA4_BWD_TRACE_PAIR=b:hkv picks another pair: batch 0, head 0 run in the
+# first wave); `backward` leaves them in LAST_TRACE, (key tiles, 2 warpgroups, N, events) int32,
+# followed by every CTA's start / end / SM (bwd_kernel._stamp_cta).
 # Not with deterministic mode (the stamps go through the semaphore argument).
 TRACE_ENV = "TORCH_FA4_BWD_TRACE"
+TRACE_PAIR_ENV = "TORCH_FA4_BWD_TRACE_PAIR"
 LAST_TRACE = None
 # Every k-th column of P computed with the FMA-pipe polynomial instead of MUFU ex2 (bwd_kernel
 # `exp2_emulate_every`): TORCH_FA4_BWD_EXP2_EMU=k, 0 = all hardware ex2.
@@ -253,8 +262,8 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
-_ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV,
-               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV)
+_ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
+               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV)
 _variant_memo: dict = {}
 
 
@@ -301,14 +310,17 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, how the 128- / 80-query
     # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
     # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
-    # separate Q / dO ring barriers)
+    # separate Q / dO ring barriers, dV issued after the dS^T stores)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
+    if trace:  # (steps, batch, kv head) of the traced CTAs
+        trace = (trace, *(int(x) for x in (os.environ.get(TRACE_PAIR_ENV) or "0:0").split(":")))
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, passes if tile_m != _TILE_M else None,
                     dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
-                    pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1")
+                    pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
+                    tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1")
     return (
         call.q.dtype,
         call.head_dim,
@@ -467,7 +479,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring) = kernel_tiles
+     split_ring, dv_after_ds) = kernel_tiles
     sem = None
     if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -475,8 +487,8 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
-        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace_steps=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
-        pdl=use_pdl, split_ring=split_ring,
+        dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
+        pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -584,8 +596,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         from .bwd_kernel import TRACE_EVENTS
 
         global LAST_TRACE
+        # [:, :2]: the traced pair's steps (key tile, warpgroup, steps * events); [:, 2 + pair, :3]:
+        # every CTA's start, end (global ns timer, low 32 bits) and SM (bwd_kernel._stamp_cta)
         n_tiles = math.ceil(k.shape[1] / key[-3][0])
-        sem = torch.zeros((n_tiles, 2, key[-3][7] * len(TRACE_EVENTS)), dtype=torch.int32, device=q.device)
+        width = max(key[-3][7][0] * len(TRACE_EVENTS), 3)
+        sem = torch.zeros((n_tiles, 2 + k.shape[-2] * call.batch, width), dtype=torch.int32, device=q.device)
         LAST_TRACE = sem
     seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None

@@ -139,11 +139,12 @@ class Sm90AttentionBackward:
         passes: str | None = None,  # 128 / 80 queries: "two", "one" or "split" (module docstring)
         dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
         dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
-        trace_steps: int = 0,  # >0: clock stamps of the first steps into mSem (benchmarks/bwd_trace.py)
+        trace=0,  # (steps, batch, kv head): clock stamps of that pair's first steps into mSem (bwd_trace.py)
         exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
         fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
         pdl: bool = True,  # programmatic dependent launch after the row-statistics pass (kernel)
         split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
+        dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -256,10 +257,10 @@ class Sm90AttentionBackward:
         # the deterministic dQ order counts every earlier key tile; a sparse walk skips some
         assert not (self.sparse and deterministic), "deterministic mode walks densely"
         # Phase tracing, a measuring tool: the first thread of each consumer warpgroup of the CTAs
-        # of batch 0, KV head 0 writes a 32-bit clock at TRACE_EVENTS points of its first
+        # of one (batch, KV head) pair writes a 32-bit clock at TRACE_EVENTS points of its first
         # `trace_steps` steps into mSem, then (n_blocks, 2, trace_steps * TRACE_EVENTS) int32.
-        assert not (trace_steps and deterministic), "tracing reuses the semaphore argument"
-        self.trace_steps = trace_steps
+        assert not (trace and deterministic), "tracing reuses the semaphore argument"
+        self.trace_steps, self.trace_b, self.trace_hkv = trace if trace else (0, 0, 0)
         # FA4's split of the exponentials between the MUFU unit and a polynomial on the FMA pipe
         # (kernels/common/exp2_emulation.py): the P pass is MUFU-bound (per SM sub-partition 2
         # warps x 32 ex2 x 8 cycles = 512 cycles at 64 queries, ~100 other instructions per warp)
@@ -271,6 +272,12 @@ class Sm90AttentionBackward:
         # only (no statistics prefetched before the products there).
         assert not split_ring or (tile_m == 128 and not self.prefetch_stats and not dq_in_ring)
         self.split_ring = split_ring
+        # One pass / split on the wide path: the dS^T stmatrix goes before dV's issue instead of
+        # after it, so the stores drain while dV's HGMMAs issue (issuing blocks until most of the
+        # product has run) and the async-proxy fence and dS^T barrier after them find them done.
+        # Stall samples of the D64 128-query loop: 7% at that fence + barrier with dV first, ~1%
+        # in flash-attn-4's loop, which stores dS first (NOTES Experiment 54).
+        self.dv_after_ds = bool(dv_after_ds) and self.one_pass and not self.narrow and tile_m != 64
         # dK / dV leave through shared memory and TMA stores (see __call__)
         self.stage_dkdv = not varlen and not self.narrow
 
@@ -477,6 +484,9 @@ class Sm90AttentionBackward:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
+        t_start = Int32(0)
+        if const_expr(self.trace_steps > 0):
+            t_start = cute.arch.globaltimer_lo()  # this CTA's start (see _stamp_cta)
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
@@ -601,6 +611,9 @@ class Sm90AttentionBackward:
                 window_left, window_right, hkv, b, n_block, walk, steps,
                 seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
             )
+            if const_expr(self.trace_steps > 0):
+                if tidx == 128:
+                    self._stamp_cta(mSem, n_block, hkv, b, t_start)
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
@@ -931,7 +944,8 @@ class Sm90AttentionBackward:
                         dP[r, c] = S[r, c] * (dP[r, c] - dpsum_vals[c])
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
-                self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                if const_expr(not self.dv_after_ds):
+                    self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 if const_expr(not self.dq_under_dk):
                     self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             elif const_expr(self.one_pass):
@@ -941,7 +955,8 @@ class Sm90AttentionBackward:
                                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
-                self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                if const_expr(not self.dv_after_ds):
+                    self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 if const_expr(not self.dq_under_dk):
                     self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             else:
@@ -983,6 +998,9 @@ class Sm90AttentionBackward:
                                             (buf, dS_slot_stride))
                 else:
                     cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+                if const_expr(self.dv_after_ds):
+                    # dV += P^T dO while the stmatrix stores drain
+                    self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 stamp(6)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
@@ -1080,9 +1098,20 @@ class Sm90AttentionBackward:
         """Phase tracing: this warpgroup's clock at TRACE_EVENTS[event] of `step` (no code when off)."""
         if const_expr(self.trace_steps > 0):
             if ctid % 128 == 0:
-                if hkv + b == 0:
+                if hkv == self.trace_hkv and b == self.trace_b:
                     if step < self.trace_steps:
                         mTrace[n_block, ctid // 128, step * len(TRACE_EVENTS) + event] = cute.arch.clock()
+
+    @cute.jit
+    def _stamp_cta(self, mTrace, n_block, hkv, b, t_start):
+        """Phase tracing, every CTA: its start and end on the global nanosecond timer (low 32
+        bits) and its SM, at mTrace[n_block, 2 + pair, 0:3] (pair = b * kv heads + hkv): the
+        schedule of the whole grid, per-CTA fixed costs and the tail (benchmarks/bwd_trace.py)."""
+        _, heads, _ = cute.arch.grid_dim()
+        pair = 2 + b * heads + hkv
+        mTrace[n_block, pair, 0] = t_start
+        mTrace[n_block, pair, 1] = cute.arch.globaltimer_lo()
+        mTrace[n_block, pair, 2] = cute.arch.smid()
 
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
