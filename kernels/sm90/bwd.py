@@ -87,6 +87,11 @@ _SPLIT_RING = "1"
 # (H100, NOTES Experiment 54). TORCH_FA4_BWD_DV_AFTER_DS=0 gives the old order back.
 DV_AFTER_DS_ENV = "TORCH_FA4_BWD_DV_AFTER_DS"
 _DV_AFTER_DS = "1"
+# Persistent kernel (bwd_kernel `persistent`: one CTA per SM takes the work tiles from a counter)
+# on the dense 128-key variants without deterministic mode, varlen or block masks:
+# TORCH_FA4_BWD_PERSISTENT=0|1.
+PERSISTENT_ENV = "TORCH_FA4_BWD_PERSISTENT"
+_PERSISTENT = "0"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
@@ -172,6 +177,14 @@ def dq_writer_warp(tile_n: int, dq_in_ring: bool) -> bool:
     return on and _separate_dq_slabs(tile_n, dq_in_ring)
 
 
+def persistent(call: "AttentionCall", deterministic: bool, tile_n: int, dq_in_ring: bool, sparse) -> bool:
+    """Whether the variant runs persistent (PERSISTENT_ENV): dense 128-key variants with the dQ
+    writer warp, without deterministic mode or varlen."""
+    on = _env_choice(PERSISTENT_ENV, _PERSISTENT, ("0", "1")) == "1"
+    return (on and tile_n == 128 and dq_writer_warp(tile_n, dq_in_ring) and not deterministic
+            and not call.is_varlen and sparse is None)
+
+
 def pdl() -> bool:
     """Whether the backward's kernels launch as programmatic dependents (PDL_ENV)."""
     return _env_choice(PDL_ENV, "1", ("0", "1")) == "1"
@@ -192,7 +205,7 @@ def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, til
     def after(offset: int, align: int, size: int) -> int:
         return -(-offset // align) * align + size
 
-    n = 8 * (2 * stages + 1)
+    n = 8 * (4 * stages + 1) + 8 * 5 + 4 * 2  # ring (Q, dO), K / V, persistent mailbox barriers
     stat = -(-tm // 32) * 32 * stages * 4  # stages of 128-byte multiples (TMA destinations)
     n = after(after(n, 128, stat), 128, stat)
     slabs = 32 * 4 if dq_in_ring else tm * d * 4
@@ -263,7 +276,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
-               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV)
+               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV)
 _variant_memo: dict = {}
 
 
@@ -310,7 +323,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, how the 128- / 80-query
     # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
     # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
-    # separate Q / dO ring barriers, dV issued after the dS^T stores)
+    # separate Q / dO ring barriers, dV issued after the dS^T stores, persistent)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     if trace:  # (steps, batch, kv head) of the traced CTAs
@@ -320,7 +333,8 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, passes if tile_m != _TILE_M else None,
                     dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
                     pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
-                    tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1")
+                    tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
+                    persistent(call, deterministic, tile_n, dq_in_ring, sparse))
     return (
         call.q.dtype,
         call.head_dim,
@@ -479,16 +493,16 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds) = kernel_tiles
+     split_ring, dv_after_ds, persist) = kernel_tiles
     sem = None
-    if deterministic or trace:  # semaphores, or the trace buffer (key tiles, 2, steps * events)
+    if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
 
     kernel = Sm90AttentionBackward(
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
-        pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds,
+        pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -505,8 +519,20 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     aux += [None] * (MAX_AUX - len(aux))
     stream, options = compile_stream_and_options(arch, dump_dir)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem, *lists,
-            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), *aux, stream)
+            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
+            *aux, stream)
     return cute.compile(kernel, *args, options=options)
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    """Multiprocessors of `device` (the persistent kernel's grid), looked up once per device."""
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
@@ -598,10 +624,13 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         global LAST_TRACE
         # [:, :2]: the traced pair's steps (key tile, warpgroup, steps * events); [:, 2 + pair, :3]:
         # every CTA's start, end (global ns timer, low 32 bits) and SM (bwd_kernel._stamp_cta)
+        # (+ 1: the persistent kernel's tile counter, the last element of the first row)
         n_tiles = math.ceil(k.shape[1] / key[-3][0])
-        width = max(key[-3][7][0] * len(TRACE_EVENTS), 3)
+        width = max(key[-3][7][0] * len(TRACE_EVENTS), 3) + int(key[-3][13])
         sem = torch.zeros((n_tiles, 2 + k.shape[-2] * call.batch, width), dtype=torch.int32, device=q.device)
         LAST_TRACE = sem
+    elif key[-3][13]:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
+        sem = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
     seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
@@ -617,7 +646,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
         cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-        int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs), *aux,
+        int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs),
+        min(math.ceil(max_k / key[-3][0]) * pairs, _num_sms(q.device)) if key[-3][13] else 1, *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)

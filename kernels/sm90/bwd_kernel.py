@@ -102,6 +102,8 @@ LOG2_E = math.log2(math.e)
 _BAR_DQ_EMPTY = 4
 _BAR_DQ_FULL = 6
 _DQ_HANDOFF_THREADS = 128 + 32
+# Persistent: the warps that read each work tile from the mailbox (8 consumer warps, the dQ writer)
+_TILE_READERS = 9
 
 # Phase tracing (trace_steps > 0): the points of a step where a clock is stamped, in order.
 TRACE_EVENTS = (
@@ -145,6 +147,7 @@ class Sm90AttentionBackward:
         pdl: bool = True,  # programmatic dependent launch after the row-statistics pass (kernel)
         split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
+        persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
     ):
         self.dtype = dtype
         assert tile_n in (64, 128)
@@ -280,6 +283,17 @@ class Sm90AttentionBackward:
         self.dv_after_ds = bool(dv_after_ds) and self.one_pass and not self.narrow and tile_m != 64
         # dK / dV leave through shared memory and TMA stores (see __call__)
         self.stage_dkdv = not varlen and not self.narrow
+        # Persistent: a grid of one CTA per SM; each CTA takes the next work tile (key tile, kv
+        # head, batch; the _cta_coords order) from a global counter, so tiles go to whichever SM
+        # frees first, as the hardware's CTA launch would. What it saves is the per-CTA fixed
+        # cost, 2.8-4 us per CTA on an H100 (NOTES Experiment 55): the next tile's K / V load
+        # while this tile's dK / dV are stored (staged in the dS^T slots, free after the last
+        # step, instead of the K / V buffers), and no launch gap between tiles. The producer
+        # warp takes the tiles and hands each to the consumer warps and the dQ writer warp
+        # through a two-slot mailbox in shared memory (_publish_tile / _read_tile).
+        self.persistent = persistent
+        assert not persistent or (self.stage_dkdv and self.dq_writer_warp and not deterministic
+                                  and not self.sparse and not dq_in_ring), "persistent: dense 128-key paths"
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -312,6 +326,7 @@ class Sm90AttentionBackward:
         max_seqlen_k: Int32,
         cta_group: Int32,  # CTA order: groups of this many (kv head, batch) pairs (_cta_coords)
         cta_tail: Int32,  # ... except the last this many pairs, one group (_cta_coords)
+        num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile); else unused
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,  # captured mod tensors, None when unused
         stream,
     ):
@@ -436,6 +451,10 @@ class Sm90AttentionBackward:
             bar_qdo: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             bar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             bar_do: cute.struct.MemRange[cutlass.Int64, self.stages * 2]  # split_ring only
+            # persistent only (inside the barriers' 128-byte-aligned block at two stages):
+            bar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # tile mailbox: full[2], empty[2]
+            bar_kv_empty: cute.struct.MemRange[cutlass.Int64, 1]  # K / V read by both warpgroups
+            sched_tile: cute.struct.MemRange[Int32, 2]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -448,6 +467,8 @@ class Sm90AttentionBackward:
         num_kv_heads = mK.shape[2]
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
         grid = (cute.ceil_div(max_seqlen_k, tn), num_kv_heads, batch)
+        if const_expr(self.persistent):
+            grid = (num_ctas, 1, 1)
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
@@ -456,7 +477,7 @@ class Sm90AttentionBackward:
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_SdP, mma_dK, mma_dV, mma_dQ,
             scale, scale_log2, softcap_val, window_left, window_right, cta_group, cta_tail,
-            score_aux, mask_aux, Storage,
+            num_ctas, score_aux, mask_aux, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl)
 
     # ------------------------------------------------------------------ device side
@@ -477,7 +498,7 @@ class Sm90AttentionBackward:
         mma_dQ: cute.TiledMma,
         scale: Float32, scale_log2: Float32, softcap_val: Float32,
         window_left: Int32, window_right: Int32, cta_group: Int32, cta_tail: Int32,
-        score_aux, mask_aux,
+        num_ctas: Int32, score_aux, mask_aux,
         Storage: cutlass.Constexpr,
     ):
         tm, tn = self.tile_m, self.tile_n
@@ -541,6 +562,12 @@ class Sm90AttentionBackward:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(bar_kv, 1)
+                if const_expr(self.persistent):
+                    for slot in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_init(st.bar_sched.data_ptr() + slot, 1)  # the producer
+                        # every consumer warp and the dQ writer warp, once each has read the slot
+                        cute.arch.mbarrier_init(st.bar_sched.data_ptr() + 2 + slot, _TILE_READERS)
+                    cute.arch.mbarrier_init(st.bar_kv_empty.data_ptr(), 2)  # one per consumer warpgroup
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # Programmatic dependent launch (`use_pdl`): this grid may start while the row-statistics
@@ -553,7 +580,173 @@ class Sm90AttentionBackward:
             if warp_idx != 0:
                 cute.arch.griddepcontrol_wait()
 
-        # ---- sequence bookkeeping (same on every thread)
+        if const_expr(not self.persistent):
+            q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
+                mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right, n_block, hkv, b)
+            if warp_idx < 4:
+                # ================= producer warpgroup
+                cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+                if warp_idx == 0:
+                    self._produce(
+                        mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
+                        tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
+                        hkv, b, n_block, walk, steps, q_off, k_off,
+                    )
+                if const_expr(self.dq_writer_warp):
+                    if warp_idx == 1:
+                        self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
+                                       diag, window_left)
+            else:
+                # ================= consumer warpgroups
+                cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+                self._consume(
+                    mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
+                    mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
+                    window_left, window_right, hkv, b, n_block, walk, steps,
+                    seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
+                )
+                if const_expr(self.trace_steps > 0):
+                    if tidx == 128:
+                        self._stamp_cta(mSem, n_block, hkv, b, t_start)
+        else:
+            self._persistent_roles(
+                warp_idx, tidx, num_ctas, cta_group, cta_tail, st, t_start,
+                mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
+                tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
+                sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
+                sK_layout, sV_layout, mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
+                window_left, window_right, score_aux, mask_aux,
+            )
+
+    # ------------------------------------------------------------------ persistent
+    @cute.jit
+    def _persistent_roles(
+        self, warp_idx, tidx, num_ctas, cta_group, cta_tail, st, t_start,
+        mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
+        tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
+        sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
+        sK_layout, sV_layout, mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
+        window_left, window_right, score_aux, mask_aux,
+    ):
+        """The persistent kernel's three roles, each a loop over the work tiles this CTA takes.
+        Every role computes a tile's walk itself (the same on every thread), so the producer,
+        the consumers and the dQ writer agree on its steps; K / V barrier phases count only the
+        tiles with steps (an empty tile loads nothing and stores zeros)."""
+        n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        heads, batches = mK.shape[2], mK.shape[3]
+        total = n_blocks * heads * batches
+        bar_sched = st.bar_sched.data_ptr()
+        bar_kv_empty = st.bar_kv_empty.data_ptr()
+        sTile = st.sched_tile.get_tensor(cute.make_layout(2))
+        # the tile counter: the last element of the semaphore argument's first row (bwd.py)
+        counter = mSem.iterator + cute.crd2idx((0, 0, mSem.shape[2] - 1), mSem.layout)
+        walk_args = (mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right)
+        if warp_idx < 4:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                t = Int32(cute.arch.block_idx()[0])  # the first tile: this CTA's own
+                i = Int32(0)
+                kv_iter = Int32(0)
+                while t < total:
+                    self._publish_tile(bar_sched, sTile, i, t)
+                    n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
+                    q_off, k_off, _, _, _, _, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
+                    state = self._produce(
+                        mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
+                        tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
+                        hkv, b, n_block, walk, steps, q_off, k_off, state, kv_iter, bar_kv_empty,
+                    )
+                    if steps > 0:
+                        kv_iter += 1
+                    t = self._next_tile(counter, num_ctas)
+                    i += 1
+                self._publish_tile(bar_sched, sTile, i, t)  # past the last tile: the others stop
+            if warp_idx == 1:
+                i = Int32(0)
+                t = self._read_tile(bar_sched, sTile, i)
+                while t < total:
+                    n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
+                    q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
+                    self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
+                                   diag, window_left)
+                    i += 1
+                    t = self._read_tile(bar_sched, sTile, i)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            # dK / dV staged in the dS^T slots: both at once where they fit, else one after the other
+            both = cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout) and self.d == self.dv
+            assert cute.cosize(sdS.layout) >= cute.cosize(sK_layout) and cute.cosize(sdS.layout) >= cute.cosize(sV_layout)
+            if const_expr(both):
+                two = cute.append(sK_layout.outer, cute.make_layout(2, stride=cute.cosize(sK_layout)))
+                s_pair = st.sdS.get_tensor(two, swizzle=sK_layout.inner)
+                s_out = (s_pair[None, None, 0], s_pair[None, None, 1])
+            else:
+                s_out = (st.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+                         st.sdS.get_tensor(sV_layout.outer, swizzle=sV_layout.inner))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            i = Int32(0)
+            kv_iter = Int32(0)
+            t = self._read_tile(bar_sched, sTile, i)
+            while t < total:
+                if const_expr(self.trace_steps > 0):
+                    t_start = cute.arch.globaltimer_lo()
+                n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
+                q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
+                    *walk_args, n_block, hkv, b)
+                state = self._consume(
+                    mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
+                    mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
+                    window_left, window_right, hkv, b, n_block, walk, steps,
+                    seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
+                    state, kv_iter, bar_kv_empty, s_out, both,
+                )
+                if steps > 0:
+                    kv_iter += 1
+                if const_expr(self.trace_steps > 0):
+                    if tidx == 128:
+                        self._stamp_cta(mSem, n_block, hkv, b, t_start)
+                i += 1
+                t = self._read_tile(bar_sched, sTile, i)
+
+    @cute.jit
+    def _publish_tile(self, bar_sched, sTile, i, t):
+        """Producer warp: work tile t into mailbox slot i % 2, once its readers freed it."""
+        slot = i % 2
+        cute.arch.mbarrier_wait(bar_sched + 2 + slot, ((i // 2) % 2) ^ 1)
+        if cute.arch.lane_idx() == 0:
+            sTile[slot] = t
+            cute.arch.mbarrier_arrive(bar_sched + slot)  # (release: the slot's write is seen)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _read_tile(self, bar_sched, sTile, i):
+        """A reading warp: the i-th work tile from its mailbox slot; the slot is handed back once
+        every lane of the warp has read it."""
+        slot = i % 2
+        cute.arch.mbarrier_wait(bar_sched + slot, (i // 2) % 2)
+        t = sTile[slot]
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(bar_sched + 2 + slot)
+        return t
+
+    @cute.jit
+    def _next_tile(self, counter, num_ctas):
+        """Producer warp: the next work tile, from the counter (tiles below num_ctas are the
+        CTAs' first ones)."""
+        taken = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(counter, Int32(1), scope="gpu")
+        return cute.arch.shuffle_sync(taken, 0) + num_ctas
+
+    # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def _tile_walk(self, mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right,
+                   n_block, hkv, b):
+        """A work tile's sequence bookkeeping (the same on every thread): (q_off, k_off, seqlen_q,
+        seqlen_k, rows_k, diag, walk over its query tiles, steps)."""
+        tm, tn = self.tile_m, self.tile_n
         q_off = Int32(0)
         k_off = Int32(0)
         if const_expr(self.varlen):
@@ -588,34 +781,8 @@ class Sm90AttentionBackward:
         else:
             walk = DenseQWalk(m_lo, n_m, self.group)
         steps = walk.count
+        return q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps
 
-        if warp_idx < 4:
-            # ================= producer warpgroup
-            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
-            if warp_idx == 0:
-                self._produce(
-                    mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
-                    tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
-                    hkv, b, n_block, walk, steps, q_off, k_off,
-                )
-            if const_expr(self.dq_writer_warp):
-                if warp_idx == 1:
-                    self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
-                                   diag, window_left)
-        else:
-            # ================= consumer warpgroups
-            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self._consume(
-                mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
-                mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-                window_left, window_right, hkv, b, n_block, walk, steps,
-                seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
-            )
-            if const_expr(self.trace_steps > 0):
-                if tidx == 128:
-                    self._stamp_cta(mSem, n_block, hkv, b, t_start)
-
-    # ------------------------------------------------------------------ helpers
     @cute.jit
     def _cta_coords(self, cta_group, cta_tail):
         """(key tile, kv head, batch) of this CTA. The hardware starts CTAs in linear order (x
@@ -628,7 +795,13 @@ class Sm90AttentionBackward:
         grouping only them keeps the other pairs' CTAs together in L2 (1: no tail group)."""
         bx, by, bz = cute.arch.block_idx()
         n_blocks, heads, batches = cute.arch.grid_dim()
-        lin = bx + n_blocks * (by + heads * bz)
+        return self._tile_coords(bx + n_blocks * (by + heads * bz), n_blocks, heads, batches,
+                                 cta_group, cta_tail)
+
+    @cute.jit
+    def _tile_coords(self, lin, n_blocks, heads, batches, cta_group, cta_tail):
+        """(key tile, kv head, batch) of work tile `lin` in the order _cta_coords describes (the
+        persistent kernel walks the same order through its tile counter)."""
         pairs = heads * batches
         tail = cutlass.min(cutlass.max(cta_tail, 1), pairs)
         tail_start = (pairs - tail) * n_blocks  # first CTA of the tail group
@@ -678,8 +851,11 @@ class Sm90AttentionBackward:
     def _produce(
         self, mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp,
         sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv: cutlass.Constexpr,
-        hkv, b, n_block, walk, steps, q_off, k_off,
+        hkv, b, n_block, walk, steps, q_off, k_off, state=None, kv_iter=None, bar_kv_empty=None,
     ):
+        """K / V once, then Q, dO, LSE, dPsum per step into the ring. Persistent: `state` carries
+        the ring over tiles (returned), and the K / V load of the tile's kv_iter-th use of the
+        buffers waits until both consumer warpgroups are done with the previous one."""
         tm, tn = self.tile_m, self.tile_n
         one = cute.make_layout(1)
         # K and V once.
@@ -688,6 +864,9 @@ class Sm90AttentionBackward:
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         if steps > 0:
+            if const_expr(self.persistent):
+                if kv_iter > 0:
+                    cute.arch.mbarrier_wait(bar_kv_empty, (kv_iter - 1) % 2)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
             cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv)
@@ -695,7 +874,8 @@ class Sm90AttentionBackward:
 
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if const_expr(state is None):
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
             h_local, m_block, _ = walk.at(step, cur_h, cur_m)
@@ -724,6 +904,7 @@ class Sm90AttentionBackward:
             else:
                 pipe.producer_commit(state)
             state.advance()
+        return state
 
     @cute.jit
     def _release_stage(self, pipe, pipe_do, state):
@@ -749,7 +930,11 @@ class Sm90AttentionBackward:
         mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
         window_left, window_right, hkv, b, n_block, walk, steps,
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
+        state=None, kv_iter=None, bar_kv_empty=None, s_out=None, both: cutlass.Constexpr = False,
     ):
+        """One work tile's steps and its dK / dV. Persistent: `state` carries the ring over tiles
+        (returned); K / V are waited for at phase kv_iter and released before the epilogue, which
+        stages dK / dV in the dS^T slots (s_out: their (dK, dV) views; `both`: at once)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
         # The warpgroup index, known to the compiler as warp-uniform: shared-memory operand
         # descriptors depend only on it, so their per-k-block arithmetic stays in uniform
@@ -845,8 +1030,9 @@ class Sm90AttentionBackward:
         cS = (t_key, t_q, t_q - t_key, c0)
 
         if steps > 0:
-            cute.arch.mbarrier_wait(bar_kv, 0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            cute.arch.mbarrier_wait(bar_kv, kv_iter % 2 if const_expr(self.persistent) else 0)
+        if const_expr(state is None):
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         ovl = self.overlap_next_s
         if const_expr(ovl):
             # dQ of the previous step (unscaled), and the head / query tile it belongs to; added to
@@ -1083,7 +1269,23 @@ class Sm90AttentionBackward:
         # k tensor is written (zeros past seqlen_k); rows of the next sequence are left alone.
         gdK = cute.local_tile(self._head_slice(mdK, hkv, b, k_off), (tn, d), (n_block, 0))
         gdV = cute.local_tile(self._head_slice(mdV, hkv, b, k_off), (tn, dv), (n_block, 0))
-        if const_expr(not self.stage_dkdv):
+        if const_expr(self.persistent):
+            # K / V are free for the next tile's load once this warpgroup's last products landed
+            if steps > 0:
+                if ctid % 128 == 0:
+                    cute.arch.mbarrier_arrive(bar_kv_empty)
+            # dK / dV through the dS^T slots (_store_via_smem waits until both warpgroups are past
+            # their last dQ, which reads them); the next tile's dS^T may go there only once the
+            # TMA stores have read them
+            self._store_via_smem(acc_dK, thr_dK, s_out[0], tma_dK, gdK, scale, ctid)
+            if const_expr(not both):
+                if ctid // 32 == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self._store_via_smem(acc_dV, thr_dV, s_out[1], tma_dV, gdV, Float32(1.0), ctid)
+            if ctid // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        elif const_expr(not self.stage_dkdv):
             self._store_rows(acc_dK, thr_dK.partition_C(gdK), thr_dK.partition_C(cute.make_identity_tensor((tn, d))), rows_k - n_block * tn, scale)
             self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))
         else:
@@ -1092,6 +1294,7 @@ class Sm90AttentionBackward:
             self._store_via_smem(acc_dV, thr_dV, sV, tma_dV, gdV, Float32(1.0), ctid)
             if ctid // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
+        return state
 
     @cute.jit
     def _stamp(self, mTrace, n_block, hkv, b, ctid, step, event: cutlass.Constexpr):
