@@ -301,6 +301,37 @@ def test_backward_dv_after_ds_stores(name, dv_after, tmp_path, monkeypatch):
     assert _hgmma_between_ds_stores_and_fence(sass) == (8 if dv_after == "1" else 0)
 
 
+def test_persistent_selection(monkeypatch):
+    # on by default for the dense 128-key variants (the dQ writer warp's); never with
+    # deterministic mode, varlen or the 64-key (D > 128) variants; TORCH_FA4_BWD_PERSISTENT=0 off
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
+    on = lambda call, det=False: bwd.variant_key(call, det)[-3][13]  # noqa: E731
+    assert on(_call(d=64)) and on(_call(d=64, causal=True)) and on(_call(d=128, window_left=64, window_right=0))
+    assert not on(_call(d=64), True) and not on(_call(d=256)) and not on(_call(d=128, varlen=True))
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
+    assert not on(_call(d=64)) and not on(_call(d=128, causal=True))
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "yes")
+    with pytest.raises(ValueError, match=bwd.PERSISTENT_ENV):
+        bwd.variant_key(_call(d=64), False)
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("kw", [dict(d=64, causal=True), dict(d=128)], ids=["d64_causal", "d128"])
+def test_persistent_variant_compiles(kw, persistent, tmp_path, monkeypatch):
+    # both forms compile to the checked SASS; the persistent one takes tiles from the counter
+    # (an atomic add) and hands them over through its mailbox barriers
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, persistent)
+    call = _call(**kw)
+    key = bwd.variant_key(call, False)
+    assert key[-3][13] is (persistent == "1")
+    sass = _compiled_and_checked(key, call, tmp_path)
+    assert ("ATOMG" in sass) is (persistent == "1")
+
+
 def test_80_query_variant_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 

@@ -505,9 +505,9 @@ class Sm90AttentionBackward:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
-        t_start = Int32(0)
-        if const_expr(self.trace_steps > 0):
-            t_start = cute.arch.globaltimer_lo()  # this CTA's start (see _stamp_cta)
+        if const_expr(self.trace_steps > 0 and not self.persistent):
+            if tidx == 128:
+                self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], True)  # this CTA's start
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
@@ -607,10 +607,10 @@ class Sm90AttentionBackward:
                 )
                 if const_expr(self.trace_steps > 0):
                     if tidx == 128:
-                        self._stamp_cta(mSem, n_block, hkv, b, t_start)
+                        self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], False)
         else:
             self._persistent_roles(
-                warp_idx, tidx, num_ctas, cta_group, cta_tail, st, t_start,
+                warp_idx, tidx, num_ctas, cta_group, cta_tail, st,
                 mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
                 tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
                 sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
@@ -621,7 +621,7 @@ class Sm90AttentionBackward:
     # ------------------------------------------------------------------ persistent
     @cute.jit
     def _persistent_roles(
-        self, warp_idx, tidx, num_ctas, cta_group, cta_tail, st, t_start,
+        self, warp_idx, tidx, num_ctas, cta_group, cta_tail, st,
         mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
         tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
         sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
@@ -689,9 +689,10 @@ class Sm90AttentionBackward:
             kv_iter = Int32(0)
             t = self._read_tile(bar_sched, sTile, i)
             while t < total:
-                if const_expr(self.trace_steps > 0):
-                    t_start = cute.arch.globaltimer_lo()
                 n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
+                if const_expr(self.trace_steps > 0):
+                    if tidx == 128:
+                        self._stamp_cta(mSem, n_block, hkv, b, heads, True)  # the tile's start
                 q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
                     *walk_args, n_block, hkv, b)
                 state = self._consume(
@@ -705,7 +706,7 @@ class Sm90AttentionBackward:
                     kv_iter += 1
                 if const_expr(self.trace_steps > 0):
                     if tidx == 128:
-                        self._stamp_cta(mSem, n_block, hkv, b, t_start)
+                        self._stamp_cta(mSem, n_block, hkv, b, heads, False)
                 i += 1
                 t = self._read_tile(bar_sched, sTile, i)
 
@@ -854,8 +855,10 @@ class Sm90AttentionBackward:
         hkv, b, n_block, walk, steps, q_off, k_off, state=None, kv_iter=None, bar_kv_empty=None,
     ):
         """K / V once, then Q, dO, LSE, dPsum per step into the ring. Persistent: `state` carries
-        the ring over tiles (returned), and the K / V load of the tile's kv_iter-th use of the
-        buffers waits until both consumer warpgroups are done with the previous one."""
+        the ring over tiles (returned); the K / V load of the tile's kv_iter-th use of the
+        buffers waits until both consumer warpgroups are done with the previous one, so it comes
+        after the tile's first `stages` - 1 ring loads, which only need the previous tile's last
+        steps to have freed their stages."""
         tm, tn = self.tile_m, self.tile_n
         one = cute.make_layout(1)
         # K and V once.
@@ -863,14 +866,12 @@ class Sm90AttentionBackward:
         gV = cute.local_tile(self._head_slice(mV, hkv, b, k_off), (tn, self.dv), (n_block, 0))
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        if steps > 0:
-            if const_expr(self.persistent):
-                if kv_iter > 0:
-                    cute.arch.mbarrier_wait(bar_kv_empty, (kv_iter - 1) % 2)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
-            cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv)
-            cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
+        kv_at = Int32(0)  # persistent: the step whose ring loads the K / V load precedes
+        if const_expr(not self.persistent):
+            if steps > 0:
+                self._load_kv(tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv)
+        else:
+            kv_at = cutlass.min(self.stages - 1, steps - 1)
 
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
@@ -878,6 +879,11 @@ class Sm90AttentionBackward:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
+            if const_expr(self.persistent):
+                if step == kv_at:
+                    if kv_iter > 0:
+                        cute.arch.mbarrier_wait(bar_kv_empty, (kv_iter - 1) % 2)
+                    self._load_kv(tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv)
             h_local, m_block, _ = walk.at(step, cur_h, cur_m)
             cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = hkv * self.group + h_local
@@ -905,6 +911,13 @@ class Sm90AttentionBackward:
                 pipe.producer_commit(state)
             state.advance()
         return state
+
+    @cute.jit
+    def _load_kv(self, tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv: cutlass.Constexpr):
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
+        cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv)
+        cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
 
     @cute.jit
     def _release_stage(self, pipe, pipe_do, state):
@@ -1306,15 +1319,17 @@ class Sm90AttentionBackward:
                         mTrace[n_block, ctid // 128, step * len(TRACE_EVENTS) + event] = cute.arch.clock()
 
     @cute.jit
-    def _stamp_cta(self, mTrace, n_block, hkv, b, t_start):
-        """Phase tracing, every CTA: its start and end on the global nanosecond timer (low 32
-        bits) and its SM, at mTrace[n_block, 2 + pair, 0:3] (pair = b * kv heads + hkv): the
-        schedule of the whole grid, per-CTA fixed costs and the tail (benchmarks/bwd_trace.py)."""
-        _, heads, _ = cute.arch.grid_dim()
-        pair = 2 + b * heads + hkv
-        mTrace[n_block, pair, 0] = t_start
-        mTrace[n_block, pair, 1] = cute.arch.globaltimer_lo()
-        mTrace[n_block, pair, 2] = cute.arch.smid()
+    def _stamp_cta(self, mTrace, n_block, hkv, b, heads, start: cutlass.Constexpr):
+        """Phase tracing, every CTA (persistent: every tile): its start, or its end and its SM, on
+        the global nanosecond timer (low 32 bits) at mTrace[n_block, 2 + pair, 0:3] (pair = b *
+        kv heads + hkv): the grid's schedule, per-CTA fixed costs and the tail
+        (benchmarks/bwd_trace.py). Stored at once: a timer read kept for later may be moved."""
+        pair = 2 + b * heads + hkv  # heads: the kv heads
+        if const_expr(start):
+            mTrace[n_block, pair, 0] = cute.arch.globaltimer_lo()
+        else:
+            mTrace[n_block, pair, 1] = cute.arch.globaltimer_lo()
+            mTrace[n_block, pair, 2] = cute.arch.smid()
 
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,

@@ -412,6 +412,38 @@ def test_without_programmatic_dependent_launch(monkeypatch):
     _case(BF, 2, 517, 300, 2, 2, 64, 64)
 
 
+@pytest.mark.parametrize("ctas", ["1", "3", ""])
+def test_persistent_tiles_per_cta(monkeypatch, ctas):
+    # the persistent kernel (default on the dense 128-key variants) with its grid capped at 1 or 3
+    # CTAs (every CTA walks many tiles: ring state, K / V phases and the tile mailbox carried
+    # over tiles, tiles with no steps among them), and uncapped (one CTA per SM)
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, ctas)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
+    _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True)  # key tiles past seqused: no steps
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, left=100)
+    _case(FP, 2, 300, 517, 2, 2, 128, 128)  # (80 queries per step when selected)
+    _case(BF, 2, 300, 517, 2, 2, 96, 96, causal=True)
+
+
+def test_persistent_many_tiles_at_full_grid():
+    # more work tiles (8 key tiles x 64 pairs) than multiprocessors: each CTA takes several from
+    # the counter
+    _case(BF, 4, 1024, 1024, 16, 16, 64, 64, causal=True, expect_tile_m=128)
+    _case(BF, 2, 1024, 1024, 32, 16, 128, 128)
+
+
+def test_not_persistent(monkeypatch):
+    # TORCH_FA4_BWD_PERSISTENT=0: one CTA per work tile
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, causal=True)
+
+
 @pytest.mark.parametrize("split_ring", ["0", "1"])
 def test_tm128_split_ring(monkeypatch, split_ring):
     # TORCH_FA4_BWD_SPLIT_RING: separate ring barriers for Q + LSE and dO + dPsum (128 queries, the
