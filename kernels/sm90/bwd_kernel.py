@@ -674,8 +674,11 @@ class Sm90AttentionBackward:
                     t = self._read_tile(bar_sched, sTile, i)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            # dK / dV staged in the dS^T slots: both at once where they fit, else one after the other
-            both = cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout) and self.d == self.dv
+            # dK / dV staged in the dS^T slots: both at once in the 128-query variant's (64 KB, twice
+            # what they need), else one after the other. (With both at once in the 64-query D64
+            # variant, whose slots are exactly dK + dV, dV came out wrong on an H100: not
+            # understood, so that variant stages them one after the other too.)
+            both = self.tile_m == 128 and cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout) and self.d == self.dv
             assert cute.cosize(sdS.layout) >= cute.cosize(sK_layout) and cute.cosize(sdS.layout) >= cute.cosize(sV_layout)
             if const_expr(both):
                 two = cute.append(sK_layout.outer, cute.make_layout(2, stride=cute.cosize(sK_layout)))
