@@ -39,8 +39,8 @@ _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
 # Queries per kernel step at head dims <= 64 (D = Dv = 64, 128-key CTAs): 64, or 128 (128 x 128
 # steps: S^T / dP^T of 64 keys x 128 queries per consumer warpgroup, dQ split by rows; see
-# bwd_kernel). 128 in one pass is the default: on an H100 it ran +13-33% over 64 queries on every
-# D64 row of the benchmark, and +9-14% over "two" (NOTES "Experiment 18").
+# bwd_kernel). 128 is the default: on an H100 it ran +13-33% over 64 queries on every D64 row of
+# the benchmark, and its one-pass form +9-14% over "two" (NOTES "Experiment 18").
 # _D64_PASSES picks how the 128-query variant forms dS (bwd_kernel `passes`):
 # "two" (P while dP^T runs, dS from the bf16 P, dQ epilogue under the next step's products),
 # "one" (P and dS in fp32 after both products land, no dQ-epilogue overlap) or

@@ -4,6 +4,11 @@ One CTA owns a tile of `tile_n` keys (128; 64 for head dims above 128) of one KV
 every query tile (of every query head of its GQA group) that can see those keys. dK and dV stay
 in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contributions of all KV tiles meet in a float32 buffer.
 
+Grid: one CTA per work tile (key tile, kv head, batch), or (`persistent`, the default of the dense
+128-key variants) one CTA per SM that takes work tiles from a global counter and hands each to its
+warps through a mailbox in shared memory; the next tile's first ring loads and its K / V load
+overlap this tile's dK / dV epilogue (_persistent_roles).
+
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
                into a two-stage ring guarded by mbarriers (at 128 queries per step Q + LSE and
