@@ -466,16 +466,19 @@ def _emulated_kernel(key):
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
         q_num, q_idx, full_num, full_idx = rest[:4]
-        scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail = rest[4:12]
-        assert cta_group >= 1 and cta_tail >= 1  # the CTA order changes nothing the emulation computes
-        mask_aux = [t for t in rest[12:] if t is not None][mods.num_score_aux if mods else 0:]
+        scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail, num_ctas = rest[4:13]
+        # the CTA order and the persistent grid change nothing the emulation computes
+        assert cta_group >= 1 and cta_tail >= 1 and num_ctas >= 1
+        mask_aux = [t for t in rest[13:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
         # the kernel reads whole query tiles of tile_m rows: statistics padded to them; the dQ
         # buffer is not (its TMA adds drop rows past Sq)
         assert lse2.shape[-1] % tile_m == 0 and dq_acc.shape[-2] == q.shape[1]
         assert lse2.shape[-1] >= -(-q.shape[1] // tile_m) * tile_m
-        if sem is not None:
+        if deterministic:  # one semaphore per query tile (else: the persistent tile counter)
             assert sem.shape[-1] == -(-q.shape[1] // tile_m)
+        elif kernel_tiles[13]:
+            assert sem.shape == (1, 1, 1) and int(sem.sum()) == 0
         f = lambda t: t.double()
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]

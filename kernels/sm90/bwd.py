@@ -534,8 +534,9 @@ def _persistent_ctas(tiles: int, device) -> int:
     """The persistent kernel's grid: one CTA per multiprocessor of `device` (looked up once per
     device), at most one per work tile, at most PERSISTENT_CTAS_ENV."""
     n = _SMS.get(device)
-    if n is None:
-        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    if n is None:  # (no multiprocessors to count off CUDA: the host tests' emulated kernel)
+        n = _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                            if device.type == "cuda" else tiles)
     cap = os.environ.get(PERSISTENT_CTAS_ENV)
     return max(1, min(tiles, n, int(cap) if cap else n))
 
@@ -607,6 +608,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         min_rows = bwd_sparse.padded_rows(call)
     if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
+    counter = None
+    if key[-3][13] and not key[-3][7]:
+        # the persistent kernel's tile counter, zeroed before the row-statistics pass: the main
+        # kernel launches as that pass's programmatic dependent, with nothing in between
+        counter = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
     if call.is_varlen:
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
@@ -635,7 +641,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         sem = torch.zeros((n_tiles, 2 + k.shape[-2] * call.batch, width), dtype=torch.int32, device=q.device)
         LAST_TRACE = sem
     elif key[-3][13]:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
-        sem = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        sem = counter
     seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
