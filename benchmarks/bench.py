@@ -118,6 +118,8 @@ _BWD_SWEEPS = {
     # one CTA per work tile against the persistent kernel (bwd_kernel `persistent`)
     "bwd-persistent": ({"grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}, "persistent": {"TORCH_FA4_BWD_PERSISTENT": "1"}},
                        [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
+    "bwd-persistent-d64": ({"grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}, "persistent": {"TORCH_FA4_BWD_PERSISTENT": "1"}},
+                           [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
     # CTA order (bwd_kernel._cta_coords): key tiles of groups of G (kv head, batch) pairs, longest first
     "bwd-cta-group": ({f"G{g}": {"TORCH_FA4_BWD_CTA_GROUP": str(g)} for g in (1, 4, 8, 16, 1024)},
                       [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (True, False)
