@@ -679,11 +679,13 @@ class Sm90AttentionBackward:
                     t = self._read_tile(bar_sched, sTile, i)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            # dK / dV staged in the dS^T slots: both at once in the 128-query variant's (64 KB, twice
-            # what they need), else one after the other. (With both at once in the 64-query D64
-            # variant, whose slots are exactly dK + dV, dV came out wrong on an H100: not
-            # understood, so that variant stages them one after the other too.)
-            both = self.tile_m == 128 and cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout) and self.d == self.dv
+            # dK / dV staged in the dS^T slots: both at once where K and V share one layout (the
+            # second slot takes dV in sK's layout, and tma_dV expects sV's) and both fit, else one
+            # after the other, each in its own layout. K's swizzle follows the dQ operand: 128 bytes
+            # at 128 queries (dq_split_rows), 64 bytes otherwise, while V's is 128 at D64: the
+            # 64-query D64 variant staged at once gave a scrambled dV on an H100 (NOTES Exp. 56).
+            both = (self.dq_split_rows and self.d == self.dv
+                    and cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout))
             assert cute.cosize(sdS.layout) >= cute.cosize(sK_layout) and cute.cosize(sdS.layout) >= cute.cosize(sV_layout)
             if const_expr(both):
                 two = cute.append(sK_layout.outer, cute.make_layout(2, stride=cute.cosize(sK_layout)))
