@@ -317,6 +317,23 @@ def test_persistent_selection(monkeypatch):
         bwd.variant_key(_call(d=64), False)
 
 
+def test_persistent_grid_size(monkeypatch):
+    # one CTA per multiprocessor (off CUDA: per tile), at most one per tile, capped by
+    # TORCH_FA4_BWD_PERSISTENT_CTAS, never zero
+    from torch_fa4.kernels.sm90 import bwd
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(bwd.PERSISTENT_CTAS_ENV, raising=False)
+    assert bwd._persistent_ctas(7, cpu) == 7 and bwd._persistent_ctas(500, cpu) == 500
+    assert bwd._persistent_ctas(0, cpu) == 1
+    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "3")
+    assert bwd._persistent_ctas(500, cpu) == 3 and bwd._persistent_ctas(2, cpu) == 2
+    monkeypatch.setitem(bwd._SMS, torch.device("cuda", 0), 132)  # a device seen before
+    monkeypatch.delenv(bwd.PERSISTENT_CTAS_ENV)
+    assert bwd._persistent_ctas(4096, torch.device("cuda", 0)) == 132
+    assert bwd._persistent_ctas(40, torch.device("cuda", 0)) == 40
+
+
 @pytest.mark.parametrize("persistent", ["0", "1"])
 @pytest.mark.parametrize("kw", [dict(d=64, causal=True), dict(d=128)], ids=["d64_causal", "d128"])
 def test_persistent_variant_compiles(kw, persistent, tmp_path, monkeypatch):

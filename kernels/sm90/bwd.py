@@ -533,10 +533,11 @@ _SMS: dict = {}
 def _persistent_ctas(tiles: int, device) -> int:
     """The persistent kernel's grid: one CTA per multiprocessor of `device` (looked up once per
     device), at most one per work tile, at most PERSISTENT_CTAS_ENV."""
-    n = _SMS.get(device)
-    if n is None:  # (no multiprocessors to count off CUDA: the host tests' emulated kernel)
-        n = _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                            if device.type == "cuda" else tiles)
+    n = tiles  # (no multiprocessors to count off CUDA: the host tests' emulated kernel)
+    if device.type == "cuda":
+        n = _SMS.get(device)
+        if n is None:
+            n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     cap = os.environ.get(PERSISTENT_CTAS_ENV)
     return max(1, min(tiles, n, int(cap) if cap else n))
 
