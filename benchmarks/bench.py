@@ -81,6 +81,7 @@ _SWEEPS = {
 # queries per step at D64, the latter in the three ways of forming dS. "bwd-dq-4way": the dQ TMA adds
 # from the consumer leader warps or the dedicated writer warp, each with dK or dQ issued first
 # (NOTES Experiments 24-26; the pairwise sweeps of Experiments 24 and 25 are its columns).
+_PERSISTENT_AB = {"grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}, "persistent": {"TORCH_FA4_BWD_PERSISTENT": "1"}}
 _BWD_SWEEPS = {
     "bwd-tiles": ({"tm64": {"TORCH_FA4_BWD_TILE_M": "64"},
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
@@ -116,10 +117,9 @@ _BWD_SWEEPS = {
                       for p in ("one", "split") for a in ("0", "1")},
                      [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # one CTA per work tile against the persistent kernel (bwd_kernel `persistent`)
-    "bwd-persistent": ({"grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}, "persistent": {"TORCH_FA4_BWD_PERSISTENT": "1"}},
-                       [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
-    "bwd-persistent-d64": ({"grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}, "persistent": {"TORCH_FA4_BWD_PERSISTENT": "1"}},
-                           [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
+    "bwd-persistent": (_PERSISTENT_AB, [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384)
+                                        for c in (False, True)]),
+    "bwd-persistent-d64": (_PERSISTENT_AB, [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
     # CTA order (bwd_kernel._cta_coords): key tiles of groups of G (kv head, batch) pairs, longest first
     "bwd-cta-group": ({f"G{g}": {"TORCH_FA4_BWD_CTA_GROUP": str(g)} for g in (1, 4, 8, 16, 1024)},
                       [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (True, False)

@@ -626,6 +626,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
         dq_acc = dq_acc_rows.transpose(1, 2)
     max_k = call.max_seqlen_k if call.is_varlen else k.shape[1]
+    pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     sem = None
     if deterministic:
         max_q = call.max_seqlen_q if call.is_varlen else q.shape[1]
@@ -639,7 +640,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         # (+ 1: the persistent kernel's tile counter, the last element of the first row)
         n_tiles = math.ceil(k.shape[1] / key[-3][0])
         width = max(key[-3][7][0] * len(TRACE_EVENTS), 3) + int(key[-3][13])
-        sem = torch.zeros((n_tiles, 2 + k.shape[-2] * call.batch, width), dtype=torch.int32, device=q.device)
+        sem = torch.zeros((n_tiles, 2 + pairs, width), dtype=torch.int32, device=q.device)
         LAST_TRACE = sem
     elif key[-3][13]:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
         sem = counter
@@ -647,7 +648,6 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
 
-    pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     q, k, v, dout, dk, dv = (_tma_view(t) for t in (q, k, v, dout, dk, dv))
     aux = [None] * MAX_AUX
     if call.mods is not None:

@@ -509,10 +509,11 @@ class Sm90AttentionBackward:
         tm, tn = self.tile_m, self.tile_n
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
-        if const_expr(self.trace_steps > 0 and not self.persistent):
-            if tidx == 128:
-                self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], True)  # this CTA's start
+        if const_expr(not self.persistent):  # (the persistent roles take their tiles in turn)
+            n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
+            if const_expr(self.trace_steps > 0):
+                if tidx == 128:
+                    self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], True)  # this CTA's start
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
@@ -876,12 +877,11 @@ class Sm90AttentionBackward:
         gV = cute.local_tile(self._head_slice(mV, hkv, b, k_off), (tn, self.dv), (n_block, 0))
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        kv_at = Int32(0)  # persistent: the step whose ring loads the K / V load precedes
         if const_expr(not self.persistent):
             if steps > 0:
                 self._load_kv(tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv)
         else:
-            kv_at = cutlass.min(self.stages - 1, steps - 1)
+            kv_at = cutlass.min(self.stages - 1, steps - 1)  # the step whose ring loads K / V precede
 
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
