@@ -73,6 +73,21 @@ _SWEEPS = {
                     [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
               [row for row in _GRID if row[0] <= 128]),
+    # D256 turn-taking and rescale placement: ours (pingpong, conditional rescale after P V) against
+    # flash-attn-4's sm90 choices at D > 128 (no turn-taking, every tile's rescale before P V)
+    "d256-turns": ({"default": {}, "no-pingpong": dict(pingpong=False),
+                    "no-pp+early": dict(pingpong=False, rescale_threshold=None, early_o_rescale=True),
+                    "early": dict(rescale_threshold=None, early_o_rescale=True)},
+                   [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the K release predicated on the row sums so ptxas keeps the P V wait after the softmax
+    "pin-pv-wait": ({"default": {}, "pinned": dict(pin_pv_wait=True)}, _GRID),
+    "d256-turns-pinned": ({"pinned": dict(pin_pv_wait=True),
+                           "pinned no-pp": dict(pin_pv_wait=True, pingpong=False),
+                           "pinned no-pp+early": dict(pin_pv_wait=True, pingpong=False, rescale_threshold=None,
+                                                      early_o_rescale=True)},
+                          [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    "sched-s1k": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
+                  [(D, 1024, c) for D in (64, 128) for c in (False, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through

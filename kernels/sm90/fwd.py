@@ -480,9 +480,12 @@ class FlashFwdSm90:
         _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         warpgroup.wait_group(1)  # S ready; P V still running
-        pipe_k.consumer_release(state)
+        if const_expr(not self.cfg.pin_pv_wait):
+            pipe_k.consumer_release(state)
         self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
         moved = softmax.step(acc_s, row_scale)
+        if const_expr(self.cfg.pin_pv_wait):
+            self._release_after_softmax(pipe_k, state, softmax)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
@@ -492,6 +495,22 @@ class FlashFwdSm90:
         v_state = state.clone()
         state.advance()
         return state, v_state, softmax
+
+    @cute.jit
+    def _release_after_softmax(self, pipe_k, state, softmax):
+        """Release the K slot once the softmax is done, as a data dependence ptxas can see.
+
+        ptxas moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic, and
+        put it right after the row max: the warpgroup then waited for P V before its
+        exponentials, which no longer ran under the matmul. It does not move the wait above a
+        memory operation such as this mbarrier arrive, so the arrive is predicated on the row
+        sums (never negative, so the predicate is always true; NaN compares false too): it cannot
+        issue before the last exponential, and the wait follows it."""
+        total = softmax.row_sum[0]
+        for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
+            total = total + softmax.row_sum[r]
+        if not (total < Float32(0.0)):
+            pipe_k.consumer_release(state)
 
     @cute.jit
     def consume(self, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,

@@ -33,6 +33,11 @@ class FwdConfig:
     # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead
     # of after it lands (off the path from the P V wait to the next issue); always-rescale only
     early_o_rescale: bool = False
+    # the K slot of a key tile is released after that tile's softmax, under a predicate computed
+    # from the row sums (always true), instead of right after S lands: ptxas keeps the P V wait
+    # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
+    # just after the row max; NOTES "Experiment 57")
+    pin_pv_wait: bool = False
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True
