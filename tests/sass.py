@@ -46,3 +46,23 @@ def spills_between_matmuls(sass: str) -> int:
         return 0
     body = lines[hgmma[0]: hgmma[-1] + 1]
     return sum(1 for line in body if "LDL" in line or "STL" in line)
+
+
+def exps_after_pv_wait(sass: str) -> list:
+    """For each key-loop softmax (from a `WARPGROUP.DEPBAR.LE gsb0, 0x1`, the wait for S with P V
+    still in flight, to the next HGMMA): how many MUFU.EX2 ptxas placed after the P V wait
+    (`WARPGROUP.DEPBAR.LE gsb0, 0x0`). Exponentials after that wait no longer run under P V."""
+    counts, after, open_ = [], None, False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            open_, after = True, None
+        elif not open_:
+            continue
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and after is None:
+            after = 0
+        elif "MUFU.EX2" in line and after is not None:
+            after += 1
+        elif "HGMMA" in line:
+            counts.append(after)
+            open_ = False
+    return counts

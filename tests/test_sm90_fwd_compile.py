@@ -16,7 +16,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from sass import sass_of, spills_between_matmuls  # noqa: E402
+from sass import exps_after_pv_wait, sass_of, spills_between_matmuls  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
@@ -140,6 +140,22 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     sass = _compile_and_check_sass(cfg, tmp_path)
     # captured tensors (slopes, document ids) and block-mask indices are read with global loads
     assert "LDG" in sass, "no global loads: captured tensors not read"
+
+
+def test_pinned_pv_wait_follows_the_softmax(tmp_path):
+    """With `pin_pv_wait` (the D256 default) no exponential of a key-loop softmax comes after the
+    P V wait; without it ptxas hoisted that wait to just after the row max (NOTES "Experiment 57"),
+    which this also checks, so the test notices when a ptxas update makes the option moot."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    pinned = fwd_host.default_config(_call(256))
+    assert pinned.pin_pv_wait
+    for sub in ("pinned", "loose"):
+        (tmp_path / sub).mkdir()
+    counts = exps_after_pv_wait(_compile_and_check_sass(pinned, tmp_path / "pinned"))
+    assert counts and all(c == 0 for c in counts), counts
+    loose = exps_after_pv_wait(_compile_and_check_sass(replace(pinned, pin_pv_wait=False), tmp_path / "loose"))
+    assert loose and max(loose) > 0, loose
 
 
 def test_grid_policy(monkeypatch):

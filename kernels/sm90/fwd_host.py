@@ -42,7 +42,9 @@ _DEFAULT_OPTIONS = {
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False),
-    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False),  # rescale: +5..7% measured
+    # rescale: +5..7% measured; pin_pv_wait: H100, NOTES "Experiment 57": +2-3.5% at S1k, level
+    # elsewhere, while D64 and D128 lose 1-4% with it
+    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False, pin_pv_wait=True),
 }
 
 
