@@ -81,6 +81,10 @@ _SWEEPS = {
                    [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the K release predicated on the row sums so ptxas keeps the P V wait after the softmax
     "pin-pv-wait": ({"default": {}, "pinned": dict(pin_pv_wait=True)}, _GRID),
+    # the two ways of pinning it: the K release moved after the softmax, or a store never executed
+    "pin-with": ({"loose": dict(pin_pv_wait=False), "k_release": dict(pin_pv_wait=True, pin_with="k_release"),
+                  "sink": dict(pin_pv_wait=True, pin_with="sink")},
+                 [row for row in _GRID if row[0] <= 128] + [(256, 1024, False), (256, 4096, True)]),
     "d256-turns-pinned": ({"pinned": dict(pin_pv_wait=True),
                            "pinned no-pp": dict(pin_pv_wait=True, pingpong=False),
                            "pinned no-pp+early": dict(pin_pv_wait=True, pingpong=False, rescale_threshold=None,
