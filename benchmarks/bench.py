@@ -81,10 +81,6 @@ _SWEEPS = {
                    [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the K release predicated on the row sums so ptxas keeps the P V wait after the softmax
     "pin-pv-wait": ({"default": {}, "pinned": dict(pin_pv_wait=True)}, _GRID),
-    # the two ways of pinning it: the K release moved after the softmax, or a store never executed
-    "pin-with": ({"loose": dict(pin_pv_wait=False), "k_release": dict(pin_pv_wait=True, pin_with="k_release"),
-                  "sink": dict(pin_pv_wait=True, pin_with="sink")},
-                 [row for row in _GRID if row[0] <= 128] + [(256, 1024, False), (256, 4096, True)]),
     "d256-turns-pinned": ({"pinned": dict(pin_pv_wait=True),
                            "pinned no-pp": dict(pin_pv_wait=True, pingpong=False),
                            "pinned no-pp+early": dict(pin_pv_wait=True, pingpong=False, rescale_threshold=None,
@@ -92,6 +88,13 @@ _SWEEPS = {
                           [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "sched-s1k": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
                   [(D, 1024, c) for D in (64, 128) for c in (False, True)]),
+    # (batch, head) pairs per L2 group (common.tile_scheduler), through the L2 size it assumes:
+    # 50 MB (default), 25 MB, and one pair per group
+    "l2-group": ({"50MB": {}, "25MB": dict(l2_bytes=25 << 20), "one pair": dict(l2_bytes=1)},
+                 [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
+                  (64, 4096, False), (64, 16384, False), (64, 16384, True), (256, 16384, False)]),
+    "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
+                   [(128, S, False) for S in (4096, 16384)] + [(128, 4096, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through
@@ -430,7 +433,16 @@ def main():
                 call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal)
                 out = torch.empty_like(q)
                 lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
-                return lambda: fwd_host.forward(call, out, lse, **opts)
+                cfg_opts = {k: v for k, v in opts.items() if k != "l2_bytes"}
+                if "l2_bytes" in opts:  # the L2 size the head grouping assumes (a launch argument)
+                    def run():
+                        saved, fwd_host.L2_BYTES = fwd_host.L2_BYTES, opts["l2_bytes"]
+                        try:
+                            fwd_host.forward(call, out, lse, **cfg_opts)
+                        finally:
+                            fwd_host.L2_BYTES = saved
+                    return run
+                return lambda: fwd_host.forward(call, out, lse, **cfg_opts)
             return make
 
         print(f"torch_fa4 fwd variants ({args.sweep}) TFLOP/s")

@@ -154,7 +154,6 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sink: cute.struct.MemRange[Float32, 4]
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -167,7 +166,6 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sink: cute.struct.MemRange[Float32, 4]
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -312,7 +310,6 @@ class FlashFwdSm90:
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        self._sink = storage.sink.get_tensor(cute.make_layout(4))
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         o_buf = storage.sO if const_expr(self.separate_o) else storage.sQ
@@ -483,12 +480,12 @@ class FlashFwdSm90:
         _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         warpgroup.wait_group(1)  # S ready; P V still running
-        if const_expr(not self.cfg.pin_pv_wait or self.cfg.pin_with == "sink"):
+        if const_expr(not self.cfg.pin_pv_wait):
             pipe_k.consumer_release(state)
         self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
         moved = softmax.step(acc_s, row_scale)
         if const_expr(self.cfg.pin_pv_wait):
-            self._release_after_softmax(pipe_k, state, softmax, self._sink)
+            self._release_after_softmax(pipe_k, state, softmax)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
@@ -500,7 +497,7 @@ class FlashFwdSm90:
         return state, v_state, softmax
 
     @cute.jit
-    def _release_after_softmax(self, pipe_k, state, softmax, sink):
+    def _release_after_softmax(self, pipe_k, state, softmax):
         """Release the K slot once the softmax is done, as a data dependence ptxas can see.
 
         ptxas moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic, and
@@ -512,12 +509,8 @@ class FlashFwdSm90:
         total = softmax.row_sum[0]
         for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
             total = total + softmax.row_sum[r]
-        if const_expr(self.cfg.pin_with == "sink"):
-            if total < Float32(0.0):
-                sink[0] = total
-        else:
-            if not (total < Float32(0.0)):
-                pipe_k.consumer_release(state)
+        if not (total < Float32(0.0)):
+            pipe_k.consumer_release(state)
 
     @cute.jit
     def consume(self, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,

@@ -38,9 +38,6 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # with pin_pv_wait: "k_release" (the K release after the softmax) or "sink" (K released at
-    # once; a store, never executed, to a scratch word of shared memory carries the predicate)
-    pin_with: str = "k_release"
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True
