@@ -90,6 +90,9 @@ VARIANTS = {
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
+    # per-item phase stamps (benchmarks/fwd_trace.py), persistent and one CTA per item
+    "d128_trace": (dict(D=128), dict(trace=True)),
+    "d256_causal_trace": (dict(D=256, causal=True), dict(trace=True)),
 }
 
 

@@ -66,6 +66,12 @@ SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
+# Tracing (cfg.trace): per work item, the global nanosecond timer (low 32 bits) at these points,
+# then the SM's id, into mTrace[item, :] (benchmarks/fwd_trace.py). The producer warp stamps the
+# first two, the first thread of consumer warpgroup 0 the rest.
+FWD_TRACE_EVENTS = ("item_start", "q_issued", "q_ready", "first_s", "last_pv", "epilogue_done")
+FWD_TRACE_SMID = len(FWD_TRACE_EVENTS)
+
 # named barrier ids (0 is __syncthreads)
 _BAR_SCHED = 1  # 1..3: consumer warpgroup turn-taking
 _BAR_EPI_ALL = 4  # all consumers: every wgmma reading Q is done before O overwrites it
@@ -201,6 +207,7 @@ class FlashFwdSm90:
         mBmFullIdx: Optional[cute.Tensor],
         # captured tensors of the mods, ModSet order, None past the last (TVM-FFI takes no tuples)
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
+        mTrace: Optional[cute.Tensor],  # (work items, len(FWD_TRACE_EVENTS) + 1) int32 (cfg.trace), else None
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -255,7 +262,7 @@ class FlashFwdSm90:
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group,
-            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux,
+            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mTrace,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -280,9 +287,11 @@ class FlashFwdSm90:
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
-        block_mask, score_aux, mask_aux,
+        block_mask, score_aux, mask_aux, mTrace,
     ):
         cfg = self.cfg
+        # read by _stamp while this kernel is traced (saves threading it through every role)
+        self._trace = mTrace
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -374,6 +383,9 @@ class FlashFwdSm90:
                      brange: BlockRange, block_mask):
         """Work item `tile`'s loads; returns the ring positions after them."""
         cfg = self.cfg
+        lane0 = cute.arch.lane_idx() == 0
+        if lane0:
+            self._stamp(tile, 0)
         num_heads_kv = cute.size(mK.shape[2])
         m_block, head, batch = sched.work(tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
@@ -403,6 +415,8 @@ class FlashFwdSm90:
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
+            if lane0:
+                self._stamp(tile, 1)
             if walk.nonempty():
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     pipe_k.producer_acquire(k_state)
@@ -418,6 +432,16 @@ class FlashFwdSm90:
                           tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state.advance()
         return q_state, k_state, v_state
+
+    @cute.jit
+    def _stamp(self, tile, event: cutlass.Constexpr):
+        """Tracing: the global timer at FWD_TRACE_EVENTS[event] of work item `tile` (and the SM id
+        with the last event); no code when off. Stored at once: a timer read kept for later may be
+        moved by the compiler."""
+        if const_expr(self.cfg.trace):
+            self._trace[tile, event] = cute.arch.globaltimer_lo()
+            if const_expr(event == FWD_TRACE_SMID - 1):
+                self._trace[tile, FWD_TRACE_SMID] = cute.arch.smid()
 
     # consumer warpgroups take turns issuing matmuls (pingpong); no-ops otherwise
     @cute.jit
@@ -560,15 +584,17 @@ class FlashFwdSm90:
             state = self.consume_item(
                 mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
                 tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
-                walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx)
+                walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx, tile)
             q_state.advance()
+            if tidx == 0:
+                self._stamp(tile, 5)
         return q_state, state
 
     @cute.jit
     def consume_item(self, mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
                      tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange: BlockRange,
                      seqlen: SeqlenInfo, walk, m_block, head, batch, score_aux, mask_aux, q_state, state,
-                     wg, tidx):
+                     wg, tidx, tile):
         """One work item: the online-softmax loop over the walk's key tiles, then the epilogue.
         Returns the K/V ring position after the item."""
         cfg = self.cfg
@@ -591,6 +617,8 @@ class FlashFwdSm90:
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
         pipe_q.consumer_wait(q_state)
+        if tidx == 0:
+            self._stamp(tile, 2)
 
         if walk.nonempty():
             # first key tile of the walk (the rightmost without a block mask): S only
@@ -600,6 +628,8 @@ class FlashFwdSm90:
             _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
             self._turn_pass(wg)
             warpgroup.wait_group(0)
+            if tidx == 0:
+                self._stamp(tile, 3)
             pipe_k.consumer_release(state)
             self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
                          self._is_partial(walk, 0))
@@ -634,6 +664,8 @@ class FlashFwdSm90:
             _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
             self._turn_pass(wg)
             warpgroup.wait_group(0)
+            if tidx == 0:
+                self._stamp(tile, 4)
             pipe_v.consumer_release(v_state)
         if const_expr(self.separate_o):
             pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load

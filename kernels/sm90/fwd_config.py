@@ -38,6 +38,9 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
+    # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
+    # tensor, for benchmarks/fwd_trace.py; no code when off
+    trace: bool = False
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True

@@ -220,6 +220,16 @@ def _fake_aux(cfg: FwdConfig) -> list:
     return [fake_aux_tensor(dt, nd) for dt, nd in cfg.aux_specs] + [None] * (MAX_AUX - len(cfg.aux_specs))
 
 
+def _fake_trace(cfg: FwdConfig):
+    if not cfg.trace:
+        return None
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
+                                         (cute.sym_int64(), 1), assumed_align=4)
+
+
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
     """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
 
@@ -234,7 +244,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
             FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
-            *_fake_block_mask(cfg), *_fake_aux(cfg), stream,
+            *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_trace(cfg), stream,
             options=options,
         )
 
@@ -243,13 +253,18 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build, persist=True)
 
 
-def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
+def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Optional[torch.Tensor] = None,
+            **overrides) -> None:
+    """trace: an int32 (work items, 7) tensor for the phase stamps of a traced variant
+    (benchmarks/fwd_trace.py); compiles that variant."""
     cfg = default_config(call, **overrides)
+    if trace is not None:
+        cfg = replace(cfg, trace=True)
     kernel = compile_fwd(cfg)
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call))
     if args is None:  # no query rows: nothing to write
         return
-    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call))
+    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), trace)
 
 
 def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:

@@ -182,6 +182,29 @@ def test_softmax_options(opts):
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
 
 
+@pytest.mark.parametrize("D,causal", [(256, True), (128, False)])
+def test_trace_stamps(D, causal):
+    """The traced variant (benchmarks/fwd_trace.py) still computes attention, and stamps every
+    work item in order: item start <= Q issued, Q landed <= first S <= last P V <= epilogue done,
+    on a real SM. D128 runs the persistent grid (several items per CTA), D256 one CTA per item."""
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.kernels.sm90.fwd import FWD_TRACE_SMID
+
+    call = _dense_call(2, 700, 700, 3, 3, D, causal=causal)
+    items = fwd_host.default_config(call).tile_m
+    items = -(-700 // items) * 3 * 2
+    trace = torch.zeros(items, FWD_TRACE_SMID + 1, dtype=torch.int32, device="cuda")
+    _check(call, trace=trace)
+    t = trace.cpu().to(torch.int64)
+    stamps = t[:, :FWD_TRACE_SMID] & 0xFFFFFFFF
+    rel = (stamps - stamps[:, :1]) & 0xFFFFFFFF  # ns since each item's start (the timer wraps)
+    assert (stamps != 0).all(), "an item was not stamped"
+    assert (rel[:, 1] < 1 << 31).all()
+    assert (rel[:, 2:].diff(dim=1) >= 0).all(), "consumer stamps out of order"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((t[:, FWD_TRACE_SMID] >= 0) & (t[:, FWD_TRACE_SMID] < sms)).all()
+
+
 @pytest.mark.parametrize("max_ctas", [1, 5, 7, 10_000])
 def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
     """A persistent grid of `max_ctas` CTAs (rounds alternating direction, a last partial round)
