@@ -93,10 +93,6 @@ _SWEEPS = {
     "l2-group": ({"50MB": {}, "25MB": dict(l2_bytes=25 << 20), "one pair": dict(l2_bytes=1)},
                  [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
                   (64, 4096, False), (64, 16384, False), (64, 16384, True), (256, 16384, False)]),
-    # one CTA per item: Q issued before the key walk is computed and the first K issued
-    "q-first": ({"K first": {}, "Q first": dict(q_first=True)},
-                [(256, 1024, False), (256, 1024, True), (256, 4096, True), (256, 4096, False),
-                 (64, 4096, True), (64, 16384, True), (64, 4096, False), (128, 4096, True)]),
     "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
                    [(128, S, False) for S in (4096, 16384)] + [(128, 4096, True)]),
 }

@@ -393,32 +393,30 @@ class FlashFwdSm90:
         if m_block * self.tile_m < seqlen.seqlen_q:
             batch_q = batch if const_expr(not cfg.varlen_q) else 0
             batch_k = batch if const_expr(not cfg.varlen_k) else 0
-            gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            # order: Q and K[first] (see below); then K[t+1], V[t] pairs; then V[last] -- the
-            # consumers' order of need, so a full ring never blocks the tile they wait for.
-            if const_expr(cfg.q_first):
-                # one CTA per item: the buffer is free at once, and Q (read once, from DRAM) is
-                # the slower of the first two loads, so it goes before the key walk is computed
-                q_state = self._load_q(tile, tma_Q, tQgQ, tQsQ, pipe_q, q_state, lane0)
             head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
             walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+            gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
             gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
             gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
                                                cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
             tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
                                                cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
+            # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
+            # Q's buffer frees only when the previous item is done with it, K's slot earlier.
             if walk.nonempty():
                 pipe_k.producer_acquire(k_state)
                 cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
                 k_state.advance()
-            if const_expr(not cfg.q_first):
-                # a persistent CTA: Q's buffer frees only when the previous item is done with it,
-                # the first K's slot earlier, so K goes first
-                q_state = self._load_q(tile, tma_Q, tQgQ, tQsQ, pipe_q, q_state, lane0)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if lane0:
+                self._stamp(tile, 1)
             if walk.nonempty():
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     pipe_k.producer_acquire(k_state)
@@ -434,15 +432,6 @@ class FlashFwdSm90:
                           tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state.advance()
         return q_state, k_state, v_state
-
-    @cute.jit
-    def _load_q(self, tile, tma_Q, tQgQ, tQsQ, pipe_q, q_state, lane0):
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state.advance()
-        if lane0:
-            self._stamp(tile, 1)
-        return q_state
 
     @cute.jit
     def _stamp(self, tile, event: cutlass.Constexpr):

@@ -38,9 +38,6 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # the producer issues Q before computing the key walk and issuing the first K (one CTA per
-    # item); else the first K first (a persistent CTA's Q buffer frees late)
-    q_first: bool = False
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False
