@@ -93,11 +93,6 @@ _SWEEPS = {
     "l2-group": ({"50MB": {}, "25MB": dict(l2_bytes=25 << 20), "one pair": dict(l2_bytes=1)},
                  [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
                   (64, 4096, False), (64, 16384, False), (64, 16384, True), (256, 16384, False)]),
-    # D256: O through shared memory over Q's buffer (default), or from registers (Q's buffer
-    # frees before the epilogue), one CTA per item or persistent
-    "o-regs": ({"smem": {}, "regs": dict(o_from_registers=True),
-                "regs persistent": dict(o_from_registers=True, persistent=True)},
-               [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
                    [(128, S, False) for S in (4096, 16384)] + [(128, 4096, True)]),
 }

@@ -127,11 +127,6 @@ class FlashFwdSm90:
         ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
         q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
         self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
-        # O goes from registers to global memory (varlen: a row predicate keeps the last tile's
-        # rows inside their sequence); no shared memory is involved, so Q's buffer frees before
-        # the epilogue as with a separate O tile
-        self.o_from_registers = cfg.varlen_q or cfg.o_from_registers
-        self.q_free_before_epilogue = self.separate_o or self.o_from_registers
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -672,7 +667,7 @@ class FlashFwdSm90:
             if tidx == 0:
                 self._stamp(tile, 4)
             pipe_v.consumer_release(v_state)
-        if const_expr(self.q_free_before_epilogue):
+        if const_expr(self.separate_o):
             pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
 
         lse = cute.make_rmem_tensor(num_rows, Float32)
@@ -680,7 +675,7 @@ class FlashFwdSm90:
         scale_rows(acc_o, row_scale)
         self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
                       seqlen, m_block, head, batch_q, wg, tidx)
-        if const_expr(not self.q_free_before_epilogue):
+        if const_expr(not self.separate_o):
             # O was staged over Q's buffer: Q may load again once the O store has read it out
             pipe_q.consumer_release(q_state)
         return state
@@ -701,7 +696,7 @@ class FlashFwdSm90:
         r_o = cute.make_rmem_tensor(acc_o.layout, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        if const_expr(not self.o_from_registers):
+        if const_expr(not cfg.varlen_q):
             if const_expr(self.separate_o):
                 # this warpgroup's previous O store has read its tile out (its issuing warp waits
                 # for that before it gets here)

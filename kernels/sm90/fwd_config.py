@@ -38,10 +38,6 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # O stored from registers straight to global memory (as varlen tiles always are) instead of
-    # through shared memory and TMA: Q's buffer then frees before the epilogue, so a persistent
-    # CTA loads the next item's Q under it even where O would have been staged over Q (D > 128)
-    o_from_registers: bool = False
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False

@@ -182,17 +182,6 @@ def test_softmax_options(opts):
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("D,causal", [(256, True), (256, False), (128, True)])
-def test_o_from_registers(monkeypatch, D, causal, persistent):
-    """O stored from registers (Q's buffer freed before the epilogue): ragged last query tiles,
-    GQA, and a persistent grid of 5 CTAs, so items follow each other on one CTA."""
-    from torch_fa4.kernels.common import fwd_launch
-
-    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 5)
-    _check(_dense_call(2, 700, 650, 4, 2, D, causal=causal), o_from_registers=True, persistent=persistent)
-
-
 @pytest.mark.parametrize("D,causal", [(256, True), (128, False)])
 def test_trace_stamps(D, causal):
     """The traced variant (benchmarks/fwd_trace.py) still computes attention, and stamps every
