@@ -93,11 +93,6 @@ _SWEEPS = {
     "l2-group": ({"50MB": {}, "25MB": dict(l2_bytes=25 << 20), "one pair": dict(l2_bytes=1)},
                  [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
                   (64, 4096, False), (64, 16384, False), (64, 16384, True), (256, 16384, False)]),
-    # D256: O staged over Q (default) or in the last key tile's K / V ring slots, so a
-    # persistent CTA loads the next item's Q under the epilogue
-    "o-in-ring": ({"over Q": {}, "ring": dict(o_in_ring=True),
-                   "ring persistent": dict(o_in_ring=True, persistent=True)},
-                  [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
                    [(128, S, False) for S in (4096, 16384)] + [(128, 4096, True)]),
 }

@@ -90,9 +90,6 @@ VARIANTS = {
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
-    # O staged in the last key tile's ring slots (D > 128), one CTA per item and persistent
-    "d256_o_in_ring": (dict(D=256), dict(o_in_ring=True)),
-    "d256_causal_o_in_ring_persistent": (dict(D=256, causal=True), dict(o_in_ring=True, persistent=True)),
     # per-item phase stamps (benchmarks/fwd_trace.py), persistent and one CTA per item
     "d128_trace": (dict(D=128), dict(trace=True)),
     "d256_causal_trace": (dict(D=256, causal=True), dict(trace=True)),
@@ -162,22 +159,6 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     assert counts and all(c == 0 for c in counts), counts
     loose = exps_after_pv_wait(_compile_and_check_sass(replace(pinned, pin_pv_wait=False), tmp_path / "loose"))
     assert loose and max(loose) > 0, loose
-
-
-def test_o_in_ring_refuses_calls_with_empty_key_walks():
-    from torch_fa4.kernels.sm90 import fwd_host
-
-    def call(Sq, Sk, **kw):
-        q = torch.empty(1, Sq, 2, 256, dtype=torch.bfloat16)
-        k = torch.empty(1, Sk, 2, 256, dtype=torch.bfloat16)
-        return AttentionCall(q=q, k=k, v=k, scale=0.1, **kw)
-
-    assert fwd_host.o_in_ring_reason(call(700, 900, causal=True)) is None
-    assert fwd_host.o_in_ring_reason(call(900, 700)) is None
-    assert "no keys" in fwd_host.o_in_ring_reason(call(900, 700, causal=True))
-    assert "windows" in fwd_host.o_in_ring_reason(call(512, 512, window_left=64))
-    with pytest.raises(ValueError, match="no keys"):
-        fwd_host.forward(call(900, 700, causal=True), None, None, o_in_ring=True)
 
 
 def test_grid_policy(monkeypatch):

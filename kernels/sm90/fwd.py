@@ -127,12 +127,6 @@ class FlashFwdSm90:
         ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
         q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
         self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
-        if cfg.o_in_ring:
-            assert not self.separate_o and self.num_wg == 2 and cfg.tile_n >= 64
-            # an empty key walk would leave no slot of its own to stage O in (fwd_host refuses
-            # calls that can have one; these features can whatever the lengths)
-            assert not (cfg.has_window or cfg.block_sparse or cfg.varlen_q or cfg.varlen_k)
-        self.q_free_before_epilogue = self.separate_o or cfg.o_in_ring
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -327,8 +321,6 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # read by _o_in_ring while this kernel is traced
-        self._ring_base, self._o_swizzle = storage.sK.data_ptr(), sO_layout.inner
         o_buf = storage.sO if const_expr(self.separate_o) else storage.sQ
         sO = o_buf.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         # the same O tiles stacked along rows, (tile_m, Dv), to partition like the accumulator
@@ -512,14 +504,12 @@ class FlashFwdSm90:
         _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         warpgroup.wait_group(1)  # S ready; P V still running
-        release_k = self._releases_k(t, walk)
         if const_expr(not self.cfg.pin_pv_wait):
-            if release_k:
-                pipe_k.consumer_release(state)
+            pipe_k.consumer_release(state)
         self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
         moved = softmax.step(acc_s, row_scale)
         if const_expr(self.cfg.pin_pv_wait):
-            self._release_after_softmax(pipe_k, state, softmax, release_k)
+            self._release_after_softmax(pipe_k, state, softmax)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
@@ -531,7 +521,7 @@ class FlashFwdSm90:
         return state, v_state, softmax
 
     @cute.jit
-    def _release_after_softmax(self, pipe_k, state, softmax, release_k):
+    def _release_after_softmax(self, pipe_k, state, softmax):
         """Release the K slot once the softmax is done, as a data dependence ptxas can see.
 
         ptxas moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic, and
@@ -543,7 +533,7 @@ class FlashFwdSm90:
         total = softmax.row_sum[0]
         for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
             total = total + softmax.row_sum[r]
-        if release_k and not (total < Float32(0.0)):
+        if not (total < Float32(0.0)):
             pipe_k.consumer_release(state)
 
     @cute.jit
@@ -630,7 +620,6 @@ class FlashFwdSm90:
         if tidx == 0:
             self._stamp(tile, 2)
 
-        o_state = state.clone()  # o_in_ring: the last key tile's ring position
         if walk.nonempty():
             # first key tile of the walk (the rightmost without a block mask): S only
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -641,8 +630,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             if tidx == 0:
                 self._stamp(tile, 3)
-            if self._releases_k(0, walk):
-                pipe_k.consumer_release(state)
+            pipe_k.consumer_release(state)
             self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
                          self._is_partial(walk, 0))
             softmax.step(acc_s, row_scale)
@@ -678,51 +666,19 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             if tidx == 0:
                 self._stamp(tile, 4)
-            if const_expr(not cfg.o_in_ring):
-                pipe_v.consumer_release(v_state)
-            o_state = v_state.clone()
-        if const_expr(self.q_free_before_epilogue):
+            pipe_v.consumer_release(v_state)
+        if const_expr(self.separate_o):
             pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
-        if const_expr(cfg.o_in_ring):
-            sO, sO_mn = self._o_in_ring(sO, sO_mn, o_state.index, wg)
 
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)
         scale_rows(acc_o, row_scale)
         self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
                       seqlen, m_block, head, batch_q, wg, tidx)
-        if const_expr(cfg.o_in_ring):
-            # both O stores have read the last tile's K and V slots out (a slot frees once every
-            # consumer warp has arrived, so neither warpgroup's store is cut short)
-            pipe_k.consumer_release(o_state)
-            pipe_v.consumer_release(o_state)
-        elif const_expr(not self.separate_o):
+        if const_expr(not self.separate_o):
             # O was staged over Q's buffer: Q may load again once the O store has read it out
             pipe_q.consumer_release(q_state)
         return state
-
-    def _releases_k(self, t, walk):
-        """Whether key tile t's K slot is released after its S (o_in_ring keeps the last one for O)."""
-        if const_expr(self.cfg.o_in_ring):
-            return t + 1 < walk.count
-        return True
-
-    @cute.jit
-    def _o_in_ring(self, sO, sO_mn, slot, wg):
-        """sO / sO_mn re-based so that warpgroup wg's 64-row O tile lies in ring slot `slot`: the
-        K slot for warpgroup 0, the V slot for warpgroup 1. Both views keep their layouts (and
-        swizzle: every base is 1024-byte aligned), only the pointer moves, so the epilogue's
-        indexing by wg is unchanged."""
-        stage = self.tile_n * self.hdim  # elements per ring slot (K and V alike: D == Dv)
-        tile = 64 * self.hdimv  # elements per warpgroup O tile
-        kv_gap = self.cfg.num_stages * stage  # sV follows sK (both 1024-byte multiples here)
-        assert stage % 512 == 0 and kv_gap % 512 == 0 and tile % 512 == 0
-        # a multiple of 1024 bytes, which the copy atoms' alignment checks need to be told
-        offset = cute.assume(slot * stage + wg * (kv_gap - tile), divby=512)
-        ptr = self._ring_base + offset
-        o = cute.make_tensor(cute.recast_ptr(ptr, self._o_swizzle, dtype=self.dtype), sO.layout)
-        o_mn = cute.make_tensor(cute.recast_ptr(ptr, self._o_swizzle, dtype=self.dtype), sO_mn.layout)
-        return o, o_mn
 
     @cute.jit
     def epilogue(self, acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,

@@ -38,11 +38,6 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # O staged in the last key tile's K and V ring slots (one warpgroup's 64 rows in each) instead
-    # of over Q (D > 128, two consumer warpgroups): Q's buffer frees before the epilogue, so a
-    # persistent CTA loads the next item's Q under it; those two slots are released after the O
-    # stores. Needs every item's key walk nonempty (fwd_host checks the call)
-    o_in_ring: bool = False
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False

@@ -253,20 +253,6 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build, persist=True)
 
 
-def o_in_ring_reason(call: AttentionCall) -> Optional[str]:
-    """Why `FwdConfig.o_in_ring` cannot serve this call, or None. O is staged in the last key
-    tile's ring slots, so every work item needs a nonempty key walk: no window, block mask, mods or
-    varlen, keys present, and under a causal mask no more queries than keys (bottom-right aligned,
-    the first query row then still sees key 0)."""
-    if call.has_window or call.mods is not None or call.is_varlen or call.cu_seqlens_k is not None \
-            or call.seqused_k is not None:
-        return "o_in_ring: windows, mods and varlen calls are not supported"
-    max_q, max_k = fwd_launch.max_seqlens(call)
-    if max_k == 0 or (call.causal and max_q > max_k):
-        return "o_in_ring: a query tile could have no keys (causal with more queries than keys, or no keys)"
-    return None
-
-
 def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Optional[torch.Tensor] = None,
             **overrides) -> None:
     """trace: an int32 (work items, 7) tensor for the phase stamps of a traced variant
@@ -274,8 +260,6 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
     cfg = default_config(call, **overrides)
     if trace is not None:
         cfg = replace(cfg, trace=True)
-    if cfg.o_in_ring and o_in_ring_reason(call) is not None:
-        raise ValueError(o_in_ring_reason(call))
     kernel = compile_fwd(cfg)
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call))
     if args is None:  # no query rows: nothing to write

@@ -182,18 +182,6 @@ def test_softmax_options(opts):
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
 
 
-@pytest.mark.parametrize("D,causal,persistent", [(256, True, False), (256, True, True), (256, False, True),
-                                                (192, False, True)])
-def test_o_in_ring(monkeypatch, D, causal, persistent):
-    """O staged in the last key tile's K / V ring slots: ragged query and key tiles, GQA, and a
-    persistent grid of 5 CTAs, so the next item's loads run while those slots are still held."""
-    from torch_fa4.kernels.common import fwd_launch
-
-    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 5)
-    _check(_dense_call(2, 700, 900, 4, 2, D, causal=causal), o_in_ring=True, persistent=persistent)
-    _check(_dense_call(3, 130, 70, 2, 2, D), o_in_ring=True, persistent=persistent)  # one key tile
-
-
 @pytest.mark.parametrize("D,causal", [(256, True), (128, False)])
 def test_trace_stamps(D, causal):
     """The traced variant (benchmarks/fwd_trace.py) still computes attention, and stamps every
