@@ -199,35 +199,27 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
     return fwd_launch.max_ctas(call)
 
 
-def _fake_block_mask(cfg: FwdConfig) -> list:
+def _fake_int32(rank: int):
+    """A stand-in int32 tensor of `rank` symbolic dims with a unit last stride (block-mask lists,
+    the trace buffer)."""
     import cutlass
     import cutlass.cute as cute
 
+    return cute.runtime.make_fake_tensor(
+        cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
+        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+
+
+def _fake_block_mask(cfg: FwdConfig) -> list:
     if not cfg.block_sparse:
         return [None] * 4
-
-    def fake(rank):
-        return cute.runtime.make_fake_tensor(
-            cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
-            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
-
-    return [fake(3), fake(4), fake(3), fake(4)]
+    return [_fake_int32(3), _fake_int32(4), _fake_int32(3), _fake_int32(4)]
 
 
 def _fake_aux(cfg: FwdConfig) -> list:
     from torch_fa4.kernels.common.mod_lowering import fake_aux_tensor
 
     return [fake_aux_tensor(dt, nd) for dt, nd in cfg.aux_specs] + [None] * (MAX_AUX - len(cfg.aux_specs))
-
-
-def _fake_trace(cfg: FwdConfig):
-    if not cfg.trace:
-        return None
-    import cutlass
-    import cutlass.cute as cute
-
-    return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
-                                         (cute.sym_int64(), 1), assumed_align=4)
 
 
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
@@ -244,7 +236,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
             FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
-            *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_trace(cfg), stream,
+            *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(2) if cfg.trace else None, stream,
             options=options,
         )
 
