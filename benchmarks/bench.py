@@ -95,6 +95,10 @@ _SWEEPS = {
                   (64, 4096, False), (64, 16384, False), (64, 16384, True), (256, 16384, False)]),
     "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
                    [(128, S, False) for S in (4096, 16384)] + [(128, 4096, True)]),
+    # persistent CTAs taking items from a counter (kernels/common/tile_mailbox.py) against the
+    # defaults (static round-robin, or one CTA per item for long causal walks and the 192-row D64 tile)
+    "dyn-sched": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True)},
+                  [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through

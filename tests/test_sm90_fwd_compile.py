@@ -93,6 +93,10 @@ VARIANTS = {
     # per-item phase stamps (benchmarks/fwd_trace.py), persistent and one CTA per item
     "d128_trace": (dict(D=128), dict(trace=True)),
     "d256_causal_trace": (dict(D=256, causal=True), dict(trace=True)),
+    # persistent CTAs taking items from a counter (kernels/common/tile_mailbox.py)
+    "d128_causal_dynamic": (dict(D=128, causal=True), dict(persistent=True, dynamic_schedule=True)),
+    "d64_192x128_causal_dynamic": (dict(D=64, causal=True),
+                                   dict(tile_m=192, tile_n=128, persistent=True, dynamic_schedule=True)),
 }
 
 

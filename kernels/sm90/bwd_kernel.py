@@ -96,6 +96,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..common import mod_lowering as mods_dsl
 from ..common.exp2_emulation import exp2_fma
 from ..common import static_layout as SL
+from ..common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
 from . import bwd_layouts as L
 from .bwd_q_walk import DenseQWalk, SparseQWalk
 
@@ -295,7 +296,7 @@ class Sm90AttentionBackward:
         # while this tile's dK / dV are stored (staged in the dS^T slots, free after the last
         # step, instead of the K / V buffers), and no launch gap between tiles. The producer
         # warp takes the tiles and hands each to the consumer warps and the dQ writer warp
-        # through a two-slot mailbox in shared memory (_publish_tile / _read_tile).
+        # through a two-slot mailbox in shared memory (kernels/common/tile_mailbox.py).
         self.persistent = persistent
         assert not persistent or (self.stage_dkdv and self.dq_writer_warp and not deterministic
                                   and not self.sparse and not dq_in_ring), "persistent: dense 128-key paths"
@@ -569,10 +570,7 @@ class Sm90AttentionBackward:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(bar_kv, 1)
                 if const_expr(self.persistent):
-                    for slot in cutlass.range_constexpr(2):
-                        cute.arch.mbarrier_init(st.bar_sched.data_ptr() + slot, 1)  # the producer
-                        # every consumer warp and the dQ writer warp, once each has read the slot
-                        cute.arch.mbarrier_init(st.bar_sched.data_ptr() + 2 + slot, _TILE_READERS)
+                    init_mailbox(st.bar_sched.data_ptr(), _TILE_READERS)
                     cute.arch.mbarrier_init(st.bar_kv_empty.data_ptr(), 2)  # one per consumer warpgroup
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -655,7 +653,7 @@ class Sm90AttentionBackward:
                 i = Int32(0)
                 kv_iter = Int32(0)
                 while t < total:
-                    self._publish_tile(bar_sched, sTile, i, t)
+                    publish_item(bar_sched, sTile, i, t)
                     n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
                     q_off, k_off, _, _, _, _, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
                     state = self._produce(
@@ -665,19 +663,19 @@ class Sm90AttentionBackward:
                     )
                     if steps > 0:
                         kv_iter += 1
-                    t = self._next_tile(counter, num_ctas)
+                    t = next_item(counter, num_ctas)
                     i += 1
-                self._publish_tile(bar_sched, sTile, i, t)  # past the last tile: the others stop
+                publish_item(bar_sched, sTile, i, t)  # past the last tile: the others stop
             if warp_idx == 1:
                 i = Int32(0)
-                t = self._read_tile(bar_sched, sTile, i)
+                t = read_item(bar_sched, sTile, i)
                 while t < total:
                     n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
                     q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
                     self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
                                    diag, window_left)
                     i += 1
-                    t = self._read_tile(bar_sched, sTile, i)
+                    t = read_item(bar_sched, sTile, i)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             # dK / dV staged in the dS^T slots: both at once where K and V share one layout (the
@@ -698,7 +696,7 @@ class Sm90AttentionBackward:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             i = Int32(0)
             kv_iter = Int32(0)
-            t = self._read_tile(bar_sched, sTile, i)
+            t = read_item(bar_sched, sTile, i)
             while t < total:
                 n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
                 if const_expr(self.trace_steps > 0):
@@ -719,38 +717,7 @@ class Sm90AttentionBackward:
                     if tidx == 128:
                         self._stamp_cta(mSem, n_block, hkv, b, heads, False)
                 i += 1
-                t = self._read_tile(bar_sched, sTile, i)
-
-    @cute.jit
-    def _publish_tile(self, bar_sched, sTile, i, t):
-        """Producer warp: work tile t into mailbox slot i % 2, once its readers freed it."""
-        slot = i % 2
-        cute.arch.mbarrier_wait(bar_sched + 2 + slot, ((i // 2) % 2) ^ 1)
-        if cute.arch.lane_idx() == 0:
-            sTile[slot] = t
-            cute.arch.mbarrier_arrive(bar_sched + slot)  # (release: the slot's write is seen)
-        cute.arch.sync_warp()
-
-    @cute.jit
-    def _read_tile(self, bar_sched, sTile, i):
-        """A reading warp: the i-th work tile from its mailbox slot; the slot is handed back once
-        every lane of the warp has read it."""
-        slot = i % 2
-        cute.arch.mbarrier_wait(bar_sched + slot, (i // 2) % 2)
-        t = sTile[slot]
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(bar_sched + 2 + slot)
-        return t
-
-    @cute.jit
-    def _next_tile(self, counter, num_ctas):
-        """Producer warp: the next work tile, from the counter (tiles below num_ctas are the
-        CTAs' first ones)."""
-        taken = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            taken = cute.arch.atomic_add(counter, Int32(1), scope="gpu")
-        return cute.arch.shuffle_sync(taken, 0) + num_ctas
+                t = read_item(bar_sched, sTile, i)
 
     # ------------------------------------------------------------------ helpers
     @cute.jit

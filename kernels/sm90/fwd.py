@@ -59,6 +59,7 @@ from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
+from torch_fa4.kernels.common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
 
@@ -118,6 +119,7 @@ class FlashFwdSm90:
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         assert cfg.num_stages >= 1
+        assert cfg.persistent or not cfg.dynamic_schedule, "dynamic_schedule: a persistent kernel's loop"
         # the early rescale applies every tile's factors; the conditional rescale skips some (fwd_config)
         assert not (cfg.early_o_rescale and cfg.rescale_threshold is not None)
         # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
@@ -160,6 +162,8 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
+            sched_slots: cute.struct.MemRange[Int32, 2]
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -172,6 +176,8 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
+            sched_slots: cute.struct.MemRange[Int32, 2]
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -207,6 +213,7 @@ class FlashFwdSm90:
         mBmFullIdx: Optional[cute.Tensor],
         # captured tensors of the mods, ModSet order, None past the last (TVM-FFI takes no tuples)
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
+        mSched: Optional[cute.Tensor],  # (1,) int32, zero at launch (cfg.dynamic_schedule), else None
         mTrace: Optional[cute.Tensor],  # (work items, len(FWD_TRACE_EVENTS) + 1) int32 (cfg.trace), else None
         stream: cuda.CUstream,
     ):
@@ -262,7 +269,7 @@ class FlashFwdSm90:
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group,
-            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mTrace,
+            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mSched, mTrace,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -287,7 +294,7 @@ class FlashFwdSm90:
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
-        block_mask, score_aux, mask_aux, mTrace,
+        block_mask, score_aux, mask_aux, mSched, mTrace,
     ):
         cfg = self.cfg
         # read by _stamp while this kernel is traced (saves threading it through every role)
@@ -315,6 +322,13 @@ class FlashFwdSm90:
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
             producer_group=tma_warp, consumer_group=consumer_warps, tx_count=bytes_v, defer_sync=True)
+        mailbox = None
+        if const_expr(cfg.dynamic_schedule):
+            mailbox = (storage.mbar_sched.data_ptr(), storage.sched_slots.get_tensor(cute.make_layout(2)),
+                       mSched.iterator)
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    init_mailbox(mailbox[0], self.num_wg * 4)  # every consumer warp reads each item
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -338,14 +352,14 @@ class FlashFwdSm90:
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
                              tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched, brange, block_mask,
-                             bidx)
+                             bidx, mailbox)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
                 tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale,
                 softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, bidx,
-                tidx - 128)
+                tidx - 128, mailbox)
 
     @cute.jit
     def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch):
@@ -357,7 +371,7 @@ class FlashFwdSm90:
     @cute.jit
     def produce(self, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
                 tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler, brange: BlockRange,
-                block_mask, bidx):
+                block_mask, bidx, mailbox):
         """The TMA warp: for each work item of this CTA, Q once and the walk's K and V tiles."""
         cfg = self.cfg
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -366,7 +380,18 @@ class FlashFwdSm90:
         args = (mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV, tma_Q, tma_K, tma_V,
                 pipe_q, pipe_k, pipe_v, sched, brange, block_mask)
         tile = bidx
-        if const_expr(cfg.persistent):
+        if const_expr(cfg.dynamic_schedule):
+            bar, slots, counter = mailbox
+            num_ctas = cute.arch.grid_dim()[0]
+            i = Int32(0)
+            while tile < sched.num_tiles():
+                publish_item(bar, slots, i, tile)
+                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
+                # taken once this item's loads are all issued, as a freed SM would take a new CTA
+                tile = next_item(counter, num_ctas)
+                i += 1
+            publish_item(bar, slots, i, tile)  # past the last item: the consumers stop
+        elif const_expr(cfg.persistent):
             num_ctas = cute.arch.grid_dim()[0]
             rnd = Int32(0)
             while tile < sched.num_tiles():
@@ -540,7 +565,7 @@ class FlashFwdSm90:
     def consume(self, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
                 tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2,
                 brange: BlockRange, sched: TileScheduler, block_mask, score_aux, mask_aux, bidx,
-                tidx):
+                tidx, mailbox):
         """A consumer warpgroup: its 64 rows of every work item of this CTA."""
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -559,7 +584,15 @@ class FlashFwdSm90:
                 pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale,
                 softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, wg, tidx)
         tile = bidx
-        if const_expr(cfg.persistent):
+        if const_expr(cfg.dynamic_schedule):
+            bar, slots, _ = mailbox
+            i = Int32(0)
+            tile = read_item(bar, slots, i)
+            while tile < sched.num_tiles():
+                q_state, state = self.consume_tile(tile, q_state, state, *args)
+                i += 1
+                tile = read_item(bar, slots, i)
+        elif const_expr(cfg.persistent):
             num_ctas = cute.arch.grid_dim()[0]
             rnd = Int32(0)
             while tile < sched.num_tiles():

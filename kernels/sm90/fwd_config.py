@@ -28,6 +28,9 @@ class FwdConfig:
     has_seqused_k: bool
     pingpong: bool = True
     persistent: bool = False  # about one CTA per SM looping over work items (else one CTA per item)
+    # persistent CTAs take their items from a global counter when ready for the next one
+    # (kernels/common/tile_mailbox.py), instead of a static round-robin; a zeroed int32 argument
+    dynamic_schedule: bool = False
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
     exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
     # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead

@@ -193,8 +193,9 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
     """max_ctas for this call: about one CTA per SM where the persistent loop pays."""
     if not cfg.persistent:
         return fwd_launch.ONE_CTA_PER_ITEM  # ignored
-    # causal and windowed walks differ in length between query tiles
-    if (call.causal or call.has_window) and max(fwd_launch.max_seqlens(call)) > PERSISTENT_MAX_MASKED_SEQLEN:
+    # causal and windowed walks differ in length between query tiles: a static round-robin
+    # cannot balance them, items taken from a counter can
+    if not cfg.dynamic_schedule and (call.causal or call.has_window) and max(fwd_launch.max_seqlens(call)) > PERSISTENT_MAX_MASKED_SEQLEN:
         return fwd_launch.ONE_CTA_PER_ITEM
     return fwd_launch.max_ctas(call)
 
@@ -236,7 +237,8 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
             FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
-            *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(2) if cfg.trace else None, stream,
+            *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(1) if cfg.dynamic_schedule else None,
+            _fake_int32(2) if cfg.trace else None, stream,
             options=options,
         )
 
@@ -256,7 +258,9 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call))
     if args is None:  # no query rows: nothing to write
         return
-    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), trace)
+    # the dynamic scheduler's item counter starts at zero on every launch
+    counter = torch.zeros(1, dtype=torch.int32, device=call.q.device) if cfg.dynamic_schedule else None
+    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), counter, trace)
 
 
 def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:

@@ -218,6 +218,24 @@ def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
     _check(_dense_call(2, 300, 517, 4, 2, 64), persistent=True)
 
 
+@pytest.mark.parametrize("max_ctas", [1, 7, 10_000])
+@pytest.mark.parametrize("shape", ["128x128", "192x128"])
+def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
+    """Persistent CTAs taking items from the counter (tile_mailbox): every item written once, with
+    fewer CTAs than items (each CTA loops over many, in the order the counter hands them out) and
+    with more. Causal items of unequal length, ragged query and key tiles, GQA; NaN-poisoned
+    outputs fail a skipped item. Two calls in a row: the counter starts from zero each time."""
+    from torch_fa4.kernels.common import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
+    tiles = dict(tile_m=192, tile_n=128) if shape == "192x128" else {}
+    D = 64 if shape == "192x128" else 128
+    for causal in (True, False):
+        _check(_dense_call(3, 833, 900, 4, 2, D, causal=causal), persistent=True, dynamic_schedule=True,
+               **tiles)
+    _check(_dense_call(1, 2100, 2500, 2, 1, D, causal=True), persistent=True, dynamic_schedule=True, **tiles)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_three_consumer_warpgroups(causal):
     # 192-row tiles (three consumer warpgroups taking turns), 96-key tiles: not a default yet
