@@ -84,6 +84,10 @@ VARIANTS = {
     "d64_192x128_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=False)),
     "d64_192x128_persistent": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=True)),
     "d64_192x128_causal_persistent": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=True)),
+    # the shapes here are short, so causal calls and D256 default to the dynamic schedule's
+    # persistent loop (fwd_host._dynamic_schedule_pays); long ones run one CTA per item
+    "d256_one_shot": (dict(D=256), dict(persistent=False)),
+    "d256_causal_one_shot": (dict(D=256, causal=True), dict(persistent=False)),
     # D256 past 2048 keys splits its key loop by mask (fwd_host._tiles)
     "d256_causal_split": (dict(D=256, causal=True), dict(split_mask_loops=True)),
     "d256_softcap_window_split": (dict(D=256, causal=True, softcap=30.0, window_left=512), dict(split_mask_loops=True)),
@@ -178,9 +182,22 @@ def test_grid_policy(monkeypatch):
         return fwd_host._grid_ctas(fwd_host.default_config(call), call)
 
     assert ctas(16384) == ctas(1024, causal=True) == 132
-    assert ctas(4096, causal=True) == ctas(4096, window_left=100) == fwd_launch.ONE_CTA_PER_ITEM
-    assert not fwd_host.default_config(_call(256)).persistent
-    assert ctas(1024, D=256) == fwd_launch.ONE_CTA_PER_ITEM
+    # causal walks up to 8192 keys, and D=256 up to 2048: persistent, items from the counter
+    assert ctas(4096, causal=True) == ctas(8192, D=256, causal=True) == ctas(1024, D=256) == 132
+    for kw in (dict(S=4096, causal=True), dict(S=8192, D=64, causal=True), dict(S=2048, D=256)):
+        q = torch.empty(1, kw.pop("S"), 2, kw.get("D", 128), dtype=torch.bfloat16)
+        kw.pop("D", None)
+        assert fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).dynamic_schedule
+    assert not fwd_host.default_config(_call(128)).dynamic_schedule
+    assert ctas(16384, causal=True) == ctas(4096, window_left=100) == fwd_launch.ONE_CTA_PER_ITEM
+    q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
+    assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent
+    assert ctas(4096, D=256) == ctas(16384, D=256, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
+    assert ctas(4096, D=192, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
+    # an override to one CTA per item drops the dynamic schedule with the persistent loop
+    q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True), persistent=False)
+    assert not cfg.persistent and not cfg.dynamic_schedule
 
 
 def test_d64_tile_policy():
@@ -195,6 +212,7 @@ def test_d64_tile_policy():
 
     assert shape(4096) == (192, 128, 3, False)
     assert shape(16384, causal=True) == (192, 128, 2, False)
+    assert shape(4096, causal=True) == (192, 128, 2, True)  # the dynamic schedule's persistent loop
     assert shape(2048) == (128, 128, 2, True)
     assert shape(4096, D=128) == (128, 128, 2, True)
     assert shape(4096, softcap=30.0)[:2] == (128, 128)

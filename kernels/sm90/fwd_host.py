@@ -149,6 +149,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
+    if _persistent_fits(call) and _dynamic_schedule_pays(call):
+        opts.update(persistent=True, dynamic_schedule=True)
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
@@ -167,6 +169,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         **mods,
     )
     cfg = replace(cfg, **overrides) if overrides else cfg
+    if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
+        cfg = replace(cfg, dynamic_schedule=False)
     if cfg.rescale_threshold is not None and "early_o_rescale" not in overrides:
         # the conditional rescale decides per tile whether O moves at all, after that tile's
         # softmax: it keeps the rescale where it was
@@ -182,6 +186,25 @@ def _persistent_fits(call: AttentionCall) -> bool:
     return not call.has_window and call.mods is None
 
 
+# Persistent CTAs taking items from a counter (`FwdConfig.dynamic_schedule`) where items are short
+# or unequal: causal walks up to 8192 keys, and D=256 up to 2048. H100, NOTES "Experiment 63",
+# against the earlier default (one CTA per item past 2048 keys, or static persistent): S4k causal
+# D64 +5%, D128 +1-3%, D256 +1.5-2%; D256 S1k +2-4% (causal +2%); S16k causal level on average
+# (-3% to +5% over two runs), D256 S16k -5%; D64 / D128 S1k causal -1% (inside the spread).
+# D=192 has not been measured.
+_DYNAMIC_MAX_CAUSAL_SEQLEN = 8192
+_DYNAMIC_MAX_D256_SEQLEN = 2048
+
+
+def _dynamic_schedule_pays(call: AttentionCall) -> bool:
+    if call.head_dim == 192:
+        return False
+    longest = max(fwd_launch.max_seqlens(call))
+    if call.causal:
+        return longest <= _DYNAMIC_MAX_CAUSAL_SEQLEN
+    return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
+
+
 # Causal or windowed walks longer than this run one CTA per item even in a kernel compiled
 # persistent: the hardware hands out CTAs dynamically, which a static round-robin over items of
 # unequal length cannot match (H200, NOTES.md "Experiment 10": persistent +14-17% at S=1k causal,
@@ -195,7 +218,9 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
         return fwd_launch.ONE_CTA_PER_ITEM  # ignored
     # causal and windowed walks differ in length between query tiles: a static round-robin
     # cannot balance them, items taken from a counter can
-    if not cfg.dynamic_schedule and (call.causal or call.has_window) and max(fwd_launch.max_seqlens(call)) > PERSISTENT_MAX_MASKED_SEQLEN:
+    if cfg.dynamic_schedule:
+        return fwd_launch.max_ctas(call)
+    if (call.causal or call.has_window) and max(fwd_launch.max_seqlens(call)) > PERSISTENT_MAX_MASKED_SEQLEN:
         return fwd_launch.ONE_CTA_PER_ITEM
     return fwd_launch.max_ctas(call)
 

@@ -186,7 +186,8 @@ def test_softmax_options(opts):
 def test_trace_stamps(D, causal):
     """The traced variant (benchmarks/fwd_trace.py) still computes attention, and stamps every
     work item in order: item start <= Q issued, Q landed <= first S <= last P V <= epilogue done,
-    on a real SM. D128 runs the persistent grid (several items per CTA), D256 one CTA per item."""
+    on a real SM. D128 runs the static persistent grid (several items per CTA), short causal D256
+    the dynamic one (items from the counter)."""
     from torch_fa4.kernels.sm90 import fwd_host
     from torch_fa4.kernels.sm90.fwd import FWD_TRACE_SMID
 
@@ -286,7 +287,11 @@ def test_d64_default_past_2048_queries(causal):
 
 
 def test_one_shot_grid():
+    # what long causal calls and long D256 calls run (short ones in these tests default to the
+    # dynamic schedule's persistent grid)
     _check(_dense_call(3, 833, 900, 5, 5, 128, causal=True), persistent=False)
+    _check(_dense_call(2, 700, 650, 4, 2, 256, causal=True), persistent=False)
+    _check(_dense_call(2, 517, 900, 4, 4, 256), persistent=False)
 
 
 # ---- score_mod / mask_mod / block sparsity, through the public API ------------------------------------
