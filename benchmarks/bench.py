@@ -99,11 +99,6 @@ _SWEEPS = {
     # defaults (static round-robin, or one CTA per item for long causal walks and the 192-row D64 tile)
     "dyn-sched": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True)},
                   [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
-    # when the next item is claimed: once this one's loads are issued, or as they start
-    "dyn-claim": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True),
-                   "dyn-early": dict(persistent=True, dynamic_schedule=True, claim_next_early=True)},
-                  [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]
-                  + [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through

@@ -386,14 +386,10 @@ class FlashFwdSm90:
             i = Int32(0)
             while tile < sched.num_tiles():
                 publish_item(bar, slots, i, tile)
-                nxt = tile
-                if const_expr(cfg.claim_next_early):
-                    nxt = next_item(counter, num_ctas)
                 q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
-                if const_expr(not cfg.claim_next_early):
-                    # taken once this item's loads are all issued, as a freed SM would take a new CTA
-                    nxt = next_item(counter, num_ctas)
-                tile = nxt
+                # taken once this item's loads are all issued, as a freed SM would take a new CTA
+                # (taken as they start instead: worse, NOTES "Experiment 63")
+                tile = next_item(counter, num_ctas)
                 i += 1
             publish_item(bar, slots, i, tile)  # past the last item: the consumers stop
         elif const_expr(cfg.persistent):

@@ -31,9 +31,6 @@ class FwdConfig:
     # persistent CTAs take their items from a global counter when ready for the next one
     # (kernels/common/tile_mailbox.py), instead of a static round-robin; a zeroed int32 argument
     dynamic_schedule: bool = False
-    # dynamic_schedule: the next item is claimed as this one's loads start (the atomic's latency
-    # under them; one item of look-ahead) instead of once they are all issued
-    claim_next_early: bool = False
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
     exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
     # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead

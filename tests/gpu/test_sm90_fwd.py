@@ -219,9 +219,9 @@ def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
     _check(_dense_call(2, 300, 517, 4, 2, 64), persistent=True)
 
 
-@pytest.mark.parametrize("max_ctas,early", [(1, False), (7, False), (10_000, False), (7, True)])
+@pytest.mark.parametrize("max_ctas", [1, 7, 10_000])
 @pytest.mark.parametrize("shape", ["128x128", "192x128"])
-def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, early, shape):
+def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     """Persistent CTAs taking items from the counter (tile_mailbox): every item written once, with
     fewer CTAs than items (each CTA loops over many, in the order the counter hands them out) and
     with more. Causal items of unequal length, ragged query and key tiles, GQA; NaN-poisoned
@@ -230,7 +230,6 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, early, shape)
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
     tiles = dict(tile_m=192, tile_n=128) if shape == "192x128" else {}
-    tiles.update(claim_next_early=early)  # the next item claimed as this one's loads start
     D = 64 if shape == "192x128" else 128
     for causal in (True, False):
         _check(_dense_call(3, 833, 900, 4, 2, D, causal=causal), persistent=True, dynamic_schedule=True,
