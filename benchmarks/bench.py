@@ -96,8 +96,9 @@ _SWEEPS = {
     "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
                    [(128, S, False) for S in (4096, 16384)] + [(128, 4096, True)]),
     # persistent CTAs taking items from a counter (kernels/common/tile_mailbox.py) against the
-    # defaults (static round-robin, or one CTA per item for long causal walks and the 192-row D64 tile)
-    "dyn-sched": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True)},
+    # static round-robin, or one CTA per item where the grid policy picks it (long causal walks,
+    # the 192-row D64 tile); NOTES "Experiment 63"
+    "dyn-sched": ({"static": dict(dynamic_schedule=False), "dynamic": dict(persistent=True, dynamic_schedule=True)},
                   [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
 }
 
