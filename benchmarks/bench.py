@@ -100,6 +100,10 @@ _SWEEPS = {
     # the 192-row D64 tile); NOTES "Experiment 63"
     "dyn-sched": ({"static": dict(dynamic_schedule=False), "dynamic": dict(persistent=True, dynamic_schedule=True)},
                   [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
+    # the unmasked key loop unrolled twice: ptxas places the P V wait after ~26 of 66
+    # exponentials there instead of ~4 (NOTES "Experiment 64")
+    "unroll": ({"default": {}, "unroll2": dict(unroll_unmasked=2)},
+               [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through

@@ -685,7 +685,7 @@ class FlashFwdSm90:
                 l = cutlass.max(l, r)
                 for t in cutlass.range(1, r, unroll=1):
                     state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
-                for t in cutlass.range(r, l, unroll=1):
+                for t in cutlass.range(r, l, unroll=cfg.unroll_unmasked):
                     state, v_state, softmax = self._kv_step(t, False, state, v_state, softmax, *step)
                 if const_expr(cfg.has_window):  # else l == count (masked_ends): no third loop to compile
                     for t in cutlass.range(l, walk.count, unroll=1):

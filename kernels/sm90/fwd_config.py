@@ -41,6 +41,9 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
+    # the unmasked key loop unrolled this many times (ptxas then places the P V wait after more
+    # of the exponentials in the unrolled copies; NOTES "Experiment 64")
+    unroll_unmasked: int = 1
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False
