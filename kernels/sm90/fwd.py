@@ -129,6 +129,7 @@ class FlashFwdSm90:
         ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
         q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
         self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
+        self._early_q_release = cfg.early_q_release and self.separate_o
 
     # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
@@ -514,7 +515,7 @@ class FlashFwdSm90:
     @cute.jit
     def _kv_step(self, t, masked: cutlass.Constexpr, state, v_state, softmax, acc_s, acc_o, tOrP,
                  row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                 brange, m_block, seqlen, score_scale, mods, walk, wg):
+                 brange, m_block, seqlen, score_scale, mods, walk, wg, pipe_q, q_state):
         """Key tile t >= 1 of the walk: S_t = Q K_t^T beside O += P_{t-1} V_{t-1}, then the softmax
         of S_t under the P V. Returns the ring positions and the softmax state after it."""
         n_block = walk.n_block(t)
@@ -530,6 +531,9 @@ class FlashFwdSm90:
         _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         warpgroup.wait_group(1)  # S ready; P V still running
+        if const_expr(self._early_q_release):
+            if t == walk.count - 1:  # the walk's last Q K^T is done
+                pipe_q.consumer_release(q_state)
         if const_expr(not self.cfg.pin_pv_wait):
             pipe_k.consumer_release(state)
         self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
@@ -665,6 +669,9 @@ class FlashFwdSm90:
             if tidx == 0:
                 self._stamp(tile, 3)
             pipe_k.consumer_release(state)
+            if const_expr(self._early_q_release):
+                if walk.count == 1:
+                    pipe_q.consumer_release(q_state)
             self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
                          self._is_partial(walk, 0))
             softmax.step(acc_s, row_scale)
@@ -673,7 +680,8 @@ class FlashFwdSm90:
             state.advance()
 
             step = (acc_s, acc_o, tOrP, row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v,
-                    tiled_mma_qk, tiled_mma_pv, brange, m_block, seqlen, score_scale, mods, walk, wg)
+                    tiled_mma_qk, tiled_mma_pv, brange, m_block, seqlen, score_scale, mods, walk, wg,
+                    pipe_q, q_state)
             if const_expr(cfg.block_sparse or not cfg.split_mask_loops):
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     state, v_state, softmax = self._kv_step(i + 1, None, state, v_state, softmax, *step)
@@ -702,7 +710,11 @@ class FlashFwdSm90:
                 self._stamp(tile, 4)
             pipe_v.consumer_release(v_state)
         if const_expr(self.separate_o):
-            pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
+            if const_expr(self._early_q_release):
+                if not walk.nonempty():  # (else released after the walk's last Q K^T)
+                    pipe_q.consumer_release(q_state)
+            else:
+                pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
 
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)

@@ -44,6 +44,10 @@ class FwdConfig:
     # the unmasked key loop unrolled this many times (ptxas then places the P V wait after more
     # of the exponentials in the unrolled copies; NOTES "Experiment 64")
     unroll_unmasked: int = 1
+    # Q's buffer is released as soon as the walk's last S = Q K^T lands (a run-time test per key
+    # tile), not after the item's last P V: the next item's Q loads under this one's last softmax
+    # and P V (only where O has its own tile; otherwise O is staged over Q)
+    early_q_release: bool = False
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False

@@ -237,6 +237,23 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     _check(_dense_call(1, 2100, 2500, 2, 1, D, causal=True), persistent=True, dynamic_schedule=True, **tiles)
 
 
+@pytest.mark.parametrize("tiles", [dict(), dict(tile_m=192, tile_n=128)], ids=["128x128", "192x128"])
+def test_early_q_release(monkeypatch, tiles):
+    """Q's buffer released after the walk's last Q K^T (`early_q_release`): walks of many tiles,
+    of one tile (Sk <= 128), and empty ones (causal, Sq > Sk: the first query rows see no key), on
+    a persistent grid of 5 CTAs (static and dynamic) so the next items' Q loads early."""
+    from torch_fa4.kernels.common import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 5)
+    D = 64 if tiles else 128
+    for dynamic in (False, True):
+        opts = dict(tiles, early_q_release=True, persistent=True, dynamic_schedule=dynamic)
+        _check(_dense_call(2, 700, 650, 4, 2, D, causal=True), **opts)
+        _check(_dense_call(2, 517, 900, 3, 3, D), **opts)
+        _check(_dense_call(2, 300, 100, 2, 1, D), **opts)
+        _check(_dense_call(1, 900, 200, 2, 2, D, causal=True), **opts)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_three_consumer_warpgroups(causal):
     # 192-row tiles (three consumer warpgroups taking turns), 96-key tiles: not a default yet
