@@ -219,6 +219,18 @@ def test_d64_tile_policy():
     assert shape(4096, causal=True, window_left=256)[:2] == (128, 128)
 
 
+def test_early_q_release_policy():
+    """Q's buffer is released early for walks up to 2048 keys only."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def early(S, D=128, **kw):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).early_q_release
+
+    assert early(1024) and early(2048, causal=True) and early(1024, D=64)
+    assert not early(4096) and not early(4096, causal=True) and not early(16384, D=64)
+
+
 def test_split_mask_loops_policy():
     from torch_fa4.kernels.sm90 import fwd_host
 

@@ -151,6 +151,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
     if _persistent_fits(call) and _dynamic_schedule_pays(call):
         opts.update(persistent=True, dynamic_schedule=True)
+    if max(fwd_launch.max_seqlens(call)) <= _EARLY_Q_MAX_SEQLEN:
+        opts["early_q_release"] = True
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
@@ -203,6 +205,13 @@ def _dynamic_schedule_pays(call: AttentionCall) -> bool:
     if call.causal:
         return longest <= _DYNAMIC_MAX_CAUSAL_SEQLEN
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
+
+
+# Q's buffer freed after the walk's last Q K^T (`FwdConfig.early_q_release`) for short walks, whose
+# persistent CTAs start a new item every few key tiles. H100, NOTES "Experiment 65", three rounds:
+# S1k causal +5% (D64) and +6.5% (D128), S1k +0.5-1%; past S1k level or lower (-3% to -5% at S16k
+# causal, which runs one CTA per item: there only the code moved).
+_EARLY_Q_MAX_SEQLEN = 2048
 
 
 # Causal or windowed walks longer than this run one CTA per item even in a kernel compiled
