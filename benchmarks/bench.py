@@ -105,12 +105,6 @@ _SWEEPS = {
     # Q's buffer released after the walk's last Q K^T instead of after the last P V
     "early-q": ({"default": {}, "early-q": dict(early_q_release=True)},
                 [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # the P V wait placed after about 30 of the 66 exponentials (the K release predicated on the
-    # first 1 / 16 P values of a row), against ptxas's own placement and after all of them
-    "pv-gate": ({"default": {}, "gate1": dict(pin_pv_wait=True, pv_wait_gate=1),
-                 "gate16": dict(pin_pv_wait=True, pv_wait_gate=16), "pinned": dict(pin_pv_wait=True, pv_wait_gate=0)},
-                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]
-                + [(128, 1024, False), (256, 1024, False), (256, 4096, True), (256, 16384, False)]),
     "unroll": ({"default": {}, "unroll2": dict(unroll_unmasked=2)},
                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
 }

@@ -539,7 +539,7 @@ class FlashFwdSm90:
         self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
         moved = softmax.step(acc_s, row_scale)
         if const_expr(self.cfg.pin_pv_wait):
-            self._release_after_softmax(pipe_k, state, softmax, acc_s)
+            self._release_after_softmax(pipe_k, state, softmax)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
@@ -551,7 +551,7 @@ class FlashFwdSm90:
         return state, v_state, softmax
 
     @cute.jit
-    def _release_after_softmax(self, pipe_k, state, softmax, acc_s):
+    def _release_after_softmax(self, pipe_k, state, softmax):
         """Release the K slot once the softmax is done, as a data dependence ptxas can see.
 
         ptxas moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic, and
@@ -560,15 +560,9 @@ class FlashFwdSm90:
         memory operation such as this mbarrier arrive, so the arrive is predicated on the row
         sums (never negative, so the predicate is always true; NaN compares false too): it cannot
         issue before the last exponential, and the wait follows it."""
-        if const_expr(self.cfg.pv_wait_gate > 0):
-            p = rows_cols(acc_s)
-            total = p[0, 0]
-            for c in cutlass.range_constexpr(1, self.cfg.pv_wait_gate):
-                total = total + p[0, c]
-        else:
-            total = softmax.row_sum[0]
-            for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
-                total = total + softmax.row_sum[r]
+        total = softmax.row_sum[0]
+        for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
+            total = total + softmax.row_sum[r]
         if not (total < Float32(0.0)):
             pipe_k.consumer_release(state)
 

@@ -41,10 +41,6 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # pin_pv_wait with the release's predicate taken from the first `pv_wait_gate` P values of the
-    # thread's first row instead of all row sums: the wait then needs only those exponentials
-    # before it (0: the row sums)
-    pv_wait_gate: int = 0
     # the unmasked key loop unrolled this many times (ptxas then places the P V wait after more
     # of the exponentials in the unrolled copies; NOTES "Experiment 64")
     unroll_unmasked: int = 1

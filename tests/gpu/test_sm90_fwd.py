@@ -176,7 +176,6 @@ def test_seqused_k_dense():
     dict(rescale_threshold=8.0, exp2_emulate_every=2, pingpong=False),
     dict(early_o_rescale=True),
     dict(pin_pv_wait=True),
-    dict(pin_pv_wait=True, pv_wait_gate=4),
 ])
 def test_softmax_options(opts):
     _check(_dense_call(2, 640, 640, 4, 4, 64, causal=True), **opts)
