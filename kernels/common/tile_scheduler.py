@@ -10,7 +10,8 @@ out close to equal (LPT). Items are grouped by `heads_per_group`
 group, consecutive CTAs share K/V through L2. Inside a group the query tile index is the slowest
 coordinate and, with `longest_first`, runs from the last tile down: under causal masking the last
 query tiles see the most keys, so the longest work starts first and the short tail fills the gaps
-(LPT scheduling).
+(LPT scheduling). A persistent kernel may instead take the same numbered items from a global
+counter as its CTAs free (kernels/common/tile_mailbox.py), which balances unequal items better.
 """
 
 import cutlass.cute as cute

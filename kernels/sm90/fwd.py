@@ -32,7 +32,12 @@ Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py 
 order. With `persistent` (D <= 128, no window, no mods: beyond that the outer loop costs ptxas the
 registers it needs to keep the wgmmas asynchronous) each CTA loops over its items -- the producer
 loads the next item's first K and Q while the consumers finish the current one -- and the host
-chooses the grid: about one CTA per SM, or one per item (each CTA's loop then runs once).
+chooses the grid: about one CTA per SM, or one per item (each CTA's loop then runs once). A
+persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
+counter as it frees (kernels/common/tile_mailbox.py: the producer warp takes each item and hands
+it to the consumer warps through shared memory), which balances causal items of unequal length.
+With `early_q_release` Q's buffer is freed as soon as the walk's last Q K^T lands, so the next
+item's Q loads under this item's last softmax and P V.
 
 Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
 dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
