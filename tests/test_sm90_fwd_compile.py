@@ -47,6 +47,12 @@ def _alibi(H=4):
     return M.alibi(M.alibi_slopes(H))
 
 
+def _bias_table(H=4, S=256):
+    from torch_fa4 import mods as M
+
+    return M.relative_bias(torch.randn(H, S, S))
+
+
 def _doc_mask(S=256):
     from torch_fa4 import mods as M
 
@@ -57,6 +63,9 @@ def _doc_mask(S=256):
 MOD_VARIANTS = {
     "d128_alibi": lambda: _mod_call(128, score_mod=_alibi()),
     "d128_alibi_softcap_causal": lambda: _mod_call(128, score_mod=_alibi(), softcap=20.0, causal=True),
+    # causal score_mod-only calls run the dynamic schedule's persistent loop (fwd_host._dynamic_fits)
+    "d128_alibi_causal": lambda: _mod_call(128, score_mod=_alibi(), causal=True),
+    "d64_bias_table_causal": lambda: _mod_call(64, score_mod=_bias_table(), causal=True),
     "d128_document_mask": lambda: _mod_call(128, mask_mod=_doc_mask()),
     "d128_document_block_mask": lambda: _mod_call(128, mask_mod=_doc_mask(), block_size=128),
     # D=256 key tiles shrink to 64 under a 128-key block mask: two kernel tiles per block-mask tile
@@ -217,6 +226,21 @@ def test_d64_tile_policy():
     assert shape(4096, D=128) == (128, 128, 2, True)
     assert shape(4096, softcap=30.0)[:2] == (128, 128)
     assert shape(4096, causal=True, window_left=256)[:2] == (128, 128)
+
+
+def test_dynamic_schedule_with_mods_policy():
+    """A causal call whose only mod is a score_mod takes the dynamic schedule; softcap beside it,
+    a mask_mod or a block mask keep one CTA per item."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def dynamic(call):
+        return fwd_host.default_config(call).dynamic_schedule
+
+    assert dynamic(MOD_VARIANTS["d128_alibi_causal"]()) and dynamic(MOD_VARIANTS["d64_bias_table_causal"]())
+    assert not dynamic(MOD_VARIANTS["d128_alibi_softcap_causal"]())
+    assert not dynamic(_mod_call(128, mask_mod=_doc_mask(), causal=True))
+    assert not dynamic(_mod_call(256, score_mod=_alibi(), causal=True))
+    assert not dynamic(MOD_VARIANTS["d128_alibi"]())  # no causal mask: the static rules (one-shot with mods)
 
 
 def test_early_q_release_policy():

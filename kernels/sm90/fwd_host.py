@@ -149,7 +149,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
-    if _persistent_fits(call) and _dynamic_schedule_pays(call):
+    if _dynamic_fits(call) and _dynamic_schedule_pays(call):
         opts.update(persistent=True, dynamic_schedule=True)
     if max(fwd_launch.max_seqlens(call)) <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
@@ -212,6 +212,19 @@ def _dynamic_schedule_pays(call: AttentionCall) -> bool:
 # S1k causal +5% (D64) and +6.5% (D128), S1k +0.5-1%; past S1k level or lower (-3% to -5% at S16k
 # causal, which runs one CTA per item: there only the code moved).
 _EARLY_Q_MAX_SEQLEN = 2048
+
+
+def _dynamic_fits(call: AttentionCall) -> bool:
+    """Whether the dynamic schedule's persistent loop compiles clean: where the static one does,
+    and for calls whose only mod is a score_mod (no mask_mod, softcap, window or block mask) at
+    D <= 128 -- ALiBi and a per-head bias table compile there with one wait per committed group
+    and no spills (CPU compile tests), and the ALiBi row then keeps up with the no-mod row it is
+    measured against."""
+    if _persistent_fits(call):
+        return True
+    mods = call.mods
+    return (call.head_dim <= 128 and mods is not None and mods.mask_graph is None and call.softcap <= 0
+            and not call.has_window and not call.block_mask)
 
 
 # Causal or windowed walks longer than this run one CTA per item even in a kernel compiled
