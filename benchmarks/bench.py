@@ -102,6 +102,9 @@ _SWEEPS = {
                   [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
     # the unmasked key loop unrolled twice: ptxas places the P V wait after ~26 of 66
     # exponentials there instead of ~4 (NOTES "Experiment 64")
+    # the causal rows past the dynamic schedule's 8192-key limit, with it
+    "dyn-s16k": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True)},
+                 [(D, 16384, True) for D in (64, 128, 256)]),
     # Q's buffer released after the walk's last Q K^T instead of after the last P V
     "early-q": ({"default": {}, "early-q": dict(early_q_release=True)},
                 [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
