@@ -102,6 +102,12 @@ _SWEEPS = {
                   [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
     # the unmasked key loop unrolled twice: ptxas places the P V wait after ~26 of 66
     # exponentials there instead of ~4 (NOTES "Experiment 64")
+    # the 192-row D64 tile with three K/V stages under causal masks (its default there is two),
+    # one CTA per item and on the dynamic schedule
+    "wide-causal-stages": ({"default": {}, "s3": dict(num_stages=3),
+                            "dynamic s3": dict(persistent=True, dynamic_schedule=True, num_stages=3),
+                            "dynamic s2": dict(persistent=True, dynamic_schedule=True, num_stages=2)},
+                           [(64, S, True) for S in (4096, 16384)]),
     # the causal rows past the dynamic schedule's 8192-key limit, with it
     "dyn-s16k": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True)},
                  [(D, 16384, True) for D in (64, 128, 256)]),
