@@ -439,3 +439,25 @@ def test_mods_refuse_positions_past_the_exact_fp32_range():
     assert "longer than" in fwd_host.unsupported_reason(call)
     call.mods, call.mod_key, call.aux_tensors = None, "", ()
     assert "longer than" not in (fwd_host.unsupported_reason(call) or "")
+
+
+def test_benchmark_sweeps_name_real_options():
+    """Every forward sweep of benchmarks/bench.py builds a valid config on every one of its rows
+    (an option removed from FwdConfig would otherwise surface only on the GPU machine)."""
+    import importlib.util
+    import pathlib
+
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    spec = importlib.util.spec_from_file_location("torch_fa4_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, (columns, rows) in bench._SWEEPS.items():
+        for column, opts in columns.items():
+            overrides = {k: v for k, v in opts.items() if k != "l2_bytes"}  # a launch argument
+            for D, S, causal in rows:
+                q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
+                call = AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal)
+                cfg = fwd_host.default_config(call, **overrides)
+                assert all(getattr(cfg, k) == v for k, v in overrides.items()), (name, column)
