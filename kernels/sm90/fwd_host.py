@@ -120,24 +120,26 @@ _D64_WIDE_MIN_SEQLEN_Q = 2048
 _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
-def _tiles(call: AttentionCall) -> dict:
+def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops)."""
     tile_m, tile_n = _TILES[call.head_dim]
     if call.head_dim == 192:
         return dict(tile_m=tile_m, tile_n=tile_n, split_mask_loops=False)
     if call.head_dim == 256:
         return dict(tile_m=tile_m, tile_n=tile_n,
-                    split_mask_loops=fwd_launch.max_seqlens(call)[1] > _D256_SPLIT_MIN_SEQLEN_K)
+                    split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
     plain = (call.mods is None and call.softcap <= 0 and not call.has_window and not call.is_varlen
              and call.cu_seqlens_k is None)
     if (call.head_dim == call.head_dim_v == 64 and plain
-            and fwd_launch.max_seqlens(call)[0] > _D64_WIDE_MIN_SEQLEN_Q):
+            and max_q > _D64_WIDE_MIN_SEQLEN_Q):
         return dict(_D64_WIDE, num_stages=2 if call.causal else 3)
     return dict(tile_m=tile_m, tile_n=tile_n)
 
 
 def default_config(call: AttentionCall, **overrides) -> FwdConfig:
-    shape = _tiles(call)
+    max_q, max_k = fwd_launch.max_seqlens(call)  # (varlen without the maxima given: a device read)
+    longest = max(max_q, max_k)
+    shape = _tiles(call, max_q, max_k)
     tile_m, tile_n = shape["tile_m"], shape["tile_n"]
     opts = dict(_DEFAULT_OPTIONS[call.head_dim])
     mods = {}
@@ -149,9 +151,10 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
-    if _dynamic_fits(call) and _dynamic_schedule_pays(call):
+    if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
-    if max(fwd_launch.max_seqlens(call)) <= _EARLY_Q_MAX_SEQLEN:
+    # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
+    if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
     cfg = FwdConfig(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
@@ -198,10 +201,9 @@ _DYNAMIC_MAX_CAUSAL_SEQLEN = 8192
 _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
-def _dynamic_schedule_pays(call: AttentionCall) -> bool:
+def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
     if call.head_dim == 192:
         return False
-    longest = max(fwd_launch.max_seqlens(call))
     if call.causal:
         return longest <= _DYNAMIC_MAX_CAUSAL_SEQLEN
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
