@@ -100,8 +100,6 @@ _SWEEPS = {
     # the 192-row D64 tile); NOTES "Experiment 63"
     "dyn-sched": ({"static": dict(dynamic_schedule=False), "dynamic": dict(persistent=True, dynamic_schedule=True)},
                   [row for row in _GRID if row[0] <= 128] + [(256, 1024, True), (256, 4096, True)]),
-    # the unmasked key loop unrolled twice: ptxas places the P V wait after ~26 of 66
-    # exponentials there instead of ~4 (NOTES "Experiment 64")
     # the 192-row D64 tile with three K/V stages under causal masks (its default there is two),
     # one CTA per item and on the dynamic schedule
     "wide-causal-stages": ({"default": {}, "s3": dict(num_stages=3),
@@ -112,8 +110,10 @@ _SWEEPS = {
     "dyn-s16k": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True)},
                  [(D, 16384, True) for D in (64, 128, 256)]),
     # Q's buffer released after the walk's last Q K^T instead of after the last P V
-    "early-q": ({"default": {}, "early-q": dict(early_q_release=True)},
+    "early-q": ({"late-q": dict(early_q_release=False), "early-q": dict(early_q_release=True)},
                 [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the unmasked key loop unrolled twice: ptxas places the P V wait after ~26 of 66
+    # exponentials there instead of ~4 (NOTES "Experiment 64")
     "unroll": ({"default": {}, "unroll2": dict(unroll_unmasked=2)},
                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
 }
