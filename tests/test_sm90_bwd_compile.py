@@ -137,6 +137,25 @@ def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monke
     _compiled_and_checked(key, call, tmp_path)
 
 
+def _hinted_loads(sass: str) -> tuple[int, int]:
+    """(TMA loads with an L2 cache-policy operand, all TMA loads) in `sass`: a load without a
+    policy reads `desc[URZ]`."""
+    loads = [line for line in sass.splitlines() if "UTMALDG" in line]
+    return sum("desc[URZ]" not in line for line in loads), len(loads)
+
+
+@pytest.mark.parametrize("hints", ["0", "1"])
+def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.L2_HINTS_ENV, hints)
+    call = _call(d=128, causal=True)
+    key = bwd.variant_key(call, False)
+    assert key[-3][-1] is (hints == "1")
+    hinted, loads = _hinted_loads(_compiled_and_checked(key, call, tmp_path))
+    assert loads >= 6 and hinted == (loads if hints == "1" else 0)
+
+
 # the leader-warp dQ adds (TORCH_FA4_BWD_DQ_WARP=0) on the paths the writer warp takes by default
 @pytest.mark.parametrize("name", ["d64", "d128", "d96_causal", "d64_gqa_window", "d128_softcap_causal",
                                   "d128_causal_deterministic"])

@@ -162,6 +162,16 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     assert "LDG" in sass, "no global loads: captured tensors not read"
 
 
+@pytest.mark.parametrize("hints", [False, True])
+def test_l2_hints_reach_every_load(hints, tmp_path):
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    cfg = fwd_host.default_config(_call(128), l2_hints=hints)
+    loads = [line for line in _compile_and_check_sass(cfg, tmp_path).splitlines() if "UTMALDG" in line]
+    hinted = sum("desc[URZ]" not in line for line in loads)  # a load without a policy: desc[URZ]
+    assert len(loads) >= 4 and hinted == (len(loads) if hints else 0)
+
+
 def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     """With `pin_pv_wait` (the D256 default) no exponential of a key-loop softmax comes after the
     P V wait; without it ptxas hoisted that wait to just after the row max (NOTES "Experiment 57"),

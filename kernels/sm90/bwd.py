@@ -119,6 +119,11 @@ _EXP2_EMU = "0"
 # TORCH_FA4_BWD_FOLD_DPSUM=1|0; on: +0.4-5% on the D128 rows (H100, NOTES Experiment 31).
 FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
 _FOLD_DPSUM = "1"
+# L2 eviction priorities on the loads (bwd_kernel `l2_hints`, kernels/common/l2_hints.py): Q, dO
+# and the row statistics, which every key tile of a head reads, evict-last; K and V, read by one
+# CTA, evict-first. TORCH_FA4_BWD_L2_HINTS=0|1.
+L2_HINTS_ENV = "TORCH_FA4_BWD_L2_HINTS"
+_L2_HINTS = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -279,7 +284,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
-               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV)
+               EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV)
 _variant_memo: dict = {}
 
 
@@ -326,7 +331,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # (keys per CTA, ring stages, dQ staged in the ring, queries per step, how the 128- / 80-query
     # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
     # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
-    # separate Q / dO ring barriers, dV issued after the dS^T stores, persistent)
+    # separate Q / dO ring barriers, dV issued after the dS^T stores, persistent, L2 hints)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     if trace:  # (steps, batch, kv head) of the traced CTAs
@@ -337,7 +342,8 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                     dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
                     pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
                     tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
-                    persistent(call, deterministic, tile_n, dq_in_ring, sparse))
+                    persistent(call, deterministic, tile_n, dq_in_ring, sparse),
+                    _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1")) == "1")
     return (
         call.q.dtype,
         call.head_dim,
@@ -496,7 +502,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints) = kernel_tiles
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -505,7 +511,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         cdt, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, mods, sparse,
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
-        pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist,
+        pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

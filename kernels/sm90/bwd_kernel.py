@@ -95,6 +95,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import mod_lowering as mods_dsl
 from ..common.exp2_emulation import exp2_fma
+from ..common import l2_hints
 from ..common import static_layout as SL
 from ..common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
 from . import bwd_layouts as L
@@ -154,8 +155,10 @@ class Sm90AttentionBackward:
         split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
+        l2_hints: bool = False,  # L2 priorities: Q / dO / statistics evict-last, K / V evict-first
     ):
         self.dtype = dtype
+        self.l2_hints = l2_hints
         assert tile_n in (64, 128)
         self.tile_n = tile_n
         assert tile_m in (64, 80, 128)
@@ -874,14 +877,15 @@ class Sm90AttentionBackward:
             tDs, tDg = cpasync.tma_partition(tma_Dp, 0, one, cute.group_modes(sDp, 0, 1), cute.group_modes(gD, 0, 1))
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar)
+            hint = l2_hints.policy(self.l2_hints, l2_hints.EVICT_LAST)  # every key tile reads them
+            cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
+            cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             if const_expr(self.split_ring):
                 pipe.producer_commit(state)
                 pipe_do.producer_acquire(state)
                 bar = pipe_do.producer_get_barrier(state)
-            cute.copy(tma_dO, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_Dp, tDg[None, m_block], tDs[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
+            cute.copy(tma_Dp, tDg[None, m_block], tDs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             if const_expr(self.split_ring):
                 pipe_do.producer_commit(state)
             else:
@@ -893,8 +897,9 @@ class Sm90AttentionBackward:
     def _load_kv(self, tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv: cutlass.Constexpr):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
-        cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv)
-        cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv)
+        hint = l2_hints.policy(self.l2_hints, l2_hints.EVICT_FIRST)  # this CTA's own key tile
+        cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv, cache_policy=hint)
+        cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv, cache_policy=hint)
 
     @cute.jit
     def _release_stage(self, pipe, pipe_do, state):

@@ -59,6 +59,7 @@ from cutlass.utils import LayoutEnum
 from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
 from torch_fa4.kernels.common.block_range import BlockRange
 from torch_fa4.kernels.common.convert import convert_pairs
+from torch_fa4.kernels.common import l2_hints
 from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
@@ -418,6 +419,9 @@ class FlashFwdSm90:
         lane0 = cute.arch.lane_idx() == 0
         if lane0:
             self._stamp(tile, 0)
+        # every query tile of a head reads the same K and V; Q is read once
+        shared_hint = l2_hints.policy(cfg.l2_hints, l2_hints.EVICT_LAST)
+        once_hint = l2_hints.policy(cfg.l2_hints, l2_hints.EVICT_FIRST)
         num_heads_kv = cute.size(mK.shape[2])
         m_block, head, batch = sched.work(tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
@@ -442,10 +446,10 @@ class FlashFwdSm90:
             if walk.nonempty():
                 pipe_k.producer_acquire(k_state)
                 cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint)
                 k_state.advance()
             pipe_q.producer_acquire(q_state)
-            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state), cache_policy=once_hint)
             q_state.advance()
             if lane0:
                 self._stamp(tile, 1)
@@ -453,15 +457,15 @@ class FlashFwdSm90:
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     pipe_k.producer_acquire(k_state)
                     cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint)
                     k_state.advance()
                     pipe_v.producer_acquire(v_state)
                     cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint)
                     v_state.advance()
                 pipe_v.producer_acquire(v_state)
                 cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint)
                 v_state.advance()
         return q_state, k_state, v_state
 
