@@ -117,7 +117,9 @@ _SWEEPS = {
     "unroll": ({"default": {}, "unroll2": dict(unroll_unmasked=2)},
                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
-    "l2-hints": ({"default": {}, "hints": dict(l2_hints=True)},
+    "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
+                  "kv-last": dict(kv_evict_last=True, q_evict_first=False),
+                  "kv-last+q-first": dict(kv_evict_last=True, q_evict_first=True)},
                  [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]),
 }
 
@@ -179,8 +181,9 @@ _BWD_SWEEPS = {
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
     # L2 eviction priorities on the loads: Q / dO / statistics evict-last, K / V evict-first
-    "bwd-l2-hints": ({"default": {"TORCH_FA4_BWD_L2_HINTS": "0"}, "hints": {"TORCH_FA4_BWD_L2_HINTS": "1"}},
-                     [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
+    "bwd-l2-hints": ({"none": {"TORCH_FA4_BWD_L2_HINTS": "0"}, "both": {"TORCH_FA4_BWD_L2_HINTS": "1"},
+                      "last": {"TORCH_FA4_BWD_L2_HINTS": "last"}},
+                     [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 

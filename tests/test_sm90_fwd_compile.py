@@ -166,7 +166,7 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
 def test_l2_hints_reach_every_load(hints, tmp_path):
     from torch_fa4.kernels.sm90 import fwd_host
 
-    cfg = fwd_host.default_config(_call(128), l2_hints=hints)
+    cfg = fwd_host.default_config(_call(128), kv_evict_last=hints, q_evict_first=hints)
     loads = [line for line in _compile_and_check_sass(cfg, tmp_path).splitlines() if "UTMALDG" in line]
     hinted = sum("desc[URZ]" not in line for line in loads)  # a load without a policy: desc[URZ]
     assert len(loads) >= 4 and hinted == (len(loads) if hints else 0)

@@ -121,7 +121,7 @@ FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
 _FOLD_DPSUM = "1"
 # L2 eviction priorities on the loads (bwd_kernel `l2_hints`, kernels/common/l2_hints.py): Q, dO
 # and the row statistics, which every key tile of a head reads, evict-last; K and V, read by one
-# CTA, evict-first. TORCH_FA4_BWD_L2_HINTS=0|1.
+# CTA, evict-first. TORCH_FA4_BWD_L2_HINTS=0|1|last (last: only the evict-last ones).
 L2_HINTS_ENV = "TORCH_FA4_BWD_L2_HINTS"
 _L2_HINTS = "0"
 
@@ -343,7 +343,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                     pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
                     tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
                     persistent(call, deterministic, tile_n, dq_in_ring, sparse),
-                    _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1")) == "1")
+                    _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")))
     return (
         call.q.dtype,
         call.head_dim,

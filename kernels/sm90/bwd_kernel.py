@@ -155,7 +155,7 @@ class Sm90AttentionBackward:
         split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
-        l2_hints: bool = False,  # L2 priorities: Q / dO / statistics evict-last, K / V evict-first
+        l2_hints: str = "0",  # L2 priorities: "1" Q / dO / statistics evict-last, K / V evict-first; "last": only the former
     ):
         self.dtype = dtype
         self.l2_hints = l2_hints
@@ -877,7 +877,7 @@ class Sm90AttentionBackward:
             tDs, tDg = cpasync.tma_partition(tma_Dp, 0, one, cute.group_modes(sDp, 0, 1), cute.group_modes(gD, 0, 1))
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            hint = l2_hints.policy(self.l2_hints, l2_hints.EVICT_LAST)  # every key tile reads them
+            hint = l2_hints.policy(self.l2_hints != "0", l2_hints.EVICT_LAST)  # every key tile reads them
             cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             if const_expr(self.split_ring):
@@ -897,7 +897,7 @@ class Sm90AttentionBackward:
     def _load_kv(self, tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv: cutlass.Constexpr):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
-        hint = l2_hints.policy(self.l2_hints, l2_hints.EVICT_FIRST)  # this CTA's own key tile
+        hint = l2_hints.policy(self.l2_hints == "1", l2_hints.EVICT_FIRST)  # this CTA's own key tile
         cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv, cache_policy=hint)
         cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv, cache_policy=hint)
 

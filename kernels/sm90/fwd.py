@@ -420,8 +420,8 @@ class FlashFwdSm90:
         if lane0:
             self._stamp(tile, 0)
         # every query tile of a head reads the same K and V; Q is read once
-        shared_hint = l2_hints.policy(cfg.l2_hints, l2_hints.EVICT_LAST)
-        once_hint = l2_hints.policy(cfg.l2_hints, l2_hints.EVICT_FIRST)
+        shared_hint = l2_hints.policy(cfg.kv_evict_last, l2_hints.EVICT_LAST)
+        once_hint = l2_hints.policy(cfg.q_evict_first, l2_hints.EVICT_FIRST)
         num_heads_kv = cute.size(mK.shape[2])
         m_block, head, batch = sched.work(tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)

@@ -48,9 +48,10 @@ class FwdConfig:
     # tile), not after the item's last P V: the next item's Q loads under this one's last softmax
     # and P V (only where O has its own tile; otherwise O is staged over Q)
     early_q_release: bool = False
-    # L2 eviction priorities on the loads: K and V (read by every query tile of a head) evict-last,
-    # Q (read once) evict-first (kernels/common/l2_hints.py)
-    l2_hints: bool = False
+    # L2 eviction priorities on the loads (kernels/common/l2_hints.py): K and V, read by every
+    # query tile of a head, evict-last; Q, read once, evict-first
+    kv_evict_last: bool = False
+    q_evict_first: bool = False
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False
