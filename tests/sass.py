@@ -37,6 +37,13 @@ def sass_of(dump_dir, pattern="*.cubin") -> str:
     return subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
 
 
+def hinted_loads(sass: str) -> tuple:
+    """(TMA loads carrying an L2 cache-policy operand, all TMA loads) in `sass`: a load without a
+    policy reads `desc[URZ]` (kernels/common/l2_hints.py)."""
+    loads = [line for line in sass.splitlines() if "UTMALDG" in line]
+    return sum("desc[URZ]" not in line for line in loads), len(loads)
+
+
 def spills_between_matmuls(sass: str) -> int:
     """Local-memory spill instructions between the first and the last HGMMA: the key loop, where
     a spill costs on every key tile (the prologue and epilogue run once per work item)."""

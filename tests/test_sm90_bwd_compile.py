@@ -12,7 +12,7 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
-from sass import sass_of  # noqa: E402
+from sass import hinted_loads, sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
@@ -137,13 +137,6 @@ def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monke
     _compiled_and_checked(key, call, tmp_path)
 
 
-def _hinted_loads(sass: str) -> tuple[int, int]:
-    """(TMA loads with an L2 cache-policy operand, all TMA loads) in `sass`: a load without a
-    policy reads `desc[URZ]`."""
-    loads = [line for line in sass.splitlines() if "UTMALDG" in line]
-    return sum("desc[URZ]" not in line for line in loads), len(loads)
-
-
 @pytest.mark.parametrize("hints", ["0", "1", "last"])
 def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
@@ -152,7 +145,7 @@ def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     call = _call(d=128, causal=True)
     key = bwd.variant_key(call, False)
     assert key[-3][-1] == hints
-    hinted, loads = _hinted_loads(_compiled_and_checked(key, call, tmp_path))
+    hinted, loads = hinted_loads(_compiled_and_checked(key, call, tmp_path))
     assert loads >= 6
     if hints == "last":  # Q / dO / statistics hinted, K and V (loaded at each key tile's start) not
         assert 0 < hinted < loads

@@ -155,7 +155,7 @@ class Sm90AttentionBackward:
         split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
-        l2_hints: str = "0",  # L2 priorities: "1" Q / dO / statistics evict-last, K / V evict-first; "last": only the former
+        l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
     ):
         self.dtype = dtype
         self.l2_hints = l2_hints
