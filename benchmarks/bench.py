@@ -116,6 +116,13 @@ _SWEEPS = {
     # exponentials there instead of ~4 (NOTES "Experiment 64")
     "unroll": ({"default": {}, "unroll2": dict(unroll_unmasked=2)},
                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
+    # the D64 rows of the 192-row tile without a mask, whose rounds spread widest (NOTES "Experiment
+    # 71"): two / three K/V stages one CTA per item, three on the dynamic schedule, one (batch,
+    # head) pair per L2 group
+    "d64-spread": ({"s3": {}, "s2": dict(num_stages=2),
+                    "dynamic s3": dict(persistent=True, dynamic_schedule=True),
+                    "one pair": dict(l2_bytes=1)},
+                   [(64, S, False) for S in (4096, 16384)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
     "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),
