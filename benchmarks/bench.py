@@ -123,6 +123,12 @@ _SWEEPS = {
                     "dynamic s3": dict(persistent=True, dynamic_schedule=True),
                     "one pair": dict(l2_bytes=1)},
                    [(64, S, False) for S in (4096, 16384)]),
+    # (batch, head) pairs per L2 group through the L2 size the grouping assumes (groups hold half
+    # of it): the concurrent CTAs' K / V working set (NOTES "Experiment 71")
+    "l2-working-set": ({"1 pair": dict(l2_bytes=1), "4MB": dict(l2_bytes=4 << 20), "8MB": dict(l2_bytes=8 << 20),
+                        "16MB": dict(l2_bytes=16 << 20), "50MB": {}},
+                       [(64, 4096, False), (64, 16384, False), (64, 16384, True), (128, 4096, False),
+                        (128, 16384, False)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
     "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),
