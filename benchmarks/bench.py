@@ -35,6 +35,11 @@ _BENCH_MS = {"warmup": 50, "rep": 200}  # --quick halves both
 
 _GRID = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]
 
+# Sweep options that are launch arguments, not FwdConfig fields: the L2 size the (batch, head)
+# grouping assumes (fwd_host.L2_BYTES), and grouping by it without a causal / window mask too
+# (fwd_launch.l2_group_bytes; one pair per group otherwise)
+_LAUNCH_OPTS = ("l2_bytes", "l2_group_all")
+
 # --sweep NAME: (torch_fa4 forward config overrides per column, rows); NOTES.md has the results
 _SWEEPS = {
     "options": ({"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
@@ -129,6 +134,10 @@ _SWEEPS = {
                         "16MB": dict(l2_bytes=16 << 20), "50MB": {}},
                        [(64, 4096, False), (64, 16384, False), (64, 16384, True), (128, 4096, False),
                         (128, 16384, False)]),
+    # one (batch, head) pair per L2 group without masks (the default since Experiment 71) against
+    # groups filling half of L2 (before)
+    "l2-order": ({"one pair": {}, "L2 groups": dict(l2_group_all=True)},
+                 [(D, S, False) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
     "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),
@@ -476,14 +485,19 @@ def main():
                 call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal)
                 out = torch.empty_like(q)
                 lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
-                cfg_opts = {k: v for k, v in opts.items() if k != "l2_bytes"}
-                if "l2_bytes" in opts:  # the L2 size the head grouping assumes (a launch argument)
+                from torch_fa4.kernels.common import fwd_launch
+
+                cfg_opts = {k: v for k, v in opts.items() if k not in _LAUNCH_OPTS}
+                if any(k in opts for k in _LAUNCH_OPTS):  # launch arguments: patched around the call
                     def run():
-                        saved, fwd_host.L2_BYTES = fwd_host.L2_BYTES, opts["l2_bytes"]
+                        saved = fwd_host.L2_BYTES, fwd_launch.l2_group_bytes
+                        fwd_host.L2_BYTES = opts.get("l2_bytes", fwd_host.L2_BYTES)
+                        if opts.get("l2_group_all"):
+                            fwd_launch.l2_group_bytes = lambda call, l2_bytes: l2_bytes
                         try:
                             fwd_host.forward(call, out, lse, **cfg_opts)
                         finally:
-                            fwd_host.L2_BYTES = saved
+                            fwd_host.L2_BYTES, fwd_launch.l2_group_bytes = saved
                     return run
                 return lambda: fwd_host.forward(call, out, lse, **cfg_opts)
             return make

@@ -187,6 +187,21 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     assert loose and max(loose) > 0, loose
 
 
+def test_l2_grouping_policy():
+    """Only causal / windowed calls group (batch, head) pairs by L2 size; the others run one pair
+    per group (NOTES "Experiment 71"). The group size is the launch argument after max_q."""
+    from torch_fa4.kernels.common import fwd_launch
+
+    def heads_per_group(**kw):
+        q = torch.empty(4, 4096, 32, 64, dtype=torch.bfloat16)  # K + V: 1 MB per (batch, head)
+        call = AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)
+        args = fwd_launch.leading_args(call, torch.empty_like(q), None, 50 << 20, 1)
+        return args[14]
+
+    assert heads_per_group() == 1
+    assert heads_per_group(causal=True) == heads_per_group(window_left=256) == 25
+
+
 def test_grid_policy(monkeypatch):
     """D <= 128 compiles the persistent loop; long causal calls still launch one CTA per item."""
     from torch_fa4.kernels.common import fwd_launch
@@ -464,7 +479,7 @@ def test_benchmark_sweeps_name_real_options():
     spec.loader.exec_module(bench)
     for name, (columns, rows) in bench._SWEEPS.items():
         for column, opts in columns.items():
-            overrides = {k: v for k, v in opts.items() if k != "l2_bytes"}  # a launch argument
+            overrides = {k: v for k, v in opts.items() if k not in bench._LAUNCH_OPTS}  # launch arguments
             for D, S, causal in rows:
                 q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
                 call = AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal)
