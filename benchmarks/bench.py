@@ -138,6 +138,10 @@ _SWEEPS = {
     # groups filling half of L2 (before)
     "l2-order": ({"one pair": {}, "L2 groups": dict(l2_group_all=True)},
                  [(D, S, False) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
+    # causal rows (still grouped by L2 size after Experiment 71) with smaller groups
+    "l2-causal": ({"50MB": {}, "16MB": dict(l2_bytes=16 << 20), "4MB": dict(l2_bytes=4 << 20),
+                   "1 pair": dict(l2_bytes=1)},
+                  [(D, S, True) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
     "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),
