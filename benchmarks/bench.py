@@ -138,8 +138,9 @@ _SWEEPS = {
     # groups filling half of L2 (before)
     "l2-order": ({"one pair": {}, "L2 groups": dict(l2_group_all=True)},
                  [(D, S, False) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
-    # causal rows (still grouped by L2 size after Experiment 71) with smaller groups
-    "l2-causal": ({"50MB": {}, "16MB": dict(l2_bytes=16 << 20), "4MB": dict(l2_bytes=4 << 20),
+    # causal rows with groups of K / V of 25 MB (half of L2: before Experiment 72), 8 MB (a sixth:
+    # the default since), 2 MB and one pair per group (through the L2 size the rule is given)
+    "l2-causal": ({"25MB groups": dict(l2_bytes=150 << 20), "8MB groups": {}, "2MB groups": dict(l2_bytes=12 << 20),
                    "1 pair": dict(l2_bytes=1)},
                   [(D, S, True) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)

@@ -188,8 +188,9 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
 
 
 def test_l2_grouping_policy():
-    """Only causal / windowed calls group (batch, head) pairs by L2 size; the others run one pair
-    per group (NOTES "Experiment 71"). The group size is the launch argument after max_q."""
+    """Causal / windowed calls group (batch, head) pairs so a group's K and V take a sixth of L2;
+    the others run one pair per group (NOTES "Experiments 71, 72"). The group size is the launch
+    argument after max_q."""
     from torch_fa4.kernels.common import fwd_launch
 
     def heads_per_group(**kw):
@@ -199,7 +200,7 @@ def test_l2_grouping_policy():
         return args[14]
 
     assert heads_per_group() == 1
-    assert heads_per_group(causal=True) == heads_per_group(window_left=256) == 25
+    assert heads_per_group(causal=True) == heads_per_group(window_left=256) == 8  # 50 MB / 6
 
 
 def test_grid_policy(monkeypatch):

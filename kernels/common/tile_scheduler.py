@@ -7,9 +7,9 @@ the next item's Q and K while the consumers finish the current one (epilogue and
 under each other), and under causal masking (longest first, below) each CTA's share of work comes
 out close to equal (LPT). Items are grouped by `heads_per_group`
 (batch, head) pairs, sized on the host (common.fwd_launch.l2_group_bytes): under causal / window
-masks so one group's K and V fit in about half of L2, otherwise one pair per group, so the CTAs in
-flight at once read the K and V of only a few heads; within a group, consecutive CTAs share K/V
-through L2. Inside a group the query tile index is the slowest
+masks so one group's K and V take about a sixth of L2, otherwise one pair per group, so the CTAs
+in flight at once read the K and V of only a few heads; within a group, consecutive CTAs share
+K/V through L2. Inside a group the query tile index is the slowest
 coordinate and, with `longest_first`, runs from the last tile down: under causal masking the last
 query tiles see the most keys, so the longest work starts first and the short tail fills the gaps
 (LPT scheduling). A persistent kernel may instead take the same numbered items from a global
