@@ -237,6 +237,28 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     _check(_dense_call(1, 2100, 2500, 2, 1, D, causal=True), persistent=True, dynamic_schedule=True, **tiles)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_l2_groups_of_every_size(monkeypatch, group):
+    """Work items grouped by `group` (batch, head) pairs (common.tile_scheduler; 15 pairs, so 2 and
+    4 leave a partial last group): every item written once on the one-shot grid, the static and
+    the dynamic persistent grid, causal (longest first) and not. The L2 size is set so
+    fwd_launch.l2_group_bytes gives `group` pairs; non-causal calls are grouped the same way
+    (their default is one pair per group)."""
+    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    kv_bytes = 900 * (128 + 128) * 2  # one pair's K and V (Sk = 900, D = 128, bf16)
+    monkeypatch.setattr(fwd_host, "L2_BYTES", 6 * kv_bytes * group + 1)  # groups: a sixth of L2
+    monkeypatch.setattr(fwd_launch, "l2_group_bytes", lambda call, l2_bytes: l2_bytes // 3)
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 7)
+    for causal in (True, False):
+        call = _dense_call(3, 833, 900, 5, 5, 128, causal=causal)
+        assert fwd_launch.heads_per_l2_group(call, 900, fwd_host.L2_BYTES // 3) == group
+        _check(call, persistent=False)
+        _check(call, persistent=True)
+        _check(call, persistent=True, dynamic_schedule=True)
+
+
 @pytest.mark.parametrize("tiles", [dict(), dict(tile_m=192, tile_n=128)], ids=["128x128", "192x128"])
 def test_early_q_release(monkeypatch, tiles):
     """Q's buffer released after the walk's last Q K^T (`early_q_release`): walks of many tiles,
