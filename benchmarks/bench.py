@@ -95,7 +95,9 @@ _SWEEPS = {
                   [(D, 1024, c) for D in (64, 128) for c in (False, True)]),
     # (batch, head) pairs per L2 group (common.tile_scheduler), through the L2 size it assumes:
     # 50 MB (default), 25 MB, and one pair per group
-    "l2-group": ({"50MB": {}, "25MB": dict(l2_bytes=25 << 20), "one pair": dict(l2_bytes=1)},
+    # (l2_group_all: groups of half the given L2 with or without masks, the rule of that time)
+    "l2-group": ({"50MB": dict(l2_group_all=True), "25MB": dict(l2_bytes=25 << 20, l2_group_all=True),
+                  "one pair": dict(l2_bytes=1, l2_group_all=True)},
                  [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
                   (64, 4096, False), (64, 16384, False), (64, 16384, True), (256, 16384, False)]),
     "sched-d128": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
@@ -122,16 +124,18 @@ _SWEEPS = {
     "unroll": ({"default": {}, "unroll2": dict(unroll_unmasked=2)},
                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
     # the D64 rows of the 192-row tile without a mask, whose rounds spread widest (NOTES "Experiment
-    # 71"): two / three K/V stages one CTA per item, three on the dynamic schedule, one (batch,
-    # head) pair per L2 group
-    "d64-spread": ({"s3": {}, "s2": dict(num_stages=2),
-                    "dynamic s3": dict(persistent=True, dynamic_schedule=True),
-                    "one pair": dict(l2_bytes=1)},
+    # 71"): two / three K/V stages one CTA per item, three on the dynamic schedule, all in the L2
+    # groups of that time (half of L2), and one (batch, head) pair per group (the default since)
+    "d64-spread": ({"s3": dict(l2_group_all=True), "s2": dict(num_stages=2, l2_group_all=True),
+                    "dynamic s3": dict(persistent=True, dynamic_schedule=True, l2_group_all=True),
+                    "one pair": {}},
                    [(64, S, False) for S in (4096, 16384)]),
     # (batch, head) pairs per L2 group through the L2 size the grouping assumes (groups hold half
-    # of it): the concurrent CTAs' K / V working set (NOTES "Experiment 71")
-    "l2-working-set": ({"1 pair": dict(l2_bytes=1), "4MB": dict(l2_bytes=4 << 20), "8MB": dict(l2_bytes=8 << 20),
-                        "16MB": dict(l2_bytes=16 << 20), "50MB": {}},
+    # of it, with or without masks: the rule before Experiment 71): the concurrent CTAs' K / V
+    # working set (NOTES "Experiment 71")
+    "l2-working-set": ({name: dict(l2_bytes=size, l2_group_all=True)
+                        for name, size in (("1 pair", 1), ("4MB", 4 << 20), ("8MB", 8 << 20), ("16MB", 16 << 20),
+                                           ("50MB", 50 << 20))},
                        [(64, 4096, False), (64, 16384, False), (64, 16384, True), (128, 4096, False),
                         (128, 16384, False)]),
     # one (batch, head) pair per L2 group without masks (the default since Experiment 71) against
