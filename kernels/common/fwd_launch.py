@@ -86,7 +86,7 @@ def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:
     up to S4k, level at S16k; a sixth of L2 for causal rows +2-7% at S1k / S4k and D128 S16k."""
     if call.causal or call.has_window:
         return l2_bytes // 3
-    return 1
+    return 1  # (as if L2 held one byte: heads_per_l2_group's floor of one pair per group)
 
 
 def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int:

@@ -158,7 +158,9 @@ class Sm90AttentionBackward:
         l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
     ):
         self.dtype = dtype
-        self.l2_hints = l2_hints
+        assert l2_hints in ("0", "1", "last")
+        self.evict_last_q_do = l2_hints != "0"  # read by every key tile of a head
+        self.evict_first_kv = l2_hints == "1"  # read by this CTA only
         assert tile_n in (64, 128)
         self.tile_n = tile_n
         assert tile_m in (64, 80, 128)
@@ -877,7 +879,7 @@ class Sm90AttentionBackward:
             tDs, tDg = cpasync.tma_partition(tma_Dp, 0, one, cute.group_modes(sDp, 0, 1), cute.group_modes(gD, 0, 1))
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            hint = l2_hints.policy(self.l2_hints != "0", l2_hints.EVICT_LAST)  # every key tile reads them
+            hint = l2_hints.policy(self.evict_last_q_do, l2_hints.EVICT_LAST)
             cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             if const_expr(self.split_ring):
@@ -897,7 +899,7 @@ class Sm90AttentionBackward:
     def _load_kv(self, tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv: cutlass.Constexpr):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
-        hint = l2_hints.policy(self.l2_hints == "1", l2_hints.EVICT_FIRST)  # this CTA's own key tile
+        hint = l2_hints.policy(self.evict_first_kv, l2_hints.EVICT_FIRST)
         cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv, cache_policy=hint)
         cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv, cache_policy=hint)
 
