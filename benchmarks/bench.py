@@ -40,7 +40,11 @@ _GRID = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in
 # (fwd_launch.l2_group_bytes; one pair per group otherwise)
 _LAUNCH_OPTS = ("l2_bytes", "l2_group_all")
 
-# --sweep NAME: (torch_fa4 forward config overrides per column, rows); NOTES.md has the results
+# a sweep row's optional fourth element: the window, as the grid's "window 1024" row has it
+_WINDOW_1024 = (1024, 0)
+
+# --sweep NAME: (torch_fa4 forward config overrides per column, rows (D, S, causal[, window]));
+# NOTES.md has the results
 _SWEEPS = {
     "options": ({"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
                  "emu2": dict(exp2_emulate_every=2),
@@ -152,6 +156,27 @@ _SWEEPS = {
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),
                   "kv-last+q-first": dict(kv_evict_last=True, q_evict_first=True)},
                  [(D, S, c) for D in (64, 128, 256) for S in (4096, 16384) for c in (False, True)]),
+    # FA4's conditional rescale on the rows still below flash-attn-4 at D64 (last measured on the
+    # D64 tile of session 3)
+    "d64-rescale": ({"default": {}, "rescale8": dict(rescale_threshold=8.0)},
+                    [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)]),
+    # the grid's window row (D128 S4k, 1024 keys to the left): one CTA per item (its default: the
+    # persistent loop serialized the wgmmas when windows were added; it compiles cleanly since),
+    # static persistent, the dynamic schedule, and one (batch, head) pair per L2 group
+    "window": ({"default": {}, "persistent": dict(persistent=True), "dynamic": dict(persistent=True, dynamic_schedule=True),
+                "1 pair": dict(l2_bytes=1)},
+               [(128, 4096, True, _WINDOW_1024), (64, 4096, True, _WINDOW_1024), (128, 16384, True, _WINDOW_1024)]),
+    # the window rows the first "window" sweep left out: D256 (one CTA per item by default), S1k
+    # (the walk's keys all inside the window for most rows), D64 S16k
+    "window-more": ({"one-shot": dict(persistent=False, dynamic_schedule=False), "static": dict(persistent=True, dynamic_schedule=False),
+                     "dynamic": dict(persistent=True, dynamic_schedule=True)},
+                    [(256, 4096, True, _WINDOW_1024), (256, 16384, True, _WINDOW_1024), (128, 1024, True, _WINDOW_1024),
+                     (64, 1024, True, _WINDOW_1024), (64, 16384, True, _WINDOW_1024)]),
+    # the D64 rows below flash-attn-4 on the dynamic schedule (192-row tile; causal S16k is past the
+    # dynamic schedule's 8192-key limit), in the one-pair L2 order of Experiment 71
+    "d64-dynamic": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True),
+                     "dynamic s2": dict(persistent=True, dynamic_schedule=True, num_stages=2)},
+                    [(64, 4096, False), (64, 16384, False), (64, 16384, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through
@@ -241,6 +266,13 @@ def _time_ms(fn) -> float:
 def _flops(B, H, S, D, causal, bwd=False):
     f = 4.0 * B * H * S * S * D / (2 if causal else 1)
     return f * (2.5 if bwd else 1.0)
+
+
+def _window_flops(window):
+    """FLOPs of a causal call whose queries see `window[0]` keys to their left (and themselves)."""
+    def flops(B, H, S, D, causal):
+        return 4.0 * B * H * S * min(S, window[0] + 1) * D
+    return flops
 
 
 # ------------------------------------------------------------------ forward implementations
@@ -487,11 +519,12 @@ def main():
         variants, sweep_rows = _SWEEPS[args.sweep]
 
         def with_opts(opts):
-            def make(q, k, v, causal):
+            def make(q, k, v, causal, window=(-1, -1)):
                 from torch_fa4.call import AttentionCall
                 from torch_fa4.kernels.sm90 import fwd_host
 
-                call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal)
+                call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal,
+                                     window_left=window[0], window_right=window[1])
                 out = torch.empty_like(q)
                 lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
                 from torch_fa4.kernels.common import fwd_launch
@@ -515,8 +548,12 @@ def main():
         makers = {k: with_opts(v) for k, v in variants.items()}
         if "flash-attn-4" in peers:
             makers["flash-attn-4"] = peers["flash-attn-4"]
-        for D, S, causal in sweep_rows:
-            measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, makers)
+        for D, S, causal, *window in sweep_rows:
+            if window:
+                measure(f"{args.sweep} D{D} S{S // 1024}k window {window[0][0]}", D, S, causal, _window_flops(window[0]),
+                        makers, dict(window=window[0]))
+            else:
+                measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, makers)
         _dump(rows, args.out)
         return
     print("fwd TFLOP/s")
@@ -546,7 +583,7 @@ def main():
 
     mod_rows = (
         ("softcap 30", dict(softcap=30.0), _flops),
-        ("window 1024", dict(window=(1024, 0)), lambda B, H, S, D, c: 4.0 * B * H * S * min(S, 1025) * D),
+        ("window 1024", dict(window=_WINDOW_1024), _window_flops(_WINDOW_1024)),
         ("alibi score_mod", dict(score_mod=alibi), _flops),
         ("document mask_mod, block-sparse", dict(mask_mod=document), doc_flops),
     )
