@@ -35,7 +35,8 @@ _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256:
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
 # behind them. Persistent grids stop at D=128: above it the outer loop made ptxas serialize the
 # wgmmas (advisory C7512) until P was converted by packed pairs, and at D=256 it then measured no
-# gain (NOTES "Experiment 20"); windows and mods run one-shot too (`_persistent_fits`).
+# gain (NOTES "Experiment 20"); calls with mods run one-shot too (`_persistent_fits`), and windowed
+# calls take the dynamic schedule at every head dim but 192 (`_dynamic_schedule_pays`).
 _DEFAULT_OPTIONS = {
     # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too), +-1% at D64
     64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
@@ -200,7 +201,6 @@ def _persistent_fits(call: AttentionCall) -> bool:
 # D=192 has not been measured.
 _DYNAMIC_MAX_CAUSAL_SEQLEN = 8192
 _DYNAMIC_MAX_D256_SEQLEN = 2048
-_DYNAMIC_MAX_WINDOW_HEAD_DIM = 128
 
 
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
@@ -208,8 +208,9 @@ def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
         return False
     if call.has_window:
         # items of a few key tiles each, at any length: H100, NOTES "Experiment 73", window 1024
-        # against one CTA per item (the default before): D128 S4k +5%, S16k +8%, D64 S4k +13%
-        return call.head_dim <= _DYNAMIC_MAX_WINDOW_HEAD_DIM
+        # against one CTA per item (the default before): D64 S1k +26%, S4k +13%, S16k +10%; D128
+        # S1k +16%, S4k +5%, S16k +8%; D256 S4k +2%, S16k +4%
+        return True
     if call.causal:
         return longest <= _DYNAMIC_MAX_CAUSAL_SEQLEN
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
