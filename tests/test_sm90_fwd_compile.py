@@ -489,8 +489,10 @@ def test_benchmark_sweeps_name_real_options():
     for name, (columns, rows) in bench._SWEEPS.items():
         for column, opts in columns.items():
             overrides = {k: v for k, v in opts.items() if k not in bench._LAUNCH_OPTS}  # launch arguments
-            for D, S, causal in rows:
+            for D, S, causal, *window in rows:  # (a fourth element: the window, (left, right))
                 q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
-                call = AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal)
+                left, right = window[0] if window else (-1, -1)
+                call = AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal, window_left=left,
+                                     window_right=right)
                 cfg = fwd_host.default_config(call, **overrides)
                 assert all(getattr(cfg, k) == v for k, v in overrides.items()), (name, column)
