@@ -240,10 +240,6 @@ _BWD_SWEEPS = {
     "bwd-l2-hints": ({"none": {"TORCH_FA4_BWD_L2_HINTS": "0"}, "both": {"TORCH_FA4_BWD_L2_HINTS": "1"},
                       "last": {"TORCH_FA4_BWD_L2_HINTS": "last"}},
                      [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # unmasked query walks starting where the key tile lies along them (bwd_q_walk.DenseQWalk):
-    # the CTAs in flight add dQ into different rows
-    "bwd-rotate": ({"plain": {"TORCH_FA4_BWD_ROTATE": "0"}, "rotated": {"TORCH_FA4_BWD_ROTATE": "1"}},
-                   [(D, S, False) for D in (64, 128) for S in (1024, 4096, 16384)]),
 }
 
 

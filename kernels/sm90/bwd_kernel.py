@@ -156,12 +156,8 @@ class Sm90AttentionBackward:
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
         l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
-        rotate_walk: bool = False,  # unmasked dense walks start at a query tile shifted by the key tile (bwd_q_walk)
     ):
         self.dtype = dtype
-        # (a causal / window walk already starts at the diagonal; the deterministic turns need
-        # every key tile to reach a query tile in key-tile order)
-        self.rotate_walk = rotate_walk and not (has_right or has_left or deterministic or sparse)
         assert l2_hints in ("0", "1", "last")
         self.evict_last_q_do = l2_hints != "0"  # read by every key tile of a head
         self.evict_first_kv = l2_hints == "1"  # read by this CTA only
@@ -767,13 +763,7 @@ class Sm90AttentionBackward:
             walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
         else:
-            shift = None
-            if const_expr(self.rotate_walk):
-                # key tile n of N starts n / N of the way along: the CTAs in flight, neighbouring
-                # key tiles of one head, spread over its query tiles
-                n_tiles = cutlass.max(cute.ceil_div(seqlen_k, tn), 1)
-                shift = cutlass.min((n_block * n_m) // n_tiles, cutlass.max(n_m - 1, 0))
-            walk = DenseQWalk(m_lo, n_m, self.group, shift)
+            walk = DenseQWalk(m_lo, n_m, self.group)
         steps = walk.count
         return q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps
 

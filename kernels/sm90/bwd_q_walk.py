@@ -25,28 +25,17 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 
 
 class DenseQWalk(DynamicState):
-    """rotate (compile time): each head's tiles are walked from m_start = m_lo + shift onwards,
-    wrapping round to m_lo, instead of from m_lo. Without a mask every key tile of a head walks the
-    same query tiles, so in the plain order the CTAs in flight add their dQ into the same rows at
-    the same time; shifted starts spread those reduce-adds over the head's rows, as the causal
-    diagonal does by itself."""
-
     _dynamic_fields = ("m_lo", "n_m", "count")
 
-    def __init__(self, m_lo: Int32, n_m: Int32, group: int, shift: Int32 = None):
+    def __init__(self, m_lo: Int32, n_m: Int32, group: int):
         self.m_lo = m_lo
         self.n_m = n_m
         self.count = n_m * group
-        self.rotate = shift is not None
-        self.m_start = m_lo
-        if shift is not None:
-            self.m_start = m_lo + shift
-            self._dynamic_fields = (*DenseQWalk._dynamic_fields, "m_start")
 
     # Cursor walk for loops that visit every step in order: (h_local, m_block) carried from one
     # step to the next, no integer division per step.
     def start(self):
-        return Int32(0), self.m_start
+        return Int32(0), self.m_lo
 
     def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
         return cur_h, cur_m, Boolean(True)
@@ -54,10 +43,7 @@ class DenseQWalk(DynamicState):
     def advance(self, cur_h: Int32, cur_m: Int32):
         m = cur_m + 1
         wrap = m == self.m_lo + self.n_m
-        if const_expr(not self.rotate):
-            return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo, m)
-        m = cutlass.select_(wrap, self.m_lo, m)
-        return cutlass.select_(m == self.m_start, cur_h + 1, cur_h), m
+        return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo, m)
 
 
 class SparseQWalk(DynamicState):
