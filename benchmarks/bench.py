@@ -240,6 +240,10 @@ _BWD_SWEEPS = {
     "bwd-l2-hints": ({"none": {"TORCH_FA4_BWD_L2_HINTS": "0"}, "both": {"TORCH_FA4_BWD_L2_HINTS": "1"},
                       "last": {"TORCH_FA4_BWD_L2_HINTS": "last"}},
                      [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # causal walks from the last query tile down to the diagonal (bwd_q_walk.DenseQWalk): the CTAs
+    # in flight read the same Q / dO tiles at once
+    "bwd-descending": ({"ascending": {"TORCH_FA4_BWD_DESCENDING": "0"}, "descending": {"TORCH_FA4_BWD_DESCENDING": "1"}},
+                       [(D, S, True) for D in (64, 128) for S in (1024, 4096, 16384)]),
 }
 
 

@@ -156,8 +156,11 @@ class Sm90AttentionBackward:
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
         l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
+        descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
     ):
         self.dtype = dtype
+        # (the deterministic turns need the key tiles to reach a query tile in key-tile order)
+        self.descending_walk = descending_walk and causal_or_right and not deterministic
         assert l2_hints in ("0", "1", "last")
         self.evict_last_q_do = l2_hints != "0"  # read by every key tile of a head
         self.evict_first_kv = l2_hints == "1"  # read by this CTA only
@@ -763,7 +766,7 @@ class Sm90AttentionBackward:
             walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
         else:
-            walk = DenseQWalk(m_lo, n_m, self.group)
+            walk = DenseQWalk(m_lo, n_m, self.group, self.descending_walk)
         steps = walk.count
         return q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps
 

@@ -25,22 +25,35 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 
 
 class DenseQWalk(DynamicState):
+    """descending (compile time): each head's query tiles from the last down to m_lo. Under a
+    causal mask key tile n's walk starts at its diagonal, so in ascending order the CTAs in flight
+    (neighbouring key tiles of a head) each read different Q / dO tiles; walked downwards they all
+    start at the head's last query tile and read the same tiles at the same time (L2 hits), the
+    shorter walks stopping earlier."""
+
     _dynamic_fields = ("m_lo", "n_m", "count")
 
-    def __init__(self, m_lo: Int32, n_m: Int32, group: int):
+    def __init__(self, m_lo: Int32, n_m: Int32, group: int, descending: bool = False):
         self.m_lo = m_lo
         self.n_m = n_m
         self.count = n_m * group
+        self.descending = descending
 
     # Cursor walk for loops that visit every step in order: (h_local, m_block) carried from one
     # step to the next, no integer division per step.
     def start(self):
+        if const_expr(self.descending):
+            return Int32(0), self.m_lo + self.n_m - 1
         return Int32(0), self.m_lo
 
     def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
         return cur_h, cur_m, Boolean(True)
 
     def advance(self, cur_h: Int32, cur_m: Int32):
+        if const_expr(self.descending):
+            m = cur_m - 1
+            wrap = m < self.m_lo
+            return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo + self.n_m - 1, m)
         m = cur_m + 1
         wrap = m == self.m_lo + self.n_m
         return cutlass.select_(wrap, cur_h + 1, cur_h), cutlass.select_(wrap, self.m_lo, m)
