@@ -151,6 +151,10 @@ _SWEEPS = {
     "l2-causal": ({"25MB groups": dict(l2_bytes=150 << 20), "8MB groups": {}, "2MB groups": dict(l2_bytes=12 << 20),
                    "1 pair": dict(l2_bytes=1)},
                   [(D, S, True) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
+    # a warpgroup whose rows of an item all lie past the sequence's end issues no matmul
+    # (fwd._idle_item): 4096 and 16384 are not multiples of the 192-row D64 tile
+    "skip-idle": ({"default": dict(skip_idle_rows=False), "skip": dict(skip_idle_rows=True)},
+                  [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
     "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),

@@ -628,14 +628,54 @@ class FlashFwdSm90:
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         if m_block * self.tile_m < seqlen.seqlen_q:
             walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
-            state = self.consume_item(
-                mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
-                tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
-                walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx, tile)
+            args = (mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
+                    tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
+                    walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx, tile)
+            if const_expr(self.cfg.skip_idle_rows and self.num_wg > 1):
+                if m_block * self.tile_m + wg * 64 >= seqlen.seqlen_q:
+                    state = self._idle_item(walk, pipe_q, pipe_k, pipe_v, q_state, state, wg)
+                else:
+                    state = self.consume_item(*args)
+            else:
+                state = self.consume_item(*args)
             q_state.advance()
             if tidx == 0:
                 self._stamp(tile, 5)
         return q_state, state
+
+    @cute.jit
+    def _idle_item(self, walk, pipe_q, pipe_k, pipe_v, q_state, state, wg):
+        """A work item for a warpgroup whose 64 rows all lie past the sequence's end (the last
+        query tile of a sequence that is not a multiple of tile_m: 4096 = 21 x 192 + 64 leaves two
+        of the three warpgroups idle there). It issues no matmul, so the tensor cores serve the
+        other warpgroups, but stays in step with them: a turn at every matmul issue point of
+        consume_item, every Q / K / V slot waited for and released once, and the barrier before O
+        overwrites Q. Returns the K/V ring position after the item."""
+        pipe_q.consumer_wait(q_state)
+        if walk.nonempty():
+            pipe_k.consumer_wait(state)  # the first key tile: S only
+            self._turn_wait(wg)
+            self._turn_pass(wg)
+            pipe_k.consumer_release(state)
+            v_state = state.clone()
+            state.advance()
+            for _ in cutlass.range(walk.count - 1, unroll=1):  # S of this tile, P V of the last
+                pipe_k.consumer_wait(state)
+                self._turn_wait(wg)
+                pipe_v.consumer_wait(v_state)
+                self._turn_pass(wg)
+                pipe_k.consumer_release(state)
+                pipe_v.consumer_release(v_state)
+                v_state = state.clone()
+                state.advance()
+            pipe_v.consumer_wait(v_state)  # the last tile's P V
+            self._turn_wait(wg)
+            self._turn_pass(wg)
+            pipe_v.consumer_release(v_state)
+        if const_expr(not self.separate_o and not self.cfg.varlen_q):
+            cute.arch.barrier(barrier_id=_BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
+        pipe_q.consumer_release(q_state)
+        return state
 
     @cute.jit
     def consume_item(self, mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,

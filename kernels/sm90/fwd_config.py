@@ -52,6 +52,9 @@ class FwdConfig:
     # query tile of a head, evict-last; Q, read once, evict-first
     kv_evict_last: bool = False
     q_evict_first: bool = False
+    # a consumer warpgroup whose 64 rows of an item all lie past the sequence's end issues no
+    # matmul for it (fwd._idle_item), only keeping the ring and the turns in step
+    skip_idle_rows: bool = False
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False

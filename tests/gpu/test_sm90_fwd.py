@@ -328,6 +328,29 @@ def test_split_mask_loops_and_persistent_above_d128(D):
     _check(_dense_call(2, 517, 900, 4, 4, D), split_mask_loops=True, persistent=True)
 
 
+@pytest.mark.parametrize("grid", ["one-shot", "persistent", "dynamic"])
+def test_idle_warpgroups_skip_their_matmuls(grid):
+    """skip_idle_rows: in the last query tile of a sequence, warpgroups whose 64 rows all lie past
+    its end issue no matmul (fwd._idle_item) but keep the ring and the turns in step. 192-row
+    tiles with one and two idle warpgroups, 128-row tiles at D128 and D256 (O staged over Q), GQA,
+    causal / window / varlen, and items of several lengths in one persistent CTA."""
+    grids = {"one-shot": dict(persistent=False), "persistent": dict(persistent=True, dynamic_schedule=False),
+             "dynamic": dict(persistent=True, dynamic_schedule=True)}[grid]
+    wide = dict(tile_m=192, tile_n=128, skip_idle_rows=True, **grids)
+    for S, causal in ((1000, False), (257, True), (4096 + 100, True), (200, False)):
+        _check(_dense_call(2, S, S, 8, 2, 64, causal=causal), **wide)
+    _check(_dense_call(1, 333, 1100, 3, 1, 64, causal=True, window_left=300, window_right=20), **wide)
+    lens = [100, 257, 1, 1000, 70]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _check(AttentionCall(q=q, k=k, v=v, scale=0.125, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                         max_seqlen_q=max(lens), max_seqlen_k=max(lens)), **wide)
+    if grid != "dynamic":  # (D256's default is one CTA per item; its persistent loop is measured level)
+        _check(_dense_call(2, 300, 300, 4, 4, 256, causal=True), skip_idle_rows=True, **grids)
+    _check(_dense_call(2, 300, 700, 6, 3, 128), skip_idle_rows=True, **grids)
+
+
 def test_early_o_rescale_three_consumer_warpgroups():
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=True), tile_m=192, tile_n=128, persistent=False,
            early_o_rescale=True)
