@@ -200,6 +200,24 @@ def test_dq_first_selection(monkeypatch):
         bwd.variant_key(_call(d=128), False)
 
 
+def test_descending_walk_selection(monkeypatch):
+    """Causal and right-window walks run from the last query tile down (bwd_q_walk.DenseQWalk);
+    unmasked, left-window-only and deterministic ones keep the ascending order, and the
+    environment switch turns it off."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.DESCENDING_ENV, raising=False)
+    descending = lambda call, det=False: bwd.variant_key(call, det)[-3][-1]
+    for kw in (dict(d=64, causal=True), dict(d=128, causal=True), dict(d=128, window_right=8),
+               dict(d=256, causal=True), dict(d=64, causal=True, varlen=True)):
+        assert descending(_call(**kw)), kw
+    for kw in (dict(d=64), dict(d=128), dict(d=128, window_left=8)):
+        assert not descending(_call(**kw)), kw
+    assert not descending(_call(d=128, causal=True), det=True)
+    monkeypatch.setenv(bwd.DESCENDING_ENV, "0")
+    assert not descending(_call(d=128, causal=True))
+
+
 def test_variant_key_memo_agrees(monkeypatch):
     """variant_key is memoized on what it reads: every call gets the key a fresh derivation gives,
     including after an environment knob changes between calls."""
