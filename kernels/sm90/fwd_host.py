@@ -36,7 +36,7 @@ _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256:
 # behind them. Persistent grids stop at D=128: above it the outer loop made ptxas serialize the
 # wgmmas (advisory C7512) until P was converted by packed pairs, and at D=256 it then measured no
 # gain (NOTES "Experiment 20"); calls with mods run one-shot too (`_persistent_fits`), and windowed
-# calls take the dynamic schedule at every head dim but 192 (`_dynamic_schedule_pays`).
+# calls without mods take the dynamic schedule at every head dim but 192 (`_dynamic_schedule_pays`).
 _DEFAULT_OPTIONS = {
     # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too), +-1% at D64
     64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
