@@ -155,6 +155,9 @@ _SWEEPS = {
     # (fwd._idle_item): 4096 and 16384 are not multiples of the 192-row D64 tile
     "skip-idle": ({"default": dict(skip_idle_rows=False), "skip": dict(skip_idle_rows=True)},
                   [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the row where "skip-idle" read lower twice, columns in the other order (NOTES "Experiment 77")
+    "skip-idle-s16k": ({"skip": dict(skip_idle_rows=True), "default": dict(skip_idle_rows=False)},
+                       [(64, 16384, True), (64, 16384, False)]),
     # L2 eviction priorities on the loads: K / V evict-last, Q evict-first (kernels/common/l2_hints.py)
     "l2-hints": ({"none": dict(kv_evict_last=False, q_evict_first=False),
                   "kv-last": dict(kv_evict_last=True, q_evict_first=False),
