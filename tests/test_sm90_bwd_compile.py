@@ -144,7 +144,7 @@ def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     monkeypatch.setenv(bwd.L2_HINTS_ENV, hints)
     call = _call(d=128, causal=True)
     key = bwd.variant_key(call, False)
-    assert key[-3][-1] == hints
+    assert key[-3][-2] == hints  # (the last field: the descending causal walk)
     hinted, loads = hinted_loads(_compiled_and_checked(key, call, tmp_path))
     assert loads >= 6
     if hints == "last":  # Q / dO / statistics hinted, K and V (loaded at each key tile's start) not
