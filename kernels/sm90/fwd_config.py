@@ -54,7 +54,8 @@ class FwdConfig:
     q_evict_first: bool = False
     # a consumer warpgroup whose 64 rows of an item all lie past the sequence's end issues no
     # matmul for it (fwd._idle_item), only keeping the ring and the turns in step. H100, NOTES
-    # "Experiment 77", 192-row D64 tiles: S4k +1.3%, S4k causal +2.6%, S16k +0.9%
+    # "Experiment 77", 192-row D64 tiles: S4k +0.4-1.3%, S4k causal +2.3-2.6%, S16k level to +2.7%
+    # (S16k causal -1.6% to -5% in three sweeps, not explained)
     skip_idle_rows: bool = True
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
