@@ -179,6 +179,10 @@ _SWEEPS = {
                      "dynamic": dict(persistent=True, dynamic_schedule=True)},
                     [(256, 4096, True, _WINDOW_1024), (256, 16384, True, _WINDOW_1024), (128, 1024, True, _WINDOW_1024),
                      (64, 1024, True, _WINDOW_1024), (64, 16384, True, _WINDOW_1024)]),
+    # D192 windows (one CTA per item by default: the dynamic schedule is not measured at D192)
+    "window-d192": ({"one-shot": dict(persistent=False, dynamic_schedule=False),
+                     "dynamic": dict(persistent=True, dynamic_schedule=True)},
+                    [(192, S, True, _WINDOW_1024) for S in (1024, 4096, 16384)]),
     # the D64 rows below flash-attn-4 on the dynamic schedule (192-row tile; causal S16k is past the
     # dynamic schedule's 8192-key limit), in the one-pair L2 order of Experiment 71
     "d64-dynamic": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True),
