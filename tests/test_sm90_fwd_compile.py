@@ -227,11 +227,11 @@ def test_grid_policy(monkeypatch):
         assert fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).dynamic_schedule
     assert not fwd_host.default_config(_call(128)).dynamic_schedule
     assert ctas(16384, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
-    # windowed walks of any length take items from the counter (D=192, not measured: one CTA per item)
+    # windowed walks of any length take items from the counter, at every head dim
     assert ctas(16384, window_left=100) == ctas(16384, D=64, causal=True, window_left=1024) == 132
-    assert ctas(16384, D=256, causal=True, window_left=1024) == 132
+    assert ctas(16384, D=256, causal=True, window_left=1024) == ctas(4096, D=192, window_left=100) == 132
     assert fwd_host.default_config(_call(128, window_left=100)).dynamic_schedule
-    assert ctas(4096, D=192, window_left=100) == fwd_launch.ONE_CTA_PER_ITEM
+    assert ctas(4096, D=192) == fwd_launch.ONE_CTA_PER_ITEM
     q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent
     assert ctas(4096, D=256) == ctas(16384, D=256, causal=True) == fwd_launch.ONE_CTA_PER_ITEM

@@ -36,7 +36,7 @@ _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256:
 # behind them. Persistent grids stop at D=128: above it the outer loop made ptxas serialize the
 # wgmmas (advisory C7512) until P was converted by packed pairs, and at D=256 it then measured no
 # gain (NOTES "Experiment 20"); calls with mods run one-shot too (`_persistent_fits`), and windowed
-# calls without mods take the dynamic schedule at every head dim but 192 (`_dynamic_schedule_pays`).
+# calls without mods take the dynamic schedule (`_dynamic_schedule_pays`).
 _DEFAULT_OPTIONS = {
     # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too), +-1% at D64
     64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
@@ -204,13 +204,13 @@ _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
-    if call.head_dim == 192:
-        return False
     if call.has_window:
         # items of a few key tiles each, at any length: H100, NOTES "Experiment 73", window 1024
         # against one CTA per item (the default before): D64 S1k +26%, S4k +13%, S16k +10%; D128
-        # S1k +16%, S4k +5%, S16k +8%; D256 S4k +2%, S16k +4%
+        # S1k +16%, S4k +5%, S16k +8%; D192 S1k +3%, S4k +2%, S16k +1%; D256 S4k +2%, S16k +4%
         return True
+    if call.head_dim == 192:
+        return False
     if call.causal:
         return longest <= _DYNAMIC_MAX_CAUSAL_SEQLEN
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
