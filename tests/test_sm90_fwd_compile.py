@@ -82,6 +82,7 @@ VARIANTS = {
     "d128_window": (dict(D=128, window_left=64, window_right=0), {}),
     "d128_window_one_shot": (dict(D=128, window_left=64, window_right=0), dict(persistent=False)),
     "d64_softcap_window_two_sided": (dict(D=64, softcap=30.0, window_left=200, window_right=100), {}),
+    "d192_window": (dict(D=192, causal=True, window_left=512), {}),
     "d128_softcap_causal": (dict(D=128, softcap=10.0, causal=True), {}),
     "d64_varlen_causal": (dict(D=64, causal=True), dict(varlen_q=True, varlen_k=True)),
     "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
