@@ -167,11 +167,14 @@ _SWEEPS = {
     # D64 tile of session 3)
     "d64-rescale": ({"default": {}, "rescale8": dict(rescale_threshold=8.0)},
                     [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)]),
-    # the grid's window row (D128 S4k, 1024 keys to the left): one CTA per item (its default: the
-    # persistent loop serialized the wgmmas when windows were added; it compiles cleanly since),
-    # static persistent, the dynamic schedule, and one (batch, head) pair per L2 group
-    "window": ({"default": {}, "persistent": dict(persistent=True), "dynamic": dict(persistent=True, dynamic_schedule=True),
-                "1 pair": dict(l2_bytes=1)},
+    # the grid's window row (D128 S4k, 1024 keys to the left): one CTA per item (the default until
+    # NOTES "Experiment 73": the persistent loop had serialized the wgmmas when windows were added),
+    # static persistent (which _grid_ctas launches one CTA per item past 2048 keys), the dynamic
+    # schedule (the default since), and one (batch, head) pair per L2 group, one CTA per item
+    "window": ({"one-shot": dict(persistent=False, dynamic_schedule=False),
+                "persistent": dict(persistent=True, dynamic_schedule=False),
+                "dynamic": dict(persistent=True, dynamic_schedule=True),
+                "1 pair": dict(l2_bytes=1, persistent=False, dynamic_schedule=False)},
                [(128, 4096, True, _WINDOW_1024), (64, 4096, True, _WINDOW_1024), (128, 16384, True, _WINDOW_1024)]),
     # the window rows the first "window" sweep left out: D256 (one CTA per item by default), S1k
     # (the walk's keys all inside the window for most rows), D64 S16k
@@ -179,7 +182,7 @@ _SWEEPS = {
                      "dynamic": dict(persistent=True, dynamic_schedule=True)},
                     [(256, 4096, True, _WINDOW_1024), (256, 16384, True, _WINDOW_1024), (128, 1024, True, _WINDOW_1024),
                      (64, 1024, True, _WINDOW_1024), (64, 16384, True, _WINDOW_1024)]),
-    # D192 windows (one CTA per item by default: the dynamic schedule is not measured at D192)
+    # D192 windows, one CTA per item (the default until measured here) and the dynamic schedule
     "window-d192": ({"one-shot": dict(persistent=False, dynamic_schedule=False),
                      "dynamic": dict(persistent=True, dynamic_schedule=True)},
                     [(192, S, True, _WINDOW_1024) for S in (1024, 4096, 16384)]),
