@@ -159,8 +159,10 @@ class Sm90AttentionBackward:
         descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
     ):
         self.dtype = dtype
-        # (the deterministic turns need the key tiles to reach a query tile in key-tile order)
-        self.descending_walk = descending_walk and causal_or_right and not deterministic
+        # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
+        # need the key tiles to reach a query tile in key-tile order)
+        assert not descending_walk or (causal_or_right and not deterministic), "descending walk: causal, not deterministic"
+        self.descending_walk = descending_walk
         assert l2_hints in ("0", "1", "last")
         self.evict_last_q_do = l2_hints != "0"  # read by every key tile of a head
         self.evict_first_kv = l2_hints == "1"  # read by this CTA only
