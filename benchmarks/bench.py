@@ -191,6 +191,11 @@ _SWEEPS = {
     "d64-dynamic": ({"default": {}, "dynamic": dict(persistent=True, dynamic_schedule=True),
                      "dynamic s2": dict(persistent=True, dynamic_schedule=True, num_stages=2)},
                     [(64, 4096, False), (64, 16384, False), (64, 16384, True)]),
+    # ring waits that peek before waiting (kernels/common/ring_waits.py) on every grid row; CPU
+    # compile only so far (NOTES "Experiment 78": the key loop's issued instructions per key tile
+    # fall at D64 / D128, D256 causal, and rise slightly at D256 without a mask)
+    "peek-waits": ({"plain": dict(peek_waits=False), "peek": dict(peek_waits=True)},
+                   [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through

@@ -6,6 +6,7 @@ the SASS checks rather than failing them.
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -73,3 +74,44 @@ def exps_after_pv_wait(sass: str) -> list:
             counts.append(after)
             open_ = False
     return counts
+
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_BRANCH = re.compile(r"BRA.*`\(\.(L_x_\d+)\)")
+
+
+def key_loops(sass: str) -> list:
+    """Every innermost loop holding an HGMMA, as its SASS lines (labels included): a loop is a
+    backward branch to a label above it; innermost: no other such loop nested inside."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    spans = []
+    for i, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i:
+            spans.append((labels[m.group(1)], i))
+    with_mma = [(a, b) for a, b in spans if any("HGMMA" in x for x in lines[a: b + 1])]
+    return [lines[a: b + 1] for a, b in with_mma
+            if not any((c, d) != (a, b) and a <= c and d <= b for c, d in with_mma)]
+
+
+def issued_when_ready(loop: list) -> int:
+    """Instructions a warp issues per pass of `loop` (key_loops) when every ring stage it waits
+    for has already landed: a try-wait followed by a forward `@P BRA` is a peeked wait
+    (kernels/common/ring_waits.py) and skips to that label; everything else issues, predicated
+    off or not."""
+    labels = {m.group(1): i for i, line in enumerate(loop) if (m := _LABEL.match(line))}
+    count, i, prev = 0, 0, ""
+    while i < len(loop):
+        line = loop[i]
+        if _INSTRUCTION.search(line):
+            count += 1
+            m = re.search(r"@P\d BRA `\(\.(L_x_\d+)\)", line)
+            if m and "TRYWAIT" in prev and labels.get(m.group(1), -1) > i:
+                i, prev = labels[m.group(1)], line
+                continue
+            prev = line
+        i += 1
+    return count

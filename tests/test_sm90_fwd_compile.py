@@ -16,7 +16,8 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from sass import exps_after_pv_wait, hinted_loads, sass_of, spills_between_matmuls  # noqa: E402
+from sass import (exps_after_pv_wait, hinted_loads, issued_when_ready, key_loops, sass_of,  # noqa: E402
+                  spills_between_matmuls)
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
@@ -189,6 +190,32 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     assert counts and all(c == 0 for c in counts), counts
     loose = exps_after_pv_wait(_compile_and_check_sass(replace(pinned, pin_pv_wait=False), tmp_path / "loose"))
     assert loose and max(loose) > 0, loose
+
+
+@pytest.mark.parametrize("D,S,causal", [(64, 4096, False), (128, 4096, False), (256, 4096, True)],
+                         ids=["d64_192_rows", "d128", "d256_causal_dynamic"])
+def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
+    """`peek_waits` (kernels/common/ring_waits.py): the unmasked key loop issues fewer instructions
+    per key tile when its stages have landed. Checked against the plain waits of the same variant,
+    so the test notices when a ptxas update makes the option moot (NOTES "Experiment 78": D64
+    441 -> 430, D128 468 -> 454, D256 causal 578 -> 507, where ptxas had moved the wgmma
+    descriptors' arithmetic to vector registers)."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's default variant
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal))
+    mmas_per_tile = D // 16 + cfg.tile_n // 16  # S = Q K^T, then P V, over k-steps of 16
+
+    def key_loop_issue(peek):
+        (tmp_path / str(peek)).mkdir()
+        sass = _compile_and_check_sass(replace(cfg, peek_waits=peek), tmp_path / str(peek))
+        # the unmasked loop: the shortest of those issuing one key tile's matmuls
+        full = [loop for loop in key_loops(sass) if sum("HGMMA" in x for x in loop) == mmas_per_tile]
+        return min(issued_when_ready(loop) for loop in full)
+
+    plain, peeked = key_loop_issue(False), key_loop_issue(True)
+    print(f"D{D} S{S} causal={causal}: {plain} -> {peeked} instructions per key tile")
+    assert peeked < plain, (peeked, plain)
 
 
 def test_l2_grouping_policy():

@@ -63,6 +63,7 @@ from torch_fa4.kernels.common import l2_hints
 from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
+from torch_fa4.kernels.common.ring_waits import wait_full
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
@@ -533,10 +534,10 @@ class FlashFwdSm90:
             # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
             # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
             scale_rows(acc_o, row_scale)
-        pipe_k.consumer_wait(state)
+        wait_full(pipe_k, state, self.cfg.peek_waits)
         self._turn_wait(wg)
         _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
-        pipe_v.consumer_wait(v_state)
+        wait_full(pipe_v, v_state, self.cfg.peek_waits)
         _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         warpgroup.wait_group(1)  # S ready; P V still running
@@ -651,24 +652,24 @@ class FlashFwdSm90:
         other warpgroups, but stays in step with them: a turn at every matmul issue point of
         consume_item, every Q / K / V slot waited for and released once, and the barrier before O
         overwrites Q. Returns the K/V ring position after the item."""
-        pipe_q.consumer_wait(q_state)
+        wait_full(pipe_q, q_state, self.cfg.peek_waits)
         if walk.nonempty():
-            pipe_k.consumer_wait(state)  # the first key tile: S only
+            wait_full(pipe_k, state, self.cfg.peek_waits)  # the first key tile: S only
             self._turn_wait(wg)
             self._turn_pass(wg)
             pipe_k.consumer_release(state)
             v_state = state.clone()
             state.advance()
             for _ in cutlass.range(walk.count - 1, unroll=1):  # S of this tile, P V of the last
-                pipe_k.consumer_wait(state)
+                wait_full(pipe_k, state, self.cfg.peek_waits)
                 self._turn_wait(wg)
-                pipe_v.consumer_wait(v_state)
+                wait_full(pipe_v, v_state, self.cfg.peek_waits)
                 self._turn_pass(wg)
                 pipe_k.consumer_release(state)
                 pipe_v.consumer_release(v_state)
                 v_state = state.clone()
                 state.advance()
-            pipe_v.consumer_wait(v_state)  # the last tile's P V
+            wait_full(pipe_v, v_state, self.cfg.peek_waits)  # the last tile's P V
             self._turn_wait(wg)
             self._turn_pass(wg)
             pipe_v.consumer_release(v_state)
@@ -703,14 +704,14 @@ class FlashFwdSm90:
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
-        pipe_q.consumer_wait(q_state)
+        wait_full(pipe_q, q_state, self.cfg.peek_waits)
         if tidx == 0:
             self._stamp(tile, 2)
 
         if walk.nonempty():
             # first key tile of the walk (the rightmost without a block mask): S only
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            pipe_k.consumer_wait(state)
+            wait_full(pipe_k, state, self.cfg.peek_waits)
             self._turn_wait(wg)
             _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
             self._turn_pass(wg)
@@ -750,7 +751,7 @@ class FlashFwdSm90:
 
             if const_expr(cfg.early_o_rescale):
                 scale_rows(acc_o, row_scale)  # the last tile's factors, before its P V joins O
-            pipe_v.consumer_wait(v_state)
+            wait_full(pipe_v, v_state, self.cfg.peek_waits)
             self._turn_wait(wg)
             _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
             self._turn_pass(wg)
