@@ -1,0 +1,139 @@
+"""The sm90 backward's element-wise step: P^T from S^T and the LSE, dS^T from P^T, dP^T and dPsum,
+with softcap, score_mod (and its traced derivative), mask_mod and the causal / window / length
+limits applied where a tile needs them."""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, const_expr
+
+from ..common import mod_lowering as mods_dsl
+from ..common.exp2_emulation import exp2_fma
+
+LOG2_E = math.log2(math.e)
+
+
+class BwdScores:
+    """P / dS methods of Sm90AttentionBackward (a mixin: they read its configuration)."""
+
+    def _column_stats(self, s_stat, cS, stage, S):
+        """This thread's per-query statistics (LSE or dPsum), one per column of S, from shared
+        memory into registers."""
+        t_q, c0 = cS[1], cS[3]
+        return [s_stat[t_q + c0[0, c][1], stage] for c in range(cute.size(S, mode=[1]))]
+
+    @cute.jit
+    def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
+        """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
+
+        Only tiles that cross a mask boundary pay for the per-element test; the mask_mod runs on
+        every tile of a dense walk, and on the partial tiles only of a block-sparse walk."""
+        args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+        if const_expr(self.mask_graph is not None and not self.sparse):
+            self._p_and_ds_tile(*args, True, True, lse_vals)
+        elif const_expr(self.sparse):
+            partial = mod_ctx[4]
+            if partial:
+                self._p_and_ds_tile(*args, True, True, lse_vals)
+            else:
+                self._p_and_ds_limits(*args, lse_vals)
+        else:
+            self._p_and_ds_limits(*args, lse_vals)
+
+    @cute.jit
+    def _p_and_ds_limits(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                         window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
+        """P (and dS) with the length / causal / window limits only, tested where a tile crosses."""
+        tm, tn = self.tile_m, self.tile_n
+        args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+        if const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
+            crosses = Boolean(False)
+            if const_expr(self.varlen):
+                crosses = crosses | (row0 + tm > seqlen_q)
+            if const_expr(self.mask_k):
+                crosses = crosses | (key0 + tn > seqlen_k)
+            if const_expr(self.has_right):
+                crosses = crosses | (key0 + tn - 1 > row0 + diag + window_right)
+            if const_expr(self.has_left):
+                crosses = crosses | (key0 < row0 + tm - 1 + diag - window_left)
+            if crosses:
+                self._p_and_ds_tile(*args, True, False, lse_vals)
+            else:
+                self._p_and_ds_tile(*args, False, False, lse_vals)
+        else:
+            self._p_and_ds_tile(*args, False, False, lse_vals)
+
+    @cute.jit
+    def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                       window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
+                       masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr, lse_vals=None):
+        t_key, t_q, t_rel, c0 = cS
+        n_cols = cute.size(S, mode=[1])
+        # The limits relative to this thread's first element: element (r, c) is key
+        # key0 + t_key + dr, query row row0 + t_q + dc with static dr, dc (c0).
+        lim_q = seqlen_q - row0 - t_q  # dc < lim_q: row inside the sequence
+        lim_k = seqlen_k - key0 - t_key  # dr < lim_k: key inside the sequence
+        rel = (row0 + diag - key0) + t_rel
+        lim_right = rel + window_right  # dr - dc <= lim_right
+        lim_left = rel - window_left  # dr - dc >= lim_left
+        for c in cutlass.range_constexpr(n_cols):
+            dc = c0[0, c][1]
+            m_local = t_q + dc
+            lse2 = lse_vals[c] if const_expr(lse_vals is not None) else sLSE[m_local, stage]
+            i = row0 + m_local
+            dpsum = Float32(0.0)
+            if const_expr(dP is not None):
+                dpsum = sDp[m_local, stage]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                dr = c0[r, c][0]
+                j = key0 + t_key + dr
+                x = S[r, c]
+                grad_factor = Float32(1.0)
+                if const_expr(self.softcap):
+                    t = cute.math.tanh(x * scale / softcap_val, fastmath=True)
+                    x = t * softcap_val * LOG2_E
+                    grad_factor = 1.0 - t * t
+                else:
+                    x = x * scale_log2
+                if const_expr(self.score_graph is not None):
+                    # score_mod works in natural units on the scaled (softcapped) score; its
+                    # derivative, taken at that same score, joins the chain rule for dS.
+                    b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
+                    s_in = x * (1.0 / LOG2_E)
+                    x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, i, j, score_aux) * LOG2_E
+                    if const_expr(self.grad_graph is not None):
+                        grad_factor = grad_factor * mods_dsl.score_grad_value(
+                            self.grad_graph, s_in, b, h, i, j, score_aux)
+                k_emu = self.exp2_emulate_every
+                if const_expr(k_emu > 0 and c % k_emu == k_emu - 1):
+                    p = exp2_fma(x - lse2)  # exactly 0 at -inf (empty rows: lse2 = +inf)
+                else:
+                    p = cute.math.exp2(x - lse2, fastmath=True)
+                visible = Boolean(True)
+                if const_expr(self.varlen):
+                    visible = visible & (dc < lim_q)  # i < seqlen_q
+                if const_expr(self.mask_k):
+                    visible = visible & (dr < lim_k)  # j < seqlen_k
+                if const_expr(self.has_right):
+                    visible = visible & (dr - dc <= lim_right)  # j <= i + diag + window_right
+                if const_expr(self.has_left):
+                    visible = visible & (dr - dc >= lim_left)  # j >= i + diag - window_left
+                if const_expr(use_mask_mod):
+                    b, h, mask_aux = mod_ctx[0], mod_ctx[1], mod_ctx[3]
+                    # Rows / keys past the sequence (the padded tail of the last tile, a block-mask
+                    # row reaching past Sq) have P = 0 or zero operands whatever the mask says;
+                    # clamping keeps the mask_mod's tensor reads inside their rows.
+                    i_in = cutlass.min(i, seqlen_q - 1)
+                    j_in = cutlass.min(j, seqlen_k - 1)
+                    visible = visible & mods_dsl.mask_mod_value(self.mask_graph, b, h, i_in, j_in, mask_aux)
+                if const_expr(masked):
+                    p = Float32(cutlass.select_(visible, p, Float32(0.0)))  # a select, not an scf.if
+                S[r, c] = p
+                if const_expr(dP is not None):
+                    dP[r, c] = p * (dP[r, c] - dpsum) * grad_factor
