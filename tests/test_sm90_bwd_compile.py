@@ -37,9 +37,11 @@ VARIANTS = {
     "d128_dv64": (dict(d=128, dv=64), False),
     "d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
     "d128_softcap_causal": (dict(d=128, softcap=10.0, causal=True), False),
-    # the kernel's own varlen variant: compiled, not used yet (bwd.backward runs varlen per
-    # sequence through the dense variant until this one passes on the device)
+    # the kernel's own varlen variants: opt-in (bwd.VARLEN_KERNEL_ENV); bwd.backward runs varlen
+    # per sequence through the dense variants until tests/gpu test_varlen_kernel passes
     "d128_varlen_causal_gqa": (dict(d=128, hq=4, hkv=2, varlen=True, causal=True), False),
+    "d64_varlen_window": (dict(d=64, varlen=True, window_left=64, window_right=16), False),
+    "d256_varlen_causal": (dict(d=256, varlen=True, causal=True), False),
     "d64_seqused": (dict(d=64, seqused=True), False),
     "d128_causal_deterministic": (dict(d=128, causal=True), True),
     # narrow variant (64 keys per CTA shared by both warpgroups): head dims above 128
@@ -216,6 +218,24 @@ def test_descending_walk_selection(monkeypatch):
     assert not descending(_call(d=128, causal=True), det=True)
     monkeypatch.setenv(bwd.DESCENDING_ENV, "0")
     assert not descending(_call(d=128, causal=True))
+
+
+def test_varlen_kernel_selection(monkeypatch):
+    """Packed varlen batches run one dense launch per sequence unless the kernel's packed-rows
+    variant is asked for (bwd.VARLEN_KERNEL_ENV); deterministic mode and one-sided cu_seqlens
+    always run per sequence, dense batches never."""
+    import dataclasses
+
+    from torch_fa4.kernels.sm90 import bwd
+
+    packed = _call(d=128, varlen=True, causal=True)
+    monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV, raising=False)
+    assert bwd.runs_per_sequence(packed, False)
+    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1")
+    assert not bwd.runs_per_sequence(packed, False)
+    assert bwd.runs_per_sequence(packed, True)
+    assert bwd.runs_per_sequence(dataclasses.replace(packed, cu_seqlens_k=None), False)
+    assert not bwd.runs_per_sequence(_call(d=128, causal=True), False)
 
 
 def test_variant_key_memo_agrees(monkeypatch):

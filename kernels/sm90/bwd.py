@@ -11,8 +11,8 @@ mod tensors and block-mask lists are runtime arguments, so new sizes or values n
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
-strides, deterministic dQ. Varlen (cu_seqlens) runs one dense launch per sequence (the kernel's
-packed-rows variant faults on the device, see bwd_kernel.py). score_mod/mask_mod are lowered into
+strides, deterministic dQ. Varlen (cu_seqlens) runs one dense launch per sequence unless
+TORCH_FA4_BWD_VARLEN_KERNEL=1 (`runs_per_sequence`). score_mod/mask_mod are lowered into
 the kernel (derivative from the traced graph; validated on an H200 by
 tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
 dense batches, not deterministic, block-mask tiles multiples of the kernel's query rows per step
@@ -95,6 +95,13 @@ _DV_AFTER_DS = "1"
 PERSISTENT_ENV = "TORCH_FA4_BWD_PERSISTENT"
 _PERSISTENT = "1"
 PERSISTENT_CTAS_ENV = "TORCH_FA4_BWD_PERSISTENT_CTAS"
+# Varlen batches (cu_seqlens_q and _k) in one launch of the kernel's packed-rows variant (per
+# sequence row offsets) instead of one dense launch per sequence. That variant faulted on the
+# device when it was first written (session 1: an illegal instruction, cause not found) and has
+# not run on a GPU since, while the kernel around it changed throughout; it stays opt-in until
+# tests/gpu/test_sm90_bwd.py::test_varlen_kernel passes. TORCH_FA4_BWD_VARLEN_KERNEL=0|1.
+VARLEN_KERNEL_ENV = "TORCH_FA4_BWD_VARLEN_KERNEL"
+_VARLEN_KERNEL = "0"
 DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
 _DQ_FIRST = "1"
 # The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
@@ -606,11 +613,17 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
     return _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0), rows
 
 
+def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
+    """Whether a call with cu_seqlens runs one dense launch per sequence (VARLEN_KERNEL_ENV): always
+    with only one side packed or in deterministic mode (the packed variant's turns are untested)."""
+    if not (call.is_varlen or call.cu_seqlens_k is not None):
+        return False
+    packed = call.is_varlen and call.cu_seqlens_k is not None and not deterministic
+    return not (packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1")
+
+
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
-    if call.is_varlen or call.cu_seqlens_k is not None:
-        # The kernel's own varlen variant (packed rows, per-batch offsets) compiles but faults on
-        # the device (illegal instruction, cause not found yet); meanwhile each sequence runs
-        # through the dense variant, one launch per sequence.
+    if runs_per_sequence(call, deterministic):
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic)
         return
     key = variant_key(call, deterministic)
@@ -643,11 +656,15 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
                                   dtype=torch.float32, device=q.device)
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
         dq_acc = dq_acc_rows.transpose(1, 2)
-    max_k = call.max_seqlen_k if call.is_varlen else k.shape[1]
+    if call.is_varlen:  # the grid covers the longest sequence (given, or read from cu_seqlens)
+        from torch_fa4.kernels.common.fwd_launch import max_seqlens
+
+        max_q, max_k = max_seqlens(call)
+    else:
+        max_q, max_k = q.shape[1], k.shape[1]
     pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     sem = None
     if deterministic:
-        max_q = call.max_seqlen_q if call.is_varlen else q.shape[1]
         sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
     elif key[-3][7]:
         from .bwd_kernel import TRACE_EVENTS

@@ -268,6 +268,36 @@ def test_varlen():
     _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True)
 
 
+# The kernel's packed-rows varlen variant (one launch for the batch, bwd.VARLEN_KERNEL_ENV), opt-in
+# until this passes: (D, causal, window (left, right), softcap, hq, hkv, dtype, max sq, max sk).
+# Sequences of 1 .. max rows each, so tiles start mid-sequence, straddle two sequences, and some
+# sequences are shorter than a tile.
+_VARLEN_KERNEL_CASES = {
+    "d64_causal": (64, True, (-1, -1), 0.0, 4, 2, BF, 300, 260),
+    "d64_gqa": (64, False, (-1, -1), 0.0, 4, 1, BF, 517, 300),
+    "d96_causal": (96, True, (-1, -1), 0.0, 2, 2, BF, 200, 260),
+    "d128_causal_gqa": (128, True, (-1, -1), 0.0, 4, 2, BF, 300, 517),
+    "d128_window_softcap_fp16": (128, False, (64, 16), 8.0, 2, 2, FP, 300, 260),
+    "d192_causal": (192, True, (-1, -1), 0.0, 2, 1, BF, 300, 260),
+    "d256": (256, False, (-1, -1), 0.0, 2, 2, BF, 200, 300),
+}
+
+
+@pytest.mark.parametrize("name", list(_VARLEN_KERNEL_CASES))
+def test_varlen_kernel(name, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    d, causal, (left, right), softcap, hq, hkv, dtype, sq, sk = _VARLEN_KERNEL_CASES[name]
+    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ran one launch per sequence, not the packed variant")
+
+    monkeypatch.setattr(bwd, "_backward_per_sequence", refuse)
+    _case(dtype, 5, sq, sk, hq, hkv, d, d, causal=causal, left=left, right=right, softcap=softcap,
+          varlen=True)
+
+
 def test_seqused_k():
     _case(BF, 3, 150, 300, 2, 2, 64, 64, seqused=True)
 
