@@ -11,6 +11,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import static_layout as SL
+from ..common import wgmma
 from . import bwd_layouts as L
 
 
@@ -23,17 +24,6 @@ class BwdConsumer:
         pipe.consumer_release(state)
         if const_expr(self.split_ring):
             pipe_do.consumer_release(state)
-
-    @cute.jit
-    def _wgmma(self, mma: cute.TiledMma, acc, tA, tB, zero_init: cutlass.Constexpr):
-        warpgroup.fence()
-        # A fresh atom per call: its ACCUMULATE field is mutated below.
-        atom = cute.make_mma_atom(mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
     @cute.jit
     def _consume(
@@ -177,11 +167,11 @@ class BwdConsumer:
                 for c in cutlass.range_constexpr(cute.size(dP_init, mode=[1])):
                     for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
                         dP_init[r, c] = -dpsum_vals[c]
-            self._wgmma(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            wgmma.issue(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             if const_expr(self.split_ring):
                 pipe_do.consumer_wait(state)  # dO, dPsum of this stage
             if const_expr(not ovl or self.OVERLAP_DP):
-                self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
+                wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
             stamp(2)
             if const_expr(ovl):
                 # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
@@ -192,7 +182,7 @@ class BwdConsumer:
                     self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
                                  prev_m, n_block, wg, diag, window_left, is_leader)
                 if const_expr(not self.OVERLAP_DP):
-                    self._wgmma(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+                    wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
             if const_expr(self.dq_in_ring):
                 # The previous step's dQ add has read its stage by now (it ran while these
                 # products were issued): hand that stage back, so the producer loads the next
@@ -223,8 +213,8 @@ class BwdConsumer:
                 cute.autovec_copy(rdS, tdSsdS[None, None, None, 1])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                self._wgmma(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
-                self._wgmma(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
+                wgmma.issue(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
+                wgmma.issue(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
             elif const_expr(self.p_under_dp):
                 # P (fp32, in place) while dP^T is still on the tensor cores; dS from it once
                 # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T, dP^T
@@ -242,9 +232,9 @@ class BwdConsumer:
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
                 if const_expr(not self.dv_after_ds):
-                    self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                    wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 if const_expr(not self.dq_under_dk):
-                    self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+                    wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             elif const_expr(self.one_pass):
                 # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
                 warpgroup.wait_group(0)
@@ -253,9 +243,9 @@ class BwdConsumer:
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
                 if const_expr(not self.dv_after_ds):
-                    self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                    wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 if const_expr(not self.dq_under_dk):
-                    self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+                    wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
             else:
                 # P while dP^T is still on the tensor cores; dS while dV is.
                 warpgroup.wait_group(1)
@@ -265,7 +255,7 @@ class BwdConsumer:
                                lse_vals)
                 rP.store(acc_S.load().to(self.dtype))
                 # dV += P^T dO  (P^T straight from registers)
-                self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 stamp(4)
                 warpgroup.wait_group(1)
                 stamp(5)
@@ -284,7 +274,7 @@ class BwdConsumer:
                 rdS.store(acc_dP.load().to(self.dtype))
                 if const_expr(not self.dq_under_dk):
                     # dK += dS^T Q
-                    self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+                    wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
 
             if const_expr(not self.narrow):
                 # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
@@ -297,7 +287,7 @@ class BwdConsumer:
                     cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
                 if const_expr(self.dv_after_ds):
                     # dV += P^T dO while the stmatrix stores drain
-                    self._wgmma(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                    wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 stamp(6)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
@@ -305,12 +295,12 @@ class BwdConsumer:
 
             acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
             if const_expr(self.dq_transposed):
-                self._wgmma(mma_dQ, acc_dQ, tdQrK, tdQrdS[None, None, None, buf], True)
+                wgmma.issue(mma_dQ, acc_dQ, tdQrK, tdQrdS[None, None, None, buf], True)
             else:
-                self._wgmma(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
+                wgmma.issue(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
             if const_expr(self.dq_under_dk):
                 # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
-                self._wgmma(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+                wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
                 stamp(8)
                 warpgroup.wait_group(1)
                 stamp(9)

@@ -68,6 +68,7 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
+from torch_fa4.kernels.common import wgmma
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
@@ -84,22 +85,6 @@ FWD_TRACE_SMID = len(FWD_TRACE_EVENTS)
 _BAR_SCHED = 1  # 1..3: consumer warpgroup turn-taking
 _BAR_EPI_ALL = 4  # all consumers: every wgmma reading Q is done before O overwrites it
 _BAR_EPI_WG = 5  # 5..7: one warpgroup's O tile is in shared memory
-
-
-@cute.jit
-def _wgmma(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
-    """acc (+)= A @ B over the K blocks of the fragments, as one committed wgmma group.
-
-    wait >= 0 waits until at most `wait` groups are in flight; -1 returns with it in flight."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(a_frag.shape[2])):
-        cute.gemm(atom, acc, a_frag[None, None, k], b_frag[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait >= 0):
-        warpgroup.wait_group(wait)
 
 
 class FlashFwdSm90:
@@ -536,9 +521,9 @@ class FlashFwdSm90:
             scale_rows(acc_o, row_scale)
         wait_full(pipe_k, state, self.cfg.peek_waits)
         self._turn_wait(wg)
-        _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+        wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
         wait_full(pipe_v, v_state, self.cfg.peek_waits)
-        _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         warpgroup.wait_group(1)  # S ready; P V still running
         if const_expr(self._early_q_release):
@@ -713,7 +698,7 @@ class FlashFwdSm90:
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             wait_full(pipe_k, state, self.cfg.peek_waits)
             self._turn_wait(wg)
-            _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+            wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
             self._turn_pass(wg)
             warpgroup.wait_group(0)
             if tidx == 0:
@@ -753,7 +738,7 @@ class FlashFwdSm90:
                 scale_rows(acc_o, row_scale)  # the last tile's factors, before its P V joins O
             wait_full(pipe_v, v_state, self.cfg.peek_waits)
             self._turn_wait(wg)
-            _wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+            wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
             self._turn_pass(wg)
             warpgroup.wait_group(0)
             if tidx == 0:
