@@ -43,6 +43,10 @@ Epilogue: O is normalised in registers, converted, written to shared memory over
 dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
 into the next sequence, store from registers with a row predicate instead. LSE goes straight from
 registers.
+
+Where the code is: this module holds the kernel class (configuration, shared memory, the launch,
+the role dispatch); its roles are mixins with one concern each: fwd_producer.py (TMA loads),
+fwd_consumer.py (the key loop of a consumer warpgroup), fwd_epilogue.py (O and LSE out).
 """
 
 from typing import Optional
@@ -53,27 +57,20 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
 from torch_fa4.kernels.common.block_range import BlockRange
-from torch_fa4.kernels.common.convert import convert_pairs
-from torch_fa4.kernels.common import l2_hints
 from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
-from torch_fa4.kernels.common.masking import apply_mask
-from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
-from torch_fa4.kernels.common.ring_waits import wait_full
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
-from torch_fa4.kernels.common.tile_mods import TileMods
-from torch_fa4.kernels.common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
+from torch_fa4.kernels.common.tile_mailbox import init_mailbox
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
-from torch_fa4.kernels.common import wgmma
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
+from torch_fa4.kernels.sm90.fwd_consumer import FwdConsumer
+from torch_fa4.kernels.sm90.fwd_epilogue import FwdEpilogue
+from torch_fa4.kernels.sm90.fwd_producer import FwdProducer
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
 
 # Tracing (cfg.trace): per work item, the global nanosecond timer (low 32 bits) at these points,
 # then the SM's id, into mTrace[item, :] (benchmarks/fwd_trace.py). The producer warp stamps the
@@ -81,13 +78,8 @@ LN_2 = 0.6931471805599453
 FWD_TRACE_EVENTS = ("item_start", "q_issued", "q_ready", "first_s", "last_pv", "epilogue_done")
 FWD_TRACE_SMID = len(FWD_TRACE_EVENTS)
 
-# named barrier ids (0 is __syncthreads)
-_BAR_SCHED = 1  # 1..3: consumer warpgroup turn-taking
-_BAR_EPI_ALL = 4  # all consumers: every wgmma reading Q is done before O overwrites it
-_BAR_EPI_WG = 5  # 5..7: one warpgroup's O tile is in shared memory
 
-
-class FlashFwdSm90:
+class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
     def __init__(self, cfg: FwdConfig):
         self.cfg = cfg
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
@@ -362,100 +354,6 @@ class FlashFwdSm90:
         return DenseKvWalk(n_min, n_max)
 
     @cute.jit
-    def produce(self, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
-                tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler, brange: BlockRange,
-                block_mask, bidx, mailbox):
-        """The TMA warp: for each work item of this CTA, Q once and the walk's K and V tiles."""
-        cfg = self.cfg
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
-        args = (mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV, tma_Q, tma_K, tma_V,
-                pipe_q, pipe_k, pipe_v, sched, brange, block_mask)
-        tile = bidx
-        if const_expr(cfg.dynamic_schedule):
-            bar, slots, counter = mailbox
-            num_ctas = cute.arch.grid_dim()[0]
-            i = Int32(0)
-            while tile < sched.num_tiles():
-                publish_item(bar, slots, i, tile)
-                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
-                # taken once this item's loads are all issued, as a freed SM would take a new CTA
-                # (taken as they start instead: worse, NOTES "Experiment 63")
-                tile = next_item(counter, num_ctas)
-                i += 1
-            publish_item(bar, slots, i, tile)  # past the last item: the consumers stop
-        elif const_expr(cfg.persistent):
-            num_ctas = cute.arch.grid_dim()[0]
-            rnd = Int32(0)
-            while tile < sched.num_tiles():
-                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
-                rnd += 1
-                tile = sched.persistent_tile(rnd, bidx, num_ctas)
-        else:
-            if tile < sched.num_tiles():
-                self.produce_item(tile, q_state, k_state, v_state, *args)
-
-    @cute.jit
-    def produce_item(self, tile, q_state, k_state, v_state, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-                     sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler,
-                     brange: BlockRange, block_mask):
-        """Work item `tile`'s loads; returns the ring positions after them."""
-        cfg = self.cfg
-        lane0 = cute.arch.lane_idx() == 0
-        if lane0:
-            self._stamp(tile, 0)
-        # every query tile of a head reads the same K and V; Q is read once
-        shared_hint = l2_hints.policy(cfg.kv_evict_last, l2_hints.EVICT_LAST)
-        once_hint = l2_hints.policy(cfg.q_evict_first, l2_hints.EVICT_FIRST)
-        num_heads_kv = cute.size(mK.shape[2])
-        m_block, head, batch = sched.work(tile)
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        # varlen grids are sized for the longest sequence: items past a sequence's end are empty
-        if m_block * self.tile_m < seqlen.seqlen_q:
-            batch_q = batch if const_expr(not cfg.varlen_q) else 0
-            batch_k = batch if const_expr(not cfg.varlen_k) else 0
-            head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
-            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
-            gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
-            gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
-            gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
-                                               cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
-                                               cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-            # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
-            # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
-            # Q's buffer frees only when the previous item is done with it, K's slot earlier.
-            if walk.nonempty():
-                pipe_k.producer_acquire(k_state)
-                cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint)
-                k_state.advance()
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state), cache_policy=once_hint)
-            q_state.advance()
-            if lane0:
-                self._stamp(tile, 1)
-            if walk.nonempty():
-                for i in cutlass.range(walk.count - 1, unroll=1):
-                    pipe_k.producer_acquire(k_state)
-                    cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint)
-                    k_state.advance()
-                    pipe_v.producer_acquire(v_state)
-                    cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint)
-                    v_state.advance()
-                pipe_v.producer_acquire(v_state)
-                cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint)
-                v_state.advance()
-        return q_state, k_state, v_state
-
-    @cute.jit
     def _stamp(self, tile, event: cutlass.Constexpr):
         """Tracing: the global timer at FWD_TRACE_EVENTS[event] of work item `tile` (and the SM id
         with the last event); no code when off. Stored at once: a timer read kept for later may be
@@ -464,352 +362,3 @@ class FlashFwdSm90:
             self._trace[tile, event] = cute.arch.globaltimer_lo()
             if const_expr(event == FWD_TRACE_SMID - 1):
                 self._trace[tile, FWD_TRACE_SMID] = cute.arch.smid()
-
-    # consumer warpgroups take turns issuing matmuls (pingpong); no-ops otherwise
-    @cute.jit
-    def _turn_wait(self, wg: Int32):
-        if const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)
-
-    @cute.jit
-    def _turn_pass(self, wg: Int32):
-        if const_expr(self.pingpong):
-            nxt = wg + 1
-            if nxt == self.num_wg:
-                nxt = 0
-            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
-
-    @cute.jit
-    def _scores(self, acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial,
-                masked: cutlass.Constexpr = None):
-        """Raw q.k -> softmax units (softcap, score_mod) and masks, in place.
-
-        partial: whether mask_mod must run on this tile (a block mask's partial tile; always True
-        without a block mask). masked: whether the causal / window / length mask applies (None:
-        decided per tile at run time)."""
-        if const_expr(self.cfg.softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
-        if const_expr(self.score_graph is not None):
-            mods.score_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
-        if const_expr(masked is None):
-            if brange.needs_mask(n_block, m_block, seqlen.seqlen_q, seqlen.seqlen_k):
-                apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k, True)
-        elif const_expr(masked):
-            apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k, True)
-        if const_expr(self.mask_graph is not None):
-            if const_expr(self.cfg.block_sparse):
-                if partial:
-                    mods.mask_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
-            else:
-                mods.mask_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
-
-    def _is_partial(self, walk, t):
-        return walk.is_partial(t) if const_expr(self.cfg.block_sparse) else True
-
-    @cute.jit
-    def _kv_step(self, t, masked: cutlass.Constexpr, state, v_state, softmax, acc_s, acc_o, tOrP,
-                 row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                 brange, m_block, seqlen, score_scale, mods, walk, wg, pipe_q, q_state):
-        """Key tile t >= 1 of the walk: S_t = Q K_t^T beside O += P_{t-1} V_{t-1}, then the softmax
-        of S_t under the P V. Returns the ring positions and the softmax state after it."""
-        n_block = walk.n_block(t)
-        partial = self._is_partial(walk, t)
-        if const_expr(self.cfg.early_o_rescale):
-            # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
-            # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
-            scale_rows(acc_o, row_scale)
-        wait_full(pipe_k, state, self.cfg.peek_waits)
-        self._turn_wait(wg)
-        wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
-        wait_full(pipe_v, v_state, self.cfg.peek_waits)
-        wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-        self._turn_pass(wg)
-        warpgroup.wait_group(1)  # S ready; P V still running
-        if const_expr(self._early_q_release):
-            if t == walk.count - 1:  # the walk's last Q K^T is done
-                pipe_q.consumer_release(q_state)
-        if const_expr(not self.cfg.pin_pv_wait):
-            pipe_k.consumer_release(state)
-        self._scores(acc_s, coords, brange, m_block, n_block, seqlen, score_scale, mods, partial, masked)
-        moved = softmax.step(acc_s, row_scale)
-        if const_expr(self.cfg.pin_pv_wait):
-            self._release_after_softmax(pipe_k, state, softmax)
-        warpgroup.wait_group(0)
-        pipe_v.consumer_release(v_state)
-        if const_expr(not self.cfg.early_o_rescale):
-            if moved:
-                scale_rows(acc_o, row_scale)
-        convert_pairs(a_operand(acc_s), tOrP)
-        v_state = state.clone()
-        state.advance()
-        return state, v_state, softmax
-
-    @cute.jit
-    def _release_after_softmax(self, pipe_k, state, softmax):
-        """Release the K slot once the softmax is done, as a data dependence ptxas can see.
-
-        ptxas moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic, and
-        put it right after the row max: the warpgroup then waited for P V before its
-        exponentials, which no longer ran under the matmul. It does not move the wait above a
-        memory operation such as this mbarrier arrive, so the arrive is predicated on the row
-        sums (never negative, so the predicate is always true; NaN compares false too): it cannot
-        issue before the last exponential, and the wait follows it."""
-        total = softmax.row_sum[0]
-        for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
-            total = total + softmax.row_sum[r]
-        if not (total < Float32(0.0)):
-            pipe_k.consumer_release(state)
-
-    @cute.jit
-    def consume(self, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
-                tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale, softmax_scale_log2,
-                brange: BlockRange, sched: TileScheduler, block_mask, score_aux, mask_aux, bidx,
-                tidx, mailbox):
-        """A consumer warpgroup: its 64 rows of every work item of this CTA."""
-        cfg = self.cfg
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        if const_expr(self.pingpong):
-            if wg == 0:  # the first warpgroup goes first
-                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        # K and V are produced in the same number per item, so one ring position serves both
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-        args = (mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sO, sO_mn, tma_O,
-                pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale,
-                softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, wg, tidx)
-        tile = bidx
-        if const_expr(cfg.dynamic_schedule):
-            bar, slots, _ = mailbox
-            i = Int32(0)
-            tile = read_item(bar, slots, i)
-            while tile < sched.num_tiles():
-                q_state, state = self.consume_tile(tile, q_state, state, *args)
-                i += 1
-                tile = read_item(bar, slots, i)
-        elif const_expr(cfg.persistent):
-            num_ctas = cute.arch.grid_dim()[0]
-            rnd = Int32(0)
-            while tile < sched.num_tiles():
-                q_state, state = self.consume_tile(tile, q_state, state, *args)
-                rnd += 1
-                tile = sched.persistent_tile(rnd, bidx, num_ctas)
-        else:
-            if tile < sched.num_tiles():
-                self.consume_tile(tile, q_state, state, *args)
-
-    @cute.jit
-    def consume_tile(self, tile, q_state, state, mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
-                     mSequsedK, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ,
-                     tSrK, tOrVt, score_scale, softmax_scale_log2, brange: BlockRange, sched: TileScheduler,
-                     block_mask, score_aux, mask_aux, wg, tidx):
-        """Work item `tile`, unless it lies past its sequence's end; returns the Q and K/V ring
-        positions after it."""
-        m_block, head, batch = sched.work(tile)
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        if m_block * self.tile_m < seqlen.seqlen_q:
-            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
-            args = (mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
-                    tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
-                    walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx, tile)
-            if const_expr(self.cfg.skip_idle_rows and self.num_wg > 1):
-                if m_block * self.tile_m + wg * 64 >= seqlen.seqlen_q:
-                    state = self._idle_item(walk, pipe_q, pipe_k, pipe_v, q_state, state, wg)
-                else:
-                    state = self.consume_item(*args)
-            else:
-                state = self.consume_item(*args)
-            q_state.advance()
-            if tidx == 0:
-                self._stamp(tile, 5)
-        return q_state, state
-
-    @cute.jit
-    def _idle_item(self, walk, pipe_q, pipe_k, pipe_v, q_state, state, wg):
-        """A work item for a warpgroup whose 64 rows all lie past the sequence's end (the last
-        query tile of a sequence that is not a multiple of tile_m: 4096 = 21 x 192 + 64 leaves two
-        of the three warpgroups idle there). It issues no matmul, so the tensor cores serve the
-        other warpgroups, but stays in step with them: a turn at every matmul issue point of
-        consume_item, every Q / K / V slot waited for and released once, and the barrier before O
-        overwrites Q. Returns the K/V ring position after the item."""
-        wait_full(pipe_q, q_state, self.cfg.peek_waits)
-        if walk.nonempty():
-            wait_full(pipe_k, state, self.cfg.peek_waits)  # the first key tile: S only
-            self._turn_wait(wg)
-            self._turn_pass(wg)
-            pipe_k.consumer_release(state)
-            v_state = state.clone()
-            state.advance()
-            for _ in cutlass.range(walk.count - 1, unroll=1):  # S of this tile, P V of the last
-                wait_full(pipe_k, state, self.cfg.peek_waits)
-                self._turn_wait(wg)
-                wait_full(pipe_v, v_state, self.cfg.peek_waits)
-                self._turn_pass(wg)
-                pipe_k.consumer_release(state)
-                pipe_v.consumer_release(v_state)
-                v_state = state.clone()
-                state.advance()
-            wait_full(pipe_v, v_state, self.cfg.peek_waits)  # the last tile's P V
-            self._turn_wait(wg)
-            self._turn_pass(wg)
-            pipe_v.consumer_release(v_state)
-        if const_expr(not self.separate_o and not self.cfg.varlen_q):
-            cute.arch.barrier(barrier_id=_BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
-        pipe_q.consumer_release(q_state)
-        return state
-
-    @cute.jit
-    def consume_item(self, mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
-                     tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange: BlockRange,
-                     seqlen: SeqlenInfo, walk, m_block, head, batch, score_aux, mask_aux, q_state, state,
-                     wg, tidx, tile):
-        """One work item: the online-softmax loop over the walk's key tiles, then the epilogue.
-        Returns the K/V ring position after the item."""
-        cfg = self.cfg
-        batch_q = batch if const_expr(not cfg.varlen_q) else 0
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        acc_o = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdimv)), Float32)
-        acc_o.fill(0.0)
-        coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        num_rows = cute.size(rows_cols(coords), mode=[0])
-        mods = None
-        if const_expr(self.score_graph is not None or self.mask_graph is not None):
-            # raw score * natural_scale is the score in natural units: scale, or softcap after tanh
-            mods = TileMods(self.score_graph, self.mask_graph, score_aux, mask_aux, batch, head,
-                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2))
-        if const_expr(self.score_graph is not None):
-            softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
-        softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)
-        row_scale = cute.make_rmem_tensor(num_rows, Float32)
-
-        wait_full(pipe_q, q_state, self.cfg.peek_waits)
-        if tidx == 0:
-            self._stamp(tile, 2)
-
-        if walk.nonempty():
-            # first key tile of the walk (the rightmost without a block mask): S only
-            acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wait_full(pipe_k, state, self.cfg.peek_waits)
-            self._turn_wait(wg)
-            wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
-            self._turn_pass(wg)
-            warpgroup.wait_group(0)
-            if tidx == 0:
-                self._stamp(tile, 3)
-            pipe_k.consumer_release(state)
-            if const_expr(self._early_q_release):
-                if walk.count == 1:
-                    pipe_q.consumer_release(q_state)
-            self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
-                         self._is_partial(walk, 0))
-            softmax.step(acc_s, row_scale)
-            convert_pairs(a_operand(acc_s), tOrP)
-            v_state = state.clone()
-            state.advance()
-
-            step = (acc_s, acc_o, tOrP, row_scale, coords, tSrQ, tSrK, tOrVt, pipe_k, pipe_v,
-                    tiled_mma_qk, tiled_mma_pv, brange, m_block, seqlen, score_scale, mods, walk, wg,
-                    pipe_q, q_state)
-            if const_expr(cfg.block_sparse or not cfg.split_mask_loops):
-                for i in cutlass.range(walk.count - 1, unroll=1):
-                    state, v_state, softmax = self._kv_step(i + 1, None, state, v_state, softmax, *step)
-            else:
-                # three loops so the tiles that need no element mask (most of them) run without
-                # any mask code: [1, r) masked, [r, l) unmasked, [l, count) masked
-                r, l = brange.masked_ends(m_block, seqlen.seqlen_q, seqlen.seqlen_k, walk.n_min, walk.n_max)
-                r = cutlass.max(r, 1)
-                l = cutlass.max(l, r)
-                for t in cutlass.range(1, r, unroll=1):
-                    state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
-                for t in cutlass.range(r, l, unroll=cfg.unroll_unmasked):
-                    state, v_state, softmax = self._kv_step(t, False, state, v_state, softmax, *step)
-                if const_expr(cfg.has_window):  # else l == count (masked_ends): no third loop to compile
-                    for t in cutlass.range(l, walk.count, unroll=1):
-                        state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
-
-            if const_expr(cfg.early_o_rescale):
-                scale_rows(acc_o, row_scale)  # the last tile's factors, before its P V joins O
-            wait_full(pipe_v, v_state, self.cfg.peek_waits)
-            self._turn_wait(wg)
-            wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-            self._turn_pass(wg)
-            warpgroup.wait_group(0)
-            if tidx == 0:
-                self._stamp(tile, 4)
-            pipe_v.consumer_release(v_state)
-        if const_expr(self.separate_o):
-            if const_expr(self._early_q_release):
-                if not walk.nonempty():  # (else released after the walk's last Q K^T)
-                    pipe_q.consumer_release(q_state)
-            else:
-                pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
-
-        lse = cute.make_rmem_tensor(num_rows, Float32)
-        softmax.finalize(row_scale, lse)
-        scale_rows(acc_o, row_scale)
-        self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
-                      seqlen, m_block, head, batch_q, wg, tidx)
-        if const_expr(not self.separate_o):
-            # O was staged over Q's buffer: Q may load again once the O store has read it out
-            pipe_q.consumer_release(q_state)
-        return state
-
-    @cute.jit
-    def epilogue(self, acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
-                 seqlen: SeqlenInfo, m_block, head, batch_q, wg, tidx):
-        cfg = self.cfg
-        # LSE: the lane holding column 0 of a row writes it
-        c = rows_cols(coords)
-        mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
-        if c[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + c[r, 0][0]
-                if row < seqlen.seqlen_q:
-                    mLSE_cur[row] = lse[r]
-
-        r_o = cute.make_rmem_tensor(acc_o.layout, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
-        thr_pv = tiled_mma_pv.get_slice(tidx)
-        if const_expr(not cfg.varlen_q):
-            if const_expr(self.separate_o):
-                # this warpgroup's previous O store has read its tile out (its issuing warp waits
-                # for that before it gets here)
-                cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
-            else:
-                # every consumer's Q reads are done before O overwrites Q's buffer
-                cute.arch.barrier(barrier_id=_BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
-            # stmatrix: one shared-memory address per 8x8 block of four (a per-element copy keeps
-            # an address per store live and starves the wgmma pipeline of registers)
-            stsm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_pv).get_slice(tidx)
-            cute.copy(thr_stsm, thr_stsm.retile(r_o), thr_stsm.partition_D(sO_mn))
-            cute.arch.fence_view_async_shared()  # generic-proxy writes -> TMA reads
-            cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
-            if tidx % 128 < 32:
-                gO = cute.local_tile(mO_tma[None, None, head, batch_q], (64, self.hdimv),
-                                     (m_block * self.num_wg + wg, 0))
-                tOsO, tOgO = cpasync.tma_partition(
-                    tma_O, 0, cute.make_layout(1), cute.group_modes(sO[None, None, wg], 0, 2),
-                    cute.group_modes(gO, 0, 2))
-                cute.copy(tma_O, tOsO, tOgO)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(not self.separate_o):
-                # the caller releases Q's buffer next: the store must have read it out
-                cute.arch.barrier(barrier_id=_BAR_EPI_WG + wg, number_of_threads=128)
-        else:
-            mO_cur = seqlen.q_rows(mO[None, None, head, batch_q])
-            gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_block, 0))
-            tOgO = thr_pv.partition_C(gO)
-            tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdimv)))
-            limit = seqlen.seqlen_q - m_block * self.tile_m
-            for i in cutlass.range_constexpr(cute.size(r_o)):
-                if tOcO[i][0] < limit:
-                    tOgO[i] = r_o[i]
