@@ -526,8 +526,10 @@ def _emulated_kernel(key):
     (64-query, 128-key) tiles the transposed lists name contribute, with the mask_mod applied on
     partial ones only, each as many times as it is listed (as the kernel would add it)."""
     dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse, mod_key = key
-    assert not varlen  # varlen runs per sequence through the dense variant
     tile_n, tile_m = kernel_tiles[0], kernel_tiles[3]
+    if varlen:  # the packed-rows variant (bwd.VARLEN_KERNEL_ENV)
+        assert not mod_key and sparse is None and not deterministic
+        return _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles)
     mods = None
     if mod_key:
         from torch_fa4.mods.registry import lookup
@@ -594,6 +596,55 @@ def _emulated_kernel(key):
     return fn
 
 
+def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles):
+    """_emulated_kernel for the packed-rows varlen variant: q / do (Tq, Hq, D), k / v (Tk, Hkv, D),
+    row statistics and the dQ buffer (Hq, rows[, D]) over the packed rows, sequences at the
+    cu_seqlens offsets, a grid sized by max_k."""
+    tile_n, tile_m = kernel_tiles[0], kernel_tiles[3]
+
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
+        scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
+        assert all(t is None for t in rest[:4]) and sem is None
+        # every query tile a CTA reads, from any sequence's offset, lies inside the statistics
+        assert lse2.shape == dpsum.shape == dq_acc.shape[:2] and lse2.shape[-1] % tile_m == 0
+        assert lse2.shape[-1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m
+        f = lambda t: t.double()
+        for b in range(cu_q.shape[0] - 1):
+            qa, qb, ka, kb = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+            sq, sk_rows = qb - qa, kb - ka
+            assert sk_rows <= max_k, "the grid does not cover the longest sequence's key tiles"
+            sk = int(used[b]) if used is not None else sk_rows
+            i = torch.arange(sq)[:, None]
+            j = torch.arange(sk_rows)[None, :]
+            vis = (j < sk).expand(sq, sk_rows).clone()
+            if has_right:
+                vis &= j <= i + (sk - sq) + right
+            if has_left:
+                vis &= j >= i + (sk - sq) - left
+            gk = torch.zeros(sk_rows, k.shape[1], d, dtype=torch.float64)
+            gv = torch.zeros(sk_rows, k.shape[1], dv, dtype=torch.float64)
+            for h in range(q.shape[1]):
+                hk = h // group
+                s = f(q[qa:qb, h]) @ f(k[ka:kb, hk]).T
+                factor = 1.0
+                if softcap:
+                    t = torch.tanh(s * scale / softcap_val)
+                    x = t * softcap_val * 1.4426950408889634
+                    factor = 1 - t * t
+                else:
+                    x = s * scale_log2
+                p = torch.exp2(x - f(lse2[h, qa:qb])[:, None]) * vis.double()
+                dp = f(do[qa:qb, h]) @ f(v[ka:kb, hk]).T
+                ds = p * (dp - f(dpsum[h, qa:qb])[:, None]) * factor
+                dq_acc[h, qa:qb] += (ds @ f(k[ka:kb, hk])).float()  # unscaled: bwd.py scales
+                gk[:, hk] += scale * ds.T @ f(q[qa:qb, h])
+                gv[:, hk] += p.T @ f(do[qa:qb, h])
+            dk[ka:kb].copy_(gk)
+            dvv[ka:kb].copy_(gv)
+
+    return fn
+
+
 def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, rows, tile_n, tile_m):
     """Element weights (partial visits, full visits) of the tiles that KV head hk's CTAs walk for
     query head h, read from the transposed lists exactly as the kernel's SparseQWalk reads them."""
@@ -618,14 +669,17 @@ def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, 
 
 
 @pytest.mark.parametrize("tile_m", [64, 128])
-@pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_q_only_seqused", "softcap",
-                                  "deterministic_window"])
+@pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_window_packed", "varlen_causal_packed",
+                                  "varlen_q_only_seqused", "softcap", "deterministic_window"])
 def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
+    """varlen_*_packed: one launch of the packed-rows variant (bwd.VARLEN_KERNEL_ENV), max_seqlen_k
+    left for the host to read from cu_seqlens; varlen_window: one dense launch per sequence."""
     import math
 
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1" if case.endswith("_packed") else "0")
     monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))  # D64: the 64- or the 128-query variant
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
@@ -640,10 +694,14 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     elif case == "deterministic_window":
         q, k, v, do = rnd(2, 300, hq, d), rnd(2, 200, hkv, d), rnd(2, 200, hkv, d), rnd(2, 300, hq, d)
         kw = dict(window_left=70, causal=True)
-    elif case == "varlen_window":
+    elif case in ("varlen_window", "varlen_window_packed"):
         cu_q, cu_k = torch.tensor([0, 40, 40, 107], dtype=torch.int32), torch.tensor([0, 30, 55, 55], dtype=torch.int32)
         q, k, v, do = rnd(107, hq, d), rnd(55, hkv, d), rnd(55, hkv, d), rnd(107, hq, d)
         kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=67, max_seqlen_k=30, window_left=7)
+    elif case == "varlen_causal_packed":  # no maxima given: the host reads them
+        cu_q, cu_k = torch.tensor([0, 3, 150, 171], dtype=torch.int32), torch.tensor([0, 90, 95, 230], dtype=torch.int32)
+        q, k, v, do = rnd(171, hq, d), rnd(230, hkv, d), rnd(230, hkv, d), rnd(171, hq, d)
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
     else:  # packed queries over a dense KV cache limited by seqused_k
         cu_q = torch.tensor([0, 5, 29], dtype=torch.int32)
         q, do = rnd(29, hq, d), rnd(29, hq, d)
@@ -651,6 +709,8 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
         kw = dict(cu_seqlens_q=cu_q, seqused_k=torch.tensor([17, 64], dtype=torch.int32), max_seqlen_q=24,
                   max_seqlen_k=64, causal=True)
     call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
+    assert bwd.runs_per_sequence(call, case.startswith("deterministic")) == (
+        call.cu_seqlens_q is not None and not case.endswith("_packed"))
 
     # float64 reference, one sequence at a time (dense or packed)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
