@@ -76,7 +76,6 @@ def exps_after_pv_wait(sass: str) -> list:
     return counts
 
 
-
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")
 _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 _BRANCH = re.compile(r"BRA.*`\(\.(L_x_\d+)\)")

@@ -198,7 +198,7 @@ def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
     """`peek_waits` (kernels/common/ring_waits.py): the unmasked key loop issues fewer instructions
     per key tile when its stages have landed. Checked against the plain waits of the same variant,
     so the test notices when a ptxas update makes the option moot (NOTES "Experiment 78": D64
-    441 -> 430, D128 468 -> 454, D256 causal 578 -> 507, where ptxas had moved the wgmma
+    441 -> 430, D128 468 -> 453, D256 causal 578 -> 507, where ptxas had moved the wgmma
     descriptors' arithmetic to vector registers)."""
     from torch_fa4.kernels.sm90 import fwd_host
 

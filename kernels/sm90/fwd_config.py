@@ -63,8 +63,9 @@ class FwdConfig:
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True
-    # consumer waits on the Q / K / V rings peek (one try-wait) before waiting: two issued
-    # instructions per wait when the stage has landed instead of four (kernels/common/ring_waits.py)
+    # consumer waits on the Q / K / V rings peek (one try-wait) before waiting: fewer issued
+    # instructions per key tile on the CPU compile (kernels/common/ring_waits.py, NOTES
+    # "Experiment 78"); off until timed on a GPU (bench --sweep peek-waits)
     peek_waits: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
