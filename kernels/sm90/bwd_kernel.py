@@ -517,7 +517,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         num_ctas: Int32, score_aux, mask_aux,
         Storage: cutlass.Constexpr,
     ):
-        tm, tn = self.tile_m, self.tile_n
+        tm = self.tile_m
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(not self.persistent):  # (the persistent roles take their tiles in turn)
