@@ -61,6 +61,8 @@ PASSES_ENV = "TORCH_FA4_BWD_PASSES"
 # issues dQ before dK and stages dQ while dK runs; "0" issues dK first and stages dQ under the next
 # step's products. With the dQ writer warp, "1" measured +5-9% at D128 and D64 non-causal, -1-2%
 # at D64 causal (H100, NOTES "Experiment 26").
+DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
+_DQ_FIRST = "1"
 # Queries per kernel step at D = Dv = 128 (128-key CTAs) for calls without a causal / window mask,
 # softcap, mods, block mask or deterministic mode: 64, or 80 (flash-attn-4's tile there; dQ
 # computed as dQ^T = K^T dS^T). 64 stays the default: on an H100 the 80-query variant ran 1-2%
@@ -95,6 +97,11 @@ _DV_AFTER_DS = "1"
 PERSISTENT_ENV = "TORCH_FA4_BWD_PERSISTENT"
 _PERSISTENT = "1"
 PERSISTENT_CTAS_ENV = "TORCH_FA4_BWD_PERSISTENT_CTAS"
+# The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
+# each consumer warpgroup's leader warp: on for the 128-key variants (separate dQ slabs);
+# TORCH_FA4_BWD_DQ_WARP=0 gives the leader-warp adds back, =1 is the default. The 64-key variants
+# keep the leader adds (dQ staged in the ring needs them; D192 is not converted).
+DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Varlen batches (cu_seqlens_q and _k) in one launch of the kernel's packed-rows variant (per
 # sequence row offsets) instead of one dense launch per sequence. That variant faulted on the
 # device when it was first written (session 1: an illegal instruction, cause not found) and has
@@ -102,13 +109,6 @@ PERSISTENT_CTAS_ENV = "TORCH_FA4_BWD_PERSISTENT_CTAS"
 # tests/gpu/test_sm90_bwd.py::test_varlen_kernel passes. TORCH_FA4_BWD_VARLEN_KERNEL=0|1.
 VARLEN_KERNEL_ENV = "TORCH_FA4_BWD_VARLEN_KERNEL"
 _VARLEN_KERNEL = "0"
-DQ_FIRST_ENV = "TORCH_FA4_BWD_DQ_FIRST"
-_DQ_FIRST = "1"
-# The dQ TMA adds from a dedicated warp (producer warp 1, bwd_kernel `dq_writer_warp`) instead of
-# each consumer warpgroup's leader warp: on for the 128-key variants (separate dQ slabs);
-# TORCH_FA4_BWD_DQ_WARP=0 gives the leader-warp adds back, =1 is the default. The 64-key variants
-# keep the leader adds (dQ staged in the ring needs them; D192 is not converted).
-DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Phase tracing, a measuring tool (benchmarks/bwd_trace.py): TORCH_FA4_BWD_TRACE=N compiles a
 # variant that stamps a clock at bwd_kernel.TRACE_EVENTS of the first N steps of the CTAs of batch
 # 0, KV head 0 (TORCH_FA4_BWD_TRACE_PAIR=b:hkv picks another pair: batch 0, head 0 run in the
