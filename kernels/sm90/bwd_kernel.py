@@ -72,9 +72,10 @@ are padded to 96 values (TMA destinations are 128-byte aligned).
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
-Variable length: the `varlen` variant (packed rows, per-batch row offsets) compiles but faults on
-the device (illegal instruction, cause not found yet); bwd.py runs varlen batches one sequence at a
-time through the dense variant until it is fixed.
+Variable length: the `varlen` variant (packed rows, per-sequence row offsets, dK / dV stored from
+registers with a row predicate) faulted on the device when first written and has not run on one
+since; bwd.py runs varlen batches one sequence at a time through the dense variant unless
+TORCH_FA4_BWD_VARLEN_KERNEL=1 (bwd.runs_per_sequence).
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
