@@ -215,31 +215,26 @@ class BwdConsumer:
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 wgmma.issue(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
                 wgmma.issue(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
-            elif const_expr(self.p_under_dp):
-                # P (fp32, in place) while dP^T is still on the tensor cores; dS from it once
-                # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T, dP^T
-                # and dK, dV are live (and the dPsum values are loaded after it landed).
-                warpgroup.wait_group(1)
-                stamp(3)
-                self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
-                warpgroup.wait_group(0)
-                stamp(5)
-                dpsum_vals = self._column_stats(sDp, cS, stage, S)
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum_vals[c])
-                rP.store(acc_S.load().to(self.dtype))
-                rdS.store(acc_dP.load().to(self.dtype))
-                if const_expr(not self.dv_after_ds):
-                    wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-                if const_expr(not self.dq_under_dk):
-                    wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
-            elif const_expr(self.one_pass):
-                # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
-                warpgroup.wait_group(0)
-                self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+            elif const_expr(self.p_under_dp or self.one_pass):
+                if const_expr(self.p_under_dp):
+                    # P (fp32, in place) while dP^T is still on the tensor cores; dS from it once
+                    # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T,
+                    # dP^T and dK, dV are live (and the dPsum values are loaded after it landed).
+                    warpgroup.wait_group(1)
+                    stamp(3)
+                    self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                                   window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+                    warpgroup.wait_group(0)
+                    stamp(5)
+                    dpsum_vals = self._column_stats(sDp, cS, stage, S)
+                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                            dP[r, c] = S[r, c] * (dP[r, c] - dpsum_vals[c])
+                else:
+                    # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
+                    warpgroup.wait_group(0)
+                    self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                                   window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
                 if const_expr(not self.dv_after_ds):
