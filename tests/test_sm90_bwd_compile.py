@@ -519,6 +519,36 @@ def test_variants_differ_only_where_code_differs():
 # ---- the host wrapper (padding, -inf rows, dQ buffer, varlen splitting) around a float64
 # emulation of the kernel's contract, against float64 autograd. Runs without a GPU.
 
+def _visible(sq, sk_rows, sk, has_right, has_left, right, left):
+    """(row index, key index, (sq, sk_rows) bool): key j visible from query i, bottom-right
+    aligned, keys past sk (seqused_k) hidden."""
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk_rows)[None, :]
+    vis = (j < sk).expand(sq, sk_rows).clone()
+    if has_right:
+        vis &= j <= i + (sk - sq) + right
+    if has_left:
+        vis &= j >= i + (sk - sq) - left
+    return i, j, vis
+
+
+def _head_grads(q, k, v, do, lse2, dpsum, weight, scale, scale_log2, softcap, softcap_val):
+    """One query head's float64 (dQ unscaled, as the kernel adds it; dK; dV) from the row
+    statistics the host hands the kernel; `weight` zeroes (or counts) each element's P."""
+    f = lambda t: t.double()
+    s = f(q) @ f(k).T
+    factor = 1.0
+    if softcap:
+        t = torch.tanh(s * scale / softcap_val)
+        x = t * softcap_val * 1.4426950408889634
+        factor = 1 - t * t
+    else:
+        x = s * scale_log2
+    p = torch.exp2(x - f(lse2)[:, None]) * weight
+    ds = p * (f(do) @ f(v).T - f(dpsum)[:, None]) * factor
+    return ds @ f(k), scale * ds.T @ f(q), p.T @ f(do)
+
+
 def _emulated_kernel(key):
     """What the compiled kernel computes, in float64 torch, given bwd.backward's arguments.
 
@@ -552,17 +582,10 @@ def _emulated_kernel(key):
             assert sem.shape[-1] == -(-q.shape[1] // tile_m)
         elif kernel_tiles[13]:
             assert sem.shape == (1, 1, 1) and int(sem.sum()) == 0
-        f = lambda t: t.double()
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]
             sk = int(used[b]) if used is not None else sk_rows
-            i = torch.arange(sq)[:, None]
-            j = torch.arange(sk_rows)[None, :]
-            vis = (j < sk).expand(sq, sk_rows).clone()
-            if has_right:
-                vis &= j <= i + (sk - sq) + right
-            if has_left:
-                vis &= j >= i + (sk - sq) - left
+            i, j, vis = _visible(sq, sk_rows, sk, has_right, has_left, right, left)
             gk = torch.zeros(sk_rows, k.shape[2], d, dtype=torch.float64)
             gv = torch.zeros(sk_rows, k.shape[2], dv, dtype=torch.float64)
             for h in range(q.shape[2]):
@@ -576,20 +599,12 @@ def _emulated_kernel(key):
                         wp, wf = _visits(q_num, q_idx, full_num, full_idx, sparse, b, h, hk, group, sk_rows,
                                          lse2.shape[-1], tile_n, tile_m)
                         weight = weight * (wp[:sq, :sk_rows] * keep + wf[:sq, :sk_rows])
-                s = f(q[b, :, h]) @ f(k[b, :, hk]).T
-                factor = 1.0
-                if softcap:
-                    t = torch.tanh(s * scale / softcap_val)
-                    x = t * softcap_val * 1.4426950408889634
-                    factor = 1 - t * t
-                else:
-                    x = s * scale_log2
-                p = torch.exp2(x - f(lse2[b, h, :sq])[:, None]) * weight
-                dp = f(do[b, :, h]) @ f(v[b, :, hk]).T
-                ds = p * (dp - f(dpsum[b, h, :sq])[:, None]) * factor
-                dq_acc[b, h, :sq] += (ds @ f(k[b, :, hk])).float()  # unscaled: bwd.py scales
-                gk[:, hk] += scale * ds.T @ f(q[b, :, h])
-                gv[:, hk] += p.T @ f(do[b, :, h])
+                dq_h, dk_h, dv_h = _head_grads(q[b, :, h], k[b, :, hk], v[b, :, hk], do[b, :, h],
+                                               lse2[b, h, :sq], dpsum[b, h, :sq], weight, scale,
+                                               scale_log2, softcap, softcap_val)
+                dq_acc[b, h, :sq] += dq_h.float()
+                gk[:, hk] += dk_h
+                gv[:, hk] += dv_h
             dk[b].copy_(gk)
             dvv[b].copy_(gv)
 
@@ -600,7 +615,7 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
     """_emulated_kernel for the packed-rows varlen variant: q / do (Tq, Hq, D), k / v (Tk, Hkv, D),
     row statistics and the dQ buffer (Hq, rows[, D]) over the packed rows, sequences at the
     cu_seqlens offsets, a grid sized by max_k."""
-    tile_n, tile_m = kernel_tiles[0], kernel_tiles[3]
+    tile_m = kernel_tiles[3]
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
@@ -608,37 +623,22 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
         # every query tile a CTA reads, from any sequence's offset, lies inside the statistics
         assert lse2.shape == dpsum.shape == dq_acc.shape[:2] and lse2.shape[-1] % tile_m == 0
         assert lse2.shape[-1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m
-        f = lambda t: t.double()
         for b in range(cu_q.shape[0] - 1):
             qa, qb, ka, kb = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
             sq, sk_rows = qb - qa, kb - ka
             assert sk_rows <= max_k, "the grid does not cover the longest sequence's key tiles"
             sk = int(used[b]) if used is not None else sk_rows
-            i = torch.arange(sq)[:, None]
-            j = torch.arange(sk_rows)[None, :]
-            vis = (j < sk).expand(sq, sk_rows).clone()
-            if has_right:
-                vis &= j <= i + (sk - sq) + right
-            if has_left:
-                vis &= j >= i + (sk - sq) - left
+            _, _, vis = _visible(sq, sk_rows, sk, has_right, has_left, right, left)
             gk = torch.zeros(sk_rows, k.shape[1], d, dtype=torch.float64)
             gv = torch.zeros(sk_rows, k.shape[1], dv, dtype=torch.float64)
             for h in range(q.shape[1]):
                 hk = h // group
-                s = f(q[qa:qb, h]) @ f(k[ka:kb, hk]).T
-                factor = 1.0
-                if softcap:
-                    t = torch.tanh(s * scale / softcap_val)
-                    x = t * softcap_val * 1.4426950408889634
-                    factor = 1 - t * t
-                else:
-                    x = s * scale_log2
-                p = torch.exp2(x - f(lse2[h, qa:qb])[:, None]) * vis.double()
-                dp = f(do[qa:qb, h]) @ f(v[ka:kb, hk]).T
-                ds = p * (dp - f(dpsum[h, qa:qb])[:, None]) * factor
-                dq_acc[h, qa:qb] += (ds @ f(k[ka:kb, hk])).float()  # unscaled: bwd.py scales
-                gk[:, hk] += scale * ds.T @ f(q[qa:qb, h])
-                gv[:, hk] += p.T @ f(do[qa:qb, h])
+                dq_h, dk_h, dv_h = _head_grads(q[qa:qb, h], k[ka:kb, hk], v[ka:kb, hk], do[qa:qb, h],
+                                               lse2[h, qa:qb], dpsum[h, qa:qb], vis.double(), scale,
+                                               scale_log2, softcap, softcap_val)
+                dq_acc[h, qa:qb] += dq_h.float()
+                gk[:, hk] += dk_h
+                gv[:, hk] += dv_h
             dk[ka:kb].copy_(gk)
             dvv[ka:kb].copy_(gv)
 
