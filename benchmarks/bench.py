@@ -263,6 +263,10 @@ _BWD_SWEEPS = {
     # in flight read the same Q / dO tiles at once
     "bwd-descending": ({"ascending": {"TORCH_FA4_BWD_DESCENDING": "0"}, "descending": {"TORCH_FA4_BWD_DESCENDING": "1"}},
                        [(D, S, True) for D in (64, 128) for S in (1024, 4096, 16384)]),
+    # dQ = dS K (64-bit slab stores, bank conflicts) against dQ^T = K^T dS^T (32-bit stores) at 64
+    # queries per step (bwd_kernel `dq_transposed`)
+    "bwd-dq-t": ({"dQ": {"TORCH_FA4_BWD_DQ_T": "0"}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"}},
+                 [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 

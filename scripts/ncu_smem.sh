@@ -3,7 +3,7 @@
 # flash-attn-4 (L1 throughput broken into its sub-units; the shared-memory table: instructions,
 # wavefronts and bank conflicts per operation). The backward runs close to the shared-memory
 # limit (NOTES Experiment 79), so its per-unit split says where the two kernels differ.
-#   KIND=bwd|fwd ROWS="128:16384:1" bash scripts/ncu_smem.sh     (after .gpu-kit/setup.sh)
+#   KIND=bwd|fwd ROWS="128:16384:1" [IMPLS=torch_fa4] bash scripts/ncu_smem.sh   (after .gpu-kit/setup.sh)
 set -u
 OUT=${OUT:-ncu_out}
 KIND=${KIND:-bwd}
@@ -16,7 +16,7 @@ METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe
 METRICS+=",l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
 METRICS+=",smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed.sum,gpu__time_duration.sum"
 for row in ${ROWS:-128:16384:1}; do
-  for impl in torch_fa4 flash-attn-4; do
+  for impl in ${IMPLS:-torch_fa4 flash-attn-4}; do
     k=$(ncu_kernel_name "$KIND" "$impl")
     log="$OUT/ncu_smem_${KIND}_${impl}_${row//:/_}.log"
     run() {

@@ -300,6 +300,25 @@ def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, mo
     _compiled_and_checked(key, call, tmp_path)
 
 
+@pytest.mark.parametrize("name", ["d128", "d128_softcap_causal", "d128_causal_deterministic",
+                                  "d128_fp16_causal", "d128_dv64"])
+def test_backward_transposed_dq_compiles(name, tmp_path, monkeypatch):
+    # dQ^T at 64 queries (bwd.DQ_T_ENV): dS^T stored keys-contiguous by a transposing stmatrix,
+    # and the dQ slab written by 32-bit stores (the 64-bit pairs of dQ = dS K conflict in banks)
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DQ_T_ENV, "1")
+    call_kw, deterministic = VARIANTS[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3][3] == 64 and key[-3][16], key[-3]
+    sass = _compiled_and_checked(key, call, tmp_path)
+    assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
+    assert "STS.64" not in sass, "dQ is still stored in 64-bit pairs"
+    monkeypatch.setenv(bwd.DQ_T_ENV, "0")
+    assert not bwd.variant_key(call, deterministic)[-3][16]
+
+
 @pytest.mark.parametrize("passes", ["one", "two"])
 @pytest.mark.parametrize("name", list(VARIANTS_TM80))
 def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):

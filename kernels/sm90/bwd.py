@@ -138,6 +138,11 @@ _L2_HINTS = "1"
 # S4k causal -1.3% to +1.5%, S1k causal level.
 DESCENDING_ENV = "TORCH_FA4_BWD_DESCENDING"
 _DESCENDING = "1"
+# dQ computed transposed at 64 queries per step (bwd_kernel `dq_transposed`, D = 128: dQ^T =
+# K^T dS^T, stored to its slab as 32-bit stores free of bank conflicts instead of conflicting
+# 64-bit ones; NOTES "Experiment 79"). TORCH_FA4_BWD_DQ_T=0|1.
+DQ_T_ENV = "TORCH_FA4_BWD_DQ_T"
+_DQ_T = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -299,7 +304,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
-               DESCENDING_ENV)
+               DESCENDING_ENV, DQ_T_ENV)
 _variant_memo: dict = {}
 
 
@@ -347,7 +352,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
     # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
     # separate Q / dO ring barriers, dV issued after the dS^T stores, persistent, L2 hints, causal
-    # walk descending)
+    # walk descending, dQ transposed at 64 queries)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     if trace:  # (steps, batch, kv head) of the traced CTAs
@@ -361,7 +366,9 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                     persistent(call, deterministic, tile_n, dq_in_ring, sparse),
                     _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
                     _env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
-                    and not deterministic and sparse is None)
+                    and not deterministic and sparse is None,
+                    tile_m == _TILE_M and tile_n == 128 and not dq_in_ring and d == 128 and dv <= 128
+                    and _env_choice(DQ_T_ENV, _DQ_T, ("0", "1")) == "1")
     return (
         call.q.dtype,
         call.head_dim,
@@ -520,7 +527,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist, hints, descending) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints, descending, dq_t) = kernel_tiles
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -530,7 +537,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
-        descending_walk=descending,
+        descending_walk=descending, dq_transposed=dq_t,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -158,6 +158,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
         l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
         descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
+        dq_transposed: bool = False,  # 64 queries: dQ^T = K^T dS^T (as at 80), for conflict-free dQ stores
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -179,8 +180,15 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         # 80 queries per step (wide path, flash-attn-4's D128 tile: the same fixed cost per step
         # spread over 25% more queries; module docstring). dQ = dS K would need an M of 80, so
         # each warpgroup computes dQ^T = K^T dS^T for half of the head dim (M = 64, N = 80).
-        self.dq_transposed = tile_m == 80
-        assert not self.dq_transposed or (tile_n == 128 and not dq_in_ring and max(head_dim, head_dim_v) <= 128)
+        # At 64 queries dQ^T is an option (`dq_transposed`): the slab stores of dQ = dS K are
+        # STS.64 pairs along a row, and the 128-byte swizzle puts rows r and r ^ 1 of a warp on the
+        # same banks (Nsight, D128 S16k causal: 8 wavefronts per store, a quarter of all shared
+        # stores' wavefronts conflicts). dQ^T's values land as 32-bit stores, one per head-dim
+        # column, whose 32 lanes cover all 32 banks (NOTES Experiment 79).
+        self.dq_transposed = tile_m == 80 or bool(dq_transposed)
+        # (M = d / 2 per warpgroup must be a wgmma M: 64)
+        assert not self.dq_transposed or (tile_n == 128 and tile_m in (64, 80) and not dq_in_ring
+                                          and head_dim == 128 and head_dim_v <= 128)
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = tile_n == 64

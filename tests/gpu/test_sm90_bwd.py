@@ -72,7 +72,7 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
           mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None,
-          expect_dq_warp=None):
+          expect_dq_warp=None, expect_dq_t=None):
     """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
     bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
     column) the backward must walk it with, None for the dense walk; expect_tile_m: the queries
@@ -149,6 +149,8 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         assert bwd.variant_key(call, deterministic)[-3][3] == expect_tile_m
     if expect_dq_warp is not None:
         assert bwd.variant_key(call, deterministic)[-3][6] == expect_dq_warp
+    if expect_dq_t is not None:
+        assert bwd.variant_key(call, deterministic)[-3][16] == expect_dq_t
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
@@ -519,6 +521,38 @@ def test_tm80_not_taken_where_it_does_not_apply(tile_m_80):
     _case(BF, 2, 300, 517, 2, 2, 128, 128, causal=True, expect_tile_m=64)
     _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, expect_tile_m=64)
     _case(BF, 2, 300, 517, 2, 2, 128, 128, deterministic=True, expect_tile_m=64)
+
+
+# ---- dQ^T at 64 queries per step (bwd_kernel `dq_transposed`, TORCH_FA4_BWD_DQ_T=1): the D128
+# variants compute dQ^T = K^T dS^T and store it transposed
+
+@pytest.fixture
+def dq_t(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DQ_T_ENV, "1")
+    return bwd
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 517, 6, 2), (517, 300, 2, 2), (1, 77, 2, 1), (333, 130, 4, 2)])
+def test_dq_transposed(dq_t, causal, sq, sk, hq, hkv):
+    _case(BF, 2, sq, sk, hq, hkv, 128, 128, causal=causal, expect_tile_m=64, expect_dq_t=True)
+
+
+def test_dq_transposed_features(dq_t):
+    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_dq_t=True)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_dq_t=True)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_t=True)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, left=100, right=20, expect_dq_t=True)
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_t=True)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)
+
+
+def test_dq_transposed_persistent_many_tiles(dq_t, monkeypatch):
+    monkeypatch.setenv(dq_t.PERSISTENT_CTAS_ENV, "3")
+    _case(BF, 2, 700, 900, 4, 2, 128, 128, causal=True, expect_dq_t=True)
+    _case(BF, 2, 700, 900, 4, 2, 128, 128, expect_dq_t=True)
 
 
 def test_d128_64_queries_without_masks(monkeypatch):
