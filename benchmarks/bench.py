@@ -79,7 +79,7 @@ _SWEEPS = {
                         [(64, S, False) for S in (4096, 16384)]),
     # D128: two K/V stages and a separate O tile, or three stages with O staged over Q
     "d128-stages": ({"2 stages": dict(num_stages=2), "3 stages": dict(num_stages=3)},
-                    [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+                    [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
     "sched": ({"one-shot": dict(persistent=False), "persistent": dict(persistent=True)},
               [row for row in _GRID if row[0] <= 128]),
     # D256 turn-taking and rescale placement: ours (pingpong, conditional rescale after P V) against
@@ -233,7 +233,7 @@ _BWD_SWEEPS = {
     "bwd-split-ring": ({"one": {"TORCH_FA4_BWD_SPLIT_RING": "0"}, "split": {"TORCH_FA4_BWD_SPLIT_RING": "1"}},
                        [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     "bwd-fold": ({"zero": {"TORCH_FA4_BWD_FOLD_DPSUM": "0"}, "-dPsum": {"TORCH_FA4_BWD_FOLD_DPSUM": "1"}},
-                 [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+                 [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
     # D64 step order (bwd_kernel `passes`, `dv_after_ds`): P / dS in one pass or P under dP^T, dV
     # issued before or after the dS^T stores
     "bwd-dv-order": ({f"{p}{'-dv-after' if a == '1' else ''}": {"TORCH_FA4_BWD_PASSES": p, "TORCH_FA4_BWD_DV_AFTER_DS": a}
@@ -263,10 +263,10 @@ _BWD_SWEEPS = {
     # in flight read the same Q / dO tiles at once
     "bwd-descending": ({"ascending": {"TORCH_FA4_BWD_DESCENDING": "0"}, "descending": {"TORCH_FA4_BWD_DESCENDING": "1"}},
                        [(D, S, True) for D in (64, 128) for S in (1024, 4096, 16384)]),
-    # dQ = dS K (64-bit slab stores, bank conflicts) against dQ^T = K^T dS^T (32-bit stores) at 64
-    # queries per step (bwd_kernel `dq_transposed`)
+    # dQ = dS K (64-bit slab stores, bank conflicts) against dQ^T = K^T dS^T (32-bit stores), D128
+    # at 64 queries per step and D64 at 128 (bwd_kernel `dq_transposed`)
     "bwd-dq-t": ({"dQ": {"TORCH_FA4_BWD_DQ_T": "0"}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"}},
-                 [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+                 [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 

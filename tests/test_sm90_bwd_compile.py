@@ -319,6 +319,23 @@ def test_backward_transposed_dq_compiles(name, tmp_path, monkeypatch):
     assert not bwd.variant_key(call, deterministic)[-3][16]
 
 
+@pytest.mark.parametrize("passes", ["two", "one", "split"])
+@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_softcap"])
+def test_backward_128_query_transposed_dq_compiles(name, passes, tmp_path, monkeypatch):
+    # D64 at 128 queries: each warpgroup's dQ^T is the whole head dim by its 64 queries
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.DQ_T_ENV, "1")
+    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
+    monkeypatch.setenv(bwd.PASSES_ENV, passes)
+    call_kw, deterministic = VARIANTS_TM128[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3][3] == 128 and key[-3][16], key[-3]
+    sass = _compiled_and_checked(key, call, tmp_path)
+    assert "STSM.16.MT88" in sass and "STS.64" not in sass
+
+
 @pytest.mark.parametrize("passes", ["one", "two"])
 @pytest.mark.parametrize("name", list(VARIANTS_TM80))
 def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):

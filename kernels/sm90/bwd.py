@@ -367,7 +367,8 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                     _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
                     _env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
                     and not deterministic and sparse is None,
-                    tile_m == _TILE_M and tile_n == 128 and not dq_in_ring and d == 128 and dv <= 128
+                    tile_n == 128 and not dq_in_ring and dv <= 128
+                    and (tile_m == _TILE_M and d == 128 or tile_m == 128 and d == 64)
                     and _env_choice(DQ_T_ENV, _DQ_T, ("0", "1")) == "1")
     return (
         call.q.dtype,

@@ -92,7 +92,11 @@ class BwdConsumer:
             # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2)
             # (row r in slab r // (tile_m/2) when the warpgroups split the rows), so each
             # warpgroup's accumulator lands in its own slab.
-            if const_expr(self.dq_split_rows):
+            if const_expr(self.dq_split_rows and self.dq_transposed):
+                # the (d, tile_m) tile of dQ^T: query q of slab q // (tile_m/2), transposed
+                half = tm // 2
+                sdQ_tile = cute.composition(sdQ, cute.make_layout((d, (half, 2)), stride=(half, (1, half * d))))
+            elif const_expr(self.dq_split_rows):
                 half = tm // 2
                 rows_split = cute.make_layout(((half, 2), d), stride=((1, half * d), half))
                 sdQ_tile = cute.composition(sdQ, rows_split)

@@ -186,9 +186,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         # stores' wavefronts conflicts). dQ^T's values land as 32-bit stores, one per head-dim
         # column, whose 32 lanes cover all 32 banks (NOTES Experiment 79).
         self.dq_transposed = tile_m == 80 or bool(dq_transposed)
-        # (M = d / 2 per warpgroup must be a wgmma M: 64)
-        assert not self.dq_transposed or (tile_n == 128 and tile_m in (64, 80) and not dq_in_ring
-                                          and head_dim == 128 and head_dim_v <= 128)
+        # (the wgmma's M, the head dim of one warpgroup, must be 64: half of D128, or all of D64
+        # where the warpgroups split the 128 queries)
+        assert not self.dq_transposed or (tile_n == 128 and not dq_in_ring and head_dim_v <= 128 and (
+            head_dim == 128 and tile_m in (64, 80) or head_dim == 64 and tile_m == 128))
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = tile_n == 64
@@ -458,7 +459,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             # dK / dV: A (P^T, dS^T) from registers, B = Q / dO transposed (MN-major).
             mma_dK = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, d), a_in_registers=True)
             mma_dV = L.make_mma(dt, K_MAJ, MN_MAJ, (2, 1, 1), (64, dv), a_in_registers=True)
-        if const_expr(self.dq_split_rows):
+        if const_expr(self.dq_split_rows and self.dq_transposed):
+            # dQ^T = K^T dS^T: the whole head dim (M) by 64 of the 128 queries (N) per warpgroup
+            mma_dQ = L.make_mma(dt, MN_MAJ, K_MAJ, (1, 2, 1), (64, tm // 2))
+        elif const_expr(self.dq_split_rows):
             # dQ = dS K: 64 query rows per warpgroup, the whole head dim.
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (2, 1, 1), (64, d))
         elif const_expr(self.dq_transposed):

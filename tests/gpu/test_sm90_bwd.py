@@ -523,8 +523,8 @@ def test_tm80_not_taken_where_it_does_not_apply(tile_m_80):
     _case(BF, 2, 300, 517, 2, 2, 128, 128, deterministic=True, expect_tile_m=64)
 
 
-# ---- dQ^T at 64 queries per step (bwd_kernel `dq_transposed`, TORCH_FA4_BWD_DQ_T=1): the D128
-# variants compute dQ^T = K^T dS^T and store it transposed
+# ---- dQ^T (bwd_kernel `dq_transposed`, TORCH_FA4_BWD_DQ_T=1): D128 at 64 queries per step and D64
+# at 128 compute dQ^T = K^T dS^T and store it transposed
 
 @pytest.fixture
 def dq_t(monkeypatch):
@@ -534,10 +534,18 @@ def dq_t(monkeypatch):
     return bwd
 
 
+@pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 517, 6, 2), (517, 300, 2, 2), (1, 77, 2, 1), (333, 130, 4, 2)])
-def test_dq_transposed(dq_t, causal, sq, sk, hq, hkv):
-    _case(BF, 2, sq, sk, hq, hkv, 128, 128, causal=causal, expect_tile_m=64, expect_dq_t=True)
+def test_dq_transposed(dq_t, causal, sq, sk, hq, hkv, d, tile_m):
+    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal, expect_tile_m=tile_m, expect_dq_t=True)
+
+
+@pytest.mark.parametrize("passes", ["two", "one", "split"])
+def test_dq_transposed_d64_passes(dq_t, monkeypatch, passes):
+    monkeypatch.setenv(dq_t.PASSES_ENV, passes)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128, expect_dq_t=True)
+    _case(FP, 2, 517, 300, 2, 2, 64, 64, softcap=8.0, expect_tile_m=128, expect_dq_t=True)
 
 
 def test_dq_transposed_features(dq_t):
