@@ -146,7 +146,7 @@ def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     monkeypatch.setenv(bwd.L2_HINTS_ENV, hints)
     call = _call(d=128, causal=True)
     key = bwd.variant_key(call, False)
-    assert key[-3][-2] == hints  # (the last field: the descending causal walk)
+    assert key[-3][14] == hints
     hinted, loads = hinted_loads(_compiled_and_checked(key, call, tmp_path))
     assert loads >= 6
     if hints == "last":  # Q / dO / statistics hinted, K and V (loaded at each key tile's start) not
@@ -209,7 +209,7 @@ def test_descending_walk_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.delenv(bwd.DESCENDING_ENV, raising=False)
-    descending = lambda call, det=False: bwd.variant_key(call, det)[-3][-1]
+    descending = lambda call, det=False: bwd.variant_key(call, det)[-3][15]
     for kw in (dict(d=64, causal=True), dict(d=128, causal=True), dict(d=128, window_right=8),
                dict(d=256, causal=True), dict(d=64, causal=True, varlen=True)):
         assert descending(_call(**kw)), kw

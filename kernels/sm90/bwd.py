@@ -138,11 +138,13 @@ _L2_HINTS = "1"
 # S4k causal -1.3% to +1.5%, S1k causal level.
 DESCENDING_ENV = "TORCH_FA4_BWD_DESCENDING"
 _DESCENDING = "1"
-# dQ computed transposed at 64 queries per step (bwd_kernel `dq_transposed`, D = 128: dQ^T =
-# K^T dS^T, stored to its slab as 32-bit stores free of bank conflicts instead of conflicting
-# 64-bit ones; NOTES "Experiment 79"). TORCH_FA4_BWD_DQ_T=0|1.
+# dQ computed transposed (bwd_kernel `dq_transposed`: dQ^T = K^T dS^T, stored to its slab as
+# 32-bit stores free of bank conflicts instead of 64-bit ones that conflict), where each
+# warpgroup's part of the head dim is 64: D128 at 64 queries per step, D64 at 128. Default at D128
+# only: H100, NOTES "Experiment 79", two sweeps: D128 +3-7% at S4k, +1-3% at S4k causal, +4% at
+# S16k causal, level at S16k; D64 mixed (+1-2% causal, -4% at S16k).
+# TORCH_FA4_BWD_DQ_T=1 takes it wherever it applies, =0 nowhere.
 DQ_T_ENV = "TORCH_FA4_BWD_DQ_T"
-_DQ_T = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -215,6 +217,14 @@ def persistent(call: "AttentionCall", deterministic: bool, tile_n: int, dq_in_ri
 def pdl() -> bool:
     """Whether the backward's kernels launch as programmatic dependents (PDL_ENV)."""
     return _env_choice(PDL_ENV, "1", ("0", "1")) == "1"
+
+
+def dq_transposed(d: int, dv: int, tile_n: int, tile_m: int, dq_in_ring: bool) -> bool:
+    """Whether the variant computes dQ^T = K^T dS^T (DQ_T_ENV; default: D128 at 64 queries)."""
+    applies = (tile_n == 128 and not dq_in_ring and dv <= 128
+               and (tile_m == _TILE_M and d == 128 or tile_m == 128 and d == 64))
+    choice = _env_choice(DQ_T_ENV, "", ("0", "1"))
+    return applies and (choice == "1" or (choice == "" and d == 128))
 
 
 def dq_first(tile_n: int, dq_in_ring: bool) -> bool:
@@ -367,9 +377,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                     _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
                     _env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
                     and not deterministic and sparse is None,
-                    tile_n == 128 and not dq_in_ring and dv <= 128
-                    and (tile_m == _TILE_M and d == 128 or tile_m == 128 and d == 64)
-                    and _env_choice(DQ_T_ENV, _DQ_T, ("0", "1")) == "1")
+                    dq_transposed(d, dv, tile_n, tile_m, dq_in_ring))
     return (
         call.q.dtype,
         call.head_dim,
