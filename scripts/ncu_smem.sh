@@ -15,6 +15,9 @@ METRICS="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed"
 METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum"
 METRICS+=",l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
 METRICS+=",smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed.sum,gpu__time_duration.sum"
+# L2: reduce-adds (the dQ accumulation), reads and its throughput
+METRICS+=",lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sector_hit_rate.pct"
+METRICS+=",lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed"
 for row in ${ROWS:-128:16384:1}; do
   for impl in ${IMPLS:-torch_fa4 flash-attn-4}; do
     k=$(ncu_kernel_name "$KIND" "$impl")
@@ -26,6 +29,6 @@ for row in ${ROWS:-128:16384:1}; do
     run --section MemoryWorkloadAnalysis_Tables --metrics "$METRICS" > "$log" 2>&1 \
       || run --section MemoryWorkloadAnalysis_Tables > "$log.tables_only" 2>&1
     echo "== $KIND $impl $row"
-    grep -E "l1tex__|smsp__inst|gpu__time|Shared|Bank" "$log" | sed 's/  */ /g' | head -40
+    grep -E "l1tex__|lts__|smsp__inst|gpu__time|Shared|Bank" "$log" | sed 's/  */ /g' | head -40
   done
 done
