@@ -267,6 +267,11 @@ _BWD_SWEEPS = {
     # at 64 queries per step and D64 at 128 (bwd_kernel `dq_transposed`)
     "bwd-dq-t": ({"dQ": {"TORCH_FA4_BWD_DQ_T": "0"}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"}},
                  [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the row statistics read as 16-byte vectors (bwd_stats_layout.py), alone and with dQ^T at D64
+    "bwd-stats-t": ({"default": {}, "stats": {"TORCH_FA4_BWD_STATS_T": "1"},
+                     "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
+                    [(64, 4096, False), (64, 4096, True), (64, 16384, False), (64, 16384, True),
+                     (128, 4096, False), (128, 16384, True)]),
 }
 
 

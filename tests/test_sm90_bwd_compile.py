@@ -336,6 +336,25 @@ def test_backward_128_query_transposed_dq_compiles(name, passes, tmp_path, monke
     assert "STSM.16.MT88" in sass and "STS.64" not in sass
 
 
+@pytest.mark.parametrize("name", ["d64", "d128", "d96_causal", "d128_softcap_causal", "d64_gqa_window",
+                                  "d128_causal_deterministic"])
+def test_backward_permuted_stats_compile(name, tmp_path, monkeypatch):
+    # the row statistics read as 16-byte vectors (bwd.STATS_T_ENV, bwd_stats_layout.py)
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.STATS_T_ENV, "1")
+    call_kw, deterministic = VARIANTS[name]
+    call = _call(**call_kw)
+    key = bwd.variant_key(call, deterministic)
+    assert key[-3][17], key[-3]
+    # packed varlen rows start tiles at any row: they keep the natural order
+    assert not bwd.variant_key(_call(**call_kw, varlen=True), deterministic)[-3][17]
+    sass = _compiled_and_checked(key, call, tmp_path)
+    assert "LDS.128" in sass and "LDS.64" not in sass, "statistics not read as vectors"
+    monkeypatch.setenv(bwd.STATS_T_ENV, "0")
+    assert not bwd.variant_key(call, deterministic)[-3][17]
+
+
 @pytest.mark.parametrize("passes", ["one", "two"])
 @pytest.mark.parametrize("name", list(VARIANTS_TM80))
 def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):

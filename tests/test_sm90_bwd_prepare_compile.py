@@ -36,13 +36,41 @@ def test_kernel_compiles_to_vector_loads(dv, dtype, tmp_path):
     assert sass.count("FFMA ") == dv // bwd_prepare.THREADS_PER_ROW
 
 
+@pytest.mark.parametrize("tm", [64, 80, 128])
+def test_permuted_variant_compiles(tm, tmp_path):
+    # the rows stored in bwd_stats_layout's order: the same loads and stores, moved
+    from torch_fa4.kernels.sm90 import bwd_prepare
+
+    bwd_prepare.compile_kernel(torch.bfloat16, 128, dump_dir=str(tmp_path), stat_tile=tm)
+    sass = sass_of(tmp_path)
+    assert sass.count("LDG.E.128") == 2 * 128 // (bwd_prepare.VEC * bwd_prepare.THREADS_PER_ROW)
+    assert sass.count("STG.E ") == 4 and "LDL" not in sass and "STL" not in sass
+
+
+def test_torch_path_permutes_whole_tiles():
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90.bwd_stats_layout import permute_rows
+
+    q = torch.empty(2, 150, 3, 64, dtype=torch.bfloat16)
+    call = AttentionCall(q=q, k=q, v=q, scale=1.0)
+    dout, out = torch.randn(2, 150, 3, 64).bfloat16(), torch.randn(2, 150, 3, 64).bfloat16()
+    lse = torch.randn(2, 3, 150)
+    natural = bwd.row_statistics(call, dout, out, lse, 0, 64)
+    permuted = bwd.row_statistics(call, dout, out, lse, 0, 64, permuted=True)
+    assert natural[2] == permuted[2] == 192
+    for got, nat in zip(permuted[:2], natural[:2]):
+        assert torch.equal(got, permute_rows(nat, 64))
+        assert not torch.equal(got, nat)
+
+
 def test_varlen_and_dense_share_one_compiled_kernel(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
     fn = bwd_prepare.compile_kernel(torch.bfloat16, 64)
     assert bwd_prepare.compile_kernel(torch.bfloat16, 64) is fn  # cached: no second compile
     keys = []
-    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv: keys.append((dtype, dv)) or _emulated)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0: keys.append((dtype, dv)) or _emulated)
     for lead, lse_shape in (((2, 10), (2, 3, 10)), ((17,), (3, 17))):
         dout = torch.randn(*lead, 3, 64).to(torch.bfloat16)
         bwd_prepare.row_statistics(dout, dout.clone(), torch.randn(lse_shape), 64)
@@ -105,7 +133,7 @@ def test_backward_host_zeroes_the_dq_buffer_in_either_path(monkeypatch):
 def test_host_wrapper_fills_the_padded_layout(varlen, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
-    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv: _emulated)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0: _emulated)
     h, dv = 3, 96
     if varlen:  # a (T, H, Dv) slice of a wider buffer: non-contiguous rows
         dout = torch.randn(37, h, dv + 8).to(torch.float16)[..., :dv]

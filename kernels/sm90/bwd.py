@@ -145,6 +145,10 @@ _DESCENDING = "1"
 # S16k causal, level at S16k; D64 mixed (+1-2% causal, -4% at S16k).
 # TORCH_FA4_BWD_DQ_T=1 takes it wherever it applies, =0 nowhere.
 DQ_T_ENV = "TORCH_FA4_BWD_DQ_T"
+# Row statistics (LSE, dPsum) in bwd_stats_layout's permuted order, read as 16-byte vectors
+# (bwd_kernel `permuted_stats`; dense 128-key variants). TORCH_FA4_BWD_STATS_T=0|1.
+STATS_T_ENV = "TORCH_FA4_BWD_STATS_T"
+_STATS_T = "0"
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -314,7 +318,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
-               DESCENDING_ENV, DQ_T_ENV)
+               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV)
 _variant_memo: dict = {}
 
 
@@ -362,7 +366,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
     # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
     # separate Q / dO ring barriers, dV issued after the dS^T stores, persistent, L2 hints, causal
-    # walk descending, dQ transposed at 64 queries)
+    # walk descending, dQ transposed, row statistics permuted)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     if trace:  # (steps, batch, kv head) of the traced CTAs
@@ -377,7 +381,9 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                     _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
                     _env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
                     and not deterministic and sparse is None,
-                    dq_transposed(d, dv, tile_n, tile_m, dq_in_ring))
+                    dq_transposed(d, dv, tile_n, tile_m, dq_in_ring),
+                    tile_n == 128 and not call.is_varlen
+                    and _env_choice(STATS_T_ENV, _STATS_T, ("0", "1")) == "1")
     return (
         call.q.dtype,
         call.head_dim,
@@ -536,7 +542,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist, hints, descending, dq_t) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t) = kernel_tiles
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -546,7 +552,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
-        descending_walk=descending, dq_transposed=dq_t,
+        descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -591,7 +597,7 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 
 
 def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, tile_m: int = _TILE_M,
-                   zero_dq=None):
+                   zero_dq=None, permuted: bool = False):
     """Per query row, padded to whole query tiles of `tile_m` rows (the variant's queries per
     step): (lse * log2 e, rowsum(dO * O)) in fp32.
 
@@ -603,18 +609,22 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
     CUDA tensors go through one fused CuTe DSL kernel (bwd_prepare.py) where it takes them;
     otherwise (CPU, unaligned or expanded views) the torch expression below runs.
     `zero_dq`: a dQ buffer to zero as well (inside the fused pass where it can).
+    `permuted`: each tile of `tile_m` rows in bwd_stats_layout's order (dense only).
     """
     q = call.q
+    assert not (permuted and call.is_varlen), "packed rows keep the natural order"
     if call.is_varlen:
         rows = (math.ceil(q.shape[0] / tile_m) + 1) * tile_m  # TMA strides: 16-byte multiples
     else:
         rows = max(math.ceil(q.shape[1] / tile_m) * tile_m, min_rows)
+        assert not permuted or rows % tile_m == 0, (rows, tile_m)
     if dout.is_cuda:
         from . import bwd_prepare
 
         if bwd_prepare.unsupported_reason(dout, out, lse) is None:
             fused_zero = zero_dq is not None and bwd_prepare.dq_zeroing_takes(zero_dq, dout)
-            stats = bwd_prepare.row_statistics(dout, out, lse, rows, zero_dq if fused_zero else None)
+            stats = bwd_prepare.row_statistics(dout, out, lse, rows, zero_dq if fused_zero else None,
+                                               stat_tile=tile_m if permuted else 0)
             if zero_dq is not None and not fused_zero:
                 zero_dq.zero_()
             return (*stats, rows)
@@ -626,7 +636,12 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
         dpsum = dpsum.transpose(0, 1)  # (Hq, Tq)
     else:
         dpsum = dpsum.transpose(1, 2)  # (B, Hq, Sq)
-    return _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0), rows
+    lse2, dpsum = _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0)
+    if permuted:
+        from .bwd_stats_layout import permute_rows
+
+        lse2, dpsum = permute_rows(lse2, tile_m), permute_rows(dpsum, tile_m)
+    return lse2, dpsum, rows
 
 
 def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
@@ -670,7 +685,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         # Zeroed by the row-statistics pass.
         dq_acc_rows = torch.empty((q.shape[0], q.shape[1], call.num_heads, call.head_dim),
                                   dtype=torch.float32, device=q.device)
-        lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
+        lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows,
+                                           permuted=key[-3][17])
         dq_acc = dq_acc_rows.transpose(1, 2)
     if call.is_varlen:  # the grid covers the longest sequence (given, or read from cu_seqlens)
         from torch_fa4.kernels.common.fwd_launch import max_seqlens

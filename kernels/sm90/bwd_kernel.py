@@ -159,6 +159,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
         descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
         dq_transposed: bool = False,  # 64 queries: dQ^T = K^T dS^T (as at 80), for conflict-free dQ stores
+        permuted_stats: bool = False,  # LSE / dPsum tiles in bwd_stats_layout's order: vector loads
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -190,6 +191,11 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         # where the warpgroups split the 128 queries)
         assert not self.dq_transposed or (tile_n == 128 and not dq_in_ring and head_dim_v <= 128 and (
             head_dim == 128 and tile_m in (64, 80) or head_dim == 64 and tile_m == 128))
+        # The row statistics in bwd_stats_layout's permuted order (the row-statistics pass writes
+        # them so): each thread reads its values as 16-byte vectors. Not with packed varlen rows,
+        # whose tiles start at any row.
+        assert not permuted_stats or (not varlen and tile_m in (64, 80, 128))
+        self.permuted_stats = permuted_stats
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = tile_n == 64

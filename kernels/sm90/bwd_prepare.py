@@ -32,6 +32,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, const_expr
 
+from . import bwd_stats_layout as stats_layout
+
 ROWS_PER_CTA = 64
 THREADS_PER_ROW = 4  # a power of two dividing 32: a row's threads share one warp
 VEC = 8  # 16-bit elements per 16-byte load
@@ -48,7 +50,7 @@ class RowStatisticsKernel:
 
     threads = ROWS_PER_CTA * THREADS_PER_ROW
 
-    def __init__(self, dtype, dv: int, d_zero: int = 0):
+    def __init__(self, dtype, dv: int, d_zero: int = 0, stat_tile: int = 0):
         if dv % (VEC * THREADS_PER_ROW):
             raise ValueError(f"Dv={dv} is not a multiple of {VEC * THREADS_PER_ROW}")
         if d_zero % (ZERO_VEC * THREADS_PER_ROW):
@@ -58,6 +60,9 @@ class RowStatisticsKernel:
         self.vecs_per_thread = dv // (VEC * THREADS_PER_ROW)
         self.d_zero = d_zero
         self.zero_vecs_per_thread = d_zero // (ZERO_VEC * THREADS_PER_ROW)
+        # > 0: lse2 / dpsum rows stored in bwd_stats_layout's permuted order within tiles of this
+        # many rows (the backward variant's queries per step)
+        self.stat_tile = stat_tile
 
     @cute.jit
     def __call__(self, dout: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
@@ -106,18 +111,21 @@ class RowStatisticsKernel:
         for i in cutlass.range_constexpr(_SHUFFLE_STEPS):
             acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=THREADS_PER_ROW >> (i + 1))
 
+        at = row
+        if const_expr(self.stat_tile > 0):
+            at = stats_layout.position(row, self.stat_tile)
         if part == 0:
             if row < seqlen:
                 # same fp32 product as the torch path (lse * log2 e), +inf where no key is seen
-                lse2[b, h, row] = cutlass.select_(x == -Float32.inf, Float32.inf, x * Float32(LOG2E))
-                dpsum[b, h, row] = acc
+                lse2[b, h, at] = cutlass.select_(x == -Float32.inf, Float32.inf, x * Float32(LOG2E))
+                dpsum[b, h, at] = acc
             elif row < rows:
-                lse2[b, h, row] = Float32.inf
-                dpsum[b, h, row] = Float32(0.0)
+                lse2[b, h, at] = Float32.inf
+                dpsum[b, h, at] = Float32(0.0)
 
 
 def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: str | None = None,
-                   d_zero: int = 0):
+                   d_zero: int = 0, stat_tile: int = 0):
     """cute.compile the kernel for (dtype, Dv, head dim of the dQ buffer it zeroes or 0) against
     symbolic shapes and strides (no GPU needed).
 
@@ -126,12 +134,13 @@ def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: 
     from torch_fa4.kernels import compile_cache
 
     if dump_dir is not None:
-        return _compile(dtype, dv, arch, dump_dir, d_zero)
-    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero),
-                                        lambda: _compile(dtype, dv, arch, None, d_zero))
+        return _compile(dtype, dv, arch, dump_dir, d_zero, stat_tile)
+    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile),
+                                        lambda: _compile(dtype, dv, arch, None, d_zero, stat_tile))
 
 
-def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0):
+def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0,
+             stat_tile: int = 0):
     from .bwd import _cute_dtype, compile_stream_and_options
 
     sym, s64 = cute.sym_int, cute.sym_int64
@@ -152,7 +161,7 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
         a4 = lambda: s64(divisibility=ZERO_VEC)
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero), dout, out, lse, lse2, dpsum, dq_acc, stream,
+    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero, stat_tile), dout, out, lse, lse2, dpsum, dq_acc, stream,
                         options=options)
 
 
@@ -202,18 +211,20 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
     return None
 
 
-def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None):
+def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None,
+                   stat_tile: int = 0):
     """(lse2, dpsum), each (B, H, rows) dense or (H, rows) varlen, contiguous fp32, from dout/out
     (B, S, H, Dv) or (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
     dq_acc: a dense (B, S, H, D) fp32 buffer to zero in the same pass (see dq_zeroing_takes)."""
     # one allocation for both (each costs the host time per call); the second half starts B*H*rows
     # floats in, 16-byte aligned for the backward's TMA with bwd.row_statistics' rows (whole tiles)
     lse2, dpsum = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
-    row_statistics_into(dout, out, lse, lse2, dpsum, dq_acc)
+    row_statistics_into(dout, out, lse, lse2, dpsum, dq_acc, stat_tile)
     return lse2, dpsum
 
 
-def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None) -> None:
+def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None,
+                        stat_tile: int = 0) -> None:
     """Like row_statistics, into given contiguous fp32 buffers of shape (*lse.shape[:-1], rows),
     rows >= S; every element is written (padding included). dq_acc, if given, must satisfy
     dq_zeroing_takes (the caller checks it once)."""
@@ -222,10 +233,9 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor,
         assert t.shape[-1] >= lse.shape[-1], "fewer rows than the sequence"
     if dout.dim() == 3:  # varlen: the packed rows are one batch of T rows
         dout, out, lse, lse2, dpsum = (t.unsqueeze(0) for t in (dout, out, lse, lse2, dpsum))
-    if dq_acc is None:
-        fn = compile_kernel(dout.dtype, dout.shape[-1])
-    else:
-        fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=dq_acc.shape[-1])
+    assert not stat_tile or lse2.shape[-1] % stat_tile == 0, "permuted rows come in whole tiles"
+    d_zero = 0 if dq_acc is None else dq_acc.shape[-1]
+    fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero, stat_tile=stat_tile)
     fn(_packed_size_one_strides(dout), _packed_size_one_strides(out), lse, lse2, dpsum, dq_acc)
 
 

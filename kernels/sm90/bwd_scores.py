@@ -12,6 +12,7 @@ from cutlass import Boolean, Float32, const_expr
 
 from ..common import mod_lowering as mods_dsl
 from ..common.exp2_emulation import exp2_fma
+from . import bwd_stats_layout as SL_stats
 
 LOG2_E = math.log2(math.e)
 
@@ -21,9 +22,31 @@ class BwdScores:
 
     def _column_stats(self, s_stat, cS, stage, S):
         """This thread's per-query statistics (LSE or dPsum), one per column of S, from shared
-        memory into registers."""
+        memory into registers: 64-bit pairs in the natural order, 16-byte vectors in the permuted
+        one (bwd_stats_layout.py)."""
         t_q, c0 = cS[1], cS[3]
-        return [s_stat[t_q + c0[0, c][1], stage] for c in range(cute.size(S, mode=[1]))]
+        n_cols = cute.size(S, mode=[1])
+        if const_expr(not self.permuted_stats):
+            return [s_stat[t_q + c0[0, c][1], stage] for c in range(n_cols)]
+        # columns t_q + 8 j + e: j // 2 picks the chunk of segment q, 2 (j % 2) + e the value in it
+        tm = self.tile_m
+        q = (t_q % 8) // 2
+        first_chunk = t_q // 16  # t_q // 8 is even: 0, or 4 * warpgroup on the narrow path
+        stage_tile = s_stat[None, stage]
+        chunks = {}
+        vals = []
+        for c in range(n_cols):
+            dc = c0[0, c][1]
+            assert dc % 8 < 2, "accumulator columns come in pairs 8 apart"
+            j, e = dc // 8, dc % 8
+            if j // 2 not in chunks:
+                off = cute.assume(SL_stats.chunk_offset(q, first_chunk + j // 2, tm), divby=4)
+                src = cute.make_tensor(stage_tile.iterator + off, cute.make_layout(4))
+                dst = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(src, dst)
+                chunks[j // 2] = dst
+            vals.append(chunks[j // 2][2 * (j % 2) + e])
+        return vals
 
     @cute.jit
     def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
@@ -82,6 +105,13 @@ class BwdScores:
         rel = (row0 + diag - key0) + t_rel
         lim_right = rel + window_right  # dr - dc <= lim_right
         lim_left = rel - window_left  # dr - dc >= lim_left
+        dpsum_vals = None
+        if const_expr(self.permuted_stats):
+            # the statistics as vectors (a scalar load would need the position's arithmetic)
+            if const_expr(lse_vals is None):
+                lse_vals = self._column_stats(sLSE, cS, stage, S)
+            if const_expr(dP is not None):
+                dpsum_vals = self._column_stats(sDp, cS, stage, S)
         for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc
@@ -89,7 +119,7 @@ class BwdScores:
             i = row0 + m_local
             dpsum = Float32(0.0)
             if const_expr(dP is not None):
-                dpsum = sDp[m_local, stage]
+                dpsum = dpsum_vals[c] if const_expr(dpsum_vals is not None) else sDp[m_local, stage]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 dr = c0[r, c][0]
                 j = key0 + t_key + dr

@@ -563,6 +563,37 @@ def test_dq_transposed_persistent_many_tiles(dq_t, monkeypatch):
     _case(BF, 2, 700, 900, 4, 2, 128, 128, expect_dq_t=True)
 
 
+# ---- row statistics in the permuted order (bwd_kernel `permuted_stats`, TORCH_FA4_BWD_STATS_T=1)
+
+@pytest.fixture
+def stats_t(monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.STATS_T_ENV, "1")
+    return bwd
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 517, 6, 2), (517, 300, 2, 2), (1, 77, 2, 1)])
+def test_permuted_stats(stats_t, d, causal, sq, sk, hq, hkv):
+    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal)
+
+
+def test_permuted_stats_features(stats_t, monkeypatch):
+    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True)
+    _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True)
+    _case(BF, 2, 300, 517, 2, 2, 64, 64, left=100, right=20)
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)  # per sequence: natural order
+    for passes in ("two", "one"):
+        monkeypatch.setenv(stats_t.PASSES_ENV, passes)
+        _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
+    monkeypatch.setenv(stats_t.D128_TILE_M_ENV, "80")
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, expect_tile_m=80)
+
+
 def test_d128_64_queries_without_masks(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 

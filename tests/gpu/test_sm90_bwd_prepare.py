@@ -109,6 +109,25 @@ def test_fused_row_statistics_match_float64(layout, dv, dtype):
         _check(lse2, dpsum, dout, out, lse, rows)
 
 
+@pytest.mark.parametrize("tm", [64, 80, 128])
+@pytest.mark.parametrize("layout", ["dense", "dense_bhsd_views"])
+def test_permuted_row_statistics(layout, tm):
+    # the pass's permuted order (bwd_stats_layout.py) is its natural result moved by permute_rows
+    from torch_fa4.kernels.sm90 import bwd_prepare
+    from torch_fa4.kernels.sm90.bwd_stats_layout import permute_rows
+
+    dout, out, lse = _inputs(layout, 64, torch.bfloat16)
+    rows = math.ceil(lse.shape[-1] / tm) * tm
+    natural = [torch.full((*lse.shape[:-1], rows), math.nan, device="cuda") for _ in range(2)]
+    bwd_prepare.row_statistics_into(dout, out, lse, *natural)
+    permuted = [torch.full_like(natural[0], math.nan) for _ in range(2)]
+    bwd_prepare.row_statistics_into(dout, out, lse, *permuted, stat_tile=tm)
+    torch.cuda.synchronize()
+    _check(*natural, dout, out, lse, rows)
+    for got, nat in zip(permuted, natural):
+        assert torch.equal(got, permute_rows(nat, tm))
+
+
 def _call(dout, varlen):
     q = torch.empty(dout.shape, dtype=dout.dtype, device="cuda")
     cu = torch.tensor([0, 50, dout.shape[0]], dtype=torch.int32, device="cuda") if varlen else None
