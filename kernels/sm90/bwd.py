@@ -103,10 +103,10 @@ PERSISTENT_CTAS_ENV = "TORCH_FA4_BWD_PERSISTENT_CTAS"
 # keep the leader adds (dQ staged in the ring needs them; D192 is not converted).
 DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Varlen batches (cu_seqlens_q and _k) in one launch of the kernel's packed-rows variant (per
-# sequence row offsets) instead of one dense launch per sequence. That variant faulted on the
-# device when it was first written (session 1: an illegal instruction, cause not found) and has
-# not run on a GPU since, while the kernel around it changed throughout; it stays opt-in until
-# tests/gpu/test_sm90_bwd.py::test_varlen_kernel passes. TORCH_FA4_BWD_VARLEN_KERNEL=0|1.
+# sequence row offsets) instead of one dense launch per sequence. That variant faults on the
+# device (an illegal instruction at the producer's TMA load of a stage's LSE, every head dim;
+# NOTES Experiment 80); it stays opt-in until tests/gpu/test_sm90_bwd.py::test_varlen_kernel
+# passes. TORCH_FA4_BWD_VARLEN_KERNEL=0|1.
 VARLEN_KERNEL_ENV = "TORCH_FA4_BWD_VARLEN_KERNEL"
 _VARLEN_KERNEL = "0"
 # Phase tracing, a measuring tool (benchmarks/bwd_trace.py): TORCH_FA4_BWD_TRACE=N compiles a

@@ -83,8 +83,9 @@ Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks onl
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
 Variable length: the `varlen` variant (packed rows, per-sequence row offsets, dK / dV stored from
-registers with a row predicate) faulted on the device when first written and has not run on one
-since; bwd.py runs varlen batches one sequence at a time through the dense variant unless
+registers with a row predicate) faults on the device: an illegal instruction at the producer's
+TMA load of a stage's LSE (compute-sanitizer, NOTES Experiment 80), cause not found. bwd.py runs
+varlen batches one sequence at a time through the dense variant unless
 TORCH_FA4_BWD_VARLEN_KERNEL=1 (bwd.runs_per_sequence).
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
