@@ -79,7 +79,7 @@ def _check_backward_sass(sass, key, d, dv):
     # S, dP and dQ: (K extent / 16) each (dQ's is the key tile: with the head dim split between
     # the warpgroups (64 queries) or the query rows (128 queries), one 64-row tile each);
     # dK, dV: tile_m / 16 each.
-    tile_n, tile_m = key[-3][0], key[-3][3]
+    tile_n, tile_m = key[-3].tile_n, key[-3].tile_m
     assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16), f"{hgmma} HGMMA instructions"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
@@ -94,14 +94,14 @@ def _check_backward_sass(sass, key, d, dv):
     waits = sass.count("WARPGROUP.DEPBAR")
     assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
     # programmatic dependent launch: launch_dependents (PREEXIT) and the grid wait (ACQBULK)
-    assert ("PREEXIT" in sass) == ("ACQBULK" in sass) == key[-3][10], "programmatic dependent launch"
+    assert ("PREEXIT" in sass) == ("ACQBULK" in sass) == key[-3].pdl, "programmatic dependent launch"
     # the dQ writer warp's slab hand-off is the kernel's only non-blocking named-barrier arrive
-    assert ("BAR.ARV" in sass) == key[-3][6], "dQ writer warp hand-off"
+    assert ("BAR.ARV" in sass) == key[-3].dq_writer_warp, "dQ writer warp hand-off"
     # dK / dV leave through shared memory and TMA stores (128-key CTAs, dense), else directly
     varlen = key[7]
     if tile_n == 128 and not varlen:
         assert "UTMASTG" in sass, "dK / dV are not stored through TMA"
-        if not key[-3][7]:  # (the trace variant stores its clock stamps)
+        if not key[-3].trace:  # (the trace variant stores its clock stamps)
             assert "STG.E" not in sass, "direct global stores besides the TMA stores"
     else:
         assert "UTMASTG" not in sass and "STG.E" in sass
@@ -125,7 +125,7 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][0] == (128 if max(call.head_dim, call.head_dim_v) <= 128 else 64)
+    assert key[-3].tile_n == (128 if max(call.head_dim, call.head_dim_v) <= 128 else 64)
     _compiled_and_checked(key, call, tmp_path)
 
 
@@ -135,7 +135,7 @@ def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monke
     monkeypatch.setenv(bwd.PDL_ENV, "0")
     call = _call(d=128)
     key = bwd.variant_key(call, False)
-    assert key[-3][10] is False
+    assert key[-3].pdl is False
     _compiled_and_checked(key, call, tmp_path)
 
 
@@ -146,7 +146,7 @@ def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     monkeypatch.setenv(bwd.L2_HINTS_ENV, hints)
     call = _call(d=128, causal=True)
     key = bwd.variant_key(call, False)
-    assert key[-3][14] == hints
+    assert key[-3].l2_hints == hints
     hinted, loads = hinted_loads(_compiled_and_checked(key, call, tmp_path))
     assert loads >= 6
     if hints == "last":  # Q / dO / statistics hinted, K and V (loaded at each key tile's start) not
@@ -165,7 +165,7 @@ def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
     call_kw, deterministic = VARIANTS[name]
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
-    assert not key[-3][6]
+    assert not key[-3].dq_writer_warp
     _compiled_and_checked(key, call, tmp_path)
 
 
@@ -180,7 +180,7 @@ def test_backward_dk_first_order_compiles(name, dq_warp, tmp_path, monkeypatch):
     call_kw, deterministic = VARIANTS[name]
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
-    assert not key[-3][5] and key[-3][6] == (dq_warp == "1")
+    assert not key[-3].dq_first and key[-3].dq_writer_warp == (dq_warp == "1")
     _compiled_and_checked(key, call, tmp_path)
 
 
@@ -188,7 +188,7 @@ def test_dq_first_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.delenv(bwd.DQ_FIRST_ENV, raising=False)
-    dq_first = lambda call, det=False: bwd.variant_key(call, det)[-3][5]
+    dq_first = lambda call, det=False: bwd.variant_key(call, det)[-3].dq_first
     for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, softcap=10.0)):
         assert dq_first(_call(**kw)), kw
     assert dq_first(_call(d=128, causal=True), det=True)
@@ -209,7 +209,7 @@ def test_descending_walk_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.delenv(bwd.DESCENDING_ENV, raising=False)
-    descending = lambda call, det=False: bwd.variant_key(call, det)[-3][15]
+    descending = lambda call, det=False: bwd.variant_key(call, det)[-3].descending
     for kw in (dict(d=64, causal=True), dict(d=128, causal=True), dict(d=128, window_right=8),
                dict(d=256, causal=True), dict(d=64, causal=True, varlen=True)):
         assert descending(_call(**kw)), kw
@@ -259,7 +259,7 @@ def test_dq_writer_warp_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.delenv(bwd.DQ_WARP_ENV, raising=False)
-    dq_warp = lambda call, det=False: bwd.variant_key(call, det)[-3][6]
+    dq_warp = lambda call, det=False: bwd.variant_key(call, det)[-3].dq_writer_warp
     # on by default wherever the CTA holds 128 keys (separate dQ slabs), whatever the rest
     for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, dv=64),
                dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), dict(d=128, softcap=10.0)):
@@ -270,7 +270,7 @@ def test_dq_writer_warp_selection(monkeypatch):
     monkeypatch.delenv(bwd.TILE_M_ENV)
     # 64-key variants keep the leader-warp adds: dQ staged in the ring (D256) hands the stage
     # back to the producer from them; D192 (separate slabs) is not converted
-    assert bwd.variant_key(_call(d=256), False)[-3][2] and not dq_warp(_call(d=256))
+    assert bwd.variant_key(_call(d=256), False)[-3].dq_in_ring and not dq_warp(_call(d=256))
     assert not dq_warp(_call(d=192))
     # the override enters the variant key (the compile cache is keyed on it)
     on = bwd.variant_key(_call(d=128), False)
@@ -311,12 +311,12 @@ def test_backward_transposed_dq_compiles(name, tmp_path, monkeypatch):
     call_kw, deterministic = VARIANTS[name]
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][3] == 64 and key[-3][16], key[-3]
+    assert key[-3].tile_m == 64 and key[-3].dq_transposed, key[-3]
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
     assert "STS.64" not in sass, "dQ is still stored in 64-bit pairs"
     monkeypatch.setenv(bwd.DQ_T_ENV, "0")
-    assert not bwd.variant_key(call, deterministic)[-3][16]
+    assert not bwd.variant_key(call, deterministic)[-3].dq_transposed
 
 
 @pytest.mark.parametrize("passes", ["two", "one", "split"])
@@ -331,7 +331,7 @@ def test_backward_128_query_transposed_dq_compiles(name, passes, tmp_path, monke
     call_kw, deterministic = VARIANTS_TM128[name]
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][3] == 128 and key[-3][16], key[-3]
+    assert key[-3].tile_m == 128 and key[-3].dq_transposed, key[-3]
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass and "STS.64" not in sass
 
@@ -346,13 +346,13 @@ def test_backward_permuted_stats_compile(name, tmp_path, monkeypatch):
     call_kw, deterministic = VARIANTS[name]
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][17], key[-3]
+    assert key[-3].permuted_stats, key[-3]
     # packed varlen rows start tiles at any row: they keep the natural order
-    assert not bwd.variant_key(_call(**call_kw, varlen=True), deterministic)[-3][17]
+    assert not bwd.variant_key(_call(**call_kw, varlen=True), deterministic)[-3].permuted_stats
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "LDS.128" in sass and "LDS.64" not in sass, "statistics not read as vectors"
     monkeypatch.setenv(bwd.STATS_T_ENV, "0")
-    assert not bwd.variant_key(call, deterministic)[-3][17]
+    assert not bwd.variant_key(call, deterministic)[-3].permuted_stats
 
 
 @pytest.mark.parametrize("passes", ["one", "two"])
@@ -378,11 +378,11 @@ def test_backward_one_ring_barrier_compiles(name, tmp_path, monkeypatch):
     monkeypatch.delenv(bwd.SPLIT_RING_ENV, raising=False)
     call_kw, deterministic = VARIANTS_TM128[name]
     call = _call(**call_kw)
-    assert bwd.variant_key(call, deterministic)[-3][11] is True
+    assert bwd.variant_key(call, deterministic)[-3].split_ring is True
     monkeypatch.setenv(bwd.SPLIT_RING_ENV, "0")
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][11] is False and key[-3][3] == 128
-    assert bwd.variant_key(_call(d=128), False)[-3][11] is False  # 64-query variants keep one barrier
+    assert key[-3].split_ring is False and key[-3].tile_m == 128
+    assert bwd.variant_key(_call(d=128), False)[-3].split_ring is False  # 64-query variants keep one barrier
     _compiled_and_checked(key, call, tmp_path)
 
 
@@ -405,7 +405,7 @@ def test_backward_dv_after_ds_stores(name, dv_after, tmp_path, monkeypatch):
     call_kw, deterministic = VARIANTS_TM128[name]
     call = _call(**call_kw)
     key = bwd.variant_key(call, deterministic)
-    assert key[-3][3] == 128 and key[-3][12] is (dv_after == "1")
+    assert key[-3].tile_m == 128 and key[-3].dv_after_ds is (dv_after == "1")
     sass = _compiled_and_checked(key, call, tmp_path)
     assert _hgmma_between_ds_stores_and_fence(sass) == (8 if dv_after == "1" else 0)
 
@@ -416,7 +416,7 @@ def test_persistent_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
-    on = lambda call, det=False: bwd.variant_key(call, det)[-3][13]  # noqa: E731
+    on = lambda call, det=False: bwd.variant_key(call, det)[-3].persistent  # noqa: E731
     assert on(_call(d=64)) and on(_call(d=64, causal=True)) and on(_call(d=128, window_left=64, window_right=0))
     assert not on(_call(d=64), True) and not on(_call(d=256)) and not on(_call(d=128, varlen=True))
     monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
@@ -453,7 +453,7 @@ def test_persistent_variant_compiles(kw, persistent, tmp_path, monkeypatch):
     monkeypatch.setenv(bwd.PERSISTENT_ENV, persistent)
     call = _call(**kw)
     key = bwd.variant_key(call, False)
-    assert key[-3][13] is (persistent == "1")
+    assert key[-3].persistent is (persistent == "1")
     sass = _compiled_and_checked(key, call, tmp_path)
     assert ("ATOMG" in sass) is (persistent == "1")
 
@@ -483,14 +483,14 @@ def test_128_query_variant_selection(monkeypatch):
 
     monkeypatch.delenv(bwd.TILE_M_ENV, raising=False)
     monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
-    assert bwd.variant_key(_call(d=64), False)[-3][3] == bwd._D64_TILE_M
+    assert bwd.variant_key(_call(d=64), False)[-3].tile_m == bwd._D64_TILE_M
     monkeypatch.setenv(bwd.TILE_M_ENV, "128")
     assert bwd.variant_key(_call(d=64), False)[-3][:5] == (128, 2, False, 128, bwd._D64_PASSES)
     # head dims above 64 keep 64 queries per step
     for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
-        assert bwd.variant_key(_call(d=d, dv=dv), False)[-3][3] == 64
+        assert bwd.variant_key(_call(d=d, dv=dv), False)[-3].tile_m == 64
     monkeypatch.setenv(bwd.TILE_M_ENV, "64")
-    assert bwd.variant_key(_call(d=64), False)[-3][3] == 64
+    assert bwd.variant_key(_call(d=64), False)[-3].tile_m == 64
     monkeypatch.setenv(bwd.TILE_M_ENV, "96")
     with pytest.raises(ValueError):
         bwd.variant_key(_call(d=64), False)
@@ -611,7 +611,7 @@ def _emulated_kernel(key):
     (64-query, 128-key) tiles the transposed lists name contribute, with the mask_mod applied on
     partial ones only, each as many times as it is listed (as the kernel would add it)."""
     dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse, mod_key = key
-    tile_n, tile_m = kernel_tiles[0], kernel_tiles[3]
+    tile_n, tile_m = kernel_tiles.tile_n, kernel_tiles.tile_m
     if varlen:  # the packed-rows variant (bwd.VARLEN_KERNEL_ENV)
         assert not mod_key and sparse is None and not deterministic
         return _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles)
@@ -635,7 +635,7 @@ def _emulated_kernel(key):
         assert lse2.shape[-1] >= -(-q.shape[1] // tile_m) * tile_m
         if deterministic:  # one semaphore per query tile (else: the persistent tile counter)
             assert sem.shape[-1] == -(-q.shape[1] // tile_m)
-        elif kernel_tiles[13]:
+        elif kernel_tiles.persistent:
             assert sem.shape == (1, 1, 1) and int(sem.sum()) == 0
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]
@@ -670,7 +670,7 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
     """_emulated_kernel for the packed-rows varlen variant: q / do (Tq, Hq, D), k / v (Tk, Hkv, D),
     row statistics and the dQ buffer (Hq, rows[, D]) over the packed rows, sequences at the
     cu_seqlens offsets, a grid sized by max_k."""
-    tile_m = kernel_tiles[3]
+    tile_m = kernel_tiles.tile_m
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
@@ -879,7 +879,7 @@ def test_sparse_host_path_with_emulated_kernel(case, tile_m, monkeypatch):
                          block_mask_kv=block[1], max_seqlen_q=sq, max_seqlen_k=sk)
     assert bwd.unsupported_reason(call) is None
     assert bwd.variant_key(call, False)[-2] == expect
-    assert bwd.variant_key(call, False)[-3][3] == want_tile_m
+    assert bwd.variant_key(call, False)[-3].tile_m == want_tile_m
     assert bwd.variant_key(call, True)[-2] is None  # deterministic: dense walk
 
     # float64 reference
@@ -934,9 +934,9 @@ def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, t
     call.k = call.v = torch.empty(1, 256, hkv, d, dtype=torch.bfloat16)
     assert bwd.unsupported_reason(call) is None
     vk = bwd.variant_key(call, False)
-    tile_n = vk[-3][0]
+    tile_n = vk[-3].tile_n
     assert tile_n == (64 if d > 128 or block[1] == 64 else 128)
-    assert vk[-3][3] == tile_m
+    assert vk[-3].tile_m == tile_m
     assert vk[-2] == (block[0] // tile_m, block[1] // tile_n)
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
@@ -1032,7 +1032,7 @@ def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypa
     call = _call(d=d, hq=4, hkv=2, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
     assert bwd.unsupported_reason(call) is None
     vk = bwd.variant_key(call, False)
-    assert vk[-3][3] == tile_m
+    assert vk[-3].tile_m == tile_m
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     assert sass.count("HGMMA.") == d // 16 * 2 + 128 // 16 + 2 * (tile_m // 16)
@@ -1068,7 +1068,7 @@ def test_backward_trace_stamps(trace, pair, tmp_path, monkeypatch):
     call = _call(d=128)
     key = bwd.variant_key(call, False)
     # (steps, batch, kv head) of the traced pair; batch 0, head 0 unless TRACE_PAIR_ENV names one
-    assert key[-3][7] == (0 if trace == "0" else (4, 1, 2) if pair else (4, 0, 0))
+    assert key[-3].trace == (0 if trace == "0" else (4, 1, 2) if pair else (4, 0, 0))
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     clocks = sass.count("SR_CLOCKLO")

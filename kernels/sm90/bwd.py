@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -149,6 +149,29 @@ DQ_T_ENV = "TORCH_FA4_BWD_DQ_T"
 # (bwd_kernel `permuted_stats`; dense 128-key variants). TORCH_FA4_BWD_STATS_T=0|1.
 STATS_T_ENV = "TORCH_FA4_BWD_STATS_T"
 _STATS_T = "0"
+
+
+class KernelTiles(NamedTuple):
+    """The kernel-shaping part of a variant key (variant_key()[-3]): what bwd_kernel is built with."""
+
+    tile_n: int  # keys per CTA
+    stages: int  # Q / dO ring stages
+    dq_in_ring: bool  # dQ staged in the consumed Q / dO buffers
+    tile_m: int  # queries per step
+    passes: str | None  # how the 128- / 80-query variants form dS (None at 64)
+    dq_first: bool  # dQ issued before dK
+    dq_writer_warp: bool  # dQ adds from a dedicated warp
+    trace: object  # 0, or (steps, batch, kv head) of the traced CTAs
+    exp2_emulate: int  # every k-th column's exp2 on the FMA pipe (0: none)
+    fold_dpsum: bool  # dP^T's accumulator started at -dPsum
+    pdl: bool  # programmatic dependent launch
+    split_ring: bool  # separate Q / dO ring barriers
+    dv_after_ds: bool  # dV issued after the dS^T stores
+    persistent: bool  # one CTA per SM taking work tiles from a counter
+    l2_hints: str  # "0", "1" or "last"
+    descending: bool  # causal walks from the last query tile down
+    dq_transposed: bool  # dQ^T = K^T dS^T
+    permuted_stats: bool  # row statistics in bwd_stats_layout's order
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -362,28 +385,27 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     elif tile_n == 128 and tile_m == _TILE_M and _takes_80_queries(call, deterministic):
         tile_m = 80
         passes = _env_choice(D128_PASSES_ENV, _D128_PASSES, ("one", "two"))
-    # (keys per CTA, ring stages, dQ staged in the ring, queries per step, how the 128- / 80-query
-    # variants form dS (None at 64), dQ issued before dK, dQ adds from a dedicated warp, traced
-    # steps, exp2 emulated every k-th column, dP^T from -dPsum, programmatic dependent launch,
-    # separate Q / dO ring barriers, dV issued after the dS^T stores, persistent, L2 hints, causal
-    # walk descending, dQ transposed, row statistics permuted)
     tile_n, stages, dq_in_ring = tiles(d, dv, tile_n, tile_m=tile_m)
     trace = 0 if deterministic else int(os.environ.get(TRACE_ENV, "0") or 0)
     if trace:  # (steps, batch, kv head) of the traced CTAs
         trace = (trace, *(int(x) for x in (os.environ.get(TRACE_PAIR_ENV) or "0:0").split(":")))
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
-    kernel_tiles = (tile_n, stages, dq_in_ring, tile_m, passes if tile_m != _TILE_M else None,
-                    dq_first(tile_n, dq_in_ring), dq_writer_warp(tile_n, dq_in_ring), trace, emulate, fold,
-                    pdl(), tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
-                    tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
-                    persistent(call, deterministic, tile_n, dq_in_ring, sparse),
-                    _env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
-                    _env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
-                    and not deterministic and sparse is None,
-                    dq_transposed(d, dv, tile_n, tile_m, dq_in_ring),
-                    tile_n == 128 and not call.is_varlen
-                    and _env_choice(STATS_T_ENV, _STATS_T, ("0", "1")) == "1")
+    kernel_tiles = KernelTiles(
+        tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m,
+        passes=passes if tile_m != _TILE_M else None,
+        dq_first=dq_first(tile_n, dq_in_ring), dq_writer_warp=dq_writer_warp(tile_n, dq_in_ring),
+        trace=trace, exp2_emulate=emulate, fold_dpsum=fold, pdl=pdl(),
+        split_ring=tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
+        dv_after_ds=tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
+        persistent=persistent(call, deterministic, tile_n, dq_in_ring, sparse),
+        l2_hints=_env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
+        descending=(_env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
+                    and not deterministic and sparse is None),
+        dq_transposed=dq_transposed(d, dv, tile_n, tile_m, dq_in_ring),
+        permuted_stats=(tile_n == 128 and not call.is_varlen
+                        and _env_choice(STATS_T_ENV, _STATS_T, ("0", "1")) == "1"),
+    )
     return (
         call.q.dtype,
         call.head_dim,
@@ -659,7 +681,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         return
     key = variant_key(call, deterministic)
     fn = compile_variant(key)
-    tile_m = key[-3][3]  # queries per step: row statistics, dQ buffer, semaphores pad to it
+    tile_m = key[-3].tile_m  # queries per step: row statistics, dQ buffer, semaphores pad to it
     q, k, v = call.q, call.k, call.v
     right, left = _window(call)
     lists = [None] * 4
@@ -672,7 +694,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
     counter = None
-    if key[-3][13] and not key[-3][7]:
+    if key[-3].persistent and not key[-3].trace:
         # the persistent kernel's tile counter, zeroed before the row-statistics pass: the main
         # kernel launches as that pass's programmatic dependent, with nothing in between
         counter = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
@@ -686,7 +708,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         dq_acc_rows = torch.empty((q.shape[0], q.shape[1], call.num_heads, call.head_dim),
                                   dtype=torch.float32, device=q.device)
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows,
-                                           permuted=key[-3][17])
+                                           permuted=key[-3].permuted_stats)
         dq_acc = dq_acc_rows.transpose(1, 2)
     if call.is_varlen:  # the grid covers the longest sequence (given, or read from cu_seqlens)
         from torch_fa4.kernels.common.fwd_launch import max_seqlens
@@ -698,18 +720,18 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     sem = None
     if deterministic:
         sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
-    elif key[-3][7]:
+    elif key[-3].trace:
         from .bwd_kernel import TRACE_EVENTS
 
         global LAST_TRACE
         # [:, :2]: the traced pair's steps (key tile, warpgroup, steps * events); [:, 2 + pair, :3]:
         # every CTA's start, end (global ns timer, low 32 bits) and SM (bwd_kernel._stamp_cta)
         # (+ 1: the persistent kernel's tile counter, the last element of the first row)
-        n_tiles = math.ceil(k.shape[1] / key[-3][0])
-        width = max(key[-3][7][0] * len(TRACE_EVENTS), 3) + int(key[-3][13])
+        n_tiles = math.ceil(k.shape[1] / key[-3].tile_n)
+        width = max(key[-3].trace[0] * len(TRACE_EVENTS), 3) + int(key[-3].persistent)
         sem = torch.zeros((n_tiles, 2 + pairs, width), dtype=torch.int32, device=q.device)
         LAST_TRACE = sem
-    elif key[-3][13]:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
+    elif key[-3].persistent:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
         sem = counter
     seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
@@ -726,7 +748,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
         int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs),
-        _persistent_ctas(math.ceil(max_k / key[-3][0]) * pairs, q.device) if key[-3][13] else 1, *aux,
+        _persistent_ctas(math.ceil(max_k / key[-3].tile_n) * pairs, q.device) if key[-3].persistent else 1, *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)
@@ -737,7 +759,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         from . import bwd_dq_convert
 
         if bwd_dq_convert.takes(dq_acc_rows, dq):
-            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3][10])
+            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3].pdl)
         else:
             torch.mul(dq_acc_rows, call.scale, out=dq)
 

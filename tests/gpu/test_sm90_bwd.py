@@ -146,11 +146,11 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
     if block_size is not None:
         assert bwd.variant_key(call, deterministic)[-2] == expect_sparse
     if expect_tile_m is not None:
-        assert bwd.variant_key(call, deterministic)[-3][3] == expect_tile_m
+        assert bwd.variant_key(call, deterministic)[-3].tile_m == expect_tile_m
     if expect_dq_warp is not None:
-        assert bwd.variant_key(call, deterministic)[-3][6] == expect_dq_warp
+        assert bwd.variant_key(call, deterministic)[-3].dq_writer_warp == expect_dq_warp
     if expect_dq_t is not None:
-        assert bwd.variant_key(call, deterministic)[-3][16] == expect_dq_t
+        assert bwd.variant_key(call, deterministic)[-3].dq_transposed == expect_dq_t
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
