@@ -18,7 +18,10 @@ the lse loads and both stores are consecutive floats. Rows are walked along S wi
 that the stores coalesce; the loads stay sector-efficient because each row is >= 128 contiguous
 bytes. Two butterfly shuffles sum the 4 partial dot products.
 
-Compiled once per (dtype, Dv): shapes and strides are symbolic (dO / O: 16-byte aligned base and
+With `stat_tile` (bwd `permuted_stats`) each tile of that many rows is stored in
+bwd_stats_layout's permuted order, which the main kernel reads as 16-byte vectors.
+
+Compiled once per (dtype, Dv, stat_tile): shapes and strides are symbolic (dO / O: 16-byte aligned base and
 strides, unit last stride; lse: any strides), so new sizes and varlen calls reuse the kernel.
 Importing this module loads CuTe DSL; bwd.row_statistics imports it only for CUDA tensors.
 """

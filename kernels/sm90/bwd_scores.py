@@ -12,7 +12,7 @@ from cutlass import Boolean, Float32, const_expr
 
 from ..common import mod_lowering as mods_dsl
 from ..common.exp2_emulation import exp2_fma
-from . import bwd_stats_layout as SL_stats
+from . import bwd_stats_layout as stats_layout
 
 LOG2_E = math.log2(math.e)
 
@@ -40,7 +40,7 @@ class BwdScores:
             assert dc % 8 < 2, "accumulator columns come in pairs 8 apart"
             j, e = dc // 8, dc % 8
             if j // 2 not in chunks:
-                off = cute.assume(SL_stats.chunk_offset(q, first_chunk + j // 2, tm), divby=4)
+                off = cute.assume(stats_layout.chunk_offset(q, first_chunk + j // 2, tm), divby=4)
                 src = cute.make_tensor(stage_tile.iterator + off, cute.make_layout(4))
                 dst = cute.make_rmem_tensor((4,), Float32)
                 cute.autovec_copy(src, dst)
