@@ -1,4 +1,4 @@
-# Sourced by the ncu scripts: the main kernel's name (a regex for ncu -k) of an implementation.
+# Sourced through scripts/ncu_common.sh: the main kernel's name (a regex for ncu -k) of an implementation.
 #   ncu_kernel_name bwd|fwd torch_fa4|flash-attn-4
 ncu_kernel_name() {
   case "$1/$2" in

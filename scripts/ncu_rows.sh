@@ -4,12 +4,8 @@
 # the GPU machine after .gpu-kit/setup.sh; clocks are left alone (--clock-control none). Logs go to $OUT.
 #   KIND=bwd|fwd ROWS="128:4096:0 64:4096:0" bash scripts/ncu_rows.sh
 set -u
-OUT=${OUT:-ncu_out}
 KIND=${KIND:-bwd}
-mkdir -p "$OUT"
-source "$(dirname "$0")/ncu_kernel_name.sh"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-flag=""; [ "$KIND" = bwd ] && flag=--bwd
+source "$(dirname "$0")/ncu_common.sh"
 for row in ${ROWS:-128:4096:0 64:4096:0}; do
   for impl in torch_fa4 flash-attn-4; do
     k=$(ncu_kernel_name "$KIND" "$impl")

@@ -5,12 +5,8 @@
 # limit (NOTES Experiment 79), so its per-unit split says where the two kernels differ.
 #   KIND=bwd|fwd ROWS="128:16384:1" [IMPLS=torch_fa4] bash scripts/ncu_smem.sh   (after .gpu-kit/setup.sh)
 set -u
-OUT=${OUT:-ncu_out}
 KIND=${KIND:-bwd}
-mkdir -p "$OUT"
-source "$(dirname "$0")/ncu_kernel_name.sh"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-flag=""; [ "$KIND" = bwd ] && flag=--bwd
+source "$(dirname "$0")/ncu_common.sh"
 METRICS="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed"
 METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum"
 METRICS+=",l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"

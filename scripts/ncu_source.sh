@@ -5,13 +5,9 @@
 # instructions (scripts/ncu_source_top.py).
 #   KIND=bwd ROW=128:4096:0 IMPLS="torch_fa4 flash-attn-4" bash scripts/ncu_source.sh
 set -u
-OUT=${OUT:-ncu_out}
 KIND=${KIND:-bwd}
 ROW=${ROW:-128:4096:0}
-mkdir -p "$OUT"
-source "$(dirname "$0")/ncu_kernel_name.sh"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-flag=""; [ "$KIND" = bwd ] && flag=--bwd
+source "$(dirname "$0")/ncu_common.sh"
 for impl in ${IMPLS:-torch_fa4 flash-attn-4}; do
   k=$(ncu_kernel_name "$KIND" "$impl")
   rep="/tmp/src_${KIND}_${impl}"

@@ -192,11 +192,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         # 80 queries per step (wide path, flash-attn-4's D128 tile: the same fixed cost per step
         # spread over 25% more queries; module docstring). dQ = dS K would need an M of 80, so
         # each warpgroup computes dQ^T = K^T dS^T for half of the head dim (M = 64, N = 80).
-        # At 64 queries dQ^T is an option (`dq_transposed`): the slab stores of dQ = dS K are
-        # STS.64 pairs along a row, and the 128-byte swizzle puts rows r and r ^ 1 of a warp on the
-        # same banks (Nsight, D128 S16k causal: 8 wavefronts per store, a quarter of all shared
-        # stores' wavefronts conflicts). dQ^T's values land as 32-bit stores, one per head-dim
-        # column, whose 32 lanes cover all 32 banks (NOTES Experiment 79).
+        # Elsewhere dQ^T is chosen (`dq_transposed`) for its conflict-free slab stores (module
+        # docstring, "dQ transposed").
         self.dq_transposed = tile_m == 80 or bool(dq_transposed)
         # (the wgmma's M, the head dim of one warpgroup, must be 64: half of D128, or all of D64
         # where the warpgroups split the 128 queries)
