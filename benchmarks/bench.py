@@ -272,6 +272,10 @@ _BWD_SWEEPS = {
                      "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
                     [(64, 4096, False), (64, 4096, True), (64, 16384, False), (64, 16384, True),
                      (128, 4096, False), (128, 16384, True)]),
+    # the six D64 grid rows: dQ^T with and without the vector statistics against the default
+    "bwd-d64": ({"default": {}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"},
+                 "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
+                [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
 
