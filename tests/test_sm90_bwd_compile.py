@@ -334,6 +334,10 @@ def test_backward_128_query_transposed_dq_compiles(name, passes, tmp_path, monke
     assert key[-3].tile_m == 128 and key[-3].dq_transposed, key[-3]
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass and "STS.64" not in sass
+    monkeypatch.delenv(bwd.DQ_T_ENV)  # the default at D64 too
+    assert bwd.variant_key(call, deterministic)[-3].dq_transposed
+    monkeypatch.setenv(bwd.DQ_T_ENV, "0")
+    assert not bwd.variant_key(call, deterministic)[-3].dq_transposed
 
 
 @pytest.mark.parametrize("name", ["d64", "d128", "d96_causal", "d128_softcap_causal", "d64_gqa_window",

@@ -140,10 +140,10 @@ DESCENDING_ENV = "TORCH_FA4_BWD_DESCENDING"
 _DESCENDING = "1"
 # dQ computed transposed (bwd_kernel `dq_transposed`: dQ^T = K^T dS^T, stored to its slab as
 # 32-bit stores free of bank conflicts instead of 64-bit ones that conflict), where each
-# warpgroup's part of the head dim is 64: D128 at 64 queries per step, D64 at 128. Default at D128
-# only: H100, NOTES "Experiment 79", two sweeps: D128 +3-7% at S4k, +1-3% at S4k causal, +4% at
-# S16k causal, level at S16k; D64 mixed (+1-2% causal, -4% at S16k).
-# TORCH_FA4_BWD_DQ_T=1 takes it wherever it applies, =0 nowhere.
+# warpgroup's part of the head dim is 64: D128 at 64 queries per step, D64 at 128. On by default
+# wherever it applies. H100: D128 (NOTES "Experiment 79", two sweeps) +3-7% at S4k, +1-3% at S4k
+# causal, +4% at S16k causal, level at S16k; D64 (Experiment 82, three rounds) +2-4% on every row.
+# TORCH_FA4_BWD_DQ_T=0 turns it off, =1 is the default.
 DQ_T_ENV = "TORCH_FA4_BWD_DQ_T"
 # Row statistics (LSE, dPsum) in bwd_stats_layout's permuted order, read as 16-byte vectors
 # (bwd_kernel `permuted_stats`; dense 128-key variants). TORCH_FA4_BWD_STATS_T=0|1.
@@ -247,11 +247,11 @@ def pdl() -> bool:
 
 
 def dq_transposed(d: int, dv: int, tile_n: int, tile_m: int, dq_in_ring: bool) -> bool:
-    """Whether the variant computes dQ^T = K^T dS^T (DQ_T_ENV; default: D128 at 64 queries)."""
+    """Whether the variant computes dQ^T = K^T dS^T (DQ_T_ENV): where each warpgroup's share of
+    dQ^T is 64 head-dim rows, D128 at 64 queries per step and D64 at 128."""
     applies = (tile_n == 128 and not dq_in_ring and dv <= 128
                and (tile_m == _TILE_M and d == 128 or tile_m == 128 and d == 64))
-    choice = _env_choice(DQ_T_ENV, "", ("0", "1"))
-    return applies and (choice == "1" or (choice == "" and d == 128))
+    return applies and _env_choice(DQ_T_ENV, "1", ("0", "1")) == "1"
 
 
 def dq_first(tile_n: int, dq_in_ring: bool) -> bool:

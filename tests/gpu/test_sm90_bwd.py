@@ -523,44 +523,50 @@ def test_tm80_not_taken_where_it_does_not_apply(tile_m_80):
     _case(BF, 2, 300, 517, 2, 2, 128, 128, deterministic=True, expect_tile_m=64)
 
 
-# ---- dQ^T (bwd_kernel `dq_transposed`, TORCH_FA4_BWD_DQ_T=1): D128 at 64 queries per step and D64
-# at 128 compute dQ^T = K^T dS^T and store it transposed
+# ---- dQ^T (bwd_kernel `dq_transposed`, the default; TORCH_FA4_BWD_DQ_T=0 turns it off): D128 at
+# 64 queries per step and D64 at 128 compute dQ^T = K^T dS^T and store it transposed. Each case
+# runs both ways, so the dQ = dS K path the option keeps stays tested.
 
-@pytest.fixture
-def dq_t(monkeypatch):
+@pytest.fixture(params=["1", "0"], ids=["dQ^T", "dQ"])
+def dq_t(monkeypatch, request):
+    """Sets TORCH_FA4_BWD_DQ_T; the value is whether the variant must compute dQ^T."""
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DQ_T_ENV, "1")
-    return bwd
+    monkeypatch.setenv(bwd.DQ_T_ENV, request.param)
+    return request.param == "1"
 
 
 @pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 517, 6, 2), (517, 300, 2, 2), (1, 77, 2, 1), (333, 130, 4, 2)])
 def test_dq_transposed(dq_t, causal, sq, sk, hq, hkv, d, tile_m):
-    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal, expect_tile_m=tile_m, expect_dq_t=True)
+    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal, expect_tile_m=tile_m, expect_dq_t=dq_t)
 
 
 @pytest.mark.parametrize("passes", ["two", "one", "split"])
 def test_dq_transposed_d64_passes(dq_t, monkeypatch, passes):
-    monkeypatch.setenv(dq_t.PASSES_ENV, passes)
-    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128, expect_dq_t=True)
-    _case(FP, 2, 517, 300, 2, 2, 64, 64, softcap=8.0, expect_tile_m=128, expect_dq_t=True)
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PASSES_ENV, passes)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128, expect_dq_t=dq_t)
+    _case(FP, 2, 517, 300, 2, 2, 64, 64, softcap=8.0, expect_tile_m=128, expect_dq_t=dq_t)
 
 
 def test_dq_transposed_features(dq_t):
-    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_dq_t=True)
-    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_dq_t=True)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_t=True)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, left=100, right=20, expect_dq_t=True)
-    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_t=True)
+    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_dq_t=dq_t)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_dq_t=dq_t)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_t=dq_t)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, left=100, right=20, expect_dq_t=dq_t)
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_t=dq_t)
     _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)
 
 
 def test_dq_transposed_persistent_many_tiles(dq_t, monkeypatch):
-    monkeypatch.setenv(dq_t.PERSISTENT_CTAS_ENV, "3")
-    _case(BF, 2, 700, 900, 4, 2, 128, 128, causal=True, expect_dq_t=True)
-    _case(BF, 2, 700, 900, 4, 2, 128, 128, expect_dq_t=True)
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "3")
+    _case(BF, 2, 700, 900, 4, 2, 128, 128, causal=True, expect_dq_t=dq_t)
+    _case(BF, 2, 700, 900, 4, 2, 128, 128, expect_dq_t=dq_t)
 
 
 # ---- row statistics in the permuted order (bwd_kernel `permuted_stats`, TORCH_FA4_BWD_STATS_T=1)
