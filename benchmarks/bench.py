@@ -272,6 +272,12 @@ _BWD_SWEEPS = {
                      "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
                     [(64, 4096, False), (64, 4096, True), (64, 16384, False), (64, 16384, True),
                      (128, 4096, False), (128, 16384, True)]),
+    # the causal walk's order and schedule once more, with dQ^T everywhere: the default (descending,
+    # persistent, automatic tail group) against ascending walks, one pair per tail group and one CTA
+    # per tile
+    "bwd-causal-order": ({"default": {}, "ascending": {"TORCH_FA4_BWD_DESCENDING": "0"},
+                          "T1": {"TORCH_FA4_BWD_CTA_TAIL": "1"}, "grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}},
+                         [(D, S, True) for D in (64, 128) for S in (4096, 16384)]),
     # the six D64 grid rows: dQ^T with and without the vector statistics against the default
     "bwd-d64": ({"default": {}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"},
                  "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
