@@ -69,8 +69,8 @@ keys contiguous, through a transposing stmatrix, so that dQ^T reads it K-major w
 swizzle (queries contiguous would allow only 32 bytes: ~3% slower). The LSE / dPsum ring stages
 are padded to 96 values (TMA destinations are 128-byte aligned).
 
-dQ transposed (`dq_transposed`, bwd.dq_transposed: the default at D128 with 64 queries, an option
-at D64 with 128): dQ^T = K^T dS^T, M = the warpgroup's 64 head-dim columns, N = its queries, dS
+dQ transposed (`dq_transposed`, bwd.dq_transposed: the default at D128 with 64 queries and at D64
+with 128): dQ^T = K^T dS^T, M = the warpgroup's 64 head-dim columns, N = its queries, dS
 stored (queries, keys) by the 80-query path's transposing stmatrix. What it buys is the slab
 stores: dQ = dS K leaves each thread 64-bit pairs along a row, and under the slab's 128-byte
 swizzle rows r and r ^ 1 of a warp share banks (Nsight: 8 wavefronts per store); dQ^T's values
