@@ -107,6 +107,18 @@ def _check_backward_sass(sass, key, d, dv):
         assert "UTMASTG" not in sass and "STG.E" in sass
 
 
+def _variant(monkeypatch, table, name, env=()):
+    """(call, deterministic, variant key) of VARIANTS-style table entry `name`, with the
+    (variable, value) pairs of `env` set first."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    for var, value in env:
+        monkeypatch.setenv(var, value)
+    call_kw, deterministic = table[name]
+    call = _call(**call_kw)
+    return call, deterministic, bwd.variant_key(call, deterministic)
+
+
 def _compiled_and_checked(key, call, tmp_path) -> str:
     """Compile the variant `key` into tmp_path, run the common SASS checks, return the SASS."""
     from torch_fa4.kernels.sm90 import bwd
@@ -161,10 +173,7 @@ def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
 def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, "0")
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.DQ_WARP_ENV, "0")])
     assert not key[-3].dq_writer_warp
     _compiled_and_checked(key, call, tmp_path)
 
@@ -175,11 +184,8 @@ def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
 def test_backward_dk_first_order_compiles(name, dq_warp, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "0")
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, dq_warp)
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS, name,
+                                        [(bwd.DQ_FIRST_ENV, "0"), (bwd.DQ_WARP_ENV, dq_warp)])
     assert not key[-3].dq_first and key[-3].dq_writer_warp == (dq_warp == "1")
     _compiled_and_checked(key, call, tmp_path)
 
@@ -307,10 +313,7 @@ def test_backward_transposed_dq_compiles(name, tmp_path, monkeypatch):
     # and the dQ slab written by 32-bit stores (the 64-bit pairs of dQ = dS K conflict in banks)
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DQ_T_ENV, "1")
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.DQ_T_ENV, "1")])
     assert key[-3].tile_m == 64 and key[-3].dq_transposed, key[-3]
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
@@ -325,12 +328,8 @@ def test_backward_128_query_transposed_dq_compiles(name, passes, tmp_path, monke
     # D64 at 128 queries: each warpgroup's dQ^T is the whole head dim by its 64 queries
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DQ_T_ENV, "1")
-    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    monkeypatch.setenv(bwd.PASSES_ENV, passes)
-    call_kw, deterministic = VARIANTS_TM128[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS_TM128, name,
+                                        [(bwd.DQ_T_ENV, "1"), (bwd.TILE_M_ENV, "128"), (bwd.PASSES_ENV, passes)])
     assert key[-3].tile_m == 128 and key[-3].dq_transposed, key[-3]
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass and "STS.64" not in sass
@@ -346,13 +345,10 @@ def test_backward_permuted_stats_compile(name, tmp_path, monkeypatch):
     # the row statistics read as 16-byte vectors (bwd.STATS_T_ENV, bwd_stats_layout.py)
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.STATS_T_ENV, "1")
-    call_kw, deterministic = VARIANTS[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.STATS_T_ENV, "1")])
     assert key[-3].permuted_stats, key[-3]
     # packed varlen rows start tiles at any row: they keep the natural order
-    assert not bwd.variant_key(_call(**call_kw, varlen=True), deterministic)[-3].permuted_stats
+    assert not bwd.variant_key(_call(**VARIANTS[name][0], varlen=True), deterministic)[-3].permuted_stats
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "LDS.128" in sass and "LDS.64" not in sass, "statistics not read as vectors"
     monkeypatch.setenv(bwd.STATS_T_ENV, "0")
@@ -364,11 +360,8 @@ def test_backward_permuted_stats_compile(name, tmp_path, monkeypatch):
 def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
-    monkeypatch.setenv(bwd.D128_PASSES_ENV, passes)
-    call_kw, deterministic = VARIANTS_TM80[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS_TM80, name,
+                                        [(bwd.D128_TILE_M_ENV, "80"), (bwd.D128_PASSES_ENV, passes)])
     assert key[-3][:5] == (128, 2, False, 80, passes), key[-3]
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
@@ -405,10 +398,7 @@ def test_backward_dv_after_ds_stores(name, dv_after, tmp_path, monkeypatch):
     # the fence that orders those stores for the tensor cores; off: dV is issued before them
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.DV_AFTER_DS_ENV, dv_after)
-    call_kw, deterministic = VARIANTS_TM128[name]
-    call = _call(**call_kw)
-    key = bwd.variant_key(call, deterministic)
+    call, deterministic, key = _variant(monkeypatch, VARIANTS_TM128, name, [(bwd.DV_AFTER_DS_ENV, dv_after)])
     assert key[-3].tile_m == 128 and key[-3].dv_after_ds is (dv_after == "1")
     sass = _compiled_and_checked(key, call, tmp_path)
     assert _hgmma_between_ds_stores_and_fence(sass) == (8 if dv_after == "1" else 0)
