@@ -268,6 +268,7 @@ _BWD_SWEEPS = {
     "bwd-dq-t": ({"dQ": {"TORCH_FA4_BWD_DQ_T": "0"}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"}},
                  [(D, S, c) for D in (128, 64) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the row statistics read as 16-byte vectors (bwd_stats_layout.py), alone and with dQ^T at D64
+    # (written before dQ^T became the D64 default: since session 18 "default" has it too)
     "bwd-stats-t": ({"default": {}, "stats": {"TORCH_FA4_BWD_STATS_T": "1"},
                      "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
                     [(64, 4096, False), (64, 4096, True), (64, 16384, False), (64, 16384, True),
@@ -278,9 +279,10 @@ _BWD_SWEEPS = {
     "bwd-causal-order": ({"default": {}, "ascending": {"TORCH_FA4_BWD_DESCENDING": "0"},
                           "T1": {"TORCH_FA4_BWD_CTA_TAIL": "1"}, "grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}},
                          [(D, S, True) for D in (64, 128) for S in (4096, 16384)]),
-    # the six D64 grid rows: dQ^T with and without the vector statistics against the default
-    "bwd-d64": ({"default": {}, "dQ^T": {"TORCH_FA4_BWD_DQ_T": "1"},
-                 "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1", "TORCH_FA4_BWD_DQ_T": "1"}},
+    # the six D64 grid rows: dQ = dS K against dQ^T (the default since session 18), and dQ^T with
+    # the vector statistics
+    "bwd-d64": ({"dQ": {"TORCH_FA4_BWD_DQ_T": "0"}, "dQ^T": {},
+                 "stats+dQ^T": {"TORCH_FA4_BWD_STATS_T": "1"}},
                 [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
 }
 
