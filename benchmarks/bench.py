@@ -43,8 +43,8 @@ _LAUNCH_OPTS = ("l2_bytes", "l2_group_all")
 # a sweep row's optional fourth element: the window, as the grid's "window 1024" row has it
 _WINDOW_1024 = (1024, 0)
 
-# --sweep NAME: (torch_fa4 forward config overrides per column, rows (D, S, causal[, window]));
-# NOTES.md has the results
+# --sweep NAME: (torch_fa4 forward config overrides per column, rows (D, S, causal[, window or the
+# name of a score_mod in _sweep_score_mods])); NOTES.md has the results
 _SWEEPS = {
     "options": ({"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
                  "emu2": dict(exp2_emulate_every=2),
@@ -196,7 +196,25 @@ _SWEEPS = {
     # fall at D64 / D128, D256 causal, and rise slightly at D256 without a mask)
     "peek-waits": ({"plain": dict(peek_waits=False), "peek": dict(peek_waits=True)},
                    [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # ALiBi's bias as one fma per distinct offset (with abs: after the run-time sign branch) against
+    # an add and a multiply per offset; the no-mod rows are what the grid's ALiBi row is read against
+    "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},
+              [(128, 4096, True), (128, 4096, True, "alibi"), (128, 4096, True, "alibi-kv-q"),
+               (128, 4096, False), (128, 4096, False, "alibi"), (64, 4096, True), (64, 4096, True, "alibi")]),
 }
+
+
+def _sweep_score_mods(heads: int) -> dict:
+    """The score_mods sweep rows name: "alibi" is the grid's (with abs), "alibi-kv-q" the library's
+    slope * (kv_idx - q_idx), which needs no sign branch."""
+    from torch_fa4 import mods as M
+
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    return {"alibi": alibi, "alibi-kv-q": M.alibi(slopes)}
 
 # --sweep NAME for the backward: (environment per column, rows); each column times autograd through
 # torch_fa4.attention with those variables set around every backward call (kernels/sm90/bwd.py reads
@@ -320,9 +338,10 @@ def _window_flops(window):
 
 
 # ------------------------------------------------------------------ forward implementations
-def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, cfg_opts=None):
     """q, k, v (B, S, H, D). Mods are traced once here and the kernel is launched directly, so the
-    row times the kernel, not the per-call capture of the public API."""
+    row times the kernel, not the per-call capture of the public API. cfg_opts: FwdConfig
+    overrides (sweeps)."""
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import fwd_host
 
@@ -347,7 +366,7 @@ def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask
         raise RuntimeError(reason)
     out = torch.empty_like(q)
     lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
-    return lambda: fwd_host.forward(call, out, lse)
+    return lambda: fwd_host.forward(call, out, lse, **(cfg_opts or {}))
 
 
 def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
@@ -563,7 +582,9 @@ def main():
         variants, sweep_rows = _SWEEPS[args.sweep]
 
         def with_opts(opts):
-            def make(q, k, v, causal, window=(-1, -1)):
+            def make(q, k, v, causal, window=(-1, -1), score_mod=None):
+                if score_mod is not None:  # a mod row: FwdConfig overrides only
+                    return ours_fwd(q, k, v, causal, window=window, score_mod=score_mod, cfg_opts=opts)
                 from torch_fa4.call import AttentionCall
                 from torch_fa4.kernels.sm90 import fwd_host
 
@@ -593,7 +614,10 @@ def main():
         if "flash-attn-4" in peers:
             makers["flash-attn-4"] = peers["flash-attn-4"]
         for D, S, causal, *window in sweep_rows:
-            if window:
+            if window and isinstance(window[0], str):  # a named score_mod (_sweep_score_mods)
+                measure(f"{args.sweep} D{D} S{S // 1024}k {window[0]}{' causal' if causal else ''}", D, S, causal,
+                        _flops, makers, dict(score_mod=_sweep_score_mods(width // D)[window[0]]))
+            elif window:
                 measure(f"{args.sweep} D{D} S{S // 1024}k window {window[0][0]}", D, S, causal, _window_flops(window[0]),
                         makers, dict(window=window[0]))
             else:

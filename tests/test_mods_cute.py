@@ -150,6 +150,28 @@ def test_rewrites_where_exact_and_only_there():
         assert not plan.rewritten, (name, H.describe(g, plan))
 
 
+def test_scaled_affine_products_and_the_sign_split():
+    """t * to_float(x) with t a tile value and x affine is found (one fma per distinct offset), under
+    abs only once a sign is known; sign_split_form names the affine form under abs to branch on."""
+    slopes = torch.rand(4)
+    g, plan = _rewritten(M.alibi(slopes))  # slopes[h] * (kv_idx - q_idx)
+    mul = _node(g, "mul")
+    t, x = H.scaled_affine_operands(g, plan, mul, lambda i: plan.affine[i])
+    assert g.nodes[t].op == "load" and plan.affine[x] == H.Affine(q=-1, kv=1)
+    assert H.sign_split_form(g, plan) is None  # nothing under abs: no branch needed
+
+    g, plan = _rewritten(_alibi_abs, slopes=slopes)
+    mul, ab = _node(g, "mul"), _node(g, "abs")
+    assert H.scaled_affine_operands(g, plan, mul, lambda i: plan.affine[i]) is None  # abs: not affine
+    assert H.sign_split_form(g, plan) == H.Affine(q=1, kv=-1)
+    known = H.scaled_affine_operands(g, plan, mul, lambda i: H.Affine(q=1, kv=-1) if i == ab else None)
+    assert known is not None and known[1] == ab
+
+    # a per-element multiplier is no tile value: no split, no fma rewrite
+    g, plan = _rewritten(lambda s, b, h, q, k: s * torch.abs(q - k).float())
+    assert H.sign_split_form(g, plan) is None
+
+
 def _int_value(g, i, env):
     n = g.nodes[i]
     a = [_int_value(g, x, env) for x in n.args]
@@ -320,6 +342,31 @@ def test_tile_probe_hoists_loads_and_conversions(name, tmp_path):
     assert len(re.findall(r"\bld\.global", ptx)) == want
     if name == "alibi_doc_causal":
         assert len(re.findall(r"cvt\.rn\.f32\.s32", ptx)) == 1
+
+
+def _ptx_ops(ptx, *ops):
+    return sum(len(re.findall(rf"^\s*(?:@%?\w+\s+)?{re.escape(op)}\b", ptx, re.M)) for op in ops)
+
+
+def test_tile_probe_alibi_bias_is_one_fma_per_offset(tmp_path):
+    """slope * (kv_idx - q_idx) on a (2, 8) fragment: nine distinct offsets, each one fma from
+    slope * base (no fp32 add and multiply per offset); with abs, the run-time sign branch leaves
+    abs only on the mixed-sign side (once per offset), the one-signed sides being fmas."""
+    _needs_dsl()
+    from torch_fa4.kernels.common import mod_fragment
+
+    slopes = torch.rand(3)
+    for name, mod in (("lib", M.alibi(slopes)), ("abs", functools.partial(_alibi_abs, slopes=slopes))):
+        mods, _ = trace_graphs(mod, None)
+        d = tmp_path / name
+        d.mkdir()
+        mod_fragment.compile_tile_probe(mods.score_graph, None, arch="sm_90a", dump_dir=str(d))
+        ptx = open(glob.glob(str(d / "*.ptx"))[0]).read()
+        if name == "lib":
+            assert _ptx_ops(ptx, "add.f32", "sub.f32", "mul.f32") <= 3, ptx.count("\n")
+        else:
+            assert _ptx_ops(ptx, "abs.f32") == 9  # the mixed side only
+            assert _ptx_ops(ptx, "mul.f32") <= 9 + 2  # the mixed side's products, t * base per side
 
 
 def test_tile_probe_compiles_every_case():

@@ -21,7 +21,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from torch_fa4.kernels.common.mod_hoisting import COL, ROW, TILE, HoistPlan, ancestors, hoist_plan
+from torch_fa4.kernels.common.mod_hoisting import (COL, ROW, TILE, HoistPlan, ancestors, hoist_plan,
+                                                   scaled_affine_operands, sign_split_form)
 from torch_fa4.kernels.common.mod_lowering import (BOOL, FLOAT, MAX_AUX, ModProbeKernel, _as_kind, _emit_op,
                                                    _select, fake_aux_tensor)
 from torch_fa4.mods.graph import ModGraph
@@ -73,6 +74,13 @@ class FragmentPositions:
         self.q_rows = _Lazy(lambda r: row0 + c[r, 0][0])
         self.kv_cols = _Lazy(lambda j: col0 + c[0, j][1])
 
+    def fork(self) -> "FragmentPositions":
+        """A copy whose positions emitted from now on stay on one side of a run-time branch."""
+        other = object.__new__(FragmentPositions)
+        other.__dict__.update(self.__dict__)
+        other.q_rows, other.kv_cols = self.q_rows.fork(), self.kv_cols.fork()
+        return other
+
 
 class _Lazy:
     """index -> value, each emitted on first use (unused positions cost no instruction)."""
@@ -85,16 +93,26 @@ class _Lazy:
             self._values[k] = self._make(k)
         return self._values[k]
 
+    def fork(self) -> "_Lazy":
+        other = _Lazy(self._make)
+        other._values = dict(self._values)
+        return other
+
 
 class FragmentEmitter:
     """One graph emitted over one fragment. `value(i, r, j)` is node i at element (r, j); each node is
     emitted once per distinct (row, col) it depends on, and ops with identical arguments once."""
 
     def __init__(self, graph: ModGraph, pos: FragmentPositions, b, h, aux: Sequence, tile_vals=None,
-                 last_q=None, last_k=None):
+                 last_q=None, last_k=None, signs=None, affine_fma: bool = True):
         """tile_vals: from tile_values() (None: emit TILE nodes here); last_q / last_k: the largest
-        valid positions, to clamp indices that feed loads (None: no clamping)."""
+        valid positions, to clamp indices that feed loads (None: no clamping); signs: {Affine: +1 or
+        -1}, affine forms known to be >= 0 (+1) or <= 0 (-1) on every element of this fragment
+        (`fork`, `emit_score_mod` set them); affine_fma: tile value * affine expression as one fma
+        per distinct offset (`_scaled_affine`), else an add and a multiply."""
         self.graph = graph
+        self.signs = dict(signs or {})
+        self.affine_fma = affine_fma
         self.plan = plan_for(graph, pos.row_offs is not None)
         self.pos = pos
         self.b, self.h, self.aux = b, h, aux
@@ -153,6 +171,8 @@ class FragmentEmitter:
             v = self._affine_value(i, r, j)
         elif self._fusable_score_add(n):
             v = self._score_fma(n, r, j)
+        elif self._scaled_affine_mul(i) is not None:
+            v = self._scaled_affine(i, r, j)
         elif n.op == "div" and n.kind == FLOAT and self.plan.levels[n.args[1]] in (TILE, ROW) \
                 and self.plan.levels[i] != self.plan.levels[n.args[1]]:
             v = self._div_by_hoisted(n, r, j)
@@ -204,13 +224,9 @@ class FragmentEmitter:
         if kind == "convert":
             x = self.value(i, r, j)
             return self._hashcons(("i2f",), [x], lambda: x.to(Float32))
-        if kind == "affine":
-            f = self.plan.affine[i]
-            off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
-            base = self._affine_base(i)
-            if off == 0:
-                return base
-            return self._hashcons(("fadd_imm", off), [base], lambda: base + Float32(off))
+        f = self.resolved_affine(i)
+        if f is not None:
+            return self._affine_float(f, r, j)
         op = form[1]
         n = self.graph.nodes[i]
         if op == "where":
@@ -240,7 +256,10 @@ class FragmentEmitter:
     def _affine_int_base(self, i: int):
         """The affine node's fragment-wide part (its value at offsets (0, 0)), once per call and per
         distinct affine form."""
-        f = self.plan.affine[i]
+        return self.form_base(self.plan.affine[i])
+
+    def form_base(self, f):
+        """An affine form's value at the fragment's offsets (0, 0), once per call and per form."""
         key = ("int", f)
         if key not in self._fdyn:
             acc = None
@@ -258,10 +277,109 @@ class FragmentEmitter:
             self._fdyn[key] = _as_kind(acc, "int")
         return self._fdyn[key]
 
-    def _affine_base(self, i: int) -> Float32:
-        """fp32 of the affine node's fragment-wide part, converted once per call."""
-        base = self._affine_int_base(i)
+    def _form_base_float(self, f) -> Float32:
+        """fp32 of an affine form's fragment-wide part, converted once per call."""
+        base = self.form_base(f)
         return self._hashcons(("i2f",), [base], lambda: base.to(Float32))
+
+    def _affine_float(self, f, r: int, j: int) -> Float32:
+        """The exact fp32 value of affine form f at (r, j): the converted base plus the element's
+        offset, one add per distinct offset."""
+        off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
+        base = self._form_base_float(f)
+        if off == 0:
+            return base
+        return self._hashcons(("fadd_imm", off), [base], lambda: base + Float32(off))
+
+    # ---- sign knowledge and scaled affine values -------------------------------------------------
+    def resolved_affine(self, i: int):
+        """The affine form whose fp32 value equals int node i's on this fragment, or None: an affine
+        node itself, or abs / neg of one whose sign this emitter knows (abs(x) = x where x >= 0).
+        Only for nodes on the exact fp32 path (plan.float_forms)."""
+        form = self.plan.float_forms.get(i)
+        if form is None:
+            return None
+        if form[0] == "affine":
+            return self.plan.affine[i]
+        n = self.graph.nodes[i]
+        if form == ("op", "neg"):
+            f = self.resolved_affine(n.args[0])
+            return None if f is None else f.scaled(-1)
+        if form == ("op", "abs"):
+            f = self.resolved_affine(n.args[0])
+            if f is None:
+                return None
+            sign = self.signs.get(f) or -(self.signs.get(f.scaled(-1)) or 0)
+            return f.scaled(sign) if sign else None
+        return None
+
+    def _scaled_affine_mul(self, i: int):
+        """(tile value node, int node) when float node i is t * to_float(x) with t the same for the
+        whole tile of work and x resolved to an affine form; else None."""
+        if not self.affine_fma:
+            return None
+        return scaled_affine_operands(self.graph, self.plan, i, self.resolved_affine)
+
+    def _scaled_affine(self, i: int, r: int, j: int) -> Float32:
+        """t * x for x = base + off: fma(t, off, t * base), one fma per distinct offset instead of
+        an add and a multiply (ALiBi's slope * (kv_idx - q_idx)). base and off are exact integers
+        in fp32, so this differs from the plain product by one rounding of t * base (~1 ulp)."""
+        t_node, x_node = self._scaled_affine_mul(i)
+        f = self.resolved_affine(x_node)
+        t = _as_kind(self.value(t_node, r, j), FLOAT)
+        base = self._form_base_float(f)
+        tb = self._hashcons(("fmul",), [t, base], lambda: t * base)
+        off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
+        if off == 0:
+            return tb
+        return self._hashcons(("scaled_affine", off), [t, tb], lambda: cute.math.fma(t, Float32(off), tb))
+
+    def fork(self, signs: dict) -> "FragmentEmitter":
+        """An emitter for one side of a run-time branch: the values emitted so far (which dominate
+        the branch) are shared, new ones stay on that side; `signs` adds sign knowledge."""
+        other = object.__new__(FragmentEmitter)
+        other.__dict__.update(self.__dict__)
+        other.signs = {**self.signs, **signs}
+        other.pos = self.pos.fork()
+        other._memo, other._cons, other._fdyn = dict(self._memo), dict(self._cons), dict(self._fdyn)
+        return other
+
+
+def emit_score_mod(em: FragmentEmitter, s: cute.Tensor, scale=None):
+    """s[r, j] = score_mod(s[r, j] * scale) over the (rows, cols) fragment s.
+
+    Where the graph multiplies a tile value by |f| for an affine f (mod_hoisting.sign_split_form:
+    ALiBi written with abs), the code branches at run time on f's sign over this thread's
+    fragment: f >= 0 everywhere, f <= 0 everywhere, or mixed. On the one-signed sides |f| is
+    affine and t * |f| one fma per distinct offset (an add and a multiply otherwise). Under a
+    causal mask or a band every tile but the diagonal ones is one-signed; threads of a warp
+    straddling the diagonal run two sides (the branch costs a compare or two)."""
+    form = sign_split_form(em.graph, em.plan) if em.pos.row_offs is not None and em.affine_fma else None
+    if form is None:
+        _emit_scores(em, s, scale)
+        return
+    offs = [form.offset(ro, co) for ro in em.pos.row_offs for co in em.pos.col_offs]
+    base = em.form_base(form)
+    _branch_on_sign(base + min(offs), base + max(offs),
+                    lambda sign: _emit_scores(em.fork({form: sign} if sign else {}), s, scale))
+
+
+def _emit_scores(em: FragmentEmitter, s: cute.Tensor, scale):
+    for r in range(cute.size(s, mode=[0])):
+        for j in range(cute.size(s, mode=[1])):
+            s[r, j] = em.score(r, j, s[r, j], scale)
+
+
+@cute.jit
+def _branch_on_sign(lo: Int32, hi: Int32, emit: cutlass.Constexpr):
+    """emit(+1) where lo >= 0, emit(-1) where hi <= 0, emit(0) otherwise (a run-time branch)."""
+    if lo >= 0:
+        emit(1)
+    else:
+        if hi <= 0:
+            emit(-1)
+        else:
+            emit(0)
 
 
 def _div_with_reciprocal(x, y, rcp):
@@ -306,9 +424,7 @@ def apply_mods_to_tile(s: cute.Tensor, coords: cute.Tensor, row0, col0, b, h, sc
     if score_graph is not None:
         em = FragmentEmitter(score_graph, pos, b, h, score_aux, tile_values(score_graph, b, h, score_aux),
                              last_q, last_k)
-        for r in range(rows):
-            for j in range(cols):
-                s[r, j] = em.score(r, j, s[r, j], scale)
+        emit_score_mod(em, s, scale)
     if mask_graph is not None:
         em = FragmentEmitter(mask_graph, pos, b, h, mask_aux, tile_values(mask_graph, b, h, mask_aux),
                              last_q, last_k)

@@ -319,6 +319,43 @@ def hoist_plan(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
     return HoistPlan(levels, clamped, ranges, affine, forms, frozenset(rewritten), tile_frontier(graph, levels))
 
 
+# ---- scaled affine products and sign knowledge ------------------------------------------------------
+
+def scaled_affine_operands(graph: ModGraph, plan: HoistPlan, i: int, resolve) -> Optional[tuple[int, int]]:
+    """(t, x) when float node i is t * to_float(x) (either order) with t a float TILE value (a
+    slope, a constant) and x an int node on the exact fp32 path that `resolve(x)` turns into an
+    affine form: then t * x = t * base + t * off is one fma per distinct offset. None otherwise."""
+    n = graph.nodes[i]
+    if n.op != "mul" or n.kind != "float" or plan.levels[i] == TILE:
+        return None
+    for t, y in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        if plan.levels[t] != TILE or graph.nodes[t].kind != "float" or y not in plan.rewritten:
+            continue
+        x = graph.nodes[y].args[0]
+        if resolve(x) is not None:
+            return t, x
+    return None
+
+
+def sign_split_form(graph: ModGraph, plan: HoistPlan) -> Optional[Affine]:
+    """The affine form f of the first t * to_float(abs(f)) in the graph (ALiBi's slope * |q - kv|),
+    or None. Where a kernel knows f's sign on a whole fragment, abs(f) is f or -f, affine again,
+    and the product becomes one fma per distinct offset (`scaled_affine_operands`); without that
+    knowledge it stays an add, an abs and a multiply per offset. Kernels branch on the sign at run
+    time (mod_fragment.emit_score_mod): most tiles of a causal or banded walk lie on one side."""
+    def abs_of_affine(x):
+        if plan.float_forms.get(x) != ("op", "abs"):
+            return None
+        a = graph.nodes[x].args[0]
+        return plan.affine[a] if plan.float_forms.get(a) == ("affine",) else None
+
+    for i in sorted(live_nodes(graph)):
+        hit = scaled_affine_operands(graph, plan, i, abs_of_affine)
+        if hit is not None:
+            return abs_of_affine(hit[1])
+    return None
+
+
 def describe(graph: ModGraph, plan: Optional[HoistPlan] = None) -> str:
     """The graph listing annotated with each node's level and float form (for debugging and docs)."""
     plan = plan or hoist_plan(graph)
@@ -337,4 +374,4 @@ def describe(graph: ModGraph, plan: Optional[HoistPlan] = None) -> str:
 
 __all__ = ["TILE", "ROW", "COL", "ELEM", "node_levels", "live_nodes", "ancestors", "clamped_inputs",
            "tile_frontier", "int_ranges", "Affine", "affine_forms", "hoist_plan", "HoistPlan", "describe",
-           "MAX_SEQLEN", "EXACT_INT"]
+           "MAX_SEQLEN", "EXACT_INT", "scaled_affine_operands", "sign_split_form"]

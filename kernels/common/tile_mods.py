@@ -25,7 +25,7 @@ from cutlass import Float32, Int32
 
 from torch_fa4.kernels.common.acc_layout import rows_cols
 from torch_fa4.kernels.common.dsl_state import DynamicState
-from torch_fa4.kernels.common.mod_fragment import FragmentEmitter, FragmentPositions, tile_values
+from torch_fa4.kernels.common.mod_fragment import FragmentEmitter, FragmentPositions, emit_score_mod, tile_values
 
 
 class TileMods(DynamicState):
@@ -40,7 +40,7 @@ class TileMods(DynamicState):
                        "score_tile", "mask_tile")
 
     def __init__(self, score_graph, mask_graph, score_aux, mask_aux, batch: Int32, head: Int32,
-                 seqlen_q: Int32, seqlen_k: Int32, natural_scale: Float32):
+                 seqlen_q: Int32, seqlen_k: Int32, natural_scale: Float32, affine_fma: bool = True):
         self.score_graph = score_graph
         self.mask_graph = mask_graph
         self.score_aux = score_aux
@@ -51,21 +51,21 @@ class TileMods(DynamicState):
         self.last_q = cutlass.max(seqlen_q - 1, 0)
         self.last_k = cutlass.max(seqlen_k - 1, 0)
         self.natural_scale = natural_scale
+        self.affine_fma = affine_fma  # compile-time: FragmentEmitter's option
         # loaded here, once per tile of work: the key loop reads them from registers
         self.score_tile = tile_values(score_graph, batch, head, score_aux)
         self.mask_tile = tile_values(mask_graph, batch, head, mask_aux)
 
     def _emitter(self, graph, aux, tile_vals, coords, row0, col0):
         pos = FragmentPositions(rows_cols(coords), row0, col0)
-        return FragmentEmitter(graph, pos, self.batch, self.head, aux, tile_vals, self.last_q, self.last_k)
+        return FragmentEmitter(graph, pos, self.batch, self.head, aux, tile_vals, self.last_q, self.last_k,
+                               affine_fma=self.affine_fma)
 
     def score_mod(self, acc_s: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32):
         """acc_s = score_mod(acc_s * natural_scale, b, h, q_idx, kv_idx): the result is in natural units."""
         s = rows_cols(acc_s)
         em = self._emitter(self.score_graph, self.score_aux, self.score_tile, coords, row0, col0)
-        for r in range(cute.size(s, mode=[0])):
-            for j in range(cute.size(s, mode=[1])):
-                s[r, j] = em.score(r, j, s[r, j], self.natural_scale)
+        emit_score_mod(em, s, self.natural_scale)
 
     def mask_mod(self, acc_s: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32):
         """-inf where mask_mod(b, h, q_idx, kv_idx) is False."""

@@ -67,6 +67,11 @@ class FwdConfig:
     # instructions per key tile on the CPU compile (kernels/common/ring_waits.py, NOTES
     # "Experiment 78"); off until timed on a GPU (bench --sweep peek-waits)
     peek_waits: bool = False
+    # a score_mod's t * (affine position expression), e.g. ALiBi's slope * (kv_idx - q_idx), as one
+    # fma per distinct offset; under abs after a run-time branch on the expression's sign
+    # (kernels/common/mod_fragment.emit_score_mod). Off: an add and a multiply per offset
+    # (bench --sweep alibi times both)
+    mod_affine_fma: bool = True
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

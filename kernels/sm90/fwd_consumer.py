@@ -250,7 +250,8 @@ class FwdConsumer:
         if const_expr(self.score_graph is not None or self.mask_graph is not None):
             # raw score * natural_scale is the score in natural units: scale, or softcap after tanh
             mods = TileMods(self.score_graph, self.mask_graph, score_aux, mask_aux, batch, head,
-                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2))
+                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2),
+                            cfg.mod_affine_fma)
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)

@@ -490,6 +490,28 @@ def test_alibi_score_mod(sm90_fwd_variants, D, causal):
     _check_against_naive(out, lse, q, k, v, (M.alibi(slopes), None), (M.alibi(slopes.cpu()), None), causal=causal)
 
 
+def _alibi_abs(slopes):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+    return mod
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(517, 517), (200, 517), (517, 200)])
+def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
+    """slope * |q_idx - kv_idx| runs on three paths chosen per key tile and thread (q_idx - kv_idx
+    >= 0, <= 0, or mixed; mod_fragment.emit_score_mod). 517 positions: tiles on both sides of the
+    diagonal and on it; Sq != Sk shifts the causal diagonal (bottom-right) off q_idx == kv_idx, so
+    unmasked tiles of either sign occur too."""
+    B, H, D = 2, 4, 128
+    q, k, v = _qkv(B, Sq, Sk, H, H, D)
+    slopes = M.alibi_slopes(H, device="cuda")
+    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=_alibi_abs(slopes), return_lse=True)
+    assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].mod_key
+    _check_against_naive(out, lse, q, k, v, (_alibi_abs(slopes), None), (_alibi_abs(slopes.cpu()), None),
+                         causal=causal)
+
+
 def test_alibi_flex_attention_gqa(sm90_fwd_variants):
     B, H, Hkv, S, D = 2, 8, 2, 300, 128
     q, k, v = _qkv(B, S, S, H, Hkv, D)
