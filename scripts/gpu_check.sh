@@ -2,7 +2,8 @@
 # One call on the lent GPU machine (see README: Development): the GPU test suite, then the quick
 # benchmark, everything logged under $OUT so it comes back even if the call runs out of time.
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu-kit"])
-# TESTS: test files or node ids (default tests/gpu); PYTEST_ARGS: more pytest arguments (e.g. -k);
+# TESTS: test files or node ids (default tests/gpu); PYTEST_ARGS: more pytest arguments, parsed
+# with shell quoting (e.g. PYTEST_ARGS="-k 'alibi or mod'");
 # JOBS: parallel pytest processes sharing the GPU (default 3). The suite is bound by kernel
 # compiles on the host's CPUs, not by the GPU, so the collected tests are dealt out round-robin
 # to JOBS processes (session 18, one H100: two processes ran 196 backward tests in 6.5 min,
@@ -21,10 +22,15 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/machine.txt"
 python -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/machine.txt"
 
-# shellcheck disable=SC2086  # TESTS and PYTEST_ARGS are word lists
-python -m pytest ${TESTS:-tests/gpu} ${PYTEST_ARGS:-} -q -p no:cacheprovider --collect-only 2>/dev/null \
+eval "pytest_args=(${PYTEST_ARGS:-})"  # quoted -k expressions stay one argument
+# shellcheck disable=SC2086  # TESTS is a word list
+python -m pytest ${TESTS:-tests/gpu} "${pytest_args[@]}" -q -p no:cacheprovider --collect-only 2>/dev/null \
     | grep "::" > "$OUT/test_ids.txt"
 echo "$(wc -l < "$OUT/test_ids.txt") tests in $JOBS processes"
+if [ ! -s "$OUT/test_ids.txt" ]; then  # a selection that matches nothing is no pass
+    echo "GPU tests: FAILED (no tests collected)"
+    exit 1
+fi
 pids=()
 for ((i = 0; i < JOBS; i++)); do
     awk -v n="$JOBS" -v i="$i" 'NR % n == i' "$OUT/test_ids.txt" > "$OUT/test_ids_$i.txt"
