@@ -63,8 +63,11 @@ _SWEEPS = {
     "d256": ({"one loop": dict(split_mask_loops=False), "split": dict(split_mask_loops=True),
               "split+persistent": dict(split_mask_loops=True, persistent=True)},
              [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
-    "rescale": ({"after P V": {}, "before P V": dict(early_o_rescale=True)},
-                [(D, S, c) for D in (64, 128) for S in (1024, 16384) for c in (False, True)]),
+    # where O is rescaled: before P V is issued (the D <= 128 default since Experiment 19), after
+    # the P V wait (flash-attn-4's place at D128), or only when the max grows by > 8 (log2)
+    "rescale": ({"before P V": dict(early_o_rescale=True), "after P V": dict(early_o_rescale=False),
+                 "cond8": dict(rescale_threshold=8.0)},
+                [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
     # the wide D64 tile (192 x 128, three consumer warpgroups) and D128's: turn-taking, FA4's
     # softmax options
     "wide": ({"default": {}, "no-pingpong": dict(pingpong=False), "emu4": dict(exp2_emulate_every=4),
