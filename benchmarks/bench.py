@@ -60,6 +60,9 @@ _SWEEPS = {
     "exp2": ({"hardware": {}, "emu8": dict(exp2_emulate_every=8), "emu4": dict(exp2_emulate_every=4),
               "emu3": dict(exp2_emulate_every=3)},
              [(64, S, c) for S in (4096, 16384) for c in (False, True)]),
+    # the same at D128 on the current kernel (last measured there in the first session: -4 to -10%)
+    "exp2-d128": ({"hardware": {}, "emu8": dict(exp2_emulate_every=8), "emu4": dict(exp2_emulate_every=4)},
+                  [(128, S, c) for S in (4096, 16384) for c in (False, True)]),
     "d256": ({"one loop": dict(split_mask_loops=False), "split": dict(split_mask_loops=True),
               "split+persistent": dict(split_mask_loops=True, persistent=True)},
              [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
