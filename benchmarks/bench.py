@@ -217,12 +217,12 @@ _SWEEPS = {
 }
 
 
-def _sweep_score_mods(heads: int) -> dict:
+def _sweep_score_mods(heads: int, device: str = "cuda") -> dict:
     """The score_mods sweep rows name: "alibi" is the grid's (with abs), "alibi-kv-q" the library's
     slope * (kv_idx - q_idx), which needs no sign branch."""
     from torch_fa4 import mods as M
 
-    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()

@@ -48,6 +48,17 @@ def _alibi(H=4):
     return M.alibi(M.alibi_slopes(H))
 
 
+def _alibi_abs(H=4):
+    """ALiBi spelled with abs (the benchmark's): the kernel branches on the sign per tile."""
+    from torch_fa4 import mods as M
+
+    slopes = M.alibi_slopes(H)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+    return alibi
+
+
 def _bias_table(H=4, S=256):
     from torch_fa4 import mods as M
 
@@ -73,6 +84,10 @@ MOD_VARIANTS = {
     "d256_document_block_mask_varlen": lambda: _mod_call(256, mask_mod=_doc_mask(), block_size=128),
     "d64_alibi_document_block_256x128": lambda: _mod_call(64, score_mod=_alibi(), mask_mod=_doc_mask(),
                                                           block_size=(256, 128)),
+    # past 2048 queries a D64 score_mod alone runs the 192-row tile (fwd_host._tiles), causal on the
+    # dynamic schedule, otherwise one CTA per item with three K/V stages; abs: three sign branches
+    "d64_alibi_abs_causal_192_rows": lambda: _mod_call(64, score_mod=_alibi_abs(), S=4096, causal=True),
+    "d64_alibi_abs_192_rows": lambda: _mod_call(64, score_mod=_alibi_abs(), S=4096),
 }
 
 
@@ -165,6 +180,22 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     sass = _compile_and_check_sass(cfg, tmp_path)
     # captured tensors (slopes, document ids) and block-mask indices are read with global loads
     assert "LDG" in sass, "no global loads: captured tensors not read"
+
+
+def test_d64_score_mod_alone_takes_the_192_row_tile():
+    """D64 past 2048 queries: plain calls and calls whose only mod is a score_mod run 192 x 128
+    tiles (NOTES "Experiment 90"); a mask_mod or softcap keeps the 128-row tile."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def shape(**kw):
+        cfg = fwd_host.default_config(_mod_call(64, S=4096, **kw))
+        return cfg.tile_m, cfg.num_stages, cfg.persistent, cfg.dynamic_schedule
+
+    assert shape(score_mod=_alibi_abs(), causal=True) == (192, 2, True, True)
+    assert shape(score_mod=_alibi()) == (192, 3, False, False)
+    assert shape(score_mod=_alibi(), mask_mod=_doc_mask())[0] == 128
+    assert shape(score_mod=_alibi(), softcap=20.0)[0] == 128
+    assert fwd_host.default_config(_mod_call(64, score_mod=_alibi(), S=2048)).tile_m == 128
 
 
 @pytest.mark.parametrize("hints", [False, True])
@@ -508,7 +539,9 @@ def test_benchmark_sweeps_name_real_options():
     import importlib.util
     import pathlib
 
+    from torch_fa4 import mods as M
     from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.mods import registry
 
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
     spec = importlib.util.spec_from_file_location("torch_fa4_bench", path)
@@ -517,10 +550,15 @@ def test_benchmark_sweeps_name_real_options():
     for name, (columns, rows) in bench._SWEEPS.items():
         for column, opts in columns.items():
             overrides = {k: v for k, v in opts.items() if k not in bench._LAUNCH_OPTS}  # launch arguments
-            for D, S, causal, *window in rows:  # (a fourth element: the window, (left, right))
+            for D, S, causal, *extra in rows:  # (a fourth element: the window, or a score_mod's name)
                 q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
-                left, right = window[0] if window else (-1, -1)
+                mods = {}
+                if extra and isinstance(extra[0], str):
+                    key, aux = M.prepare(bench._sweep_score_mods(2048 // D, "cpu")[extra[0]], None)
+                    mods = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
+                    extra = []
+                left, right = extra[0] if extra else (-1, -1)
                 call = AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal, window_left=left,
-                                     window_right=right)
+                                     window_right=right, **mods)
                 cfg = fwd_host.default_config(call, **overrides)
                 assert all(getattr(cfg, k) == v for k, v in overrides.items()), (name, column)

@@ -512,6 +512,20 @@ def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
                          causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_score_mod_on_192_row_tiles(sm90_fwd_variants, causal):
+    """D64 past 2048 queries with a score_mod alone: 192-row tiles (three consumer warpgroups),
+    causal on the dynamic schedule, three K/V stages without a mask; 2100 queries leave a ragged
+    last tile, 2500 keys a ragged last key tile and a bottom-right diagonal off q_idx == kv_idx."""
+    B, H, D, Sq, Sk = 1, 2, 64, 2100, 2500
+    q, k, v = _qkv(B, Sq, Sk, H, H, D)
+    slopes = M.alibi_slopes(H, device="cuda")
+    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=_alibi_abs(slopes), return_lse=True)
+    assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].tile_m == 192
+    _check_against_naive(out, lse, q, k, v, (_alibi_abs(slopes), None), (_alibi_abs(slopes.cpu()), None),
+                         causal=causal)
+
+
 def test_alibi_flex_attention_gqa(sm90_fwd_variants):
     B, H, Hkv, S, D = 2, 8, 2, 300, 128
     q, k, v = _qkv(B, S, S, H, Hkv, D)
