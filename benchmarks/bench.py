@@ -204,12 +204,9 @@ _SWEEPS = {
                    [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]),
     # ALiBi's bias as one fma per distinct offset (with abs: after the run-time sign branch) against
     # an add and a multiply per offset; the no-mod rows are what the grid's ALiBi row is read against
-    # D64 calls with a score_mod run the 128-row tile (`fwd_host._tiles`: the 192-row one is for
-    # plain calls); ALiBi on the 192-row tile (compiles without spills, CPU), one CTA per item,
-    # dynamic, three K/V stages
-    "d64-mods": ({"128": {}, "192": dict(tile_m=192, persistent=False, dynamic_schedule=False),
-                  "192 dynamic": dict(tile_m=192, persistent=True, dynamic_schedule=True),
-                  "192 s3": dict(tile_m=192, persistent=False, dynamic_schedule=False, num_stages=3)},
+    # D64 calls with a score_mod alone: the 192-row tile (the default past 2048 queries since NOTES
+    # "Experiment 90") against the 128-row tile they ran before
+    "d64-mods": ({"default": {}, "128": dict(tile_m=128, num_stages=2)},
                  [(64, S, c, "alibi") for S in (4096, 16384) for c in (True, False)] + [(64, 4096, True)]),
     "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},
               [(128, 4096, True), (128, 4096, True, "alibi"), (128, 4096, True, "alibi-kv-q"),
