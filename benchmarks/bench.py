@@ -38,7 +38,7 @@ _GRID = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in
 # Sweep options that are launch arguments, not FwdConfig fields: the L2 size the (batch, head)
 # grouping assumes (fwd_host.L2_BYTES), and grouping by it without a causal / window mask too
 # (fwd_launch.l2_group_bytes; one pair per group otherwise)
-_LAUNCH_OPTS = ("l2_bytes", "l2_group_all")
+_LAUNCH_OPTS = ("l2_bytes", "l2_group_all", "causal_as_window")
 
 # a sweep row's optional fourth element: the window, as the grid's "window 1024" row has it
 _WINDOW_1024 = (1024, 0)
@@ -208,6 +208,10 @@ _SWEEPS = {
     # "Experiment 90") against the 128-row tile they ran before
     "d64-mods": ({"default": {}, "128": dict(tile_m=128, num_stages=2)},
                  [(64, S, c, "alibi") for S in (4096, 16384) for c in (True, False)] + [(64, 4096, True)]),
+    # what the public API's causal calls ran before session 19 (window_right = 0 counted as a window,
+    # so the windowed variants; NOTES "Experiment 91") against the causal variants they run now
+    "causal-window": ({"causal": {}, "causal as window": dict(causal_as_window=True)},
+                      [(D, S, True, (-1, 0)) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
     "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},
               [(128, 4096, True), (128, 4096, True, "alibi"), (128, 4096, True, "alibi-kv-q"),
                (128, 4096, False), (128, 4096, False, "alibi"), (64, 4096, True), (64, 4096, True, "alibi")]),
@@ -607,14 +611,16 @@ def main():
                 cfg_opts = {k: v for k, v in opts.items() if k not in _LAUNCH_OPTS}
                 if any(k in opts for k in _LAUNCH_OPTS):  # launch arguments: patched around the call
                     def run():
-                        saved = fwd_host.L2_BYTES, fwd_launch.l2_group_bytes
+                        saved = fwd_host.L2_BYTES, fwd_launch.l2_group_bytes, AttentionCall.has_window
                         fwd_host.L2_BYTES = opts.get("l2_bytes", fwd_host.L2_BYTES)
                         if opts.get("l2_group_all"):
                             fwd_launch.l2_group_bytes = lambda call, l2_bytes: l2_bytes
+                        if opts.get("causal_as_window"):  # before session 19: window_right = 0 was a window
+                            AttentionCall.has_window = property(lambda c: c.window_left >= 0 or c.window_right >= 0)
                         try:
                             fwd_host.forward(call, out, lse, **cfg_opts)
                         finally:
-                            fwd_host.L2_BYTES, fwd_launch.l2_group_bytes = saved
+                            fwd_host.L2_BYTES, fwd_launch.l2_group_bytes, AttentionCall.has_window = saved
                     return run
                 return lambda: fwd_host.forward(call, out, lse, **cfg_opts)
             return make
@@ -628,8 +634,9 @@ def main():
                 measure(f"{args.sweep} D{D} S{S // 1024}k {window[0]}{' causal' if causal else ''}", D, S, causal,
                         _flops, makers, dict(score_mod=_sweep_score_mods(width // D)[window[0]]))
             elif window:
-                measure(f"{args.sweep} D{D} S{S // 1024}k window {window[0][0]}", D, S, causal, _window_flops(window[0]),
-                        makers, dict(window=window[0]))
+                flops = _window_flops(window[0]) if window[0][0] >= 0 else _flops  # (-1, 0): causal only
+                measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''} window {window[0]}", D, S,
+                        causal, flops, makers, dict(window=window[0]))
             else:
                 measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, makers)
         _dump(rows, args.out)

@@ -182,6 +182,22 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     assert "LDG" in sass, "no global loads: captured tensors not read"
 
 
+def test_public_causal_calls_run_the_causal_variants():
+    """torch_fa4.attention and the SDPA route pass causal calls with window_right = 0 (flash-attn's
+    convention). That is no window: they get the variant a causal call without it gets (until
+    session 19 they ran the windowed variants, NOTES "Experiment 91")."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    for D, S in ((64, 4096), (128, 16384), (256, 1024)):
+        q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
+        direct = AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True)
+        public = AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True, window_right=0)
+        assert not public.has_window
+        assert fwd_host.default_config(public) == fwd_host.default_config(direct)
+        assert AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True, window_left=100, window_right=0).has_window
+        assert AttentionCall(q=q, k=q, v=q, scale=0.1, window_right=0).has_window  # not causal: a window
+
+
 def test_d64_score_mod_alone_takes_the_192_row_tile():
     """D64 past 2048 queries: plain calls and calls whose only mod is a score_mod run 192 x 128
     tiles (NOTES "Experiment 90"); a mask_mod or softcap keeps the 128-row tile."""
