@@ -210,7 +210,7 @@ _SWEEPS = {
                  [(64, S, c, "alibi") for S in (4096, 16384) for c in (True, False)] + [(64, 4096, True)]),
     # what the public API's causal calls ran before session 19 (window_right = 0 counted as a window,
     # so the windowed variants; NOTES "Experiment 91") against the causal variants they run now
-    "causal-window": ({"causal": {}, "causal as window": dict(causal_as_window=True)},
+    "causal-window": ({"causal only": {}, "causal as window": dict(causal_as_window=True)},
                       [(D, S, True, (-1, 0)) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
     "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},
               [(128, 4096, True), (128, 4096, True, "alibi"), (128, 4096, True, "alibi-kv-q"),
