@@ -238,6 +238,11 @@ def _sweep_score_mods(heads: int, device: str = "cuda") -> dict:
 # (NOTES Experiments 24-26; the pairwise sweeps of Experiments 24 and 25 are its columns).
 _PERSISTENT_AB = {"grid": {"TORCH_FA4_BWD_PERSISTENT": "0"}, "persistent": {"TORCH_FA4_BWD_PERSISTENT": "1"}}
 _BWD_SWEEPS = {
+    # a score_mod in the backward through the fragment emitter (hoisted, exact fp32 index arithmetic,
+    # one fma per offset) against the per-element lowering (an int -> float conversion per element)
+    "bwd-mods": ({"fragment": {"TORCH_FA4_BWD_MOD_FRAGMENT": "1"}, "per element": {"TORCH_FA4_BWD_MOD_FRAGMENT": "0"}},
+                 [(128, 4096, True, "alibi"), (128, 4096, False, "alibi"), (128, 4096, True, "alibi-kv-q"),
+                  (64, 4096, True, "alibi"), (128, 4096, True)]),
     "bwd-tiles": ({"tm64": {"TORCH_FA4_BWD_TILE_M": "64"},
                    "tm128-two": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "two"},
                    "tm128-one": {"TORCH_FA4_BWD_TILE_M": "128", "TORCH_FA4_BWD_PASSES": "one"},
@@ -466,19 +471,19 @@ def _peers():
 
 
 # ------------------------------------------------------------------ backward implementations
-def ours_bwd(q, k, v, causal):
+def ours_bwd(q, k, v, causal, score_mod=None):
     import torch_fa4
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = torch_fa4.attention(q, k, v, causal=causal)
+    out = torch_fa4.attention(q, k, v, causal=causal, score_mod=score_mod)
     g = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
 
 def ours_bwd_with_env(env):
     """ours_bwd with environment variables set around each backward call (a few microseconds)."""
-    def make(q, k, v, causal):
-        fn = ours_bwd(q, k, v, causal)
+    def make(q, k, v, causal, score_mod=None):
+        fn = ours_bwd(q, k, v, causal, score_mod)
 
         def run():
             saved = {name: os.environ.get(name) for name in env}
@@ -495,8 +500,11 @@ def ours_bwd_with_env(env):
     return make
 
 
-def fa4_bwd(q, k, v, causal):
+def fa4_bwd(q, k, v, causal, score_mod=None):
     from flash_attn.cute.interface import flash_attn_func
+
+    if score_mod is not None:
+        raise RuntimeError("score_mod peer not wired")
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = flash_attn_func(q, k, v, causal=causal)
@@ -587,9 +595,10 @@ def main():
         makers = {k: ours_bwd_with_env(env) for k, env in variants.items()}
         if "flash-attn-4" in peers:
             makers["flash-attn-4"] = fa4_bwd
-        for D, S, causal in sweep_rows:
-            measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal,
-                    lambda *a: _flops(*a, bwd=True), makers)
+        for D, S, causal, *mod in sweep_rows:  # (a fourth element: a score_mod's name, _sweep_score_mods)
+            extra = dict(score_mod=_sweep_score_mods(width // D)[mod[0]]) if mod else None
+            measure(f"{args.sweep} D{D} S{S // 1024}k{' ' + mod[0] if mod else ''}{' causal' if causal else ''}",
+                    D, S, causal, lambda *a: _flops(*a, bwd=True), makers, extra)
         _dump(rows, args.out)
         return
     if args.sweep:

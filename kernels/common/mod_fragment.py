@@ -74,6 +74,19 @@ class FragmentPositions:
         self.q_rows = _Lazy(lambda r: row0 + c[r, 0][0])
         self.kv_cols = _Lazy(lambda j: col0 + c[0, j][1])
 
+    @classmethod
+    def from_offsets(cls, q_base, kv_base, row_offs: tuple, col_offs: tuple) -> "FragmentPositions":
+        """Positions given directly: q_idx of row r is q_base + row_offs[r], kv_idx of column j is
+        kv_base + col_offs[j] (static offsets). For fragments whose layout is not (query, key),
+        e.g. the backward's S^T, where the emitter's rows are the fragment's columns."""
+        pos = object.__new__(cls)
+        pos.rows, pos.cols = len(row_offs), len(col_offs)
+        pos.q_base, pos.kv_base = q_base, kv_base
+        pos.row_offs, pos.col_offs = tuple(row_offs), tuple(col_offs)
+        pos.q_rows = _Lazy(lambda r: q_base + row_offs[r])
+        pos.kv_cols = _Lazy(lambda j: kv_base + col_offs[j])
+        return pos
+
     def fork(self) -> "FragmentPositions":
         """A copy whose positions emitted from now on stay on one side of a run-time branch."""
         other = object.__new__(FragmentPositions)

@@ -148,7 +148,13 @@ DQ_T_ENV = "TORCH_FA4_BWD_DQ_T"
 # Row statistics (LSE, dPsum) in bwd_stats_layout's permuted order, read as 16-byte vectors
 # (bwd_kernel `permuted_stats`; dense 128-key variants). TORCH_FA4_BWD_STATS_T=0|1.
 STATS_T_ENV = "TORCH_FA4_BWD_STATS_T"
+# A score_mod through the fragment emitter (kernels/common/mod_fragment.py, as the forward does):
+# values hoisted per query / key / offset, exact fp32 rewrites of index arithmetic (no per-element
+# int -> float conversion on the MUFU's pipe), a tile value times an affine expression as one fma
+# per offset; else per element (mod_lowering.score_mod_value). TORCH_FA4_BWD_MOD_FRAGMENT=0|1.
+MOD_FRAGMENT_ENV = "TORCH_FA4_BWD_MOD_FRAGMENT"
 _STATS_T = "0"
+_MOD_FRAGMENT = "1"
 
 
 class KernelTiles(NamedTuple):
@@ -172,6 +178,7 @@ class KernelTiles(NamedTuple):
     descending: bool  # causal walks from the last query tile down
     dq_transposed: bool  # dQ^T = K^T dS^T
     permuted_stats: bool  # row statistics in bwd_stats_layout's order
+    mod_fragment: bool  # the score_mod through the fragment emitter (per element otherwise)
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -341,7 +348,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
-               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV)
+               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV)
 _variant_memo: dict = {}
 
 
@@ -405,6 +412,8 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         dq_transposed=dq_transposed(d, dv, tile_n, tile_m, dq_in_ring),
         permuted_stats=(tile_n == 128 and not call.is_varlen
                         and _env_choice(STATS_T_ENV, _STATS_T, ("0", "1")) == "1"),
+        mod_fragment=(call.mods is not None and call.mods.score_graph is not None
+                      and _env_choice(MOD_FRAGMENT_ENV, _MOD_FRAGMENT, ("0", "1")) == "1"),
     )
     return (
         call.q.dtype,
@@ -564,7 +573,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag) = kernel_tiles
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -574,7 +583,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m, passes=passes,
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
-        descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t,
+        descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t, mod_fragment=mod_frag,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -171,6 +171,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
         dq_transposed: bool = False,  # 64 queries: dQ^T = K^T dS^T (as at 80), for conflict-free dQ stores
         permuted_stats: bool = False,  # LSE / dPsum tiles in bwd_stats_layout's order: vector loads
+        mod_fragment: bool = False,  # the score_mod through mod_fragment's emitter (bwd_scores.py)
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -204,6 +205,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         # whose tiles start at any row.
         assert not permuted_stats or (not varlen and tile_m in (64, 80, 128))
         self.permuted_stats = permuted_stats
+        self.mod_fragment = mod_fragment
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = tile_n == 64

@@ -11,6 +11,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, const_expr
 
 from ..common import mod_lowering as mods_dsl
+from ..common.mod_fragment import FragmentEmitter, FragmentPositions
 from ..common.exp2_emulation import exp2_fma
 from . import bwd_stats_layout as stats_layout
 
@@ -47,6 +48,23 @@ class BwdScores:
                 chunks[j // 2] = dst
             vals.append(chunks[j // 2][2 * (j % 2) + e])
         return vals
+
+    def _score_emitter(self, S, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx):
+        """The score_mod's FragmentEmitter for this thread's S^T fragment (keys along rows, queries
+        along columns): its rows are the queries t_q + c0[0, c][1], its columns the keys
+        t_key + c0[r, 0][0], all static offsets from the thread's base, so the mod's values are
+        hoisted per query, key or distinct offset as in the forward (kernels/common/mod_fragment).
+        Indices that feed a captured tensor's load are clamped into the sequence."""
+        t_key, t_q, c0 = cS[0], cS[1], cS[3]
+        n_rows, n_cols = cute.size(S, mode=[0]), cute.size(S, mode=[1])
+        q_offs = tuple(c0[0, c][1] for c in range(n_cols))
+        kv_offs = tuple(c0[r, 0][0] for r in range(n_rows))
+        assert all(c0[r, c] == (kv_offs[r], q_offs[c]) for r in range(n_rows) for c in range(n_cols)), \
+            "S^T's coordinates are not (key, query) rows and columns"
+        pos = FragmentPositions.from_offsets(row0 + t_q, key0 + t_key, q_offs, kv_offs)
+        b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
+        return FragmentEmitter(self.score_graph, pos, b, h, score_aux, None,
+                               cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0))
 
     @cute.jit
     def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
@@ -105,6 +123,9 @@ class BwdScores:
         rel = (row0 + diag - key0) + t_rel
         lim_right = rel + window_right  # dr - dc <= lim_right
         lim_left = rel - window_left  # dr - dc >= lim_left
+        em = None
+        if const_expr(self.score_graph is not None and self.mod_fragment):
+            em = self._score_emitter(S, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx)
         dpsum_vals = None
         if const_expr(self.permuted_stats):
             # the statistics as vectors (a scalar load would need the position's arithmetic)
@@ -136,7 +157,14 @@ class BwdScores:
                     # derivative, taken at that same score, joins the chain rule for dS.
                     b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
                     s_in = x * (1.0 / LOG2_E)
-                    x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, i, j, score_aux) * LOG2_E
+                    if const_expr(em is not None):
+                        # the emitter's rows are queries (this fragment's columns), its columns keys
+                        if const_expr(self.softcap):
+                            x = em.score(c, r, s_in) * LOG2_E
+                        else:  # score * scale fused into the mod's first add (a bias: one fma)
+                            x = em.score(c, r, S[r, c], scale) * LOG2_E
+                    else:
+                        x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, i, j, score_aux) * LOG2_E
                     if const_expr(self.grad_graph is not None):
                         grad_factor = grad_factor * mods_dsl.score_grad_value(
                             self.grad_graph, s_in, b, h, i, j, score_aux)

@@ -72,7 +72,7 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
           mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None,
-          expect_dq_warp=None, expect_dq_t=None):
+          expect_dq_warp=None, expect_dq_t=None, expect_mod_fragment=None):
     """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
     bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
     column) the backward must walk it with, None for the dense walk; expect_tile_m: the queries
@@ -151,6 +151,8 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         assert bwd.variant_key(call, deterministic)[-3].dq_writer_warp == expect_dq_warp
     if expect_dq_t is not None:
         assert bwd.variant_key(call, deterministic)[-3].dq_transposed == expect_dq_t
+    if expect_mod_fragment is not None:
+        assert bwd.variant_key(call, deterministic)[-3].mod_fragment == expect_mod_fragment
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
@@ -333,14 +335,40 @@ def _tanh_bias_documents(slopes, doc):
     return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
 
 
+def _alibi_abs(slopes, doc):  # abs: exact fp32 |q - kv| per offset in the fragment emitter
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+
+    return score_mod, None
+
+
+@pytest.fixture(params=["1", "0"], ids=["fragment", "per-element"])
+def mod_fragment(monkeypatch, request):
+    """TORCH_FA4_BWD_MOD_FRAGMENT: the score_mod through mod_fragment's emitter (the default) or
+    per element; each case runs both ways."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.MOD_FRAGMENT_ENV, request.param)
+    return request.param == "1"
+
+
 @pytest.mark.parametrize("make_mods,causal", [
     (_alibi, True), (_tanh_bias, False), (_documents, False), (_tanh_bias_documents, True),
 ])
-def test_mods(make_mods, causal):
+def test_mods(mod_fragment, make_mods, causal):
     slopes = torch.rand(4, device="cuda")
     doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
     score_mod, mask_mod = make_mods(slopes, doc)
-    _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
+    _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+          expect_mod_fragment=mod_fragment and score_mod is not None)
+
+
+@pytest.mark.parametrize("d,causal", [(128, False), (64, True)])
+def test_alibi_abs(mod_fragment, d, causal):
+    # D64: 128 queries per step (the emitter's rows then span both warpgroups' query halves)
+    slopes = torch.rand(4, device="cuda")
+    score_mod, _ = _alibi_abs(slopes, None)
+    _case(BF, 2, 333, 300, 4, 2, d, d, causal=causal, score_mod=score_mod, expect_mod_fragment=mod_fragment)
 
 
 # ---- block-sparse walk: the block mask decides which query tiles each KV tile visits
