@@ -202,8 +202,6 @@ _SWEEPS = {
     # fall at D64 / D128, D256 causal, and rise slightly at D256 without a mask)
     "peek-waits": ({"plain": dict(peek_waits=False), "peek": dict(peek_waits=True)},
                    [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]),
-    # ALiBi's bias as one fma per distinct offset (with abs: after the run-time sign branch) against
-    # an add and a multiply per offset; the no-mod rows are what the grid's ALiBi row is read against
     # D64 calls with a score_mod alone: the 192-row tile (the default past 2048 queries since NOTES
     # "Experiment 90") against the 128-row tile they ran before
     "d64-mods": ({"default": {}, "128": dict(tile_m=128, num_stages=2)},
@@ -212,6 +210,8 @@ _SWEEPS = {
     # so the windowed variants; NOTES "Experiment 91") against the causal variants they run now
     "causal-window": ({"causal only": {}, "causal as window": dict(causal_as_window=True)},
                       [(D, S, True, (-1, 0)) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
+    # ALiBi's bias as one fma per distinct offset (with abs: after the run-time sign branch) against
+    # an add and a multiply per offset; the no-mod rows are what the grid's ALiBi row is read against
     "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},
               [(128, 4096, True), (128, 4096, True, "alibi"), (128, 4096, True, "alibi-kv-q"),
                (128, 4096, False), (128, 4096, False, "alibi"), (64, 4096, True), (64, 4096, True, "alibi")]),
