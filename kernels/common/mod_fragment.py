@@ -6,7 +6,10 @@ ROW values once per fragment row, COL values once per column, and only ELEM valu
 Exact int -> float rewrites replace per-element conversions (I2F shares the quarter-rate pipe with
 the softmax's MUFU.EX2 on Hopper), and identical element values are emitted once: emission is
 hash-consed, so e.g. kv_idx - q_idx, which repeats along the fragment's diagonals, is computed once
-per distinct offset.
+per distinct offset. A tile value times such an affine expression (ALiBi's slope * (kv_idx - q_idx))
+is one fma per distinct offset; under abs, `emit_score_mod` branches at run time on the
+expression's sign over the fragment so that the one-signed sides get the same. Used by the sm90
+forward (tile_mods.py) and, over the transposed S^T fragment, the sm90 backward (bwd_scores.py).
 
 Plain Python helpers called from inside @cute.jit code (like mod_lowering's); graphs and plans are
 compile-time constants.
