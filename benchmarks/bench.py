@@ -44,7 +44,7 @@ _LAUNCH_OPTS = ("l2_bytes", "l2_group_all", "causal_as_window")
 _WINDOW_1024 = (1024, 0)
 
 # --sweep NAME: (torch_fa4 forward config overrides per column, rows (D, S, causal[, window or the
-# name of a score_mod in _sweep_score_mods])); NOTES.md has the results
+# name of a score_mod in _named_score_mods])); NOTES.md has the results
 _SWEEPS = {
     "options": ({"default": {}, "rescale8": dict(rescale_threshold=8.0), "emu4": dict(exp2_emulate_every=4),
                  "emu2": dict(exp2_emulate_every=2),
@@ -218,9 +218,9 @@ _SWEEPS = {
 }
 
 
-def _sweep_score_mods(heads: int, device: str = "cuda") -> dict:
-    """The score_mods sweep rows name: "alibi" is the grid's (with abs), "alibi-kv-q" the library's
-    slope * (kv_idx - q_idx), which needs no sign branch."""
+def _named_score_mods(heads: int, device: str = "cuda") -> dict:
+    """Score_mods by the names sweep rows use: "alibi" is the grid's ALiBi row (with abs),
+    "alibi-kv-q" the library's slope * (kv_idx - q_idx), which needs no sign branch."""
     from torch_fa4 import mods as M
 
     slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
@@ -595,8 +595,8 @@ def main():
         makers = {k: ours_bwd_with_env(env) for k, env in variants.items()}
         if "flash-attn-4" in peers:
             makers["flash-attn-4"] = fa4_bwd
-        for D, S, causal, *mod in sweep_rows:  # (a fourth element: a score_mod's name, _sweep_score_mods)
-            extra = dict(score_mod=_sweep_score_mods(width // D)[mod[0]]) if mod else None
+        for D, S, causal, *mod in sweep_rows:  # (a fourth element: a score_mod's name, _named_score_mods)
+            extra = dict(score_mod=_named_score_mods(width // D)[mod[0]]) if mod else None
             measure(f"{args.sweep} D{D} S{S // 1024}k{' ' + mod[0] if mod else ''}{' causal' if causal else ''}",
                     D, S, causal, lambda *a: _flops(*a, bwd=True), makers, extra)
         _dump(rows, args.out)
@@ -639,9 +639,9 @@ def main():
         if "flash-attn-4" in peers:
             makers["flash-attn-4"] = peers["flash-attn-4"]
         for D, S, causal, *window in sweep_rows:
-            if window and isinstance(window[0], str):  # a named score_mod (_sweep_score_mods)
+            if window and isinstance(window[0], str):  # a named score_mod (_named_score_mods)
                 measure(f"{args.sweep} D{D} S{S // 1024}k {window[0]}{' causal' if causal else ''}", D, S, causal,
-                        _flops, makers, dict(score_mod=_sweep_score_mods(width // D)[window[0]]))
+                        _flops, makers, dict(score_mod=_named_score_mods(width // D)[window[0]]))
             elif window:
                 flops = _window_flops(window[0]) if window[0][0] >= 0 else _flops  # (-1, 0): causal only
                 measure(f"{args.sweep} D{D} S{S // 1024}k{' causal' if causal else ''} window {window[0]}", D, S,
@@ -660,13 +660,7 @@ def main():
             row_peers = {k: v for k, v in peers.items() if k != "flex"}
         measure(f"fwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, row_peers)
     print(f"  ({time.perf_counter() - t_start:.0f} s elapsed)", flush=True)
-    alibi_slopes = None
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score - alibi_slopes[h] * (q_idx - kv_idx).abs()
-
-    H128 = width // 128
-    alibi_slopes = torch.tensor([2 ** (-8 * (i + 1) / H128) for i in range(H128)], device="cuda")
+    alibi = _named_score_mods(width // 128)["alibi"]
     doc_ids = torch.arange(4096, device="cuda", dtype=torch.int32) // 512  # 8 documents of 512 tokens
 
     def document(b, h, q_idx, kv_idx):

@@ -5,6 +5,15 @@ import torch
 from torch_fa4 import mods as M
 
 
+def alibi_abs(slopes):
+    """ALiBi spelled with abs, as the benchmark has it: score - slopes[h] * |q_idx - kv_idx| (the
+    kernels branch on the sign of q_idx - kv_idx per tile; the library's M.alibi needs no abs)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+
+    return score_mod
+
+
 def cases(device="cpu"):
     """name -> (score_mod, mask_mod); captured tensors are created on `device`, fresh each call."""
     H, S = 3, 70

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from _mod_cases import cases
+from _mod_cases import alibi_abs, cases
 
 from torch_fa4 import mods as M
 from torch_fa4.kernels.common import mod_hoisting as H
@@ -43,10 +43,6 @@ def _node(graph, op, attr=None):
 
 
 # ---- hoisting plan (pure Python) -------------------------------------------------------------------
-
-def _alibi_abs(score, b, h, q_idx, kv_idx, slopes=None):
-    return score - slopes[h] * torch.abs(q_idx - kv_idx)
-
 
 def test_levels_of_each_class():
     """One node of each level: slope[h] per tile, a q-only chain per row, a kv-only load per
@@ -126,7 +122,7 @@ def test_rewrites_where_exact_and_only_there():
     off16 = torch.zeros(4, dtype=torch.int16)
     yes = {
         "alibi": (M.alibi(slopes), "affine"),
-        "abs": (functools.partial(_alibi_abs, slopes=slopes), "op"),
+        "abs": (alibi_abs(slopes), "op"),
         "tile_term": (lambda s, b, h, q, k: s + (k - q + off16[h]).float(), "affine"),
         "scaled": (lambda s, b, h, q, k: s + ((k - q) * -2).float(), "affine"),
         "min_max": (lambda s, b, h, q, k: s + torch.clamp(k - q, min=-64, max=64).float(), "op"),
@@ -160,7 +156,7 @@ def test_scaled_affine_products_and_the_sign_split():
     assert g.nodes[t].op == "load" and plan.affine[x] == H.Affine(q=-1, kv=1)
     assert H.sign_split_form(g, plan) is None  # nothing under abs: no branch needed
 
-    g, plan = _rewritten(_alibi_abs, slopes=slopes)
+    g, plan = _rewritten(alibi_abs(slopes))
     mul, ab = _node(g, "mul"), _node(g, "abs")
     assert H.scaled_affine_operands(g, plan, mul, lambda i: plan.affine[i]) is None  # abs: not affine
     assert H.sign_split_form(g, plan) == H.Affine(q=1, kv=-1)
@@ -218,7 +214,7 @@ def test_rewritten_conversions_are_exact_at_the_range_limits():
     i8 = torch.zeros(64, dtype=torch.int8)
     fns = [
         M.alibi(torch.rand(4)),
-        functools.partial(_alibi_abs, slopes=torch.rand(4)),
+        alibi_abs(torch.rand(4)),
         lambda s, b, h, q, k: s + (k - q + off16[h]).float(),
         lambda s, b, h, q, k: s + torch.clamp(k - q, min=-64, max=64).float(),
         lambda s, b, h, q, k: s + torch.where(q > k, q - k, (k - q) * -1).float(),
@@ -356,7 +352,7 @@ def test_tile_probe_alibi_bias_is_one_fma_per_offset(tmp_path):
     from torch_fa4.kernels.common import mod_fragment
 
     slopes = torch.rand(3)
-    for name, mod in (("lib", M.alibi(slopes)), ("abs", functools.partial(_alibi_abs, slopes=slopes))):
+    for name, mod in (("lib", M.alibi(slopes)), ("abs", alibi_abs(slopes))):
         mods, _ = trace_graphs(mod, None)
         d = tmp_path / name
         d.mkdir()

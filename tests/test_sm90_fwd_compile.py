@@ -16,6 +16,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from _mod_cases import alibi_abs  # noqa: E402
 from sass import (exps_after_pv_wait, hinted_loads, issued_when_ready, key_loops, sass_of,  # noqa: E402
                   spills_between_matmuls)
 from torch_fa4.call import AttentionCall  # noqa: E402
@@ -49,14 +50,9 @@ def _alibi(H=4):
 
 
 def _alibi_abs(H=4):
-    """ALiBi spelled with abs (the benchmark's): the kernel branches on the sign per tile."""
     from torch_fa4 import mods as M
 
-    slopes = M.alibi_slopes(H)
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * torch.abs(q_idx - kv_idx)
-    return alibi
+    return alibi_abs(M.alibi_slopes(H))
 
 
 def _bias_table(H=4, S=256):
@@ -570,7 +566,7 @@ def test_benchmark_sweeps_name_real_options():
                 q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
                 mods = {}
                 if extra and isinstance(extra[0], str):
-                    key, aux = M.prepare(bench._sweep_score_mods(2048 // D, "cpu")[extra[0]], None)
+                    key, aux = M.prepare(bench._named_score_mods(2048 // D, "cpu")[extra[0]], None)
                     mods = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
                     extra = []
                 left, right = extra[0] if extra else (-1, -1)

@@ -66,26 +66,24 @@ class FragmentPositions:
         self.q_base = row0 + base[0]
         self.kv_base = col0 + base[1]
         offs = {(r, j): cute.crd2idx((r, j), c.layout) for r in range(rows) for j in range(cols)}
-        static = all(isinstance(o, tuple) and len(o) == 2 and all(type(x) is int for x in o) for o in offs.values())
-        if static:
-            row_offs = tuple(offs[r, 0][0] for r in range(rows))
-            col_offs = tuple(offs[0, j][1] for j in range(cols))
-            # rows_cols views keep a row's position independent of the column and vice versa
-            static = all(offs[r, j] == (row_offs[r], col_offs[j]) for r in range(rows) for j in range(cols))
-        self.row_offs, self.col_offs = (row_offs, col_offs) if static else (None, None)
+        self.row_offs, self.col_offs = _separable_offsets(offs, rows, cols)
         # the positions themselves, for the integer path (and clamping)
         self.q_rows = _Lazy(lambda r: row0 + c[r, 0][0])
         self.kv_cols = _Lazy(lambda j: col0 + c[0, j][1])
 
     @classmethod
-    def from_offsets(cls, q_base, kv_base, row_offs: tuple, col_offs: tuple) -> "FragmentPositions":
-        """Positions given directly: q_idx of row r is q_base + row_offs[r], kv_idx of column j is
-        kv_base + col_offs[j] (static offsets). For fragments whose layout is not (query, key),
-        e.g. the backward's S^T, where the emitter's rows are the fragment's columns."""
+    def transposed(cls, c0: cute.Tensor, q_base, kv_base) -> "FragmentPositions":
+        """For a (keys, queries) fragment such as the backward's S^T: c0[r, c] = (key offset, query
+        offset) from the thread's bases, static. The emitter's rows are c0's columns (queries), its
+        columns c0's rows (keys): call value / score with (column, row)."""
+        n_keys, n_queries = cute.size(c0, mode=[0]), cute.size(c0, mode=[1])
+        offs = {(c, r): (c0[r, c][1], c0[r, c][0]) for r in range(n_keys) for c in range(n_queries)}
+        row_offs, col_offs = _separable_offsets(offs, n_queries, n_keys)
+        assert row_offs is not None, "the fragment's coordinates are not static (key, query) rows and columns"
         pos = object.__new__(cls)
-        pos.rows, pos.cols = len(row_offs), len(col_offs)
+        pos.rows, pos.cols = n_queries, n_keys
         pos.q_base, pos.kv_base = q_base, kv_base
-        pos.row_offs, pos.col_offs = tuple(row_offs), tuple(col_offs)
+        pos.row_offs, pos.col_offs = row_offs, col_offs
         pos.q_rows = _Lazy(lambda r: q_base + row_offs[r])
         pos.kv_cols = _Lazy(lambda j: kv_base + col_offs[j])
         return pos
@@ -96,6 +94,19 @@ class FragmentPositions:
         other.__dict__.update(self.__dict__)
         other.q_rows, other.kv_cols = self.q_rows.fork(), self.kv_cols.fork()
         return other
+
+
+def _separable_offsets(offs: dict, rows: int, cols: int):
+    """(row_offs, col_offs) when every offs[r, j] is the static pair (row_offs[r], col_offs[j]) --
+    rows_cols views keep a row's position independent of the column and vice versa --, else
+    (None, None)."""
+    if not all(isinstance(o, tuple) and len(o) == 2 and all(type(x) is int for x in o) for o in offs.values()):
+        return None, None
+    row_offs = tuple(offs[r, 0][0] for r in range(rows))
+    col_offs = tuple(offs[0, j][1] for j in range(cols))
+    if all(offs[r, j] == (row_offs[r], col_offs[j]) for r in range(rows) for j in range(cols)):
+        return row_offs, col_offs
+    return None, None
 
 
 class _Lazy:

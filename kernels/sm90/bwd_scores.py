@@ -49,19 +49,13 @@ class BwdScores:
             vals.append(chunks[j // 2][2 * (j % 2) + e])
         return vals
 
-    def _score_emitter(self, S, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx):
+    def _score_emitter(self, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx):
         """The score_mod's FragmentEmitter for this thread's S^T fragment (keys along rows, queries
-        along columns): its rows are the queries t_q + c0[0, c][1], its columns the keys
-        t_key + c0[r, 0][0], all static offsets from the thread's base, so the mod's values are
-        hoisted per query, key or distinct offset as in the forward (kernels/common/mod_fragment).
-        Indices that feed a captured tensor's load are clamped into the sequence."""
+        along columns; `FragmentPositions.transposed`): the mod's values are hoisted per query,
+        key or distinct offset as in the forward (kernels/common/mod_fragment). Indices that feed
+        a captured tensor's load are clamped into the sequence."""
         t_key, t_q, c0 = cS[0], cS[1], cS[3]
-        n_rows, n_cols = cute.size(S, mode=[0]), cute.size(S, mode=[1])
-        q_offs = tuple(c0[0, c][1] for c in range(n_cols))
-        kv_offs = tuple(c0[r, 0][0] for r in range(n_rows))
-        assert all(c0[r, c] == (kv_offs[r], q_offs[c]) for r in range(n_rows) for c in range(n_cols)), \
-            "S^T's coordinates are not (key, query) rows and columns"
-        pos = FragmentPositions.from_offsets(row0 + t_q, key0 + t_key, q_offs, kv_offs)
+        pos = FragmentPositions.transposed(c0, row0 + t_q, key0 + t_key)
         b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
         return FragmentEmitter(self.score_graph, pos, b, h, score_aux, None,
                                cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0))
@@ -125,7 +119,7 @@ class BwdScores:
         lim_left = rel - window_left  # dr - dc >= lim_left
         em = None
         if const_expr(self.score_graph is not None and self.mod_fragment):
-            em = self._score_emitter(S, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx)
+            em = self._score_emitter(cS, row0, key0, seqlen_q, seqlen_k, mod_ctx)
         dpsum_vals = None
         if const_expr(self.permuted_stats):
             # the statistics as vectors (a scalar load would need the position's arithmetic)

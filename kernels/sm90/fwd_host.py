@@ -133,9 +133,8 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     dense = call.softcap <= 0 and not call.has_window and not call.is_varlen and call.cu_seqlens_k is None
     # a score_mod alone: H100, NOTES "Experiment 90", ALiBi against the 128-row tile: S4k +6% causal
     # (dynamic schedule), +12% without a mask, S16k +9% / +11%; no spills (CPU compile tests)
-    score_mod_only = (call.mods is not None and call.mods.mask_graph is None and not call.block_mask)
-    if (call.head_dim == call.head_dim_v == 64 and dense and (call.mods is None or score_mod_only)
-            and max_q > _D64_WIDE_MIN_SEQLEN_Q):
+    no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
+    if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _D64_WIDE_MIN_SEQLEN_Q:
         return dict(_D64_WIDE, num_stages=2 if call.causal else 3)
     return dict(tile_m=tile_m, tile_n=tile_n)
 

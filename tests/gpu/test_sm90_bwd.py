@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from _mod_cases import alibi_abs
 from torch_fa4.call import AttentionCall
 
 pytestmark = [
@@ -335,13 +336,6 @@ def _tanh_bias_documents(slopes, doc):
     return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
 
 
-def _alibi_abs(slopes, doc):  # abs: exact fp32 |q - kv| per offset in the fragment emitter
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * torch.abs(q_idx - kv_idx)
-
-    return score_mod, None
-
-
 @pytest.fixture(params=["1", "0"], ids=["fragment", "per-element"])
 def mod_fragment(monkeypatch, request):
     """TORCH_FA4_BWD_MOD_FRAGMENT: the score_mod through mod_fragment's emitter (the default) or
@@ -367,7 +361,7 @@ def test_mods(mod_fragment, make_mods, causal):
 def test_alibi_abs(mod_fragment, d, causal):
     # D64: 128 queries per step (the emitter's rows then span both warpgroups' query halves)
     slopes = torch.rand(4, device="cuda")
-    score_mod, _ = _alibi_abs(slopes, None)
+    score_mod = alibi_abs(slopes)  # abs: exact fp32 |q - kv| per offset in the fragment emitter
     _case(BF, 2, 333, 300, 4, 2, d, d, causal=causal, score_mod=score_mod, expect_mod_fragment=mod_fragment)
 
 

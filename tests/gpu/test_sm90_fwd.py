@@ -390,6 +390,7 @@ import warnings  # noqa: E402
 import torch_fa4  # noqa: E402
 from torch_fa4 import mods as M  # noqa: E402
 
+from _mod_cases import alibi_abs  # noqa: E402
 from naive import naive_attention  # noqa: E402
 
 
@@ -490,12 +491,6 @@ def test_alibi_score_mod(sm90_fwd_variants, D, causal):
     _check_against_naive(out, lse, q, k, v, (M.alibi(slopes), None), (M.alibi(slopes.cpu()), None), causal=causal)
 
 
-def _alibi_abs(slopes):
-    def mod(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * torch.abs(q_idx - kv_idx)
-    return mod
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(517, 517), (200, 517), (517, 200)])
 def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
@@ -506,9 +501,9 @@ def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
     B, H, D = 2, 4, 128
     q, k, v = _qkv(B, Sq, Sk, H, H, D)
     slopes = M.alibi_slopes(H, device="cuda")
-    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=_alibi_abs(slopes), return_lse=True)
+    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=alibi_abs(slopes), return_lse=True)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].mod_key
-    _check_against_naive(out, lse, q, k, v, (_alibi_abs(slopes), None), (_alibi_abs(slopes.cpu()), None),
+    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
                          causal=causal)
 
 
@@ -520,9 +515,9 @@ def test_d64_score_mod_on_192_row_tiles(sm90_fwd_variants, causal):
     B, H, D, Sq, Sk = 1, 2, 64, 2100, 2500
     q, k, v = _qkv(B, Sq, Sk, H, H, D)
     slopes = M.alibi_slopes(H, device="cuda")
-    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=_alibi_abs(slopes), return_lse=True)
+    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=alibi_abs(slopes), return_lse=True)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].tile_m == 192
-    _check_against_naive(out, lse, q, k, v, (_alibi_abs(slopes), None), (_alibi_abs(slopes.cpu()), None),
+    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
                          causal=causal)
 
 
