@@ -68,7 +68,8 @@ _SWEEPS = {
              [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # where O is rescaled: before P V is issued (the D <= 128 default since Experiment 19), after
     # the P V wait (flash-attn-4's place at D128), or only when the max grows by > 8 (log2)
-    "rescale": ({"before P V": dict(early_o_rescale=True), "after P V": dict(early_o_rescale=False),
+    "rescale": ({"before P V": dict(early_o_rescale=True, rescale_threshold=None),
+                 "after P V": dict(early_o_rescale=False, rescale_threshold=None),
                  "cond8": dict(rescale_threshold=8.0)},
                 [(D, S, c) for D in (64, 128) for S in (4096, 16384) for c in (False, True)]),
     # the wide D64 tile (192 x 128, three consumer warpgroups) and D128's: turn-taking, FA4's
@@ -210,6 +211,12 @@ _SWEEPS = {
     # so the windowed variants; NOTES "Experiment 91") against the causal variants they run now
     "causal-window": ({"causal only": {}, "causal as window": dict(causal_as_window=True)},
                       [(D, S, True, (-1, 0)) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
+    "d128-pingpong": ({"pingpong": {}, "free": dict(pingpong=False)},
+                      [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)] + [(96, 16384, False), (256, 16384, False)]),
+    # D128 key tiles wider than 128 (no spills since packed P conversion; 160 and 176 stage O over
+    # Q's buffer): NOTES "Experiment 93"
+    "d128-wide-n": ({f"128x{n}": dict(tile_n=n) for n in (128, 144, 160, 176)},
+                    [(128, S, c) for S in (4096, 16384) for c in (False, True)]),
     # ALiBi's bias as one fma per distinct offset (with abs: after the run-time sign branch) against
     # an add and a multiply per offset; the no-mod rows are what the grid's ALiBi row is read against
     "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},

@@ -119,6 +119,12 @@ VARIANTS = {
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
+    # the D128 default past 8192 keys (fwd_host._D128_COND_RESCALE_MIN_SEQLEN_K), persistent and causal
+    "d128_cond_rescale": (dict(D=128), dict(rescale_threshold=8.0)),
+    "d128_causal_cond_rescale": (dict(D=128, causal=True), dict(rescale_threshold=8.0, persistent=False)),
+    # per-step stamps of the consumer warpgroups (benchmarks/turn_trace.py)
+    "d128_turn_trace": (dict(D=128), dict(trace=True, turn_trace=True)),
+    "d64_192x128_turn_trace": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, trace=True, turn_trace=True)),
     # per-item phase stamps (benchmarks/fwd_trace.py), persistent and one CTA per item
     "d128_trace": (dict(D=128), dict(trace=True)),
     "d256_causal_trace": (dict(D=256, causal=True), dict(trace=True)),
@@ -192,6 +198,32 @@ def test_public_causal_calls_run_the_causal_variants():
         assert fwd_host.default_config(public) == fwd_host.default_config(direct)
         assert AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True, window_left=100, window_right=0).has_window
         assert AttentionCall(q=q, k=q, v=q, scale=0.1, window_right=0).has_window  # not causal: a window
+
+
+def test_d128_long_walks_take_the_conditional_rescale():
+    """D128 past 8192 keys: FA4's conditional rescale, the early rescale below (NOTES
+    "Experiment 96"); other head dims keep theirs at any length."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def cfg(D, Sq, Sk, **kw):
+        q = torch.empty(1, Sq, 2, D, dtype=torch.bfloat16)
+        k = torch.empty(1, Sk, 2, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=k, v=k, scale=0.1, **kw))
+
+    for causal in (False, True):
+        long = cfg(128, 16384, 16384, causal=causal)
+        assert (long.rescale_threshold, long.early_o_rescale) == (8.0, False)
+        short = cfg(128, 4096, 4096, causal=causal)
+        assert (short.rescale_threshold, short.early_o_rescale) == (None, True)
+    assert cfg(128, 128, 16384).rescale_threshold == 8.0  # the walk's length: the keys
+    assert cfg(128, 16384, 4096).rescale_threshold is None
+    assert cfg(64, 16384, 16384).rescale_threshold is None
+    assert cfg(256, 16384, 16384).rescale_threshold == 8.0  # (D256's own default)
+    # an override of the rescale keeps the other option coherent
+    assert fwd_host.default_config(AttentionCall(q=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),
+                                                 k=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),
+                                                 v=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),
+                                                 scale=0.1), rescale_threshold=None).early_o_rescale
 
 
 def test_d64_score_mod_alone_takes_the_192_row_tile():

@@ -77,6 +77,11 @@ SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
 # first two, the first thread of consumer warpgroup 0 the rest.
 FWD_TRACE_EVENTS = ("item_start", "q_issued", "q_ready", "first_s", "last_pv", "epilogue_done")
 FWD_TRACE_SMID = len(FWD_TRACE_EVENTS)
+# Turn tracing (cfg.turn_trace): the first thread of each consumer warpgroup stamps the SM's clock
+# (32 bits, cycles) at these points of key steps 1..TURN_TRACE_STEPS of every work item, into
+# mTrace[(item * consumer warpgroups + wg) * TURN_TRACE_STEPS + step - 1, :]; the SM's id follows.
+TURN_TRACE_EVENTS = ("step_start", "k_ready", "turn", "v_ready", "issued", "s_ready", "pv_ready")
+TURN_TRACE_STEPS = 32
 
 
 class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
@@ -358,7 +363,20 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         """Tracing: the global timer at FWD_TRACE_EVENTS[event] of work item `tile` (and the SM id
         with the last event); no code when off. Stored at once: a timer read kept for later may be
         moved by the compiler."""
-        if const_expr(self.cfg.trace):
+        if const_expr(self.cfg.trace and not self.cfg.turn_trace):
             self._trace[tile, event] = cute.arch.globaltimer_lo()
             if const_expr(event == FWD_TRACE_SMID - 1):
                 self._trace[tile, FWD_TRACE_SMID] = cute.arch.smid()
+
+    @cute.jit
+    def _turn_stamp(self, t, wg, event: cutlass.Constexpr):
+        """Turn tracing: the SM clock at TURN_TRACE_EVENTS[event] of key step t (1-based) of the
+        current work item, from each consumer warpgroup's first thread; no code when off."""
+        if const_expr(self.cfg.turn_trace):
+            tidx, _, _ = cute.arch.thread_idx()
+            trace = self._trace  # (a store through self inside a run-time `if` does not trace)
+            row = (self._traced_item * self.num_wg + wg) * TURN_TRACE_STEPS + t - 1
+            if tidx % 128 == 0 and t <= TURN_TRACE_STEPS:
+                trace[row, event] = cute.arch.clock()
+                if const_expr(event == len(TURN_TRACE_EVENTS) - 1):
+                    trace[row, len(TURN_TRACE_EVENTS)] = cute.arch.smid()

@@ -60,6 +60,10 @@ class FwdConfig:
     # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
     # tensor, for benchmarks/fwd_trace.py; no code when off
     trace: bool = False
+    # per work item, consumer warpgroup and key step 1..TURN_TRACE_STEPS: the SM clock at the
+    # phases of one step (TURN_TRACE_EVENTS in fwd.py) into the trace tensor instead, for
+    # benchmarks/turn_trace.py (where a warpgroup waits for its turn, S, or P V); no code when off
+    turn_trace: bool = False
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True

@@ -86,13 +86,19 @@ class FwdConsumer:
             # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
             # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
             scale_rows(acc_o, row_scale)
+        self._turn_stamp(t, wg, 0)
         wait_full(pipe_k, state, self.cfg.peek_waits)
+        self._turn_stamp(t, wg, 1)
         self._turn_wait(wg)
+        self._turn_stamp(t, wg, 2)
         wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
         wait_full(pipe_v, v_state, self.cfg.peek_waits)
+        self._turn_stamp(t, wg, 3)
         wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
+        self._turn_stamp(t, wg, 4)
         warpgroup.wait_group(1)  # S ready; P V still running
+        self._turn_stamp(t, wg, 5)
         if const_expr(self._early_q_release):
             if t == walk.count - 1:  # the walk's last Q K^T is done
                 pipe_q.consumer_release(q_state)
@@ -103,6 +109,7 @@ class FwdConsumer:
         if const_expr(self.cfg.pin_pv_wait):
             self._release_after_softmax(pipe_k, state, softmax)
         warpgroup.wait_group(0)
+        self._turn_stamp(t, wg, 6)
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
             if moved:
@@ -238,6 +245,7 @@ class FwdConsumer:
         """One work item: the online-softmax loop over the walk's key tiles, then the epilogue.
         Returns the K/V ring position after the item."""
         cfg = self.cfg
+        self._traced_item = tile  # read by _turn_stamp while this item's steps are traced
         batch_q = batch if const_expr(not cfg.varlen_q) else 0
         thr_qk = tiled_mma_qk.get_slice(tidx)
         wg_pv = tiled_mma_pv.get_slice(wg * 128)

@@ -156,6 +156,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
+    if call.head_dim == 128 and max_k > _D128_COND_RESCALE_MIN_SEQLEN_K:
+        opts.update(rescale_threshold=8.0, early_o_rescale=False)
     # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
@@ -179,11 +181,21 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     cfg = replace(cfg, **overrides) if overrides else cfg
     if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
         cfg = replace(cfg, dynamic_schedule=False)
-    if cfg.rescale_threshold is not None and "early_o_rescale" not in overrides:
-        # the conditional rescale decides per tile whether O moves at all, after that tile's
-        # softmax: it keeps the rescale where it was
-        cfg = replace(cfg, early_o_rescale=False)
+    if "early_o_rescale" not in overrides:
+        if cfg.rescale_threshold is not None:
+            # the conditional rescale decides per tile whether O moves at all, after that tile's
+            # softmax: it keeps the rescale where it was
+            cfg = replace(cfg, early_o_rescale=False)
+        elif "rescale_threshold" in overrides:  # always rescale: where the head dim has it
+            cfg = replace(cfg, early_o_rescale=_DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False))
     return cfg
+
+
+# D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
+# more than 2^8) instead of the early rescale. H100, three rescale sweeps (NOTES "Experiment 96"),
+# S16k +0.7 / 0 / +2.2%, S16k causal +1.3 / +4.1 / +2.5%; at S4k -0.4% to -5.6%, so shorter
+# walks keep the early rescale. D=64 measured level to -4% at S16k.
+_D128_COND_RESCALE_MIN_SEQLEN_K = 8192
 
 
 def _persistent_fits(call: AttentionCall) -> bool:
@@ -311,7 +323,7 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
     (benchmarks/fwd_trace.py); compiles that variant."""
     cfg = default_config(call, **overrides)
     if trace is not None:
-        cfg = replace(cfg, trace=True)
+        cfg = replace(cfg, trace=True)  # (turn_trace=True among the overrides: per-step stamps)
     kernel = compile_fwd(cfg)
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call))
     if args is None:  # no query rows: nothing to write

@@ -203,6 +203,27 @@ def test_softmax_options(opts):
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_d128_long_walk_default(causal):
+    """D128 past 8192 keys runs the conditional rescale by default (fwd_host)."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _dense_call(1, 300, 9000, 2, 1, 128, causal=causal)
+    assert fwd_host.default_config(call).rescale_threshold == 8.0
+    _check(call)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_conditional_rescale_when_the_max_keeps_growing(D):
+    """Keys whose norms grow along the sequence push every row's max up by far more than the
+    threshold (8 in log2) on many key tiles, so the conditional rescale moves O in the middle of
+    the walk, not only at its first tile."""
+    call = _dense_call(2, 300, 1100, 2, 2, D)
+    growth = torch.linspace(1.0, 12.0, 1100, device="cuda").view(1, -1, 1, 1)
+    call.k = (call.k.float() * growth).to(call.k.dtype)
+    _check(call, rescale_threshold=8.0)
+
+
 @pytest.mark.parametrize("D,causal", [(256, True), (128, False)])
 def test_trace_stamps(D, causal):
     """The traced variant (benchmarks/fwd_trace.py) still computes attention, and stamps every
@@ -225,6 +246,32 @@ def test_trace_stamps(D, causal):
     assert (rel[:, 2:].diff(dim=1) >= 0).all(), "consumer stamps out of order"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert ((t[:, FWD_TRACE_SMID] >= 0) & (t[:, FWD_TRACE_SMID] < sms)).all()
+
+
+def test_turn_trace_stamps():
+    """The turn-traced variant (benchmarks/turn_trace.py) still computes attention, and every
+    traced key step of every item and consumer warpgroup has its stamps in order (32-bit SM
+    clock), on a real SM; steps past an item's walk stay unwritten."""
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.kernels.sm90.fwd import TURN_TRACE_EVENTS, TURN_TRACE_STEPS
+
+    # 640 query rows: no warpgroup's rows lie wholly past the end (such a warpgroup idles through
+    # the item without stamps, fwd._idle_item); 700 keys: a ragged key tile
+    call = _dense_call(2, 640, 700, 3, 3, 128)
+    cfg = fwd_host.default_config(call)
+    items = -(-640 // cfg.tile_m) * 3 * 2
+    n_ev = len(TURN_TRACE_EVENTS)
+    trace = torch.zeros(items * cfg.num_consumer_wg * TURN_TRACE_STEPS, n_ev + 1, dtype=torch.int32, device="cuda")
+    _check(call, trace=trace, turn_trace=True)
+    t = trace.cpu().to(torch.int64).view(items, cfg.num_consumer_wg, TURN_TRACE_STEPS, n_ev + 1)
+    steps = -(-700 // cfg.tile_n) - 1  # key steps after the first tile
+    stamps = t[:, :, :steps, :n_ev] & 0xFFFFFFFF
+    assert (stamps != 0).all(), "a step was not stamped"
+    assert (t[:, :, steps:] == 0).all(), "a step past the walk was stamped"
+    rel = (stamps - stamps[..., :1]) & 0xFFFFFFFF
+    assert (rel.diff(dim=-1) >= 0).all() and (rel < 1 << 31).all(), "stamps out of order"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((t[:, :, :steps, n_ev] >= 0) & (t[:, :, :steps, n_ev] < sms)).all()
 
 
 @pytest.mark.parametrize("max_ctas", [1, 5, 7, 10_000])
