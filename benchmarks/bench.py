@@ -211,6 +211,7 @@ _SWEEPS = {
     # so the windowed variants; NOTES "Experiment 91") against the causal variants they run now
     "causal-window": ({"causal only": {}, "causal as window": dict(causal_as_window=True)},
                       [(D, S, True, (-1, 0)) for D in (64, 128, 256) for S in (1024, 4096, 16384)]),
+    # the consumer warpgroups taking turns at the tensor cores or issuing freely (NOTES "Experiment 94")
     "d128-pingpong": ({"pingpong": {}, "free": dict(pingpong=False)},
                       [(128, S, c) for S in (1024, 4096, 16384) for c in (False, True)] + [(96, 16384, False), (256, 16384, False)]),
     # D128 key tiles wider than 128 (no spills since packed P conversion; 160 and 176 stage O over

@@ -219,6 +219,9 @@ def test_d128_long_walks_take_the_conditional_rescale():
     assert cfg(128, 16384, 4096).rescale_threshold is None
     assert cfg(64, 16384, 16384).rescale_threshold is None
     assert cfg(256, 16384, 16384).rescale_threshold == 8.0  # (D256's own default)
+    # only the measured rows: no mods, softcap or window
+    assert cfg(128, 16384, 16384, softcap=30.0).rescale_threshold is None
+    assert cfg(128, 16384, 16384, causal=True, window_left=1024).rescale_threshold is None
     # an override of the rescale keeps the other option coherent
     assert fwd_host.default_config(AttentionCall(q=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),
                                                  k=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),

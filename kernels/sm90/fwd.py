@@ -108,6 +108,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         assert cfg.num_stages >= 1
+        assert cfg.trace or not cfg.turn_trace, "turn_trace writes into the trace tensor"
         assert cfg.persistent or not cfg.dynamic_schedule, "dynamic_schedule: a persistent kernel's loop"
         # the early rescale applies every tile's factors; the conditional rescale skips some (fwd_config)
         assert not (cfg.early_o_rescale and cfg.rescale_threshold is not None)

@@ -156,7 +156,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
-    if call.head_dim == 128 and max_k > _D128_COND_RESCALE_MIN_SEQLEN_K:
+    if _d128_cond_rescale_pays(call, max_k):
         opts.update(rescale_threshold=8.0, early_o_rescale=False)
     # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
@@ -194,8 +194,14 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 # D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
 # more than 2^8) instead of the early rescale. H100, three rescale sweeps (NOTES "Experiment 96"),
 # S16k +0.7 / 0 / +2.2%, S16k causal +1.3 / +4.1 / +2.5%; at S4k -0.4% to -5.6%, so shorter
-# walks keep the early rescale. D=64 measured level to -4% at S16k.
+# walks keep the early rescale. D=64 measured level to -4% at S16k. Only the rows measured take
+# it: plain and causal calls (mods, softcap and windows keep the early rescale; both are exact).
 _D128_COND_RESCALE_MIN_SEQLEN_K = 8192
+
+
+def _d128_cond_rescale_pays(call: AttentionCall, max_k: int) -> bool:
+    return (call.head_dim == call.head_dim_v == 128 and max_k > _D128_COND_RESCALE_MIN_SEQLEN_K
+            and call.mods is None and call.softcap <= 0 and not call.has_window)
 
 
 def _persistent_fits(call: AttentionCall) -> bool:
