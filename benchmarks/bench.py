@@ -453,10 +453,11 @@ def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask
                 m = m & c(b, h, i, j)
             return m
     bm = create_block_mask(mask_mod, None, None, S, S) if mask_mod else None
-    sm = score_mod
     if softcap:
         def sm(s, b, h, i, j):
             return softcap * torch.tanh(s / softcap)
+    else:
+        sm = score_mod
     return lambda: _flex_compiled(qt, kt, vt, score_mod=sm, block_mask=bm)
 
 

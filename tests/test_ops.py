@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_fa4
-from naive import naive_attention, rel_error
+from naive import rel_error
 
 
 def _fwd_args(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, cu_q=None, cu_k=None, seqused=None,
