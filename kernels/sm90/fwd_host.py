@@ -193,8 +193,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 
 # D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
 # more than 2^8) instead of the early rescale. H100, four rescale sweeps (NOTES "Experiment 96"),
-# S16k +0.7 / 0 / +2.2 / -0.6%, S16k causal +1.3 / +4.1 / +2.5 / +0.1%; at S4k -2.4% to -5.6% in
-# three of them, so shorter walks keep the early rescale. D=64 measured level to -4% at S16k. Only the rows measured take
+# S16k +0.7 / 0 / +2.2 / -0.6%, S16k causal +1.3 / +4.1 / +2.5 / +0.1%; at S4k -0.4% to -5.6%,
+# so shorter walks keep the early rescale. D=64 measured level to -4% at S16k. Only the rows measured take
 # it: plain and causal calls (mods, softcap and windows keep the early rescale; both are exact).
 _D128_COND_RESCALE_MIN_SEQLEN_K = 8192
 
