@@ -4,30 +4,26 @@
 
 For each row (D:S:causal, B = 16384 / S, H = 2048 / D, bf16) the forward is compiled once more
 with `turn_trace` (kernels/sm90/fwd.py, TURN_TRACE_EVENTS): the first thread of every consumer
-warpgroup stamps the SM's clock at seven points of key steps 1..TURN_TRACE_STEPS of each work item:
-step start, K landed, turn taken (the named barrier returned), V landed (after Q K^T's issue),
-matmuls issued (turn passed), S landed, P V landed. Printed per row, in cycles, medians over the steps past the fourth of every
-item and warpgroup:
-- each phase of a step (wait for K, wait for the turn, issue, wait for S, softmax up to the P V
-  wait, the rest of the step after P V);
+warpgroup stamps the SM's clock at seven points of key steps 1..TURN_TRACE_STEPS of each work
+item: step start, K landed, turn taken (the named barrier returned), V landed (after Q K^T's
+issue), matmuls issued (turn passed), S landed, P V landed. Printed per row, in cycles, medians
+over the steps past the fourth of every item and warpgroup:
+- each phase of a step (wait for K, wait for the turn, Q K^T's issue and the wait for V, P V's
+  issue, wait for S, softmax up to the P V wait, the rest of the step after P V);
 - the step's period, and the turn's hand-over: from the other warpgroup passing the turn to this
-  one taking it (near 0 when this one was waiting at the barrier), and how long this one waited;
-- one item's first steps as a timeline (both warpgroups, cycles from the first stamp).
+  one taking it (near 0 when this one was waiting at the barrier);
+- steps 9..14 of one item as a timeline (every warpgroup, cycles from the item's first stamp).
 The stamps cost a few instructions per step and move ptxas's schedule a little: read the phases
-against each other, not as exact times of the untraced kernel.
+against each other, not as exact times of the untraced kernel (NOTES "Experiment 94").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _PHASES = (("k_wait", 0, 1), ("turn_wait", 1, 2), ("qk_issue_v_wait", 2, 3), ("pv_issue", 3, 4), ("s_wait", 4, 5),
            ("softmax_to_pv", 5, 6))
