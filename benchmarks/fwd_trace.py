@@ -56,43 +56,65 @@ def _phases(trace: torch.Tensor) -> dict:
     return out
 
 
+def grid_call(spec: str):
+    """The grid row "D:S:causal" (B = 16384 / S, H = 2048 / D, bf16) as (call, out, lse), random inputs."""
+    from torch_fa4.call import AttentionCall
+
+    D, S, causal = (int(x) for x in spec.split(":"))
+    B, H = 16384 // S, 2048 // D
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=bool(causal))
+    lse = torch.empty(call.lse_shape(), dtype=torch.float32, device="cuda")
+    return call, torch.empty_like(q), lse
+
+
+def num_items(call, cfg) -> int:
+    """Work items of a dense call: query tiles x heads x batch."""
+    B, S, H = call.q.shape[:3]
+    return ((S + cfg.tile_m - 1) // cfg.tile_m) * H * B
+
+
+def run_traced(call, out, lse, trace: torch.Tensor, **overrides) -> None:
+    """One launch of the traced variant into a zeroed `trace`, after a launch that compiles and warms it."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    fwd_host.forward(call, out, lse, trace=trace, **overrides)
+    trace.zero_()
+    fwd_host.forward(call, out, lse, trace=trace, **overrides)
+    torch.cuda.synchronize()
+
+
+def write_json(results: list, path) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256:4096:1,256:4096:0,128:16384:0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import fwd_host
     from torch_fa4.kernels.sm90.fwd import FWD_TRACE_SMID
 
     results = []
     for spec in args.rows.split(","):
-        D, S, causal = (int(x) for x in spec.split(":"))
-        B, H = 16384 // S, 2048 // D
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=bool(causal))
-        out = torch.empty_like(q)
-        lse = torch.empty(call.lse_shape(), dtype=torch.float32, device="cuda")
+        call, out, lse = grid_call(spec)
         row = {"row": spec, "ours_ms": _kernel_ms(lambda: fwd_host.forward(call, out, lse))}
         try:
             from flash_attn.cute.interface import flash_attn_func
 
-            row["fa4_ms"] = _kernel_ms(lambda: flash_attn_func(q, k, v, causal=bool(causal)))
+            row["fa4_ms"] = _kernel_ms(lambda: flash_attn_func(call.q, call.k, call.v, causal=call.causal))
         except Exception as e:  # the wheel is in the GPU kit only
             row["fa4_ms"] = f"n/a ({type(e).__name__})"
         cfg = fwd_host.default_config(call)
-        items = ((S + cfg.tile_m - 1) // cfg.tile_m) * H * B
-        trace = torch.zeros(items, FWD_TRACE_SMID + 1, dtype=torch.int32, device="cuda")
-        fwd_host.forward(call, out, lse, trace=trace)  # compile and warm up
-        trace.zero_()
-        fwd_host.forward(call, out, lse, trace=trace)
-        torch.cuda.synchronize()
+        trace = torch.zeros(num_items(call, cfg), FWD_TRACE_SMID + 1, dtype=torch.int32, device="cuda")
+        run_traced(call, out, lse, trace)
         row.update(_phases(trace))
         results.append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(results, args.out)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fwd_trace import grid_call, num_items, run_traced, write_json  # noqa: E402
 
 _PHASES = (("k_wait", 0, 1), ("turn_wait", 1, 2), ("qk_issue_v_wait", 2, 3), ("pv_issue", 3, 4), ("s_wait", 4, 5),
            ("softmax_to_pv", 5, 6))
@@ -78,34 +83,22 @@ def main():
     ap.add_argument("--opts", default="{}", help="FwdConfig overrides, JSON")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import fwd_host
     from torch_fa4.kernels.sm90.fwd import TURN_TRACE_EVENTS, TURN_TRACE_STEPS
 
     opts = json.loads(args.opts)
     results = []
     for spec in args.rows.split(","):
-        D, S, causal = (int(x) for x in spec.split(":"))
-        B, H = 16384 // S, 2048 // D
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=bool(causal))
-        out = torch.empty_like(q)
-        lse = torch.empty(call.lse_shape(), dtype=torch.float32, device="cuda")
+        call, out, lse = grid_call(spec)
         cfg = fwd_host.default_config(call, **opts)
-        items = ((S + cfg.tile_m - 1) // cfg.tile_m) * H * B
-        rows = items * cfg.num_consumer_wg * TURN_TRACE_STEPS
+        rows = num_items(call, cfg) * cfg.num_consumer_wg * TURN_TRACE_STEPS
         trace = torch.zeros(rows, len(TURN_TRACE_EVENTS) + 1, dtype=torch.int32, device="cuda")
-        fwd_host.forward(call, out, lse, trace=trace, turn_trace=True, **opts)  # compile and warm up
-        trace.zero_()
-        fwd_host.forward(call, out, lse, trace=trace, turn_trace=True, **opts)
-        torch.cuda.synchronize()
+        run_traced(call, out, lse, trace, turn_trace=True, **opts)
         row = {"row": spec, "opts": opts, "tile": [cfg.tile_m, cfg.tile_n]}
         row.update(_analyse(trace, cfg.num_consumer_wg, TURN_TRACE_STEPS))
         results.append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(results, args.out)
 
 
 if __name__ == "__main__":

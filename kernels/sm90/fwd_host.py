@@ -157,7 +157,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
     if _d128_cond_rescale_pays(call, max_k):
-        opts.update(rescale_threshold=8.0, early_o_rescale=False)
+        opts["rescale_threshold"] = 8.0
     # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
@@ -182,20 +182,19 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
         cfg = replace(cfg, dynamic_schedule=False)
     if "early_o_rescale" not in overrides:
-        if cfg.rescale_threshold is not None:
-            # the conditional rescale decides per tile whether O moves at all, after that tile's
-            # softmax: it keeps the rescale where it was
-            cfg = replace(cfg, early_o_rescale=False)
-        elif "rescale_threshold" in overrides:  # always rescale: where the head dim has it
-            cfg = replace(cfg, early_o_rescale=_DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False))
+        # the early rescale goes with always rescaling, where the head dim has it; the conditional
+        # rescale decides per tile whether O moves at all, after that tile's softmax
+        early = cfg.rescale_threshold is None and _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False)
+        cfg = replace(cfg, early_o_rescale=early)
     return cfg
 
 
 # D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
 # more than 2^8) instead of the early rescale. H100, four rescale sweeps (NOTES "Experiment 96"),
 # S16k +0.7 / 0 / +2.2 / -0.6%, S16k causal +1.3 / +4.1 / +2.5 / +0.1%; at S4k -0.4% to -5.6%,
-# so shorter walks keep the early rescale. D=64 measured level to -4% at S16k. Only the rows measured take
-# it: plain and causal calls (mods, softcap and windows keep the early rescale; both are exact).
+# so shorter walks keep the early rescale. D=64 measured level to -4% at S16k. Only the rows
+# measured take it: plain and causal calls (mods, softcap and windows keep the early rescale;
+# both are exact).
 _D128_COND_RESCALE_MIN_SEQLEN_K = 8192
 
 
