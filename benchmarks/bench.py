@@ -218,6 +218,9 @@ _SWEEPS = {
     # Q's buffer): NOTES "Experiment 93"
     "d128-wide-n": ({f"128x{n}": dict(tile_n=n) for n in (128, 144, 160, 176)},
                     [(128, S, c) for S in (4096, 16384) for c in (False, True)]),
+    # CTA pairs multicasting each K / V tile (half the L2-to-SM traffic of the ring), plain rows
+    "kv-multicast": ({"default": {}, "multicast": dict(kv_multicast=True)},
+                     [(D, S, False) for D in (64, 128, 256) for S in (1024, 4096, 16384)] + [(96, 16384, False)]),
     # ALiBi's bias as one fma per distinct offset (with abs: after the run-time sign branch) against
     # an add and a multiply per offset; the no-mod rows are what the grid's ALiBi row is read against
     "alibi": ({"fma": {}, "no-fma": dict(mod_affine_fma=False)},

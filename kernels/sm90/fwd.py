@@ -112,6 +112,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         assert cfg.persistent or not cfg.dynamic_schedule, "dynamic_schedule: a persistent kernel's loop"
         # the early rescale applies every tile's factors; the conditional rescale skips some (fwd_config)
         assert not (cfg.early_o_rescale and cfg.rescale_threshold is not None)
+        # the two CTAs of a pair must walk the same key tiles, and an item past the sequence's end
+        # must still take part in the loads (the idle warpgroup path)
+        assert not cfg.kv_multicast or not (
+            cfg.causal or cfg.has_window or cfg.varlen_q or cfg.varlen_k or cfg.block_sparse
+            or cfg.dynamic_schedule or not cfg.skip_idle_rows or self.num_wg < 2), "kv_multicast: plain calls"
+        self.cluster_size = 2 if cfg.kv_multicast else 1
         # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
         # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
         # Q's buffer and the next Q waits for the O store.
@@ -237,10 +243,15 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
         tma_Q, tQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.hdim))
+        kv_load = cpasync.CopyBulkTensorTileG2SOp()
+        if const_expr(cfg.kv_multicast):
+            kv_load = cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_K, tK = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim))
+            kv_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim),
+            num_multicast=self.cluster_size)
         tma_V, tV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdimv))
+            kv_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdimv),
+            num_multicast=self.cluster_size)
         tma_O, tO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdimv))
 
@@ -251,6 +262,13 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         Storage = self._storage_class(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        cluster = None
+        if const_expr(cfg.kv_multicast):
+            # pairs of items (2i, 2i+1) are adjacent query tiles of one head: an even count per
+            # head (the extra tile lies past the sequence and only loads), an even grid
+            num_m_blocks = (num_m_blocks + 1) // 2 * 2
+            max_ctas = max_ctas // 2 * 2
+            cluster = [2, 1, 1]
         grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch)
         if const_expr(cfg.persistent):
             grid = (cutlass.min(grid[0], max_ctas), 1, 1)
@@ -264,6 +282,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
+            cluster=cluster,
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -304,15 +323,23 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         storage = smem.allocate(Storage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
+        kv_ring = dict(producer_group=tma_warp, consumer_group=consumer_warps)
+        if const_expr(cfg.kv_multicast):
+            # each consumer warp releases a K/V slot in both CTAs of the pair (lanes 0 and 1 arrive
+            # on rank 0's and rank 1's barrier): the next tile is multicast into both
+            kv_ring = dict(producer_group=tma_warp,
+                           consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 128),
+                           cta_layout_vmnk=cute.make_layout((1, 2, 1, 1)), mcast_mode_mn=(0, 1),
+                           enable_multicast_signaling=True)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
             consumer_group=consumer_warps, tx_count=bytes_q, defer_sync=True)
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=tma_warp, consumer_group=consumer_warps, tx_count=bytes_k, defer_sync=True)
+            tx_count=bytes_k, defer_sync=True, **kv_ring)
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=tma_warp, consumer_group=consumer_warps, tx_count=bytes_v, defer_sync=True)
+            tx_count=bytes_v, defer_sync=True, **kv_ring)
         mailbox = None
         if const_expr(cfg.dynamic_schedule):
             mailbox = (storage.mbar_sched.data_ptr(), storage.sched_slots.get_tensor(cute.make_layout(2)),
@@ -321,7 +348,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
                 with cute.arch.elect_one():
                     init_mailbox(mailbox[0], self.num_wg * 4)  # every consumer warp reads each item
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(cfg.kv_multicast):
+            # the pair's barriers are initialised before either CTA arrives on the other's
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)

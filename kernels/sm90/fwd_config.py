@@ -76,6 +76,11 @@ class FwdConfig:
     # (kernels/common/mod_fragment.emit_score_mod). Off: an add and a multiply per offset
     # (bench --sweep alibi times both)
     mod_affine_fma: bool = True
+    # CTA pairs (a 2-CTA cluster) on adjacent query tiles of one head: each CTA loads half of every
+    # K and V tile and the TMA multicasts it into both, halving the L2-to-SM traffic of the K/V
+    # ring. The pair walks the same key tiles in step, so calls without a causal / window mask,
+    # varlen or block mask only
+    kv_multicast: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

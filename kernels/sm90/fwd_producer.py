@@ -50,7 +50,11 @@ class FwdProducer:
                 tile = sched.persistent_tile(rnd, bidx, num_ctas)
         else:
             if tile < sched.num_tiles():
-                self.produce_item(tile, q_state, k_state, v_state, *args)
+                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
+        if const_expr(cfg.kv_multicast):
+            # the other CTA's consumers release slots here until the end: stay until they have
+            pipe_k.producer_tail(k_state)
+            pipe_v.producer_tail(v_state)
 
     @cute.jit
     def produce_item(self, tile, q_state, k_state, v_state, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
@@ -67,8 +71,13 @@ class FwdProducer:
         num_heads_kv = cute.size(mK.shape[2])
         m_block, head, batch = sched.work(tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        # varlen grids are sized for the longest sequence: items past a sequence's end are empty
-        if m_block * self.tile_m < seqlen.seqlen_q:
+        # varlen grids are sized for the longest sequence: items past a sequence's end are empty.
+        # Under kv_multicast such an item (the pair's rounding tile) still loads its half of every
+        # K / V tile for the other CTA, and a Q tile past the end (the TMA fills it with zeros)
+        loads = m_block * self.tile_m < seqlen.seqlen_q
+        if const_expr(cfg.kv_multicast):
+            loads = m_block >= 0  # (always)
+        if loads:
             batch_q = batch if const_expr(not cfg.varlen_q) else 0
             batch_k = batch if const_expr(not cfg.varlen_k) else 0
             head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
@@ -78,17 +87,23 @@ class FwdProducer:
             gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
                                                cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
+            rank, pair = 0, 1
+            if const_expr(cfg.kv_multicast):
+                rank, pair = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()), 2
+            tKsK, tKgK = cpasync.tma_partition(tma_K, rank, cute.make_layout(pair),
                                                cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
+            tVsV, tVgV = cpasync.tma_partition(tma_V, rank, cute.make_layout(pair),
                                                cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            kv_copy = {}
+            if const_expr(cfg.kv_multicast):
+                kv_copy = dict(mcast_mask=cutlass.Int16(3))  # this CTA's half lands in both
             # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
             # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
             # Q's buffer frees only when the previous item is done with it, K's slot earlier.
             if walk.nonempty():
                 pipe_k.producer_acquire(k_state)
                 cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint)
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint, **kv_copy)
                 k_state.advance()
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state), cache_policy=once_hint)
@@ -99,14 +114,14 @@ class FwdProducer:
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     pipe_k.producer_acquire(k_state)
                     cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint)
+                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint, **kv_copy)
                     k_state.advance()
                     pipe_v.producer_acquire(v_state)
                     cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint)
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint, **kv_copy)
                     v_state.advance()
                 pipe_v.producer_acquire(v_state)
                 cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint)
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint, **kv_copy)
                 v_state.advance()
         return q_state, k_state, v_state

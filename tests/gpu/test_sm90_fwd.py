@@ -224,6 +224,23 @@ def test_conditional_rescale_when_the_max_keeps_growing(D):
     _check(call, rescale_threshold=8.0)
 
 
+@pytest.mark.parametrize("shape", [
+    (2, 1000, 1500, 4, 2, 128),  # persistent, 8 query tiles per head
+    (1, 300, 700, 3, 3, 128),  # 3 query tiles: the pair's rounding tile lies past the end
+    (2, 2500, 2100, 2, 1, 64),  # the 192-row tile, one CTA per item, 14 tiles, GQA
+    (1, 100, 333, 2, 2, 64),  # one query tile: its partner only loads
+])
+def test_kv_multicast(shape):
+    """CTA pairs sharing each K / V tile through TMA multicast (FwdConfig.kv_multicast)."""
+    _check(_dense_call(*shape), kv_multicast=True)
+
+
+def test_kv_multicast_seqused_k():
+    call = _dense_call(3, 400, 512, 2, 2, 128)
+    call.seqused_k = torch.tensor([512, 77, 300], dtype=torch.int32, device="cuda")
+    _check(call, kv_multicast=True)
+
+
 @pytest.mark.parametrize("D,causal", [(256, True), (128, False)])
 def test_trace_stamps(D, causal):
     """The traced variant (benchmarks/fwd_trace.py) still computes attention, and stamps every
