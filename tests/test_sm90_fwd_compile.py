@@ -128,6 +128,14 @@ VARIANTS = {
     # per-item phase stamps (benchmarks/fwd_trace.py), persistent and one CTA per item
     "d128_trace": (dict(D=128), dict(trace=True)),
     "d256_causal_trace": (dict(D=256, causal=True), dict(trace=True)),
+    # CTA pairs multicasting each K / V tile (FwdConfig.kv_multicast; fwd_host._kv_multicast_pays)
+    "d128_kv_multicast": (dict(D=128), dict(kv_multicast=True)),
+    "d128_kv_multicast_one_shot": (dict(D=128), dict(kv_multicast=True, persistent=False)),
+    "d96_kv_multicast": (dict(D=96), dict(kv_multicast=True)),
+    "d256_kv_multicast": (dict(D=256), dict(kv_multicast=True, persistent=False, dynamic_schedule=False)),
+    "d64_192x128_kv_multicast": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3,
+                                                  kv_multicast=True)),
+    "d128_fp16_seqused_kv_multicast": (dict(D=128, dtype=torch.float16), dict(has_seqused_k=True, kv_multicast=True)),
     # persistent CTAs taking items from a counter (kernels/common/tile_mailbox.py)
     "d128_causal_dynamic": (dict(D=128, causal=True), dict(persistent=True, dynamic_schedule=True)),
     "d64_192x128_causal_dynamic": (dict(D=64, causal=True),
@@ -227,6 +235,41 @@ def test_d128_long_walks_take_the_conditional_rescale():
                                                  k=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),
                                                  v=torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16),
                                                  scale=0.1), rescale_threshold=None).early_o_rescale
+
+
+def test_kv_multicast_variants_multicast_their_loads(tmp_path):
+    """Under kv_multicast the K and V loads are multicast TMA copies (and Q's stays a plain one)."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    cfg = fwd_host.default_config(_call(D=128), kv_multicast=True)
+    sass = _compile_and_check_sass(cfg, tmp_path)
+    loads = [line for line in sass.splitlines() if "UTMALDG" in line]
+    assert any("MULTICAST" in line for line in loads), "no multicast TMA load"
+    assert any("MULTICAST" not in line for line in loads), "Q should load into its own CTA only"
+
+
+def test_plain_long_calls_take_kv_multicast():
+    """Plain calls of D96 / D128 / D256 with 4096 keys or more run CTA pairs sharing their K / V
+    loads (NOTES "Experiment 99"); masks, varlen, mods, softcap, D64 and short walks do not."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def cfg(D, Sq, Sk, **kw):
+        q = torch.empty(1, Sq, 2, D, dtype=torch.bfloat16)
+        k = torch.empty(1, Sk, 2, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=k, v=k, scale=0.1, **kw))
+
+    for D in (96, 128, 256):
+        assert cfg(D, 4096, 4096).kv_multicast
+        assert cfg(D, 16384, 16384).kv_multicast
+        assert cfg(D, 100, 8192).kv_multicast  # the walk's length decides: the keys
+        assert not cfg(D, 16384, 16384, causal=True).kv_multicast
+        assert not cfg(D, 16384, 16384, window_left=512, window_right=512).kv_multicast
+        assert not cfg(D, 16384, 16384, softcap=30.0).kv_multicast
+    assert not cfg(128, 1024, 1024).kv_multicast
+    assert not cfg(64, 16384, 16384).kv_multicast
+    assert not cfg(192, 16384, 16384).kv_multicast
+    q = torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16)  # an override wins
+    assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1), kv_multicast=False).kv_multicast
 
 
 def test_d64_score_mod_alone_takes_the_192_row_tile():

@@ -181,6 +181,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     cfg = replace(cfg, **overrides) if overrides else cfg
     if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
         cfg = replace(cfg, dynamic_schedule=False)
+    if "kv_multicast" not in overrides and _kv_multicast_pays(call, cfg, max_k):
+        cfg = replace(cfg, kv_multicast=True)
     if "early_o_rescale" not in overrides:
         # the early rescale goes with always rescaling, where the head dim has it; the conditional
         # rescale decides per tile whether O moves at all, after that tile's softmax
@@ -201,6 +203,25 @@ _D128_COND_RESCALE_MIN_SEQLEN_K = 8192
 def _d128_cond_rescale_pays(call: AttentionCall, max_k: int) -> bool:
     return (call.head_dim == call.head_dim_v == 128 and max_k > _D128_COND_RESCALE_MIN_SEQLEN_K
             and call.mods is None and call.softcap <= 0 and not call.has_window)
+
+
+# CTA pairs multicasting each K / V tile (`FwdConfig.kv_multicast`). The H100 runs these kernels
+# at its 700 W limit (SM clock 1.4-1.65 GHz of 1.98), so the energy of the ring's L2-to-SM traffic
+# costs clock: NOTES "Experiment 99", sustained runs (benchmarks/clock_probe.py), against one CTA
+# per K / V load: D128 S16k +3.4% (clock +2%), S4k +2.7%, D96 S16k +6%, D256 S4k / S16k +1.3%;
+# D128 S1k -1.2% and D64 (192-row tile, less traffic per FLOP) level, so those keep single CTAs.
+# Plain calls only: the pair must walk the same key tiles (no causal / window mask, varlen or
+# block mask); mods and softcap have not been measured with it.
+_KV_MULTICAST_HEAD_DIMS = (96, 128, 256)
+_KV_MULTICAST_MIN_SEQLEN_K = 4096
+
+
+def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
+    plain = (call.mods is None and call.softcap <= 0 and not call.causal and not call.has_window
+             and not call.is_varlen and call.cu_seqlens_k is None and not _uses_block_mask(call))
+    return (plain and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
+            and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule
+            and cfg.skip_idle_rows and cfg.num_consumer_wg >= 2)
 
 
 def _persistent_fits(call: AttentionCall) -> bool:
