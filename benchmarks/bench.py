@@ -581,10 +581,15 @@ def main():
                 row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
         # --rounds N: every implementation timed N times in turn (a, b, a, b, ...); the row keeps
         # the upper median round (with 2: the better one) and the spread, so slow drift of the
-        # machine hits all alike
+        # machine hits all alike. Each round starts one implementation further along (a b c,
+        # b c a, ...): the H100 runs these kernels at its power limit and its clock moves within
+        # a fraction of a second, so whoever runs first after a pause would otherwise always
+        # meet the same clock
         samples = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
+        for rnd in range(args.rounds):
+            order = list(fns.items())
+            order = order[rnd % len(order):] + order[:rnd % len(order)]
+            for name, fn in order:
                 if name in row:  # failed in an earlier round
                     continue
                 try:
