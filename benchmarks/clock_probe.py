@@ -49,7 +49,8 @@ def _run_for(fn, seconds: float) -> tuple:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="64:16384:0,128:16384:0,128:4096:0")
+    ap.add_argument("--rows", default="64:16384:0,128:16384:0,128:4096:0",
+                    help="D:S:causal,... or 'grid' (bench.py's 18 forward rows)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--out", default=None)
@@ -74,7 +75,8 @@ def main():
 
     threading.Thread(target=read, daemon=True).start()
     results = []
-    for spec in args.rows.split(","):
+    rows = ([f"{D}:{S}:{int(c)}" for D, S, c in bench._GRID] if args.rows == "grid" else args.rows.split(","))
+    for spec in rows:
         D, S, c = (int(x) for x in spec.split(":"))
         B, H = 16384 // S, 2048 // D
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -82,8 +84,10 @@ def main():
         for fn in fns.values():
             bench._time_ms(fn)  # compile and warm
         windows = {name: [] for name in fns}
-        for _ in range(args.turns):
-            for name, fn in fns.items():
+        for turn in range(args.turns):
+            order = list(fns.items())
+            order = order[turn % len(order):] + order[:turn % len(order)]  # (as bench.py's rounds)
+            for name, fn in order:
                 windows[name].append(_run_for(fn, args.seconds))
         time.sleep(0.2)
         flops = bench._flops(B, H, S, D, bool(c))
@@ -105,6 +109,13 @@ def main():
                   f"clock {row['clock_mhz']} MHz  power {row['power_w']} W  temp {row['temp_c']} C  "
                   f"{row['tflops_per_ghz'] or 0:6.1f} TFLOP/s per GHz  ({len(clocks)} samples)", flush=True)
     proc.terminate()
+    names = list(impls)
+    if "flash-attn-4" in names:  # each row's ratios to flash-attn-4
+        for i in range(0, len(results), len(names)):
+            row = {r["impl"]: r["tflops"] for r in results[i:i + len(names)]}
+            r0 = results[i]
+            ratios = "  ".join(f"{n} {row[n] / row['flash-attn-4']:.3f}" for n in names if n != "flash-attn-4")
+            print(f"D{r0['D']} S{r0['S'] // 1024}k{' causal' if r0['causal'] else ''}: {ratios}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=results), f, indent=1)
