@@ -16,18 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import threading
 import time
 
 import torch
 
 import bench
-
-
-def _sampler():
-    return subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
-         "-lms", "50"],
-        stdout=subprocess.PIPE, text=True)
 
 
 def _run_for(fn, seconds: float) -> tuple:
@@ -47,6 +41,73 @@ def _run_for(fn, seconds: float) -> tuple:
     return t0, time.time(), a.elapsed_time(b) / n
 
 
+class _Sampler:
+    """`nvidia-smi` every 50 ms in the background: (wall time, SM clock MHz, watts, deg C)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+             "-lms", "50"],
+            stdout=subprocess.PIPE, text=True)
+        self.samples = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                c, p, t = (float(x) for x in line.split(","))
+            except ValueError:  # a header or a field nvidia-smi could not read
+                continue
+            self.samples.append((time.time(), c, p, t))
+
+    def within(self, windows) -> list:
+        """Samples inside the (start, end, ...) windows, skipping each one's first 0.3 s (the clock
+        settling after the switch of kernel)."""
+        return [s for s in self.samples for w in windows if w[0] + 0.3 <= s[0] <= w[1]]
+
+    def stop(self):
+        self.proc.terminate()
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def _probe_row(D, S, causal, impls, sampler, turns, seconds) -> list:
+    """One row: every implementation `turns` times for `seconds`, turns rotating (as bench.py's
+    rounds); returns a result dict per implementation that ran."""
+    B, H = 16384 // S, 2048 // D
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fns = {}
+    for name, make in impls.items():
+        try:
+            fns[name] = make(q, k, v, causal)
+            bench._time_ms(fns[name])  # compile and warm
+        except Exception as e:  # a peer that cannot run this row is reported, not fatal
+            print(f"D{D} S{S // 1024}k{' causal' if causal else ''}  {name}: {type(e).__name__}: {str(e)[:120]}")
+            fns.pop(name, None)
+    windows = {name: [] for name in fns}
+    for turn in range(turns):
+        order = list(fns.items())
+        for name, fn in order[turn % len(order):] + order[:turn % len(order)]:
+            windows[name].append(_run_for(fn, seconds))
+    time.sleep(0.2)  # the last turn's samples
+    results = []
+    for name, ws in windows.items():
+        inside = sampler.within(ws)
+        tflops = bench._flops(B, H, S, D, causal) / _median(w[2] for w in ws) * 1e-9
+        clock = _median(s[1] for s in inside)
+        row = dict(D=D, S=S, causal=causal, impl=name, tflops=tflops, samples=len(inside), clock_mhz=clock,
+                   power_w=_median(s[2] for s in inside), temp_c=_median(s[3] for s in inside),
+                   tflops_per_ghz=tflops / (clock / 1000) if clock else None)
+        results.append(row)
+        print(f"D{D} S{S // 1024}k{' causal' if causal else ''}  {name:13s} {tflops:6.1f} TFLOP/s  "
+              f"clock {clock} MHz  power {row['power_w']} W  temp {row['temp_c']} C  "
+              f"{row['tflops_per_ghz'] or 0:6.1f} TFLOP/s per GHz  ({len(inside)} samples)", flush=True)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64:16384:0,128:16384:0,128:4096:0",
@@ -61,61 +122,19 @@ def main():
     for spec in args.variant:
         name, opts = spec.split("=", 1)
         impls[name] = (lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(json.loads(opts))
-    proc = _sampler()
-    samples = []  # (wall time, clock MHz, watts, deg C)
-    import threading
-
-    def read():
-        for line in proc.stdout:
-            try:
-                c, p, t = (float(x) for x in line.split(","))
-            except ValueError:
-                continue
-            samples.append((time.time(), c, p, t))
-
-    threading.Thread(target=read, daemon=True).start()
-    results = []
-    rows = ([f"{D}:{S}:{int(c)}" for D, S, c in bench._GRID] if args.rows == "grid" else args.rows.split(","))
-    for spec in rows:
-        D, S, c = (int(x) for x in spec.split(":"))
-        B, H = 16384 // S, 2048 // D
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        fns = {name: make(q, k, v, bool(c)) for name, make in impls.items()}
-        for fn in fns.values():
-            bench._time_ms(fn)  # compile and warm
-        windows = {name: [] for name in fns}
-        for turn in range(args.turns):
-            order = list(fns.items())
-            order = order[turn % len(order):] + order[:turn % len(order)]  # (as bench.py's rounds)
-            for name, fn in order:
-                windows[name].append(_run_for(fn, args.seconds))
-        time.sleep(0.2)
-        flops = bench._flops(B, H, S, D, bool(c))
-        for name, ws in windows.items():
-            ms = sorted(w[2] for w in ws)[len(ws) // 2]
-            # samples inside each turn, skipping its first 0.3 s (the clock settling)
-            inside = [s for s in samples for w in ws if w[0] + 0.3 <= s[0] <= w[1]]
-            clocks = sorted(s[1] for s in inside)
-            power = sorted(s[2] for s in inside)
-            temp = sorted(s[3] for s in inside)
-            mid = len(clocks) // 2
-            tflops = flops / ms * 1e-9
-            row = dict(D=D, S=S, causal=bool(c), impl=name, tflops=tflops, ms=ms, samples=len(clocks),
-                       clock_mhz=clocks[mid] if clocks else None, power_w=power[mid] if power else None,
-                       temp_c=temp[mid] if temp else None)
-            row["tflops_per_ghz"] = tflops / (row["clock_mhz"] / 1000) if clocks else None
-            results.append(row)
-            print(f"D{D} S{S // 1024}k{' causal' if c else ''}  {name:13s} {tflops:6.1f} TFLOP/s  "
-                  f"clock {row['clock_mhz']} MHz  power {row['power_w']} W  temp {row['temp_c']} C  "
-                  f"{row['tflops_per_ghz'] or 0:6.1f} TFLOP/s per GHz  ({len(clocks)} samples)", flush=True)
-    proc.terminate()
-    names = list(impls)
-    if "flash-attn-4" in names:  # each row's ratios to flash-attn-4
-        for i in range(0, len(results), len(names)):
-            row = {r["impl"]: r["tflops"] for r in results[i:i + len(names)]}
-            r0 = results[i]
-            ratios = "  ".join(f"{n} {row[n] / row['flash-attn-4']:.3f}" for n in names if n != "flash-attn-4")
-            print(f"D{r0['D']} S{r0['S'] // 1024}k{' causal' if r0['causal'] else ''}: {ratios}")
+    rows = ([(D, S, c) for D, S, c in bench._GRID] if args.rows == "grid"
+            else [tuple(int(x) for x in spec.split(":")) for spec in args.rows.split(",")])
+    sampler = _Sampler()
+    results, ratios = [], []
+    for D, S, c in rows:
+        row = _probe_row(D, S, bool(c), impls, sampler, args.turns, args.seconds)
+        results += row
+        rates = {r["impl"]: r["tflops"] for r in row}
+        if "flash-attn-4" in rates:
+            ratios.append(f"D{D} S{S // 1024}k{' causal' if c else ''}: " + "  ".join(
+                f"{n} {t / rates['flash-attn-4']:.3f}" for n, t in rates.items() if n != "flash-attn-4"))
+    sampler.stop()
+    print("\n".join(ratios))  # each row's ratios to flash-attn-4
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=results), f, indent=1)
