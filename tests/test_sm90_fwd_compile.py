@@ -320,11 +320,13 @@ def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
     per key tile when its stages have landed. Checked against the plain waits of the same variant,
     so the test notices when a ptxas update makes the option moot (NOTES "Experiment 78": D64
     441 -> 430, D128 468 -> 453, D256 causal 578 -> 507, where ptxas had moved the wgmma
-    descriptors' arithmetic to vector registers)."""
+    descriptors' arithmetic to vector registers). The rows' variants as measured there, with one
+    CTA per K / V load: with kv_multicast (D128's default at 4096 keys since session 21) the D128
+    loop issues 476 instructions either way."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's default variant
-    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal))
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal), kv_multicast=False)
     mmas_per_tile = D // 16 + cfg.tile_n // 16  # S = Q K^T, then P V, over k-steps of 16
 
     def key_loop_issue(peek):
