@@ -385,6 +385,18 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
                 tidx - 128, mailbox)
 
     @cute.jit
+    def _takes_part(self, m_block, seqlen: SeqlenInfo):
+        """Whether this CTA loads and walks work item `m_block`. Varlen grids are sized for the
+        longest sequence, so items past a sequence's end are empty; under kv_multicast such an
+        item (the pair's rounding tile) still loads its half of every K / V tile for the other CTA
+        (and a Q tile past the end, which the TMA fills with zeros), its warpgroups taking the
+        idle path that releases every slot."""
+        live = m_block * self.tile_m < seqlen.seqlen_q
+        if const_expr(self.cfg.kv_multicast):
+            live = m_block >= 0  # (always)
+        return live
+
+    @cute.jit
     def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch):
         if const_expr(self.cfg.block_sparse):
             return SparseKvWalk(*block_mask, batch, head, m_block, self.cfg.bm_tiles_m, self.cfg.bm_tiles_n)

@@ -186,12 +186,7 @@ class FwdConsumer:
         positions after it."""
         m_block, head, batch = sched.work(tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        live = m_block * self.tile_m < seqlen.seqlen_q
-        if const_expr(self.cfg.kv_multicast):
-            # the pair's rounding tile past the sequence's end: its warpgroups take the idle path,
-            # releasing every K / V slot the other CTA's loads filled
-            live = m_block >= 0  # (always)
-        if live:
+        if self._takes_part(m_block, seqlen):
             walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
             args = (mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
                     tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,

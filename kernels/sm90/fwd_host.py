@@ -71,6 +71,12 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
     return fwd_launch.layout_reason(call)
 
 
+def _dense(call: AttentionCall) -> bool:
+    """Every query sees every key of its (fixed-length) sequence up to masks: no softcap, window
+    or variable lengths."""
+    return call.softcap <= 0 and not call.has_window and not call.is_varlen and call.cu_seqlens_k is None
+
+
 def _uses_block_mask(call: AttentionCall) -> bool:
     # a block mask only speeds up a mask_mod; without one it has no meaning (INTERNALS: "an
     # optimisation only"), so it is ignored
@@ -130,7 +136,7 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     if call.head_dim == 256:
         return dict(tile_m=tile_m, tile_n=tile_n,
                     split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
-    dense = call.softcap <= 0 and not call.has_window and not call.is_varlen and call.cu_seqlens_k is None
+    dense = _dense(call)
     # a score_mod alone: H100, NOTES "Experiment 90", ALiBi against the 128-row tile: S4k +6% causal
     # (dynamic schedule), +12% without a mask, S16k +9% / +11%; no spills (CPU compile tests)
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
@@ -217,8 +223,7 @@ _KV_MULTICAST_MIN_SEQLEN_K = 4096
 
 
 def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
-    plain = (call.mods is None and call.softcap <= 0 and not call.causal and not call.has_window
-             and not call.is_varlen and call.cu_seqlens_k is None and not _uses_block_mask(call))
+    plain = _dense(call) and call.mods is None and not call.causal  # (no mods: no block mask either)
     return (plain and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
             and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule
             and cfg.skip_idle_rows and cfg.num_consumer_wg >= 2)

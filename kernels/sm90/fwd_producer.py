@@ -71,13 +71,7 @@ class FwdProducer:
         num_heads_kv = cute.size(mK.shape[2])
         m_block, head, batch = sched.work(tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        # varlen grids are sized for the longest sequence: items past a sequence's end are empty.
-        # Under kv_multicast such an item (the pair's rounding tile) still loads its half of every
-        # K / V tile for the other CTA, and a Q tile past the end (the TMA fills it with zeros)
-        loads = m_block * self.tile_m < seqlen.seqlen_q
-        if const_expr(cfg.kv_multicast):
-            loads = m_block >= 0  # (always)
-        if loads:
+        if self._takes_part(m_block, seqlen):
             batch_q = batch if const_expr(not cfg.varlen_q) else 0
             batch_k = batch if const_expr(not cfg.varlen_k) else 0
             head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
