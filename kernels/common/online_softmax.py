@@ -23,6 +23,7 @@ from cutlass import Float32, const_expr
 from torch_fa4.kernels.common.acc_layout import rows_cols
 from torch_fa4.kernels.common.dsl_state import DynamicState
 from torch_fa4.kernels.common.exp2_emulation import exp2_fma
+from torch_fa4.kernels.common.exp2_mufu import exp2_mufu
 
 LN2 = 0.6931471805599453
 
@@ -62,7 +63,7 @@ class OnlineSoftmax(DynamicState):
             if const_expr(self.emulate_every > 0 and c % self.emulate_every == self.emulate_every - 1):
                 s_row[c] = exp2_fma(x)
             else:
-                s_row[c] = cute.arch.exp2(x)
+                s_row[c] = exp2_mufu(x)
             total += s_row[c]
         return total
 
@@ -86,7 +87,7 @@ class OnlineSoftmax(DynamicState):
                 keep = m - old <= Float32(self.rescale_threshold)
                 new = cutlass.select_(keep, old, new)
             ref_safe = cutlass.select_(new == -Float32.inf, Float32(0.0), new)
-            corr = cute.arch.exp2(old - ref_safe)
+            corr = exp2_mufu(old - ref_safe)
             if const_expr(self.rescale_threshold is not None):
                 corr = cutlass.select_(new == old, Float32(1.0), corr)
                 any_moved = any_moved | (new != old)

@@ -266,7 +266,7 @@ class FlashFwdSm100:
             for atom in (tma_Q, tma_K, tma_V):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
 
         def group(n):

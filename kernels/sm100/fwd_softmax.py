@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from torch_fa4.kernels.common.exp2_mufu import exp2_mufu
 from torch_fa4.kernels.common.online_softmax import LN2, OnlineSoftmax
 
 
@@ -49,7 +50,7 @@ class RowOnlineSoftmax(OnlineSoftmax):
             keep = m - old <= Float32(self.rescale_threshold)
             new = cutlass.select_(keep, old, new)
         ref_safe = cutlass.select_(new == -Float32.inf, Float32(0.0), new)
-        corr = cute.arch.exp2(old - ref_safe)
+        corr = exp2_mufu(old - ref_safe)
         corr = cutlass.select_(new == old, Float32(1.0), corr)
         self.ref[0] = new
         row_scale[0] = corr

@@ -107,7 +107,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 
 from ..common import mod_lowering as mods_dsl
 from ..common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
@@ -462,7 +462,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             cpasync.CopyBulkTensorTileG2SOp(), mDpsum, row_layout, (tm,)
         )
 
-        K_MAJ, MN_MAJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K_MAJ, MN_MAJ = OperandMajorMode.K, OperandMajorMode.MN
         if const_expr(self.narrow):
             # S^T / dP^T: the 64 keys by 32 queries per warpgroup; dK / dV: all 64 keys by half
             # the head dim per warpgroup, A (P^T, dS^T) from shared memory.
@@ -559,7 +559,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = st.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -628,7 +628,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                 mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right, n_block, hkv, b)
             if warp_idx < 4:
                 # ================= producer warpgroup
-                cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self._produce(
                         mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
@@ -641,7 +641,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                                        diag, window_left)
             else:
                 # ================= consumer warpgroups
-                cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 self._consume(
                     mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
                     mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
@@ -685,7 +685,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         counter = mSem.iterator + cute.crd2idx((0, 0, mSem.shape[2] - 1), mSem.layout)
         walk_args = (mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right)
         if warp_idx < 4:
-            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 t = Int32(cute.arch.block_idx()[0])  # the first tile: this CTA's own
@@ -716,7 +716,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                     i += 1
                     t = read_item(bar_sched, sTile, i)
         else:
-            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             # dK / dV staged in the dS^T slots: both at once where K and V share one layout (the
             # second slot takes dV in sK's layout, and tma_dV expects sV's) and both fit, else one
             # after the other, each in its own layout. K's swizzle follows the dQ operand: 128 bytes

@@ -57,8 +57,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from torch_fa4.kernels.common.block_range import BlockRange
 from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
@@ -138,11 +138,11 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
     def _tiled_mmas(self):
         qk = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
             Float32, atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
         )
         pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
             Float32, atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.hdimv),
             a_source=warpgroup.OperandSource.RMEM,
         )
@@ -319,7 +319,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             for atom in (tma_Q, tma_K, tma_V, tma_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
