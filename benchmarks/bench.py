@@ -34,6 +34,7 @@ import torch.nn.functional as F
 _BENCH_MS = {"warmup": 50, "rep": 200}  # --quick halves both
 
 _GRID = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)]
+_BWD_GRID = [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]
 
 # Sweep options that are launch arguments, not FwdConfig fields: the L2 size the (batch, head)
 # grouping assumes (fwd_host.L2_BYTES), and grouping by it without a causal / window mask too
@@ -706,7 +707,7 @@ def main():
         if args.quick:
             bwd_rows = [(128, 4096, False), (128, 4096, True)]
         else:
-            bwd_rows = [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]
+            bwd_rows = _BWD_GRID
         for D, S, causal in bwd_rows:
             reason = _our_bwd_refusal(D, S, causal)
             if reason is not None:  # the reference backward would take minutes: say so, skip the row

@@ -1,4 +1,5 @@
-"""SM clock and board power while a forward runs: is a peer faster per cycle, or at a higher clock?
+"""SM clock and board power while a forward (or backward) runs: is a peer faster per cycle, or at a
+higher clock?
 
 H100 SXM runs tensor-heavy kernels against its power limit, so the SM clock under load depends on
 the energy each kernel spends per unit of work. bench.py's TFLOP/s mix both effects. This script
@@ -8,7 +9,10 @@ and prints per implementation: TFLOP/s, median SM clock and power over its turns
 GHz (work per cycle, clock taken out).
 
     python benchmarks/clock_probe.py [--rows 64:16384:0,128:16384:0] [--turns 3] [--seconds 2]
-        [--variant NAME='{"rescale_threshold": 8.0}' ...]
+        [--variant NAME='{"rescale_threshold": 8.0}' ...] [--backward]
+
+--backward times dQ, dK, dV of one forward (bench.py's backward peers; `--rows grid` is then
+bench.py's 12 backward rows, D64 and D128) and counts 2.5 x the forward's FLOPs, as bench.py does.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def _median(values):
     return values[len(values) // 2] if values else None
 
 
-def _probe_row(D, S, causal, impls, sampler, turns, seconds) -> list:
+def _probe_row(D, S, causal, impls, sampler, turns, seconds, backward=False) -> list:
     """One row: every implementation `turns` times for `seconds`, turns rotating (as bench.py's
     rounds); returns a result dict per implementation that ran."""
     B, H = 16384 // S, 2048 // D
@@ -96,9 +100,9 @@ def _probe_row(D, S, causal, impls, sampler, turns, seconds) -> list:
     results = []
     for name, ws in windows.items():
         inside = sampler.within(ws)
-        tflops = bench._flops(B, H, S, D, causal) / _median(w[2] for w in ws) * 1e-9
+        tflops = bench._flops(B, H, S, D, causal, bwd=backward) / _median(w[2] for w in ws) * 1e-9
         clock = _median(s[1] for s in inside)
-        row = dict(D=D, S=S, causal=causal, impl=name, tflops=tflops, samples=len(inside), clock_mhz=clock,
+        row = dict(D=D, S=S, causal=causal, backward=backward, impl=name, tflops=tflops, samples=len(inside), clock_mhz=clock,
                    power_w=_median(s[2] for s in inside), temp_c=_median(s[3] for s in inside),
                    tflops_per_ghz=tflops / (clock / 1000) if clock else None)
         results.append(row)
@@ -111,23 +115,28 @@ def _probe_row(D, S, causal, impls, sampler, turns, seconds) -> list:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64:16384:0,128:16384:0,128:4096:0",
-                    help="D:S:causal,... or 'grid' (bench.py's 18 forward rows)")
+                    help="D:S:causal,... or 'grid' (bench.py's 18 forward rows, or its 12 backward rows)")
+    ap.add_argument("--backward", action="store_true", help="time the backward instead of the forward")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=JSON: also torch_fa4 with these FwdConfig overrides")
     args = ap.parse_args()
-    impls = {"torch_fa4": bench.ours_fwd, "flash-attn-4": bench.fa4_fwd}
+    impls = ({"torch_fa4": bench.ours_bwd, "flash-attn-4": bench.fa4_bwd} if args.backward
+             else {"torch_fa4": bench.ours_fwd, "flash-attn-4": bench.fa4_fwd})
+    if args.backward and args.variant:
+        ap.error("--variant takes FwdConfig overrides: forward only")
     for spec in args.variant:
         name, opts = spec.split("=", 1)
         impls[name] = (lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(json.loads(opts))
-    rows = ([(D, S, c) for D, S, c in bench._GRID] if args.rows == "grid"
+    grid = bench._BWD_GRID if args.backward else bench._GRID
+    rows = (list(grid) if args.rows == "grid"
             else [tuple(int(x) for x in spec.split(":")) for spec in args.rows.split(",")])
     sampler = _Sampler()
     results, ratios = [], []
     for D, S, c in rows:
-        row = _probe_row(D, S, bool(c), impls, sampler, args.turns, args.seconds)
+        row = _probe_row(D, S, bool(c), impls, sampler, args.turns, args.seconds, args.backward)
         results += row
         rates = {r["impl"]: r["tflops"] for r in row}
         if "flash-attn-4" in rates:
