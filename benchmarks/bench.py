@@ -336,6 +336,13 @@ _BWD_SWEEPS = {
 }
 
 
+def rotated(items: list, turn: int) -> list:
+    """items starting `turn` places along (a b c, b c a, ...): each round or turn of a timing loop
+    puts a different implementation first, so the clock after a pause is not always the same one's."""
+    k = turn % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def _time_ms(fn) -> float:
     try:
         from triton.testing import do_bench
@@ -588,9 +595,7 @@ def main():
         # meet the same clock
         samples = {name: [] for name in fns}
         for rnd in range(args.rounds):
-            order = list(fns.items())
-            order = order[rnd % len(order):] + order[:rnd % len(order)]
-            for name, fn in order:
+            for name, fn in rotated(list(fns.items()), rnd):
                 if name in row:  # failed in an earlier round
                     continue
                 try:

@@ -93,8 +93,7 @@ def _probe_row(D, S, causal, impls, sampler, turns, seconds, backward=False) -> 
             fns.pop(name, None)
     windows = {name: [] for name in fns}
     for turn in range(turns):
-        order = list(fns.items())
-        for name, fn in order[turn % len(order):] + order[:turn % len(order)]:
+        for name, fn in bench.rotated(list(fns.items()), turn):
             windows[name].append(_run_for(fn, seconds))
     time.sleep(0.2)  # the last turn's samples
     results = []

@@ -1,7 +1,6 @@
 """Mods end to end through torch_fa4.attention / flex_attention (CPU: the reference path) against
 hand-written float64 attention, and torch.compile(fullgraph=True) with mods capturing tensors."""
 
-
 import pytest
 import torch
 import torch._dynamo
