@@ -190,14 +190,22 @@ class FwdConsumer:
             walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
             args = (mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
                     tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
-                    walk, m_block, head, batch, score_aux, mask_aux, q_state, state, wg, tidx, tile)
+                    walk, m_block, head, batch, score_aux, mask_aux, q_state)
             if const_expr(self.cfg.skip_idle_rows and self.num_wg > 1):
+                # Both ways through the item take one K / V slot per key tile, so the ring position
+                # after it is computed here, outside the branch, and each way walks a copy. Taken
+                # from the branch, the merged position made ptxas build every wgmma descriptor of
+                # the persistent D256 key loops in per-thread registers (NOTES Experiment 103).
+                after = state.clone()
+                if walk.nonempty():
+                    after.advance(Int32(walk.count))
                 if m_block * self.tile_m + wg * 64 >= seqlen.seqlen_q:
-                    state = self._idle_item(walk, pipe_q, pipe_k, pipe_v, q_state, state, wg)
+                    self._idle_item(walk, pipe_q, pipe_k, pipe_v, q_state, state.clone(), wg)
                 else:
-                    state = self.consume_item(*args)
+                    self.consume_item(*args, state.clone(), wg, tidx, tile)
+                state = after
             else:
-                state = self.consume_item(*args)
+                state = self.consume_item(*args, state, wg, tidx, tile)
             q_state.advance()
             if tidx == 0:
                 self._stamp(tile, 5)
