@@ -313,16 +313,16 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     assert loose and max(loose) > 0, loose
 
 
-@pytest.mark.parametrize("D,S,causal", [(64, 4096, False), (128, 4096, False), (256, 4096, True)],
-                         ids=["d64_192_rows", "d128", "d256_causal_dynamic"])
+@pytest.mark.parametrize("D,S,causal", [(64, 4096, False)], ids=["d64_192_rows"])
 def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
     """`peek_waits` (kernels/common/ring_waits.py): the unmasked key loop issues fewer instructions
     per key tile when its stages have landed. Checked against the plain waits of the same variant,
     so the test notices when a ptxas update makes the option moot (NOTES "Experiment 78": D64
     441 -> 430, D128 468 -> 453, D256 causal 578 -> 507, where ptxas had moved the wgmma
-    descriptors' arithmetic to vector registers). The rows' variants as measured there, with one
-    CTA per K / V load: with kv_multicast (D128's default at 4096 keys since session 21) the D128
-    loop issues 476 instructions either way."""
+    descriptors' arithmetic to vector registers). Since the ring position after an item is
+    computed outside the idle / compute branch (NOTES "Experiment 103"), the persistent D128 and
+    D256 variants' plain waits issue as few (D128 467 plain / 473 peeked, D256 causal 505 / 507):
+    D64's 192-row tile (one CTA per item) is the variant left where peeking shortens the loop."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's default variant
@@ -654,3 +654,21 @@ def test_benchmark_sweeps_name_real_options():
                                      window_right=right, **mods)
                 cfg = fwd_host.default_config(call, **overrides)
                 assert all(getattr(cfg, k) == v for k, v in overrides.items()), (name, column)
+
+
+@pytest.mark.parametrize("D,S,causal", [(256, 1024, False), (256, 1024, True), (256, 4096, True), (256, 4000, True)])
+def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_path):
+    """The wgmma descriptors of the key loops stay in uniform registers, no per-thread copy (R2UR)
+    before each wgmma: the D256 persistent kernels had 67 per loop while the ring position after
+    an item came out of the idle / compute branch (S = 4000: a ragged last tile, the idle path
+    compiled in)."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal))
+    assert cfg.persistent and cfg.skip_idle_rows
+    fwd_host.compile_fwd(cfg, dump_dir=str(tmp_path))
+    loops = key_loops(sass_of(tmp_path))
+    assert loops
+    for loop in loops[:2]:
+        assert sum("R2UR" in line for line in loop) <= 2
