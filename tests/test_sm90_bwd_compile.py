@@ -238,7 +238,8 @@ def test_varlen_kernel_selection(monkeypatch):
     monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV, raising=False)
     assert bwd.runs_per_sequence(packed, False)
     monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1")
-    assert not bwd.runs_per_sequence(packed, False)
+    with pytest.warns(RuntimeWarning, match="illegal instruction"):  # it faults on an H100
+        assert not bwd.runs_per_sequence(packed, False)
     assert bwd.runs_per_sequence(packed, True)
     assert bwd.runs_per_sequence(dataclasses.replace(packed, cu_seqlens_k=None), False)
     assert not bwd.runs_per_sequence(_call(d=128, causal=True), False)

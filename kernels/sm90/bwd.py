@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -683,7 +684,13 @@ def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
     if not (call.is_varlen or call.cu_seqlens_k is not None):
         return False
     packed = call.is_varlen and call.cu_seqlens_k is not None and not deterministic
-    return not (packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1")
+    if packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1":
+        warnings.warn(f"{VARLEN_KERNEL_ENV}=1: the packed-rows varlen backward stops with an illegal "
+                      "instruction on H100 (benchmarks/NOTES.md, Experiments 80 and 85), which leaves "
+                      "the CUDA context unusable; unset it for the per-sequence backward",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
