@@ -343,6 +343,12 @@ def rotated(items: list, turn: int) -> list:
     return items[k:] + items[:k]
 
 
+def upper_median(values):
+    """The middle value, the upper one of an even count (of two: the larger); None when empty."""
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
 def _time_ms(fn) -> float:
     try:
         from triton.testing import do_bench
@@ -605,10 +611,9 @@ def main():
                     row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
         for name, vals in samples.items():
             if name not in row and vals:
-                vals.sort()
-                row[name] = vals[len(vals) // 2]
+                row[name] = upper_median(vals)
                 if len(vals) > 1:
-                    row.setdefault("spread", {})[name] = (vals[0], vals[-1])
+                    row.setdefault("spread", {})[name] = (min(vals), max(vals))
         rows.append(row)
         _print_row(row, list(makers))
 

@@ -73,11 +73,6 @@ class _Sampler:
         self.proc.terminate()
 
 
-def _median(values):
-    values = sorted(values)
-    return values[len(values) // 2] if values else None
-
-
 def _probe_row(D, S, causal, impls, sampler, turns, seconds, backward=False) -> list:
     """One row: every implementation `turns` times for `seconds`, turns rotating (as bench.py's
     rounds); returns a result dict per implementation that ran."""
@@ -99,10 +94,11 @@ def _probe_row(D, S, causal, impls, sampler, turns, seconds, backward=False) -> 
     results = []
     for name, ws in windows.items():
         inside = sampler.within(ws)
-        tflops = bench._flops(B, H, S, D, causal, bwd=backward) / _median(w[2] for w in ws) * 1e-9
-        clock = _median(s[1] for s in inside)
+        tflops = bench._flops(B, H, S, D, causal, bwd=backward) / bench.upper_median(w[2] for w in ws) * 1e-9
+        clock = bench.upper_median(s[1] for s in inside)
         row = dict(D=D, S=S, causal=causal, backward=backward, impl=name, tflops=tflops, samples=len(inside),
-                   clock_mhz=clock, power_w=_median(s[2] for s in inside), temp_c=_median(s[3] for s in inside),
+                   clock_mhz=clock, power_w=bench.upper_median(s[2] for s in inside),
+                   temp_c=bench.upper_median(s[3] for s in inside),
                    tflops_per_ghz=tflops / (clock / 1000) if clock else None)
         results.append(row)
         print(f"D{D} S{S // 1024}k{' causal' if causal else ''}  {name:13s} {tflops:6.1f} TFLOP/s  "
