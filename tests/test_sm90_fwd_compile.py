@@ -313,6 +313,30 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     assert loose and max(loose) > 0, loose
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_pv_wait_among_the_exponentials(causal, tmp_path):
+    """D64's 192-row default: in the unmasked key loop ptxas puts the P V wait among the softmax's
+    exponentials (18 of 66 before it with ptxas 13), not ahead of all of them and not after all.
+    Both ends measured slower on an H100 (NOTES "Experiment 111": the wait ahead of every
+    exponential -2.4%, after all of them -3-4% on the D64 rows), so a change that moves it to
+    either end shows up here before it costs a GPU run."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    q = torch.empty(4, 4096, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S4k row
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125, causal=causal))
+    assert (cfg.tile_m, cfg.tile_n, cfg.pin_pv_wait) == (192, 128, False)
+    sass = _compile_and_check_sass(cfg, tmp_path)
+    mmas_per_tile = 64 // 16 + cfg.tile_n // 16
+    full = [loop for loop in key_loops(sass) if sum("HGMMA" in x for x in loop) == mmas_per_tile]
+    unmasked = min(full, key=issued_when_ready)
+    exps = sum("MUFU.EX2" in x for x in unmasked)
+    # the loop twice over: the next iteration's first HGMMA closes this iteration's softmax
+    after = exps_after_pv_wait("\n".join(unmasked + unmasked))
+    assert len(after) == 1, after
+    print(f"causal={causal}: {after[0]} of {exps} exponentials after the P V wait")
+    assert 0 < after[0] < exps - 2, (after, exps)  # (2 of them are the rescale factors)
+
+
 @pytest.mark.parametrize("D,S,causal", [(64, 4096, False)], ids=["d64_192_rows"])
 def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
     """`peek_waits` (kernels/common/ring_waits.py): the unmasked key loop issues fewer instructions
