@@ -316,10 +316,10 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_d64_pv_wait_among_the_exponentials(causal, tmp_path):
     """D64's 192-row default: in the unmasked key loop ptxas puts the P V wait among the softmax's
-    exponentials (18 of 66 before it with ptxas 13), not ahead of all of them and not after all.
-    Both ends measured slower on an H100 (NOTES "Experiment 111": the wait ahead of every
-    exponential -2.4%, after all of them -3-4% on the D64 rows), so a change that moves it to
-    either end shows up here before it costs a GPU run."""
+    exponentials (18 of 66 before it with CuTe DSL 4.8.1), not ahead of all of them and not
+    after all. Both ends measured slower on an H100 (NOTES "Experiment 111": the wait ahead of
+    every exponential -1% to -2.5%, after all of them -2.8% to -3.7% on the D64 rows), so a
+    change that moves it to either end shows up here before it costs a GPU run."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     q = torch.empty(4, 4096, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S4k row
