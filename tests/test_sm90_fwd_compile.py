@@ -297,6 +297,16 @@ def test_l2_hints_reach_every_load(hints, tmp_path):
     assert loads >= 4 and hinted == (loads if hints else 0)
 
 
+def _unmasked_key_loop(sass: str, cfg) -> list:
+    """The unmasked key loop of a forward variant: the shortest (in instructions issued when its
+    stages have landed) of the loops that issue one key tile's matmuls, S = Q K^T then P V, over
+    k-steps of 16."""
+    mmas_per_tile = cfg.head_dim // 16 + cfg.tile_n // 16
+    full = [loop for loop in key_loops(sass) if sum("HGMMA" in x for x in loop) == mmas_per_tile]
+    assert full, "no key loop issuing one key tile's matmuls"
+    return min(full, key=issued_when_ready)
+
+
 def test_pinned_pv_wait_follows_the_softmax(tmp_path):
     """With `pin_pv_wait` (the D256 default) no exponential of a key-loop softmax comes after the
     P V wait; without it ptxas hoisted that wait to just after the row max (NOTES "Experiment 57"),
@@ -325,10 +335,7 @@ def test_d64_pv_wait_among_the_exponentials(causal, tmp_path):
     q = torch.empty(4, 4096, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S4k row
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125, causal=causal))
     assert (cfg.tile_m, cfg.tile_n, cfg.pin_pv_wait) == (192, 128, False)
-    sass = _compile_and_check_sass(cfg, tmp_path)
-    mmas_per_tile = 64 // 16 + cfg.tile_n // 16
-    full = [loop for loop in key_loops(sass) if sum("HGMMA" in x for x in loop) == mmas_per_tile]
-    unmasked = min(full, key=issued_when_ready)
+    unmasked = _unmasked_key_loop(_compile_and_check_sass(cfg, tmp_path), cfg)
     exps = sum("MUFU.EX2" in x for x in unmasked)
     # the loop twice over: the next iteration's first HGMMA closes this iteration's softmax
     after = exps_after_pv_wait("\n".join(unmasked + unmasked))
@@ -351,14 +358,11 @@ def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
 
     q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's default variant
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal), kv_multicast=False)
-    mmas_per_tile = D // 16 + cfg.tile_n // 16  # S = Q K^T, then P V, over k-steps of 16
 
     def key_loop_issue(peek):
         (tmp_path / str(peek)).mkdir()
         sass = _compile_and_check_sass(replace(cfg, peek_waits=peek), tmp_path / str(peek))
-        # the unmasked loop: the shortest of those issuing one key tile's matmuls
-        full = [loop for loop in key_loops(sass) if sum("HGMMA" in x for x in loop) == mmas_per_tile]
-        return min(issued_when_ready(loop) for loop in full)
+        return issued_when_ready(_unmasked_key_loop(sass, cfg))
 
     plain, peeked = key_loop_issue(False), key_loop_issue(True)
     print(f"D{D} S{S} causal={causal}: {plain} -> {peeked} instructions per key tile")
