@@ -246,6 +246,9 @@ def test_hf_generate_matches_eager(kernels_used, padded):
     _, model = _tiny_llama()
     model.eval()
     ids, mask = _batch(3, 40, 512, padded)
+    # no end-of-sequence stop: a row that picks the EOS token (id 2 in LlamaConfig) is padded with
+    # pad_token_id from then on, and those pads are nobody's argmax
+    model.generation_config.eos_token_id = None
     model.set_attn_implementation("fa4")
     gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     if not padded:
