@@ -1,6 +1,6 @@
 """Where a forward work item's time goes: global-timer stamps per item of the sm90 forward.
 
-    python benchmarks/fwd_trace.py [--rows 256:4096:1,128:16384:0] [--out trace.json]
+    python benchmarks/fwd_trace.py [--rows 256:4096:1,128:16384:0] [--opts '{"persistent": true}'] [--out trace.json]
 
 For each row (D:S:causal, B = 16384 / S, H = 2048 / D, bf16) the forward is compiled once more
 with `trace` (kernels/sm90/fwd.py, FWD_TRACE_EVENTS): for every work item the producer warp stamps
@@ -93,24 +93,26 @@ def write_json(results: list, path) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256:4096:1,256:4096:0,128:16384:0")
+    ap.add_argument("--opts", default="{}", help="FwdConfig overrides, JSON (timed and traced alike)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    opts = json.loads(args.opts)
     from torch_fa4.kernels.sm90 import fwd_host
     from torch_fa4.kernels.sm90.fwd import FWD_TRACE_SMID
 
     results = []
     for spec in args.rows.split(","):
         call, out, lse = grid_call(spec)
-        row = {"row": spec, "ours_ms": _kernel_ms(lambda: fwd_host.forward(call, out, lse))}
+        row = {"row": spec, "opts": opts, "ours_ms": _kernel_ms(lambda: fwd_host.forward(call, out, lse, **opts))}
         try:
             from flash_attn.cute.interface import flash_attn_func
 
             row["fa4_ms"] = _kernel_ms(lambda: flash_attn_func(call.q, call.k, call.v, causal=call.causal))
         except Exception as e:  # the wheel is in the GPU kit only
             row["fa4_ms"] = f"n/a ({type(e).__name__})"
-        cfg = fwd_host.default_config(call)
+        cfg = fwd_host.default_config(call, **opts)
         trace = torch.zeros(num_items(call, cfg), FWD_TRACE_SMID + 1, dtype=torch.int32, device="cuda")
-        run_traced(call, out, lse, trace)
+        run_traced(call, out, lse, trace, **opts)
         row.update(_phases(trace))
         results.append(row)
         print(json.dumps(row), flush=True)
