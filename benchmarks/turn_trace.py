@@ -67,6 +67,8 @@ def _analyse(trace: torch.Tensor, num_wg: int, steps: int, first_step: int = 4) 
                     phases["handover"].append(_wrap(row[2] - passed + (1 << 31)) - (1 << 31))
     out = {name: statistics.median(v) for name, v in phases.items() if v}
     out["steps_read"] = len(phases["period"])
+    smids = trace.cpu().to(torch.int64)[:, n_ev].reshape(-1, num_wg, steps).tolist()
+    out.update(_by_ordinal(t, tl, smids, written, num_wg, steps, first_step))
     # one item's timeline: the first item whose steps are all written
     for item in range(t.shape[0]):
         if all(all(w) for w in written[item]):
@@ -75,6 +77,31 @@ def _analyse(trace: torch.Tensor, num_wg: int, steps: int, first_step: int = 4) 
                                for wg in range(num_wg)}
             break
     return out
+
+
+def _by_ordinal(t, tl, smids, written, num_wg: int, steps: int, first_step: int) -> dict:
+    """Per SM, its items in the order they ran (a one-shot grid: the CTAs it hosted one after
+    another; persistent: the outer loop): the median period of the n-th item on an SM, and the
+    median spacing of the warpgroups' step starts (warpgroup w+1 after w, same step)."""
+    per_sm = {}
+    for item in range(t.shape[0]):
+        if written[item][0][first_step]:
+            per_sm.setdefault(smids[item][0][first_step], []).append((tl[item][0][first_step][0], item))
+    by_ord, spacing = {}, {w: [] for w in range(1, num_wg)}
+    for items in per_sm.values():
+        items.sort()  # (clock of the first step read, item): one SM's clock orders its items
+        for n, (_, item) in enumerate(items[:8]):
+            periods = [_wrap(tl[item][wg][s + 1][0] - tl[item][wg][s][0])
+                       for wg in range(num_wg) for s in range(first_step, steps - 1)
+                       if written[item][wg][s] and written[item][wg][s + 1]]
+            if periods:
+                by_ord.setdefault(n, []).append(statistics.median(periods))
+            for s in range(first_step, steps):
+                for w in range(1, num_wg):
+                    if written[item][w][s] and written[item][w - 1][s]:
+                        spacing[w].append(_wrap(tl[item][w][s][0] - tl[item][w - 1][s][0] + (1 << 31)) - (1 << 31))
+    return {"period_by_item_on_sm": {n: statistics.median(v) for n, v in sorted(by_ord.items())},
+            "wg_spacing": {f"wg{w - 1}->wg{w}": statistics.median(v) for w, v in spacing.items() if v}}
 
 
 def main():
