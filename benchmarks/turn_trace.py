@@ -12,7 +12,9 @@ over the steps past the fourth of every item and warpgroup:
   issue, wait for S, softmax up to the P V wait, the rest of the step after P V);
 - the step's period, and the turn's hand-over: from the other warpgroup passing the turn to this
   one taking it (near 0 when this one was waiting at the barrier);
-- steps 9..14 of one item as a timeline (every warpgroup, cycles from the item's first stamp).
+- steps 9..14 of one item as a timeline (every warpgroup, cycles from the item's first stamp);
+- per SM, the median period of the first, second, ... item it ran (one-shot CTAs one after
+  another, or a persistent CTA's loop), and how far apart the warpgroups start a step.
 The stamps cost a few instructions per step and move ptxas's schedule a little: read the phases
 against each other, not as exact times of the untraced kernel (NOTES "Experiment 94").
 """
