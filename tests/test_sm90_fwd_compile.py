@@ -237,6 +237,25 @@ def test_d128_long_walks_take_the_conditional_rescale():
                                                  scale=0.1), rescale_threshold=None).early_o_rescale
 
 
+def test_o_rescale_order_per_head_dim():
+    """Where O is rescaled (fwd_host): after the P V wait at D64 (NOTES "Experiment 118") and on
+    plain D96 calls of 4096 keys or more ("Experiment 120"); just before P V is issued (the early
+    rescale) elsewhere with always-rescale; an override wins."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def early(D, S, **kw):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).early_o_rescale
+
+    for S in (1024, 4096, 16384):
+        assert not early(64, S) and not early(64, S, causal=True)
+    assert not early(96, 4096) and not early(96, 16384)
+    assert early(96, 2048) and early(96, 4096, causal=True) and early(96, 4096, softcap=10.0)
+    assert early(128, 4096) and early(128, 4096, causal=True)
+    q = torch.empty(1, 4096, 2, 96, dtype=torch.bfloat16)
+    assert fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1), early_o_rescale=True).early_o_rescale
+
+
 def test_kv_multicast_variants_multicast_their_loads(tmp_path):
     """Under kv_multicast the K and V loads are multicast TMA copies (and Q's stays a plain one)."""
     from torch_fa4.kernels.sm90 import fwd_host

@@ -195,8 +195,22 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         # the early rescale goes with always rescaling, where the head dim has it; the conditional
         # rescale decides per tile whether O moves at all, after that tile's softmax
         early = cfg.rescale_threshold is None and _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False)
-        cfg = replace(cfg, early_o_rescale=early)
+        cfg = replace(cfg, early_o_rescale=early and not _d96_late_rescale_pays(call, max_k))
     return cfg
+
+
+# D96 plain calls of 4096 keys or more rescale O after the P V wait (D64's default) instead of
+# early. H100, NOTES "Experiment 120", two sustained probes, ratio to flash-attn-4 early / late:
+# S16k 0.938 / 0.960 and 0.939 / 0.964, S4k 0.971 / 0.991 and 0.973 / 0.996; the early rescale
+# stays where the late one lost or was level: causal (S16k -0.8%, -1%), S1k (-1.9%), and the
+# unmeasured (mods, softcap, windows, varlen).
+_D96_LATE_RESCALE_MIN_SEQLEN_K = 4096
+
+
+def _d96_late_rescale_pays(call: AttentionCall, max_k: int) -> bool:
+    plain = _dense(call) and call.mods is None and not call.causal
+    return (plain and call.head_dim == call.head_dim_v == 96
+            and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K)
 
 
 # D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
