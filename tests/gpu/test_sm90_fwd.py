@@ -432,6 +432,17 @@ def test_d64_default_past_2048_queries(causal):
     _check(call)
 
 
+def test_d96_long_plain_default():
+    """D96 plain calls of 4096 keys or more: O rescaled after the P V wait, with K / V multicast
+    to CTA pairs (fwd_host defaults); ragged last query and key tiles, GQA."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _dense_call(1, 4100, 4200, 4, 2, 96)
+    cfg = fwd_host.default_config(call)
+    assert not cfg.early_o_rescale and cfg.kv_multicast
+    _check(call)
+
+
 def test_one_shot_grid():
     # what long causal calls and long D256 calls run (short ones in these tests default to the
     # dynamic schedule's persistent grid)
