@@ -367,9 +367,9 @@ def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
         assert len(after) == 1, after
         counts[early] = (after[0], exps)
     print(f"causal={causal}: exponentials after the P V wait, late / early rescale: {counts}")
-    late, early = counts[False], counts[True]
-    assert late[0] >= late[1] - 4, late  # ahead of all but at most 4 (62 and 66 of 66 measured)
-    assert 0 < early[0] < early[1] - 2, early  # among them (2 of the 66 are the rescale factors)
+    (late_after, late_exps), (early_after, early_exps) = counts[False], counts[True]
+    assert late_after >= late_exps - 4, counts  # ahead of all but at most 4 (62 and 66 of 66 measured)
+    assert 0 < early_after < early_exps - 2, counts  # among them (2 of the 66 are the rescale factors)
 
 
 @pytest.mark.parametrize("D,S,causal", [(64, 4096, False)], ids=["d64_192_rows"])
