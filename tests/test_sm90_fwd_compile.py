@@ -380,12 +380,15 @@ def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
     441 -> 430, D128 468 -> 453, D256 causal 578 -> 507, where ptxas had moved the wgmma
     descriptors' arithmetic to vector registers). Since the ring position after an item is
     computed outside the idle / compute branch (NOTES "Experiment 103"), the persistent D128 and
-    D256 variants' plain waits issue as few (D128 467 plain / 473 peeked, D256 causal 505 / 507):
-    D64's 192-row tile (one CTA per item) is the variant left where peeking shortens the loop."""
+    D256 variants' plain waits issue as few (D128 467 plain / 473 peeked, D256 causal 505 / 507),
+    and since D64 rescales O after the P V wait (NOTES "Experiment 118") its default's do too
+    (427 plain / 434 peeked). D64's 192-row tile (one CTA per item) with the early rescale is the
+    variant left where peeking shortens the loop (441 -> 430)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
-    q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's default variant
-    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal), kv_multicast=False)
+    q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's variant, early rescale
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal), kv_multicast=False,
+                                  early_o_rescale=True)
 
     def key_loop_issue(peek):
         (tmp_path / str(peek)).mkdir()
