@@ -44,7 +44,8 @@ def _analyse(trace: torch.Tensor, num_wg: int, steps: int, first_step: int = 4) 
     from torch_fa4.kernels.sm90.fwd import TURN_TRACE_EVENTS
 
     n_ev = len(TURN_TRACE_EVENTS)
-    t = trace.cpu().to(torch.int64)[:, :n_ev].reshape(-1, num_wg, steps, n_ev)
+    host = trace.cpu().to(torch.int64)
+    t = host[:, :n_ev].reshape(-1, num_wg, steps, n_ev)
     written = (t != 0).all(dim=-1).tolist()  # steps past the walk's end stay zero
     tl = t.tolist()
     phases = {name: [] for name, _, _ in _PHASES}
@@ -69,8 +70,8 @@ def _analyse(trace: torch.Tensor, num_wg: int, steps: int, first_step: int = 4) 
                     phases["handover"].append(_wrap(row[2] - passed + (1 << 31)) - (1 << 31))
     out = {name: statistics.median(v) for name, v in phases.items() if v}
     out["steps_read"] = len(phases["period"])
-    smids = trace.cpu().to(torch.int64)[:, n_ev].reshape(-1, num_wg, steps).tolist()
-    out.update(_by_ordinal(t, tl, smids, written, num_wg, steps, first_step))
+    smids = host[:, n_ev].reshape(-1, num_wg, steps).tolist()
+    out.update(_by_ordinal(tl, smids, written, num_wg, steps, first_step))
     # one item's timeline: the first item whose steps are all written
     for item in range(t.shape[0]):
         if all(all(w) for w in written[item]):
@@ -81,12 +82,12 @@ def _analyse(trace: torch.Tensor, num_wg: int, steps: int, first_step: int = 4) 
     return out
 
 
-def _by_ordinal(t, tl, smids, written, num_wg: int, steps: int, first_step: int) -> dict:
+def _by_ordinal(tl, smids, written, num_wg: int, steps: int, first_step: int) -> dict:
     """Per SM, its items in the order they ran (a one-shot grid: the CTAs it hosted one after
     another; persistent: the outer loop): the median period of the n-th item on an SM, and the
     median spacing of the warpgroups' step starts (warpgroup w+1 after w, same step)."""
     per_sm = {}
-    for item in range(t.shape[0]):
+    for item in range(len(tl)):
         if written[item][0][first_step]:
             per_sm.setdefault(smids[item][0][first_step], []).append((tl[item][0][first_step][0], item))
     by_ord, spacing = {}, {w: [] for w in range(1, num_wg)}

@@ -243,17 +243,17 @@ def test_o_rescale_order_per_head_dim():
     rescale) elsewhere with always-rescale; an override wins."""
     from torch_fa4.kernels.sm90 import fwd_host
 
-    def early(D, S, **kw):
+    def early(D, S, overrides=None, **kw):
         q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
-        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).early_o_rescale
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw),
+                                       **(overrides or {})).early_o_rescale
 
     for S in (1024, 4096, 16384):
         assert not early(64, S) and not early(64, S, causal=True)
     assert not early(96, 4096) and not early(96, 16384)
     assert early(96, 2048) and early(96, 4096, causal=True) and early(96, 4096, softcap=10.0)
     assert early(128, 4096) and early(128, 4096, causal=True)
-    q = torch.empty(1, 4096, 2, 96, dtype=torch.bfloat16)
-    assert fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1), early_o_rescale=True).early_o_rescale
+    assert early(96, 4096, overrides=dict(early_o_rescale=True))
 
 
 def test_kv_multicast_variants_multicast_their_loads(tmp_path):

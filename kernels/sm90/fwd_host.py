@@ -193,11 +193,13 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     if "kv_multicast" not in overrides and _kv_multicast_pays(call, cfg, max_k):
         cfg = replace(cfg, kv_multicast=True)
     if "early_o_rescale" not in overrides:
-        # the early rescale goes with always rescaling, where the head dim has it; the conditional
-        # rescale decides per tile whether O moves at all, after that tile's softmax
-        early = cfg.rescale_threshold is None and _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False)
-        cfg = replace(cfg, early_o_rescale=early and not _d96_late_rescale_pays(call, max_k))
+        cfg = replace(cfg, early_o_rescale=_early_rescale_pays(call, cfg, max_k))
     return cfg
+
+
+def _plain(call: AttentionCall) -> bool:
+    """No causal mask, window, softcap, variable lengths or mods (so no block mask either)."""
+    return _dense(call) and call.mods is None and not call.causal
 
 
 # D96 plain calls of 4096 keys or more rescale O after the P V wait (D64's default) instead of
@@ -208,10 +210,14 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 _D96_LATE_RESCALE_MIN_SEQLEN_K = 4096
 
 
-def _d96_late_rescale_pays(call: AttentionCall, max_k: int) -> bool:
-    plain = _dense(call) and call.mods is None and not call.causal
-    return (plain and call.head_dim == call.head_dim_v == 96
-            and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K)
+def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
+    """Whether O is rescaled just before P V is issued (early) rather than after the P V wait.
+    The early rescale goes with always rescaling, where the head dim has it; the conditional
+    rescale decides per tile whether O moves at all, after that tile's softmax."""
+    if cfg.rescale_threshold is not None or not _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False):
+        return False
+    d96_long_plain = call.head_dim == call.head_dim_v == 96 and _plain(call) and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K
+    return not d96_long_plain
 
 
 # D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
@@ -240,8 +246,7 @@ _KV_MULTICAST_MIN_SEQLEN_K = 4096
 
 
 def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
-    plain = _dense(call) and call.mods is None and not call.causal  # (no mods: no block mask either)
-    return (plain and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
+    return (_plain(call) and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
             and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule
             and cfg.skip_idle_rows and cfg.num_consumer_wg >= 2)
 
