@@ -11,6 +11,9 @@ GHz (work per cycle, clock taken out).
     python benchmarks/clock_probe.py [--rows 64:16384:0,128:16384:0] [--turns 3] [--seconds 2]
         [--variant NAME='{"rescale_threshold": 8.0}' ...] [--backward]
 
+A variant's JSON takes FwdConfig overrides and optionally "env": {NAME: value} set around each of
+its calls (the launch-argument overrides, e.g. {"env": {"TORCH_FA4_FWD_TAIL_PAIRS": "0"}}).
+
 --backward times dQ, dK, dV of one forward (bench.py's backward peers; `--rows grid` is then
 bench.py's 12 backward rows, D64 and D128) and counts 2.5 x the forward's FLOPs, as bench.py does.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import threading
 import time
@@ -107,6 +111,30 @@ def _probe_row(D, S, causal, impls, sampler, turns, seconds, backward=False) -> 
     return results
 
 
+def _with_env(make, env: dict):
+    """An implementation whose every call runs with `env` set (launch-argument overrides such as
+    TORCH_FA4_FWD_TAIL_PAIRS, read per call)."""
+    if not env:
+        return make
+
+    def make_with_env(*args):
+        fn = make(*args)
+
+        def run():
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                return fn()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return run
+    return make_with_env
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64:16384:0,128:16384:0,128:4096:0",
@@ -124,7 +152,9 @@ def main():
         ap.error("--variant takes FwdConfig overrides: forward only")
     for spec in args.variant:
         name, opts = spec.split("=", 1)
-        impls[name] = (lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(json.loads(opts))
+        opts = json.loads(opts)
+        env = opts.pop("env", {})
+        impls[name] = _with_env((lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
     grid = bench._BWD_GRID if args.backward else bench._GRID
     rows = (list(grid) if args.rows == "grid"
             else [tuple(int(x) for x in spec.split(":")) for spec in args.rows.split(",")])

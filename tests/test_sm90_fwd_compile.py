@@ -409,11 +409,49 @@ def test_l2_grouping_policy():
     def heads_per_group(**kw):
         q = torch.empty(4, 4096, 32, 64, dtype=torch.bfloat16)  # K + V: 1 MB per (batch, head)
         call = AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)
-        args = fwd_launch.leading_args(call, torch.empty_like(q), None, 50 << 20, 1)
+        args = fwd_launch.leading_args(call, torch.empty_like(q), None, 50 << 20, 1, 128)
         return args[14]
 
     assert heads_per_group() == 1
     assert heads_per_group(causal=True) == heads_per_group(window_left=256) == 8  # 50 MB / 6
+
+
+def test_tail_group_policy(monkeypatch):
+    """A causal call's last pairs run as one group (common.tile_scheduler), the launch argument
+    after the group size: the fewest pairs whose work holds TAIL_FILL times every SM's share of the
+    longest walk, unless their K and V would pass TAIL_MAX_BYTES; none where that is no more than
+    an ordinary group, without a causal mask or with a left window. TORCH_FA4_FWD_TAIL_PAIRS
+    overrides."""
+    from torch_fa4.kernels.common import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "_sm_count_of", lambda call: 132)
+    monkeypatch.delenv(fwd_launch.TAIL_PAIRS_ENV, raising=False)
+
+    def args(S, D, tile_m, **kw):
+        q = torch.empty(16384 // S, S, 2048 // D, D, dtype=torch.bfloat16)
+        call = AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)
+        a = fwd_launch.leading_args(call, torch.empty_like(q), None, 50 << 20, 1, tile_m)
+        return a[14], a[15], call.batch * call.num_heads
+
+    tails = {}
+    for S, D, tile_m in ((1024, 64, 128), (4096, 64, 192), (16384, 64, 192), (1024, 128, 128),
+                         (16384, 128, 128), (1024, 256, 128), (4096, 256, 128), (16384, 256, 128)):
+        group, tail, pairs = args(S, D, tile_m, causal=True)
+        tails[D, S] = tail
+        # a pair's work in query-tile x key units (causal: each tile sees the keys up to its last row)
+        pair_work = sum(min((m + 1) * tile_m, S) for m in range(-(-S // tile_m)))
+        need = fwd_launch.TAIL_FILL * 132 * S
+        kv_bytes = S * 2 * D * 2
+        fewest = next(t for t in range(1, pairs + 1) if t * pair_work >= need or t == pairs)
+        expected = min(fewest, fwd_launch.TAIL_MAX_BYTES // kv_bytes)
+        assert tail == (expected if expected > group else 0), (S, D, group, tail, fewest)
+        assert tail * kv_bytes <= fwd_launch.TAIL_MAX_BYTES
+        assert args(S, D, tile_m)[1] == 0
+        assert args(S, D, tile_m, causal=True, window_left=512)[1] == 0
+    # the rows measured (NOTES Experiment 121): D256 S4k and S1k get one, D256 S16k none
+    assert tails[256, 4096] == 8 and tails[256, 1024] > 8
+    monkeypatch.setenv(fwd_launch.TAIL_PAIRS_ENV, "5")
+    assert args(4096, 256, 128, causal=True)[1] == args(4096, 256, 128)[1] == 5
 
 
 def test_grid_policy(monkeypatch):

@@ -2,7 +2,7 @@
 
 The sm90 and sm100 forward kernels take the same leading arguments -- q, k, v, out, lse, the varlen
 offsets, the softmax scales, the window bounds, the batch, the longest query sequence and the L2
-head grouping, the persistent grid's size -- and differ only in what follows (block mask, captured
+head grouping and its tail group, the persistent grid's size -- and differ only in what follows (block mask, captured
 tensors). Nothing here
 imports CuTe DSL at module level: a kernel loaded from the disk cache launches without it.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -58,11 +59,15 @@ def _sm_count(device_index: int) -> int:
 ONE_CTA_PER_ITEM = (1 << 31) - 1  # as max_ctas: a kernel compiled persistent runs one CTA per item
 
 
-def max_ctas(call: AttentionCall) -> int:
-    """CTAs a persistent forward launches: one per SM (the kernels run one CTA per SM)."""
+def _sm_count_of(call: AttentionCall) -> int:
     if call.q.device.type != "cuda":  # argument-list checks on a CPU machine: nothing launches
         return 1
     return _sm_count(call.q.device.index if call.q.device.index is not None else torch.cuda.current_device())
+
+
+def max_ctas(call: AttentionCall) -> int:
+    """CTAs a persistent forward launches: one per SM (the kernels run one CTA per SM)."""
+    return _sm_count_of(call)
 
 
 def max_seqlens(call: AttentionCall) -> tuple[int, int]:
@@ -89,18 +94,56 @@ def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:
     return 1  # (as if L2 held one byte: heads_per_l2_group's floor of one pair per group)
 
 
+# TORCH_FA4_FWD_L2_GROUP_PAIRS=N: N (batch, head) pairs per group instead (measuring; a launch
+# argument, no recompile)
+L2_GROUP_ENV = "TORCH_FA4_FWD_L2_GROUP_PAIRS"
+
+
 def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int:
     """(batch, head) pairs whose K and V fit in about half of `l2_bytes` (see common.tile_scheduler)."""
     kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
     total = call.batch * call.num_heads
+    override = os.environ.get(L2_GROUP_ENV, "").strip()
+    if override:
+        return max(1, min(total, int(override)))
     return max(1, min(total, (l2_bytes // 2) // kv_bytes))
 
 
-def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int) -> Optional[list]:
+# The tail group of a causal call (common.tile_scheduler): as many of the last pairs as hold
+# TAIL_FILL times every SM's share of the longest walk, so the longest items of the last pairs
+# start while every SM still has work; at most TAIL_MAX_BYTES of their K and V, since the tail's
+# CTAs read every tail pair's K and V at once. TORCH_FA4_FWD_TAIL_PAIRS=T sets the count instead
+# (0: no tail group; measuring, a launch argument).
+TAIL_FILL = 1.0
+TAIL_MAX_BYTES = 32 << 20
+TAIL_PAIRS_ENV = "TORCH_FA4_FWD_TAIL_PAIRS"
+
+
+def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, heads_per_group: int,
+               num_sms: int) -> int:
+    """The last (batch, head) pairs that run as one group (0: none). Only causal walks without a
+    left window differ enough in length to need it."""
+    pairs = call.batch * call.num_heads
+    override = os.environ.get(TAIL_PAIRS_ENV, "").strip()
+    if override:
+        return max(0, min(int(override), pairs))
+    if not call.causal or call.window_left >= 0 or seqlen_q <= 0:
+        return 0
+    # a pair's work in units of its longest walk: query tile m sees the keys up to its last row
+    full = seqlen_q // tile_m  # tiles whose rows all lie inside the sequence
+    partial = -(-seqlen_q // tile_m) - full
+    pair_work = (tile_m * full * (full + 1) / 2 + partial * seqlen_q) / seqlen_q
+    kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
+    tail = min(pairs, math.ceil(TAIL_FILL * num_sms / pair_work), max(1, TAIL_MAX_BYTES // kv_bytes))
+    # no larger than an ordinary group: the plain order already ends with such a group
+    return tail if tail > heads_per_group else 0
+
+
+def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int, tile_m: int) -> Optional[list]:
     """The arguments every forward kernel starts with, or None when the call has no query rows.
 
     max_ctas: the most CTAs a persistent kernel launches (about one per SM; ONE_CTA_PER_ITEM makes
-    its grid one-shot); kernels compiled one-shot ignore it.
+    its grid one-shot); kernels compiled one-shot ignore it. tile_m: query rows per work item.
 
     With softcap the kernel computes softcap * tanh(s * scale / softcap), so the score is scaled
     by scale / softcap first and the softmax (log2 domain) by softcap * log2(e).
@@ -114,11 +157,13 @@ def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int) ->
         score_scale, scale_log2 = call.scale, call.scale * _LOG2E
     wl = call.window_left if call.window_left >= 0 else UNBOUNDED
     wr = call.window_right if call.window_right >= 0 else UNBOUNDED
+    group = heads_per_l2_group(call, max_k, l2_group_bytes(call, l2_bytes))
+    tail = tail_pairs(call, max_q, max_k, tile_m, group, _sm_count_of(call))
     return [
         call.q, call.k, call.v, out, lse,
         call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
         score_scale, scale_log2, wl, wr,
-        call.batch, max_q, heads_per_l2_group(call, max_k, l2_group_bytes(call, l2_bytes)), max_ctas,
+        call.batch, max_q, group, tail, max_ctas,
     ]
 
 
@@ -132,7 +177,7 @@ def fake_leading_args(cfg) -> list:
     tensors = _fake_leading_tensors(cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k,
                                     cfg.has_seqused_k)
     scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
-               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1)]
+               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1)]
     return [*tensors, *scalars]
 
 

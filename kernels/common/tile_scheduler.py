@@ -14,8 +14,16 @@ coordinate and, with `longest_first`, runs from the last tile down: under causal
 query tiles see the most keys, so the longest work starts first and the short tail fills the gaps
 (LPT scheduling). A persistent kernel may instead take the same numbered items from a global
 counter as its CTAs free (kernels/common/tile_mailbox.py), which balances unequal items better.
+
+Under a causal mask that order alone leaves a long item for the end of the grid: a group of a few
+pairs holds less work per SM than its longest item (D256 S4k causal: two pairs, 13 key steps per
+SM against a longest walk of 52), so the last group's longest items start when every other SM is
+about to finish and run on alone. The last `tail_pairs` pairs therefore form one group of their
+own, sized on the host (common.fwd_launch.tail_pairs) so its work fills every SM a few times
+over; the backward orders its key tiles the same way (`grouped_order`).
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
@@ -24,14 +32,15 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 
 class TileScheduler(DynamicState):
     # carried through the persistent loop (the DSL must be able to yield it)
-    _dynamic_fields = ("num_m_blocks", "num_heads", "num_batch", "heads_per_group")
+    _dynamic_fields = ("num_m_blocks", "num_heads", "num_batch", "heads_per_group", "tail_pairs")
 
     def __init__(self, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-                 heads_per_group: Int32, longest_first: bool):
+                 heads_per_group: Int32, tail_pairs: Int32, longest_first: bool):
         self.num_m_blocks = Int32(num_m_blocks)
         self.num_heads = Int32(num_heads)
         self.num_batch = Int32(num_batch)
         self.heads_per_group = Int32(heads_per_group)
+        self.tail_pairs = Int32(tail_pairs)  # 0: no tail group
         self.longest_first = longest_first
 
     @staticmethod
@@ -55,20 +64,36 @@ class TileScheduler(DynamicState):
     @cute.jit
     def work(self, t: Int32):
         """(m_block, head, batch) of work item t."""
-        total_bh = self.num_heads * self.num_batch
-        per_group = self.num_m_blocks * self.heads_per_group
-        group = t // per_group
-        r = t - group * per_group
-        bh_first = group * self.heads_per_group
-        # the last group may hold fewer (batch, head) pairs
-        group_size = total_bh - bh_first
-        if group_size > self.heads_per_group:
-            group_size = self.heads_per_group
-        m_idx = r // group_size
-        bh = bh_first + (r - m_idx * group_size)
+        m_idx, bh = grouped_order(t, self.num_m_blocks, self.num_heads * self.num_batch,
+                                  self.heads_per_group, self.tail_pairs)
         m_block = m_idx
         if const_expr(self.longest_first):
             m_block = self.num_m_blocks - 1 - m_idx
         batch = bh // self.num_heads
         head = bh - batch * self.num_heads
         return m_block, head, batch
+
+
+@cute.jit
+def grouped_order(t: Int32, tiles_per_pair: Int32, pairs: Int32, group: Int32, tail: Int32):
+    """(tile position, pair) of item t in a grouped order: groups of `group` (batch, head) pairs,
+    the tile position the slowest coordinate inside a group (every pair's first tile, then every
+    pair's second, ...), except that the last `tail` pairs form one group of their own (0: none;
+    the last ordinary group may hold fewer pairs). The forward's items and the backward's key
+    tiles both run in this order."""
+    tail = cutlass.min(tail, pairs)
+    tail_start = (pairs - tail) * tiles_per_pair  # the tail group's first item
+    pos = Int32(0)
+    pair = Int32(0)
+    if t >= tail_start:
+        r = t - tail_start
+        pos = r // tail
+        pair = pairs - tail + r - pos * tail
+    else:
+        span = group * tiles_per_pair
+        g = t // span
+        size = cutlass.min(group, pairs - tail - g * group)
+        r = t - g * span
+        pos = r // size
+        pair = g * group + r - pos * size
+    return pos, pair

@@ -139,6 +139,7 @@ class FlashFwdSm100:
         num_batch: Int32,
         max_seqlen_q: Int32,
         heads_per_group: Int32,
+        tail_pairs: Int32,  # the last this many (batch, head) pairs as one group (0: none)
         max_ctas: Int32,  # persistent grids only (the sm90 kernel); this one is one-shot
         stream: cuda.CUstream,
     ):
@@ -203,7 +204,7 @@ class FlashFwdSm100:
             tQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
-            num_m_blocks, num_batch, heads_per_group, bytes_q, bytes_kv, Storage,
+            num_m_blocks, num_batch, heads_per_group, tail_pairs, bytes_q, bytes_kv, Storage,
         ).launch(
             grid=TileScheduler.grid(num_m_blocks, num_heads, num_batch),
             block=[_NUM_THREADS, 1, 1],
@@ -223,12 +224,13 @@ class FlashFwdSm100:
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
         qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
-        num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32,
+        num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32, tail_pairs: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_kv: cutlass.Constexpr[int], Storage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         bidx, _, _ = cute.arch.block_idx()
-        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, cfg.causal)
+        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
+                              cfg.causal)
         m_block, head, batch = sched.work(bidx)
         seqlen_q = mQ.shape[0]
         if const_expr(cfg.varlen_q):

@@ -89,7 +89,7 @@ def compile_fwd(cfg: Sm100FwdConfig, arch: str = ARCH, dump_dir: Optional[str] =
 def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
     cfg = default_config(call, **overrides)
     kernel = compile_fwd(cfg)
-    args = fwd_launch.leading_args(call, out, lse, L2_BYTES, fwd_launch.max_ctas(call))
+    args = fwd_launch.leading_args(call, out, lse, L2_BYTES, fwd_launch.max_ctas(call), cfg.cta_tile_m)
     if args is None:  # no query rows: nothing to write
         return
     kernel(*args)

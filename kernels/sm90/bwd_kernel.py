@@ -111,6 +111,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 
 from ..common import mod_lowering as mods_dsl
 from ..common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
+from ..common.tile_scheduler import grouped_order
 from . import bwd_layouts as L
 from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
@@ -819,23 +820,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
     @cute.jit
     def _tile_coords(self, lin, n_blocks, heads, batches, cta_group, cta_tail):
         """(key tile, kv head, batch) of work tile `lin` in the order _cta_coords describes (the
-        persistent kernel walks the same order through its tile counter)."""
+        persistent kernel walks the same order through its tile counter): common.tile_scheduler
+        .grouped_order, which orders the forward's work items too."""
         pairs = heads * batches
-        tail = cutlass.min(cutlass.max(cta_tail, 1), pairs)
-        tail_start = (pairs - tail) * n_blocks  # first CTA of the tail group
-        n_block = Int32(0)
-        pair = Int32(0)
-        if lin >= tail_start:
-            r = lin - tail_start
-            n_block = r // tail
-            pair = pairs - tail + r - n_block * tail
-        else:
-            span = cta_group * n_blocks
-            group = lin // span
-            g = cutlass.min(cta_group, pairs - tail - group * cta_group)  # the last group may be short
-            r = lin - group * span
-            n_block = r // g
-            pair = group * cta_group + r - n_block * g
+        n_block, pair = grouped_order(lin, n_blocks, pairs, cta_group, cutlass.max(cta_tail, 1))
         return n_block, pair % heads, pair // heads
 
     def _stat_stage(self):

@@ -201,6 +201,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         num_batch: Int32,
         max_seqlen_q: Int32,
         heads_per_group: Int32,
+        tail_pairs: Int32,  # the last this many (batch, head) pairs as one group (0: none)
         max_ctas: Int32,  # persistent grid size (about one CTA per SM)
         # block mask (block_sparse only, else None): kv_num_blocks, kv_indices, full_kv_num_blocks,
         # full_kv_indices, int32, FlexAttention layout
@@ -277,7 +278,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             tma_Q, tma_K, tma_V, tma_O,
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group,
+            tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, tail_pairs,
             bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mSched, mTrace,
         ).launch(
             grid=grid,
@@ -301,7 +302,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32,
+        num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32, tail_pairs: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
         block_mask, score_aux, mask_aux, mSched, mTrace,
@@ -312,7 +313,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, cfg.causal)
+        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
+                              cfg.causal)
         brange = BlockRange(self.tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
 
         if warp_idx == 0:

@@ -378,7 +378,7 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
     if trace is not None:
         cfg = replace(cfg, trace=True)  # (turn_trace=True among the overrides: per-step stamps)
     kernel = compile_fwd(cfg)
-    args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call))
+    args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: nothing to write
         return
     # the dynamic scheduler's item counter starts at zero on every launch

@@ -344,6 +344,25 @@ def test_l2_groups_of_every_size(monkeypatch, group):
         _check(call, persistent=True, dynamic_schedule=True)
 
 
+@pytest.mark.parametrize("tail", [1, 3, 4, 15])
+def test_tail_groups(monkeypatch, tail):
+    """The last `tail` (batch, head) pairs as one group after groups of 2 (common.tile_scheduler
+    .grouped_order; 15 pairs: a tail of 1, 3 or 4 leaves a partial ordinary group before it, 15
+    makes one group of all): every item written once on the one-shot grid and the static and
+    dynamic persistent grids, causal (longest first) and not."""
+    from torch_fa4.kernels.common import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "heads_per_l2_group", lambda call, seqlen_k, l2_bytes: 2)
+    monkeypatch.setattr(fwd_launch, "tail_pairs", lambda call, seqlen_q, seqlen_k, tile_m, group, num_sms: tail)
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 7)
+    for causal in (True, False):
+        call = _dense_call(3, 833, 900, 5, 5, 128, causal=causal)
+        _check(call, persistent=False)
+        _check(call, persistent=True)
+        _check(call, persistent=True, dynamic_schedule=True)
+    _check(_dense_call(3, 2100, 2100, 5, 1, 64, causal=True), tile_m=192, tile_n=128, persistent=False)
+
+
 @pytest.mark.parametrize("tiles", [dict(), dict(tile_m=192, tile_n=128)], ids=["128x128", "192x128"])
 def test_early_q_release(monkeypatch, tiles):
     """Q's buffer released after the walk's last Q K^T (`early_q_release`): walks of many tiles,
