@@ -136,6 +136,14 @@ VARIANTS = {
     "d64_192x128_kv_multicast": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3,
                                                   kv_multicast=True)),
     "d128_fp16_seqused_kv_multicast": (dict(D=128, dtype=torch.float16), dict(has_seqused_k=True, kv_multicast=True)),
+    # the grid's last items split along the keys (kernels/common/split_tail.py): persistent with
+    # multicast, one CTA per item with multicast, the 192-row tile, the persistent 128-row D64 tile
+    "d128_kv_multicast_split": (dict(D=128), dict(kv_multicast=True, split_ways=5)),
+    "d96_kv_multicast_split": (dict(D=96), dict(kv_multicast=True, split_ways=8)),
+    "d256_kv_multicast_split": (dict(D=256), dict(kv_multicast=True, persistent=False, dynamic_schedule=False,
+                                                  split_ways=5)),
+    "d64_192x128_split": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3, split_ways=3)),
+    "d64_split": (dict(D=64), dict(split_ways=2)),
     # persistent CTAs taking items from a counter (kernels/common/tile_mailbox.py)
     "d128_causal_dynamic": (dict(D=128, causal=True), dict(persistent=True, dynamic_schedule=True)),
     "d64_192x128_causal_dynamic": (dict(D=64, causal=True),
@@ -651,6 +659,71 @@ def test_launch_arguments_match_the_compiled_signature():
     assert "device_type=cuda" in text, text
     assert "mBmNum: Tensor([n" in text and "mBmFullIdx: Tensor([n" in text  # the block mask is bound
     assert "aux0: Tensor([n" in text and "aux1: Tensor([n" in text and "aux2: None" in text
+
+
+def test_split_tail_launch_arguments(monkeypatch):
+    """A split-tail launch passes the pieces' workspace, its zeroed counters and the split item
+    count the compiled kernel expects (checked as in test_launch_arguments_match_the_compiled_signature),
+    sized for the plan: (items x warpgroups x ways) slots of Dv / 2 + 4 values for 128 threads."""
+    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    # the plan for a D128 S16k grid (2048 items on 132 SMs), and the measuring overrides
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 132)
+    big = torch.empty(1, 16384, 16, 128, dtype=torch.bfloat16)
+    big_call = AttentionCall(q=big, k=big, v=big, scale=0.1)
+    assert fwd_host.split_plan(fwd_host.default_config(big_call, split_ways=0), big_call) == (68, 5)
+    for mode, plan in (("0", (0, 1)), ("3", (68, 3)), ("noop", (0, 2))):
+        monkeypatch.setenv(fwd_host.SPLIT_TAIL_ENV, mode)
+        assert fwd_host.split_plan(fwd_host.default_config(big_call, split_ways=0), big_call) == plan
+    monkeypatch.delenv(fwd_host.SPLIT_TAIL_ENV)
+    # short walks (S4k: 32 key tiles) and the 192-row D64 tile: none (NOTES Experiment 122)
+    for shape in ((4, 4096, 16, 128), (1, 16384, 32, 64)):
+        t = torch.empty(*shape, dtype=torch.bfloat16)
+        c = AttentionCall(q=t, k=t, v=t, scale=0.1)
+        assert fwd_host.split_plan(fwd_host.default_config(c, split_ways=0), c) == (0, 1)
+
+    monkeypatch.setattr(fwd_host, "split_plan", lambda cfg, call: (6, 3))
+    q = torch.randn(1, 256, 4, 128).bfloat16()
+    call = AttentionCall(q=q, k=q, v=q, scale=0.1)
+    cfg = fwd_host.default_config(call)
+    assert cfg.split_ways == 3
+    ws, counters, items = fwd_host._launch_split(cfg, call)
+    assert items == 6 and ws.shape == (6 * 2 * 3, 128 // 2 + 4, 128) and counters.shape == (12,)
+    assert not counters.any()
+    assert fwd_host.default_config(call, split_ways=0).split_ways == 0  # overrides win
+    try:
+        fwd_host.forward(call, torch.empty(call.out_shape(), dtype=torch.bfloat16), torch.empty(call.lse_shape()))
+    except ValueError as e:
+        text = str(e)
+    except Exception as e:  # noqa: BLE001
+        if "not initialized" in str(e):
+            pytest.skip("kernel callable not initialised here; run with CUTE_DSL_ARCH=sm_90a")
+        raise
+    else:
+        pytest.fail("a kernel launch with CPU tensors did not raise")
+    assert "device_type=cuda" in text, text
+    assert "mSplitWs: Tensor([n" in text and "mSplitCount: Tensor([n" in text
+
+
+def test_split_plan():
+    """kernels/common/split_plan.choose: a split only where it shortens the last round by at least
+    min_gain of an item, counting each piece's fixed cost; pieces of at least min_tiles key tiles;
+    an even item count for multicast pairs; nothing when the grid divides evenly."""
+    from torch_fa4.kernels.common.split_plan import choose
+
+    assert choose(2048, 132, 128) == (68, 7)  # D128 S16k: 15.5 rounds of work in 16
+    assert choose(2048, 132, 32) == (68, 5)  # D128 S4k: shorter items, fewer pieces pay
+    assert choose(1980, 132, 128) == (0, 1)  # 15 whole rounds
+    assert choose(100, 132, 128) == (0, 1)  # one round: nothing waits behind it
+    assert choose(2752, 132, 128) == (0, 1)  # 112 items left: 85% of a round, little to gain
+    assert choose(2048 + 1, 132, 128, pair=2) == (0, 1)  # an odd remainder cannot pair
+    for items, ctas, tiles in ((2048, 132, 128), (2816, 132, 32), (4096, 132, 8), (1024, 132, 52)):
+        r, k = choose(items, ctas, tiles)
+        if r:
+            assert r == items % ctas and tiles >= 4 * k
+            last = -(-(r * k) // ctas) * (1 / k + 2 / tiles)
+            assert last <= 0.85, (items, ctas, tiles, r, k, last)
 
 
 def test_captured_tensors_as_launched():

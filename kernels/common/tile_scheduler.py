@@ -32,23 +32,65 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 
 class TileScheduler(DynamicState):
     # carried through the persistent loop (the DSL must be able to yield it)
-    _dynamic_fields = ("num_m_blocks", "num_heads", "num_batch", "heads_per_group", "tail_pairs")
+    _dynamic_fields = ("num_m_blocks", "num_heads", "num_batch", "heads_per_group", "tail_pairs",
+                       "split_items")
 
     def __init__(self, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-                 heads_per_group: Int32, tail_pairs: Int32, longest_first: bool):
+                 heads_per_group: Int32, tail_pairs: Int32, longest_first: bool,
+                 split_items=None, split_ways: int = 0, split_pair: int = 1):
         self.num_m_blocks = Int32(num_m_blocks)
         self.num_heads = Int32(num_heads)
         self.num_batch = Int32(num_batch)
         self.heads_per_group = Int32(heads_per_group)
         self.tail_pairs = Int32(tail_pairs)  # 0: no tail group
         self.longest_first = longest_first
+        # the last split_items items are each split into split_ways pieces along the keys
+        # (kernels/common/split_tail.py); split_ways is a compile-time constant (its divisions
+        # stay shifts and multiplies on the uniform datapath), 0: no split code at all.
+        # split_pair = 2: K / V multicast clusters take units in pairs (2i, 2i + 1), which must
+        # be the same piece of two adjacent items
+        self.split_ways = split_ways if split_items is not None else 0
+        self.split_items = Int32(split_items if self.split_ways else 0)
+        self.split_pair = split_pair
 
     @staticmethod
-    def grid(num_m_blocks, num_heads, num_batch):
-        return (num_m_blocks * num_heads * num_batch, 1, 1)
+    def grid(num_m_blocks, num_heads, num_batch, split_items=0, split_ways: int = 0):
+        extra = split_items * (split_ways - 1) if split_ways else 0
+        return (num_m_blocks * num_heads * num_batch + extra, 1, 1)
+
+    def num_items(self) -> Int32:
+        return self.num_m_blocks * self.num_heads * self.num_batch
 
     def num_tiles(self) -> Int32:
-        return self.num_m_blocks * self.num_heads * self.num_batch
+        """Work units: the whole items, then the split items' pieces."""
+        if const_expr(not self.split_ways):
+            return self.num_items()
+        return self.num_items() + self.split_items * (self.split_ways - 1)
+
+    @cute.jit
+    def _split_unit(self, v: Int32):
+        """(piece, split index) of the v-th piece unit: item-major (an item's pieces on adjacent
+        units, so they start together on different SMs), or with split_pair = 2 pair-major (units
+        2i, 2i + 1 the same piece of two adjacent split items)."""
+        k = self.split_ways
+        if const_expr(self.split_pair == 1):
+            j = v // k
+            return v - j * k, j
+        g = v // (2 * k)
+        rem = v - g * (2 * k)
+        return rem // 2, 2 * g + rem % 2
+
+    @cute.jit
+    def piece(self, t: Int32):
+        """(piece, split index) of work unit t: piece -1 for a whole item, else unit t is piece
+        `piece` of the split items' `split index`-th."""
+        p = Int32(-1)
+        j = Int32(0)
+        if const_expr(self.split_ways):
+            first = self.num_items() - self.split_items
+            if t >= first:
+                p, j = self._split_unit(t - first)
+        return p, j
 
     @cute.jit
     def persistent_tile(self, rnd: Int32, cta: Int32, num_ctas: Int32) -> Int32:
@@ -63,7 +105,12 @@ class TileScheduler(DynamicState):
 
     @cute.jit
     def work(self, t: Int32):
-        """(m_block, head, batch) of work item t."""
+        """(m_block, head, batch) of work unit t."""
+        if const_expr(self.split_ways):
+            first = self.num_items() - self.split_items
+            if t >= first:  # a piece of split item j
+                _, j = self._split_unit(t - first)
+                t = first + j
         m_idx, bh = grouped_order(t, self.num_m_blocks, self.num_heads * self.num_batch,
                                   self.heads_per_group, self.tail_pairs)
         m_block = m_idx

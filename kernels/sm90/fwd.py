@@ -161,6 +161,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
             sched_slots: cute.struct.MemRange[Int32, 2]
+            split_flags: cute.struct.MemRange[Int32, 4]  # split_tail: a counter value per warpgroup
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -175,6 +176,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
             sched_slots: cute.struct.MemRange[Int32, 2]
+            split_flags: cute.struct.MemRange[Int32, 4]  # split_tail: a counter value per warpgroup
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -213,6 +215,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         mSched: Optional[cute.Tensor],  # (1,) int32, zero at launch (cfg.dynamic_schedule), else None
         mTrace: Optional[cute.Tensor],  # (work items, len(FWD_TRACE_EVENTS) + 1) int32 (cfg.trace), else None
+        # cfg.split_ways (kernels/common/split_tail.py), else None / None / 0: the pieces' states
+        # (slots, values, 128) fp32, their counters (split items * warpgroups,) int32 zero at
+        # launch, and how many of the last items are split
+        mSplitWs: Optional[cute.Tensor],
+        mSplitCount: Optional[cute.Tensor],
+        split_items: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -271,6 +279,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             max_ctas = max_ctas // 2 * 2
             cluster = [2, 1, 1]
         grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch)
+        if const_expr(cfg.split_ways):
+            grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch, split_items, cfg.split_ways)
         if const_expr(cfg.persistent):
             grid = (cutlass.min(grid[0], max_ctas), 1, 1)
         self.kernel(
@@ -280,6 +290,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, tail_pairs,
             bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mSched, mTrace,
+            mSplitWs, mSplitCount, split_items,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -305,7 +316,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32, tail_pairs: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
-        block_mask, score_aux, mask_aux, mSched, mTrace,
+        block_mask, score_aux, mask_aux, mSched, mTrace, mSplitWs, mSplitCount, split_items,
     ):
         cfg = self.cfg
         # read by _stamp while this kernel is traced (saves threading it through every role)
@@ -313,8 +324,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
-                              cfg.causal)
+        if const_expr(cfg.split_ways):
+            sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
+                                  cfg.causal, split_items, cfg.split_ways, 2 if cfg.kv_multicast else 1)
+        else:
+            sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
+                                  cfg.causal)
         brange = BlockRange(self.tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
 
         if warp_idx == 0:
@@ -357,6 +372,9 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         else:
             cute.arch.sync_threads()
 
+        # read by consume_item's split-tail path (as _trace: saves threading them through)
+        self._split = (mSplitWs, mSplitCount, storage.split_flags.get_tensor(cute.make_layout(4)))
+        self._sched = sched
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -387,6 +405,16 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
                 tidx - 128, mailbox)
 
     @cute.jit
+    def _unit(self, sched: TileScheduler, tile):
+        """(m_block, head, batch, piece, split index) of work unit `tile`; piece -1: a whole item
+        (always without split_tail)."""
+        m_block, head, batch = sched.work(tile)
+        piece, split_index = Int32(-1), Int32(0)
+        if const_expr(self.cfg.split_ways):
+            piece, split_index = sched.piece(tile)
+        return m_block, head, batch, piece, split_index
+
+    @cute.jit
     def _takes_part(self, m_block, seqlen: SeqlenInfo):
         """Whether this CTA loads and walks work item `m_block`. Varlen grids are sized for the
         longest sequence, so items past a sequence's end are empty; under kv_multicast such an
@@ -399,10 +427,20 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         return live
 
     @cute.jit
-    def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch):
+    def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch, piece):
+        """The key tiles work unit (m_block, piece) visits: all of the item's, or with split_ways
+        = k piece `piece` >= 0 of its k consecutive shares."""
         if const_expr(self.cfg.block_sparse):
             return SparseKvWalk(*block_mask, batch, head, m_block, self.cfg.bm_tiles_m, self.cfg.bm_tiles_n)
         n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        if const_expr(self.cfg.split_ways):
+            k = self.cfg.split_ways
+            count = n_max - n_min
+            share = cutlass.max(piece, 0)
+            n_lo = n_min + count * share // k
+            n_hi = n_min + count * (share + 1) // k
+            n_min = cutlass.select_(piece >= 0, n_lo, n_min)
+            n_max = cutlass.select_(piece >= 0, n_hi, n_max)
         return DenseKvWalk(n_min, n_max)
 
     @cute.jit

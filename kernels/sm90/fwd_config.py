@@ -81,6 +81,10 @@ class FwdConfig:
     # ring. The pair walks the same key tiles in step, so calls without a causal / window mask,
     # varlen or block mask only
     kv_multicast: bool = False
+    # the grid's last items split along the keys into this many pieces on different SMs, merged
+    # by the last piece to finish (kernels/common/split_tail.py; 0: no split code); the launch
+    # says how many items. Plain calls only (every item walks the same key tiles)
+    split_ways: int = 0
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

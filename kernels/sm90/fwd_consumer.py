@@ -18,7 +18,7 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_mailbox import read_item
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
-from torch_fa4.kernels.common import wgmma
+from torch_fa4.kernels.common import split_tail, wgmma
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -120,6 +120,16 @@ class FwdConsumer:
         return state, v_state, softmax
 
     @cute.jit
+    def _write_out(self, acc_o, softmax, row_scale, num_rows, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O,
+                   tiled_mma_pv, seqlen, m_block, head, batch_q, wg, tidx):
+        """O normalised by the row sums and written with the LSE (the epilogue)."""
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.finalize(row_scale, lse)
+        scale_rows(acc_o, row_scale)
+        self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
+                      seqlen, m_block, head, batch_q, wg, tidx)
+
+    @cute.jit
     def _release_after_softmax(self, pipe_k, state, softmax):
         """Release the K slot once the softmax is done, as a data dependence ptxas can see.
 
@@ -184,10 +194,10 @@ class FwdConsumer:
                      block_mask, score_aux, mask_aux, wg, tidx):
         """Work item `tile`, unless it lies past its sequence's end; returns the Q and K/V ring
         positions after it."""
-        m_block, head, batch = sched.work(tile)
+        m_block, head, batch, piece, _ = self._unit(sched, tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         if self._takes_part(m_block, seqlen):
-            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch, piece)
             args = (mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
                     tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
                     walk, m_block, head, batch, score_aux, mask_aux, q_state)
@@ -250,8 +260,9 @@ class FwdConsumer:
                      tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange: BlockRange,
                      seqlen: SeqlenInfo, walk, m_block, head, batch, score_aux, mask_aux, q_state, state,
                      wg, tidx, tile):
-        """One work item: the online-softmax loop over the walk's key tiles, then the epilogue.
-        Returns the K/V ring position after the item."""
+        """One work unit: the online-softmax loop over the walk's key tiles, then the epilogue
+        (for a piece of a split item: its state stored, and the epilogue only by the last piece,
+        after merging the others'). Returns the K/V ring position after the unit."""
         cfg = self.cfg
         self._traced_item = tile  # read by _turn_stamp while this item's steps are traced
         batch_q = batch if const_expr(not cfg.varlen_q) else 0
@@ -335,11 +346,25 @@ class FwdConsumer:
             else:
                 pipe_q.consumer_release(q_state)  # every Q K^T of this item is done: next Q may load
 
-        lse = cute.make_rmem_tensor(num_rows, Float32)
-        softmax.finalize(row_scale, lse)
-        scale_rows(acc_o, row_scale)
-        self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
-                      seqlen, m_block, head, batch_q, wg, tidx)
+        out_args = (acc_o, softmax, row_scale, num_rows, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O,
+                    tiled_mma_pv, seqlen, m_block, head, batch_q, wg, tidx)
+        if const_expr(not cfg.split_ways):
+            self._write_out(*out_args)
+        else:
+            # taken again from the unit number rather than kept through the key loop
+            piece, split_index = self._sched.piece(tile)
+            writes_out = cutlass.Boolean(True)
+            if piece >= 0:
+                ws, counters, flags = self._split
+                writes_out = split_tail.finish_piece(ws, counters, flags, piece, split_index, cfg.split_ways, wg,
+                                                     self.num_wg, tidx % 128, acc_o, softmax.ref,
+                                                     softmax.row_sum, BAR_EPI_WG + wg)
+            if writes_out:
+                self._write_out(*out_args)
+            else:
+                if const_expr(not self.separate_o and not cfg.varlen_q):
+                    # the epilogue's barrier of every consumer warpgroup (before O overwrites Q)
+                    cute.arch.barrier(barrier_id=BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
         if const_expr(not self.separate_o):
             # O was staged over Q's buffer: Q may load again once the O store has read it out
             pipe_q.consumer_release(q_state)

@@ -12,6 +12,7 @@ enters the variant.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Optional
 
@@ -20,6 +21,7 @@ import torch
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
 from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.common import split_plan as split_plan_mod
 from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
@@ -194,7 +196,23 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         cfg = replace(cfg, kv_multicast=True)
     if "early_o_rescale" not in overrides:
         cfg = replace(cfg, early_o_rescale=_early_rescale_pays(call, cfg, max_k))
+    if "split_ways" not in overrides:
+        items, ways = split_plan(cfg, call)
+        cfg = replace(cfg, split_ways=ways if items or ways > 1 else 0)
     return cfg
+
+
+# The split tail (kernels/common/split_tail.py) for plain calls whose last round leaves SMs idle:
+# long walks on the 128-row tile only. H100, NOTES "Experiment 122", ratio to flash-attn-4 with
+# / without: D96 S16k 0.953 / 0.930 and 0.955 / 0.934, D128 S16k 0.994 / 0.991 and 0.998 /
+# 0.993 (3 pieces: 1.005); S4k rows (32 key tiles) gained nothing, and the 192-row D64 tile's key
+# loop lost 2.8% to the split code alone. A piece's fixed cost (its Q load, prologue, state
+# store and merge) counted as 8 key tiles.
+_SPLIT_MIN_KEY_TILES = 64
+_SPLIT_PIECE_COST_TILES = 8.0
+# TORCH_FA4_FWD_SPLIT_TAIL (measuring): 0 off; k >= 2 that many pieces wherever a split is
+# possible; "noop" the split variant with no item split (its code's own cost); default automatic.
+SPLIT_TAIL_ENV = "TORCH_FA4_FWD_SPLIT_TAIL"
 
 
 def _plain(call: AttentionCall) -> bool:
@@ -361,7 +379,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         return cute.compile(
             FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
             *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(1) if cfg.dynamic_schedule else None,
-            _fake_int32(2) if cfg.trace else None, stream,
+            _fake_int32(2) if cfg.trace else None, *_fake_split(cfg), stream,
             options=options,
         )
 
@@ -383,7 +401,60 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
         return
     # the dynamic scheduler's item counter starts at zero on every launch
     counter = torch.zeros(1, dtype=torch.int32, device=call.q.device) if cfg.dynamic_schedule else None
-    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), counter, trace)
+    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), counter, trace,
+           *_launch_split(cfg, call))
+
+
+def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
+    """(split items, ways) for this call's grid (kernels/common/split_tail.py): its items, the
+    CTAs that run them at once (one per SM, or the persistent grid's size) and an item's key
+    tiles decide it; (0, 1) where splitting would not shorten the last round. Plain calls only,
+    whose items all walk the same key tiles."""
+    mode = os.environ.get(SPLIT_TAIL_ENV, "").strip()
+    if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse or mode == "0":
+        return 0, 1
+    max_q, max_k = fwd_launch.max_seqlens(call)
+    tiles = -(-max_k // cfg.tile_n)
+    if not mode and (cfg.num_consumer_wg != 2 or tiles < _SPLIT_MIN_KEY_TILES):
+        return 0, 1
+    num_m_blocks = -(-max_q // cfg.tile_m)
+    if cfg.kv_multicast:
+        num_m_blocks += num_m_blocks % 2
+    items = num_m_blocks * call.num_heads * call.batch
+    pair = 2 if cfg.kv_multicast else 1
+    ctas = fwd_launch.max_ctas(call)
+    if mode == "noop":
+        return 0, 2
+    if mode and mode != "1":
+        r = items % ctas if items > ctas else 0
+        return (r, int(mode)) if r and r % pair == 0 else (0, 1)
+    return split_plan_mod.choose(items, ctas, tiles, pair=pair, piece_cost_tiles=_SPLIT_PIECE_COST_TILES)
+
+
+def _launch_split(cfg: FwdConfig, call: AttentionCall) -> list:
+    if not cfg.split_ways:
+        return [None, None, 0]
+    items, ways = split_plan(replace(cfg, split_ways=0), call)
+    if ways != cfg.split_ways:  # a variant compiled for another split (an override): none
+        items = 0
+    slots = max(items * cfg.num_consumer_wg, 1)
+    device = call.q.device
+    # every piece's state (written before it is read); the counters start at zero
+    ws = torch.empty(slots * cfg.split_ways, split_plan_mod.state_values(call.head_dim_v), 128,
+                     dtype=torch.float32, device=device)
+    counters = torch.zeros(slots, dtype=torch.int32, device=device)
+    return [ws, counters, items]
+
+
+def _fake_split(cfg: FwdConfig) -> list:
+    import cutlass
+    import cutlass.cute as cute
+
+    if not cfg.split_ways:
+        return [None, None, cutlass.Int32(0)]
+    ws = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), cute.sym_int(), 128), (cute.sym_int64(), 128, 1), assumed_align=16)
+    return [ws, _fake_int32(1), cutlass.Int32(0)]
 
 
 def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:

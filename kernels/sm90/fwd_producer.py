@@ -69,13 +69,13 @@ class FwdProducer:
         shared_hint = l2_hints.policy(cfg.kv_evict_last, l2_hints.EVICT_LAST)
         once_hint = l2_hints.policy(cfg.q_evict_first, l2_hints.EVICT_FIRST)
         num_heads_kv = cute.size(mK.shape[2])
-        m_block, head, batch = sched.work(tile)
+        m_block, head, batch, piece, _ = self._unit(sched, tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         if self._takes_part(m_block, seqlen):
             batch_q = batch if const_expr(not cfg.varlen_q) else 0
             batch_k = batch if const_expr(not cfg.varlen_k) else 0
             head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
-            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch)
+            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch, piece)
             gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
             gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
             gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))

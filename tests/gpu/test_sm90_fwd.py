@@ -363,6 +363,31 @@ def test_tail_groups(monkeypatch, tail):
     _check(_dense_call(3, 2100, 2100, 5, 1, 64, causal=True), tile_m=192, tile_n=128, persistent=False)
 
 
+@pytest.mark.parametrize("split", [(5, 3), (36, 2), (6, 8), (4, 9)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_split_tail(monkeypatch, split):
+    """The last r items split into k pieces along the keys, merged by the last piece to finish
+    (kernels/common/split_tail.py), forced through fwd_host.split_plan: a few items, every item,
+    one key tile per piece, and more pieces than key tiles (empty pieces). Sk = 900 leaves a
+    partial last key tile (masked in the last piece). On a persistent grid of 7 CTAs, one CTA per
+    item, K / V multicast (r even) and the 192-row D64 tile with an idle warpgroup in each head's
+    last tile; fp16 once. Every row written once: outputs start as NaN."""
+    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    r, k = split
+    monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 7)
+    monkeypatch.setattr(fwd_host, "split_plan", lambda cfg, call: (r, k))
+    call = _dense_call(2, 700, 900, 3, 3, 128)  # 6 query tiles x 6 (batch, head) pairs = 36 items
+    assert fwd_host.default_config(call).split_ways == k
+    _check(call, persistent=True, kv_multicast=False)
+    _check(call, persistent=False, kv_multicast=False)
+    if r % 2 == 0:
+        _check(call, persistent=True, kv_multicast=True)
+    _check(_dense_call(2, 700, 900, 3, 1, 64, dtype=torch.float16), persistent=True)
+    if r <= 12:  # 1990 = 10 x 192 + 70 rows: the third warpgroup idle in each head's last tile
+        _check(_dense_call(1, 1990, 1990, 2, 2, 64), tile_m=192, tile_n=128, persistent=False)
+
+
 @pytest.mark.parametrize("tiles", [dict(), dict(tile_m=192, tile_n=128)], ids=["128x128", "192x128"])
 def test_early_q_release(monkeypatch, tiles):
     """Q's buffer released after the walk's last Q K^T (`early_q_release`): walks of many tiles,
