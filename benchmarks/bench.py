@@ -506,10 +506,11 @@ def ours_bwd(q, k, v, causal, score_mod=None):
     return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
 
-def ours_bwd_with_env(env):
-    """ours_bwd with environment variables set around each backward call (a few microseconds)."""
-    def make(q, k, v, causal, score_mod=None):
-        fn = ours_bwd(q, k, v, causal, score_mod)
+def with_env(make, env: dict):
+    """An implementation maker whose every call runs with the environment variables `env` set (a
+    few microseconds): launch-time overrides such as TORCH_FA4_BWD_CTA_TAIL, read per call."""
+    def make_with_env(*args, **kwargs):
+        fn = make(*args, **kwargs)
 
         def run():
             saved = {name: os.environ.get(name) for name in env}
@@ -523,7 +524,12 @@ def ours_bwd_with_env(env):
                     else:
                         os.environ[name] = value
         return run
-    return make
+    return make_with_env
+
+
+def ours_bwd_with_env(env):
+    """ours_bwd with environment variables set around each backward call."""
+    return with_env(ours_bwd, env)
 
 
 def fa4_bwd(q, k, v, causal, score_mod=None):

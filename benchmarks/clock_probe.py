@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import threading
 import time
@@ -111,30 +110,6 @@ def _probe_row(D, S, causal, impls, sampler, turns, seconds, backward=False) -> 
     return results
 
 
-def _with_env(make, env: dict):
-    """An implementation whose every call runs with `env` set (launch-argument overrides such as
-    TORCH_FA4_FWD_TAIL_PAIRS, read per call)."""
-    if not env:
-        return make
-
-    def make_with_env(*args):
-        fn = make(*args)
-
-        def run():
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                return fn()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-        return run
-    return make_with_env
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64:16384:0,128:16384:0,128:4096:0",
@@ -144,17 +119,21 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=JSON: also torch_fa4 with these FwdConfig overrides")
+                    help="NAME=JSON: also torch_fa4 with these FwdConfig overrides and / or \"env\" settings "
+                         "(with --backward: \"env\" only)")
     args = ap.parse_args()
     impls = ({"torch_fa4": bench.ours_bwd, "flash-attn-4": bench.fa4_bwd} if args.backward
              else {"torch_fa4": bench.ours_fwd, "flash-attn-4": bench.fa4_fwd})
-    if args.backward and args.variant:
-        ap.error("--variant takes FwdConfig overrides: forward only")
     for spec in args.variant:
         name, opts = spec.split("=", 1)
         opts = json.loads(opts)
         env = opts.pop("env", {})
-        impls[name] = _with_env((lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
+        if args.backward:
+            if opts:
+                ap.error("--variant with --backward takes only \"env\" (FwdConfig overrides are forward only)")
+            impls[name] = bench.with_env(bench.ours_bwd, env)
+            continue
+        impls[name] = bench.with_env((lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
     grid = bench._BWD_GRID if args.backward else bench._GRID
     rows = (list(grid) if args.rows == "grid"
             else [tuple(int(x) for x in spec.split(":")) for spec in args.rows.split(",")])
