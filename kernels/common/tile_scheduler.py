@@ -19,8 +19,13 @@ Under a causal mask that order alone leaves a long item for the end of the grid:
 pairs holds less work per SM than its longest item (D256 S4k causal: two pairs, 13 key steps per
 SM against a longest walk of 52), so the last group's longest items start when every other SM is
 about to finish and run on alone. The last `tail_pairs` pairs therefore form one group of their
-own, sized on the host (common.fwd_launch.tail_pairs) so its work fills every SM a few times
-over; the backward orders its key tiles the same way (`grouped_order`).
+own, sized on the host (common.fwd_launch.tail_pairs) so its work holds every SM's share of the
+longest walk; the backward orders its key tiles the same way (`grouped_order`).
+
+Work units: with a split tail (kernels/common/split_tail.py) the last `split_items` items run as
+`split_ways` pieces each, numbered after the whole items, so a grid (or a persistent loop) runs
+num_tiles() = items + split_items * (split_ways - 1) units; `work` maps a unit to its item and
+`piece` to its piece.
 """
 
 import cutlass

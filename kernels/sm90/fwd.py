@@ -161,7 +161,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
             sched_slots: cute.struct.MemRange[Int32, 2]
-            split_flags: cute.struct.MemRange[Int32, 4]  # split_tail: a counter value per warpgroup
+            split_flags: cute.struct.MemRange[Int32, 4]  # split_ways: a counter value per warpgroup
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -176,7 +176,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
             sched_slots: cute.struct.MemRange[Int32, 2]
-            split_flags: cute.struct.MemRange[Int32, 4]  # split_tail: a counter value per warpgroup
+            split_flags: cute.struct.MemRange[Int32, 4]  # split_ways: a counter value per warpgroup
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
@@ -407,7 +407,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
     @cute.jit
     def _unit(self, sched: TileScheduler, tile):
         """(m_block, head, batch, piece, split index) of work unit `tile`; piece -1: a whole item
-        (always without split_tail)."""
+        (always without split_ways)."""
         m_block, head, batch = sched.work(tile)
         piece, split_index = Int32(-1), Int32(0)
         if const_expr(self.cfg.split_ways):
