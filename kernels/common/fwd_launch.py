@@ -1,10 +1,10 @@
 """What every architecture's forward kernel is compiled against and launched with, in one place.
 
 The sm90 and sm100 forward kernels take the same leading arguments -- q, k, v, out, lse, the varlen
-offsets, the softmax scales, the window bounds, the batch, the longest query sequence and the L2
-head grouping and its tail group, the persistent grid's size -- and differ only in what follows (block mask, captured
-tensors). Nothing here
-imports CuTe DSL at module level: a kernel loaded from the disk cache launches without it.
+offsets, the softmax scales, the window bounds, the batch, the longest query sequence, the L2 head
+grouping and its tail group, the persistent grid's size -- and differ only in what follows (block
+mask, captured tensors). Nothing here imports CuTe DSL at module level: a kernel loaded from the
+disk cache launches without it.
 """
 
 from __future__ import annotations
