@@ -42,7 +42,7 @@ class TileScheduler(DynamicState):
 
     def __init__(self, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                  heads_per_group: Int32, tail_pairs: Int32, longest_first: bool,
-                 split_items=None, split_ways: int = 0, split_pair: int = 1):
+                 split_items=0, split_ways: int = 0, split_pair: int = 1):
         self.num_m_blocks = Int32(num_m_blocks)
         self.num_heads = Int32(num_heads)
         self.num_batch = Int32(num_batch)
@@ -54,8 +54,8 @@ class TileScheduler(DynamicState):
         # stay shifts and multiplies on the uniform datapath), 0: no split code at all.
         # split_pair = 2: K / V multicast clusters take units in pairs (2i, 2i + 1), which must
         # be the same piece of two adjacent items
-        self.split_ways = split_ways if split_items is not None else 0
-        self.split_items = Int32(split_items if self.split_ways else 0)
+        self.split_ways = split_ways
+        self.split_items = Int32(split_items if split_ways else 0)
         self.split_pair = split_pair
 
     @staticmethod

@@ -278,9 +278,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             num_m_blocks = (num_m_blocks + 1) // 2 * 2
             max_ctas = max_ctas // 2 * 2
             cluster = [2, 1, 1]
-        grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch)
-        if const_expr(cfg.split_ways):
-            grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch, split_items, cfg.split_ways)
+        grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch, split_items, cfg.split_ways)
         if const_expr(cfg.persistent):
             grid = (cutlass.min(grid[0], max_ctas), 1, 1)
         self.kernel(
@@ -324,12 +322,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if const_expr(cfg.split_ways):
-            sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
-                                  cfg.causal, split_items, cfg.split_ways, 2 if cfg.kv_multicast else 1)
-        else:
-            sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
-                                  cfg.causal)
+        sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
+                              cfg.causal, split_items, cfg.split_ways, 2 if cfg.kv_multicast else 1)
         brange = BlockRange(self.tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
 
         if warp_idx == 0:
@@ -406,13 +400,11 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
     @cute.jit
     def _unit(self, sched: TileScheduler, tile):
-        """(m_block, head, batch, piece, split index) of work unit `tile`; piece -1: a whole item
-        (always without split_ways)."""
+        """(m_block, head, batch, piece) of work unit `tile`; piece -1: a whole item (always
+        without split_ways)."""
         m_block, head, batch = sched.work(tile)
-        piece, split_index = Int32(-1), Int32(0)
-        if const_expr(self.cfg.split_ways):
-            piece, split_index = sched.piece(tile)
-        return m_block, head, batch, piece, split_index
+        piece, _ = sched.piece(tile)
+        return m_block, head, batch, piece
 
     @cute.jit
     def _takes_part(self, m_block, seqlen: SeqlenInfo):

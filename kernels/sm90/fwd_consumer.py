@@ -194,7 +194,7 @@ class FwdConsumer:
                      block_mask, score_aux, mask_aux, wg, tidx):
         """Work item `tile`, unless it lies past its sequence's end; returns the Q and K/V ring
         positions after it."""
-        m_block, head, batch, piece, _ = self._unit(sched, tile)
+        m_block, head, batch, piece = self._unit(sched, tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         if self._takes_part(m_block, seqlen):
             walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch, piece)

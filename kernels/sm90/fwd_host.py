@@ -197,8 +197,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     if "early_o_rescale" not in overrides:
         cfg = replace(cfg, early_o_rescale=_early_rescale_pays(call, cfg, max_k))
     if "split_ways" not in overrides:
-        items, ways = split_plan(cfg, call)
-        cfg = replace(cfg, split_ways=ways if items or ways > 1 else 0)
+        _, ways = split_plan(cfg, call)
+        cfg = replace(cfg, split_ways=ways if ways > 1 else 0)
     return cfg
 
 
@@ -410,8 +410,10 @@ def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
     CTAs that run them at once (one per SM, or the persistent grid's size) and an item's key
     tiles decide it; (0, 1) where splitting would not shorten the last round. Plain calls only,
     whose items all walk the same key tiles."""
+    if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:
+        return 0, 1
     mode = os.environ.get(SPLIT_TAIL_ENV, "").strip()
-    if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse or mode == "0":
+    if mode == "0":
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
     tiles = -(-max_k // cfg.tile_n)

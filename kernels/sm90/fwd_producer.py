@@ -69,7 +69,7 @@ class FwdProducer:
         shared_hint = l2_hints.policy(cfg.kv_evict_last, l2_hints.EVICT_LAST)
         once_hint = l2_hints.policy(cfg.q_evict_first, l2_hints.EVICT_FIRST)
         num_heads_kv = cute.size(mK.shape[2])
-        m_block, head, batch, piece, _ = self._unit(sched, tile)
+        m_block, head, batch, piece = self._unit(sched, tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         if self._takes_part(m_block, seqlen):
             batch_q = batch if const_expr(not cfg.varlen_q) else 0
