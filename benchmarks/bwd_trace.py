@@ -101,6 +101,43 @@ def _first_steps(trace: torch.Tensor, events: tuple, count: int = 3) -> list:
     return out
 
 
+def _by_step(trace: torch.Tensor, buckets: int = 8) -> list:
+    """Median step cycles (top to the next step's top, both warpgroups, every traced key tile)
+    by the step's index in its walk, in `buckets` equal ranges of the traced steps: whether
+    steps late in a walk (under a descending causal walk: the query tiles near the diagonal)
+    cost more than the first ones."""
+    t = trace.cpu().to(torch.int64) & 0xFFFFFFFF
+    tiles, _, steps, _ = t.shape
+    width = max(1, (steps - 1) // buckets)
+    out = []
+    for lo in range(0, steps - 1, width):
+        v = [(int(t[i, w, s + 1, 0]) - int(t[i, w, s, 0])) & 0xFFFFFFFF
+             for i in range(tiles) for w in (0, 1) for s in range(lo, min(lo + width, steps - 1))
+             if t[i, w, s, 0] != 0 and t[i, w, s + 1, 0] != 0]
+        if v:
+            out.append((lo, statistics.median(v), len(v)))
+    return out
+
+
+def _clock_ghz(trace: torch.Tensor, ctas: torch.Tensor, pair: int) -> float | None:
+    """SM cycles per nanosecond over the traced pair's key tiles: the cycles from step 0's top to
+    the last stamped step's top, against the global timer from the tile's start to its end
+    (which also holds the prologue, the last step and the epilogue, so this reads a little low).
+    Says whether two traced runs ran at different clocks."""
+    t = trace.cpu().to(torch.int64) & 0xFFFFFFFF
+    c = ctas.cpu().to(torch.int64) & 0xFFFFFFFF
+    rates = []
+    for i in range(t.shape[0]):
+        tops = [int(x) for x in t[i, 0, :, 0] if x != 0]
+        if len(tops) < 8:
+            continue
+        cycles = (tops[-1] - tops[0]) & 0xFFFFFFFF
+        ns = (int(c[i, pair, 1]) - int(c[i, pair, 0])) & 0xFFFFFFFF
+        if ns > 0:
+            rates.append(cycles / ns * len(tops) / (len(tops) - 1))
+    return statistics.median(rates) if rates else None
+
+
 def _schedule(ctas: torch.Tensor, causal: bool) -> dict:
     """The grid's schedule from every CTA's (start, end, SM) stamps, (key tiles, pairs, 3): the
     kernel's span, the SMs' busy share, the idle gaps between consecutive CTAs on an SM and at the
@@ -174,6 +211,9 @@ def main():
             phases = _phases(trace, TRACE_EVENTS)
             first = _first_steps(trace, TRACE_EVENTS)
             per_wg = [_phases(trace, TRACE_EVENTS, wgs=(w,)) for w in (0, 1)] if args.per_wg else []
+            by_step = _by_step(trace)
+            b_t, h_t = (int(x) for x in os.environ[bwd.TRACE_PAIR_ENV].split(":"))
+            ghz = _clock_ghz(trace, bwd.LAST_TRACE[:, 2:, :3], b_t * H + h_t)
         finally:
             os.environ.pop(bwd.TRACE_ENV)
             os.environ.pop(bwd.TRACE_PAIR_ENV)
@@ -189,7 +229,7 @@ def main():
         except Exception as exc:  # flash-attn-4 missing: our numbers alone
             print(f"flash-attn-4: {exc!r}")
         row = dict(D=D, S=S, causal=causal, ours_kernel_ms=ours_ms, fa4_kernel_ms=fa_ms, phases=phases,
-                   first_steps=first, schedule=schedule)
+                   first_steps=first, schedule=schedule, by_step=by_step, traced_ghz=ghz)
         if phases.get("step"):
             # cycles per 64-query step implied by each kernel's time, scaled by our traced step
             row["fa4_step_equiv"] = phases["step"] * fa_ms / ours_ms if fa_ms else None
@@ -199,6 +239,8 @@ def main():
               f"steps 0-2 {[int(r['step']) for r in first]}")
         print("   schedule: " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in schedule.items()))
+        print(f"   traced clock {ghz if ghz is None else round(ghz, 3)} cycles/ns; step cycles by step index "
+              "(first index, median, count): " + "  ".join(f"{lo}:{int(m)}({n})" for lo, m, n in by_step))
         for n, r in enumerate(first):
             print(f"   step {n}: " + "  ".join(f"{e}={int(c)}" for e, c in r.items() if e != "step"))
         print("   " + "  ".join(f"{e}={int(c)}" for e, c in phases.items() if e != "step"))

@@ -50,3 +50,16 @@ for i, l in enumerate(lines):
             best = (len(body), ops)
 if best:
     print("main loop:", best[0], "instructions;", ", ".join(f"{k} {v}" for k, v in best[1].most_common(24)))
+# Every loop whose body holds one step's HGMMAs and no inner step loop (split_mask_loops compiles
+# an unmasked and a masked step loop): its instruction count and its MUFU / FSEL, which tell the
+# unmasked body (no FSEL) from the masked one.
+loops = []
+for i, l in enumerate(lines):
+    m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", l)
+    if m and m.group(1) in labels and labels[m.group(1)] < i:
+        body = [x for x in lines[labels[m.group(1)]: i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", x)]
+        loops.append((len(body), sum("HGMMA" in x for x in body), sum(" FSEL" in x for x in body),
+                      sum("MUFU" in x for x in body)))
+if loops:
+    step = min(h for _, h, _, _ in loops if h)
+    print("step loops:", "; ".join(f"{n} instructions (FSEL {f}, MUFU {u})" for n, h, f, u in loops if h == step))

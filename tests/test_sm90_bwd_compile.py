@@ -74,13 +74,27 @@ VARIANTS_TM80 = {
 }
 
 
-def _check_backward_sass(sass, key, d, dv):
+def _step_bodies(key, call) -> int:
+    """How many copies of the step body the variant compiles: with split_mask_loops (walks with a
+    limit and no block mask or mask_mod) one unmasked loop, plus a masked loop for the tiles a
+    causal / right-window or partial-key-tile limit crosses (below the unmasked ones) and one for
+    those a left-window or varlen row limit crosses (above them)."""
+    right, left, varlen, seqused = key[4], key[5], key[7], key[8]
+    mask_mod = call.mods is not None and call.mods.mask_graph is not None
+    low, high = right or varlen or seqused, left or varlen
+    if not key[-3].split_mask_loops or key[-2] is not None or mask_mod or not (low or high):
+        return 1
+    return 1 + int(low) + int(high)
+
+
+def _check_backward_sass(sass, key, d, dv, bodies=1):
     hgmma = sass.count("HGMMA.")
     # S, dP and dQ: (K extent / 16) each (dQ's is the key tile: with the head dim split between
     # the warpgroups (64 queries) or the query rows (128 queries), one 64-row tile each);
-    # dK, dV: tile_m / 16 each.
+    # dK, dV: tile_m / 16 each; per copy of the step body (`bodies`, _step_bodies).
     tile_n, tile_m = key[-3].tile_n, key[-3].tile_m
-    assert hgmma == d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16), f"{hgmma} HGMMA instructions"
+    per_step = d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16)
+    assert hgmma == bodies * per_step, f"{hgmma} HGMMA instructions, {bodies} x {per_step} expected"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
     assert "USETMAXREG" in sass or "SETMAXNREG" in sass.upper(), "no register reallocation"
@@ -92,7 +106,7 @@ def _check_backward_sass(sass, key, d, dv):
     # then follows every HGMMA (28-40 waits instead of 3 with the next step's S^T overlapping the
     # dQ epilogue, when a group was left in flight across the loop's back edge)
     waits = sass.count("WARPGROUP.DEPBAR")
-    assert waits <= 8, f"{waits} wgmma waits: ptxas serialized the matmuls"
+    assert waits <= 8 * bodies, f"{waits} wgmma waits: ptxas serialized the matmuls"
     # programmatic dependent launch: launch_dependents (PREEXIT) and the grid wait (ACQBULK)
     assert ("PREEXIT" in sass) == ("ACQBULK" in sass) == key[-3].pdl, "programmatic dependent launch"
     # the dQ writer warp's slab hand-off is the kernel's only non-blocking named-barrier arrive
@@ -125,7 +139,7 @@ def _compiled_and_checked(key, call, tmp_path) -> str:
 
     bwd.compile_variant(key, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
-    _check_backward_sass(sass, key, call.head_dim, call.head_dim_v)
+    _check_backward_sass(sass, key, call.head_dim, call.head_dim_v, _step_bodies(key, call))
     return sass
 
 
@@ -175,6 +189,21 @@ def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
 
     call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.DQ_WARP_ENV, "0")])
     assert not key[-3].dq_writer_warp
+    _compiled_and_checked(key, call, tmp_path)
+
+
+# one step loop that tests every step (TORCH_FA4_BWD_SPLIT_MASK_LOOPS=0) against the default's
+# separate masked / unmasked loops: one step body against two (causal) or three (window, varlen)
+@pytest.mark.parametrize("split", ["0", "1"])
+@pytest.mark.parametrize("name,bodies", [("d96_causal", 2), ("d64_gqa_window", 3),
+                                         ("d64_varlen_window", 3), ("d128_causal_deterministic", 2),
+                                         ("d192_causal", 2), ("d64", 1)])
+def test_backward_split_mask_loops_compile(name, bodies, split, tmp_path, monkeypatch):
+    from torch_fa4.kernels.sm90 import bwd
+
+    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.SPLIT_MASK_LOOPS_ENV, split)])
+    assert key[-3].split_mask_loops == (split == "1")
+    assert _step_bodies(key, call) == (bodies if split == "1" else 1)
     _compiled_and_checked(key, call, tmp_path)
 
 
@@ -1030,9 +1059,10 @@ def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypa
     assert vk[-3].tile_m == tile_m
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
-    assert sass.count("HGMMA.") == d // 16 * 2 + 128 // 16 + 2 * (tile_m // 16)
+    bodies = _step_bodies(vk, call)  # a score_mod alone keeps the split loops
+    assert sass.count("HGMMA.") == bodies * (d // 16 * 2 + 128 // 16 + 2 * (tile_m // 16))
     assert sass.count("LDL") + sass.count("STL") <= 64
-    assert sass.count("WARPGROUP.DEPBAR") <= 8
+    assert sass.count("WARPGROUP.DEPBAR") <= 8 * bodies
     if make_mods is _alibi_mods:
         # the score_mod through the fragment emitter (TORCH_FA4_BWD_MOD_FRAGMENT, the default):
         # kv_idx - q_idx in exact fp32 from one conversion per step, not an I2F per element (the

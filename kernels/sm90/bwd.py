@@ -158,6 +158,12 @@ STATS_T_ENV = "TORCH_FA4_BWD_STATS_T"
 MOD_FRAGMENT_ENV = "TORCH_FA4_BWD_MOD_FRAGMENT"
 _STATS_T = "0"
 _MOD_FRAGMENT = "1"
+# Walks with a causal / window / length limit and no mask_mod run the steps that cross a limit and
+# those that do not in loops of their own, each with one P / dS body, instead of one loop that
+# tests every step and holds both (bwd_kernel `split_mask_loops`; NOTES "Experiment 124").
+# TORCH_FA4_BWD_SPLIT_MASK_LOOPS=0|1.
+SPLIT_MASK_LOOPS_ENV = "TORCH_FA4_BWD_SPLIT_MASK_LOOPS"
+_SPLIT_MASK_LOOPS = "1"
 
 
 class KernelTiles(NamedTuple):
@@ -182,6 +188,7 @@ class KernelTiles(NamedTuple):
     dq_transposed: bool  # dQ^T = K^T dS^T
     permuted_stats: bool  # row statistics in bwd_stats_layout's order
     mod_fragment: bool  # the score_mod through the fragment emitter (per element otherwise)
+    split_mask_loops: bool  # masked and unmasked steps in loops of their own
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -351,7 +358,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
-               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV)
+               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV)
 _variant_memo: dict = {}
 
 
@@ -417,6 +424,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
                         and _env_choice(STATS_T_ENV, _STATS_T, ("0", "1")) == "1"),
         mod_fragment=(call.mods is not None and call.mods.score_graph is not None
                       and _env_choice(MOD_FRAGMENT_ENV, _MOD_FRAGMENT, ("0", "1")) == "1"),
+        split_mask_loops=_env_choice(SPLIT_MASK_LOOPS_ENV, _SPLIT_MASK_LOOPS, ("0", "1")) == "1",
     )
     return (
         call.q.dtype,
@@ -576,7 +584,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops) = kernel_tiles
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -587,6 +595,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
         descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t, mod_fragment=mod_frag,
+        split_mask_loops=split_loops,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -68,6 +68,7 @@ class BwdConsumer:
             tdQrdS = ops_dQ.make_fragment_A(ops_dQ.partition_A(L.transposed(sdS)))
             tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
+        st_atom = thr_st_dS = tdSsdS_st = dS_slot_stride = dS_thread_offsets = None
         if const_expr(self.dS_stmatrix):
             # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
             # store (ptxas hoists the swizzled addresses out of the loop and spills them otherwise)
@@ -81,13 +82,15 @@ class BwdConsumer:
             dS_slot_stride = int(cute.crd2idx((0, 0, 1), sdS.layout))  # elements between slots
             slot_index = SL.indexer(sdS_slot.layout)
             dS_thread_offsets = tuple(slot_index(c) * 2 for c in SL.first_coords_copy_D(st_dS, 256, ident_dS))
+        tdVrP = tdKrdS = None
         if const_expr(self.narrow):  # dV, dK take P^T (slot 0) and dS^T (slot 1) from smem
             tdVrP = ops_dV.make_fragment_A(ops_dV.partition_A(sdS))[None, None, None, 0]
             tdKrdS = ops_dK.make_fragment_A(ops_dK.partition_A(sdS))[None, None, None, 1]
+        tdQsdQ_q = tdQsdQ_do = tdQsdQ = sdQ_wg = None
+        prev_stage = Int32(0)  # dq_in_ring: the stage the previous step's dQ went through
         if const_expr(self.dq_in_ring):  # (.., stage) partitions; slab 0 of each for the TMA
             tdQsdQ_q = thr_dQ.partition_C(cute.group_modes(sdQ[0], 1, 3))
             tdQsdQ_do = thr_dQ.partition_C(cute.group_modes(sdQ[1], 1, 3))
-            prev_stage = Int32(0)
         else:
             # The two dQ slabs seen as one (tile_m, d) tile: column c lives in slab c // (d/2)
             # (row r in slab r // (tile_m/2) when the warpgroups split the rows), so each
@@ -139,223 +142,32 @@ class BwdConsumer:
         if const_expr(state is None):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         ovl = self.overlap_next_s
+        rdQ_prev = None
+        prev_h = Int32(0)
+        prev_m = Int32(0)
         if const_expr(ovl):
             # dQ of the previous step (unscaled), and the head / query tile it belongs to; added to
             # the fp32 buffer during the next step (or after the loop). A copy made after the
             # wait: registers defined by a wgmma and read in the next iteration make ptxas wait
             # for all groups before that read (C7517), which would cover the next S^T.
             rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
-            prev_h = Int32(0)
-            prev_m = Int32(0)
         cur_h, cur_m = walk.start()
-        for step in cutlass.range(steps, unroll=1):
-            h_local, m_block, partial = walk.at(step, cur_h, cur_m)
-            cur_h, cur_m = walk.advance(cur_h, cur_m)
-            h = hkv * self.group + h_local
-            stage = state.index
-            stamp = lambda event: self._stamp(mSem, n_block, hkv, b, ctid, step, event)
-            stamp(0)
-            pipe.consumer_wait(state)
-            stamp(1)
-
-            acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-            acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-            lse_vals = None
-            dpsum_vals = None
-            if const_expr(self.prefetch_stats):
-                # before the products' wgmmas: loads issued behind them wait in the same queue
-                lse_vals = self._column_stats(sLSE, cS, stage, L.rows_cols_view(acc_S))
-                dpsum_vals = self._column_stats(sDp, cS, stage, L.rows_cols_view(acc_S))
-            if const_expr(self.fold_dpsum):
-                dP_init = L.rows_cols_view(acc_dP)
-                for c in cutlass.range_constexpr(cute.size(dP_init, mode=[1])):
-                    for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
-                        dP_init[r, c] = -dpsum_vals[c]
-            wgmma.issue(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-            if const_expr(self.split_ring):
-                pipe_do.consumer_wait(state)  # dO, dPsum of this stage
-            if const_expr(not ovl or self.OVERLAP_DP):
-                wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
-            stamp(2)
-            if const_expr(ovl):
-                # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
-                # (rdQ_prev: plain registers, written after that step's wait_group(0)). The
-                # wait_group(1) below still leaves exactly dP^T outstanding (S^T, dP^T are the
-                # only groups since that wait_group(0)).
-                if step > 0:
-                    self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
-                                 prev_m, n_block, wg, diag, window_left, is_leader)
-                if const_expr(not self.OVERLAP_DP):
-                    wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
-            if const_expr(self.dq_in_ring):
-                # The previous step's dQ add has read its stage by now (it ran while these
-                # products were issued): hand that stage back, so the producer loads the next
-                # step during this one.
-                if is_leader:
-                    if step > 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), prev_stage, Int32(0)))
-            S = L.rows_cols_view(acc_S)
-            dP = L.rows_cols_view(acc_dP)
-            row0 = m_block * tm  # query index of column 0
-            key0 = n_block * tn
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-            mod_ctx = (b, h, score_aux, mask_aux, partial)
-            buf = 1  # the dS^T slot dQ reads (narrow: fixed; below: alternating)
-            if const_expr(self.narrow):
-                # Both products landed, then P and dS in one pass (each warpgroup: 32 queries).
-                warpgroup.wait_group(0)
-                self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
-                rP.store(acc_S.load().to(self.dtype))
-                rdS.store(acc_dP.load().to(self.dtype))
-                # The other warpgroup may still read the previous step's P^T / dS^T (its dV, dK,
-                # dQ); after this barrier both have waited for those products.
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                cute.autovec_copy(rP, tdSsdS[None, None, None, 0])
-                cute.autovec_copy(rdS, tdSsdS[None, None, None, 1])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                wgmma.issue(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
-                wgmma.issue(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
-            elif const_expr(self.p_under_dp or self.one_pass):
-                if const_expr(self.p_under_dp):
-                    # P (fp32, in place) while dP^T is still on the tensor cores; dS from it once
-                    # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T,
-                    # dP^T and dK, dV are live (and the dPsum values are loaded after it landed).
-                    warpgroup.wait_group(1)
-                    stamp(3)
-                    self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                                   window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
-                    warpgroup.wait_group(0)
-                    stamp(5)
-                    dpsum_vals = self._column_stats(sDp, cS, stage, S)
-                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                            dP[r, c] = S[r, c] * (dP[r, c] - dpsum_vals[c])
-                else:
-                    # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
-                    warpgroup.wait_group(0)
-                    self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                                   window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
-                rP.store(acc_S.load().to(self.dtype))
-                rdS.store(acc_dP.load().to(self.dtype))
-                if const_expr(not self.dv_after_ds):
-                    wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-                if const_expr(not self.dq_under_dk):
-                    wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
-            else:
-                # P while dP^T is still on the tensor cores; dS while dV is.
-                warpgroup.wait_group(1)
-                stamp(3)
-                self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
-                               lse_vals)
-                rP.store(acc_S.load().to(self.dtype))
-                # dV += P^T dO  (P^T straight from registers)
-                wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-                stamp(4)
-                warpgroup.wait_group(1)
-                stamp(5)
-                if const_expr(not self.prefetch_stats):
-                    dpsum_vals = self._column_stats(sDp, cS, stage, S)
-                Pb = L.rows_cols_view(rP)
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    dpsum = dpsum_vals[c]
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        if const_expr(self.fold_dpsum):
-                            dP[r, c] = S[r, c] * dP[r, c]  # dP^T started at -dPsum
-                        elif const_expr(self.p_from_bf16):
-                            dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
-                        else:
-                            dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
-                rdS.store(acc_dP.load().to(self.dtype))
-                if const_expr(not self.dq_under_dk):
-                    # dK += dS^T Q
-                    wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
-
-            if const_expr(not self.narrow):
-                # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
-                buf = step % 2
-                if const_expr(self.dS_stmatrix):
-                    L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS),
-                                            tdSsdS_st[None, None, None, 0], dS_thread_offsets,
-                                            (buf, dS_slot_stride))
-                else:
-                    cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
-                if const_expr(self.dv_after_ds):
-                    # dV += P^T dO while the stmatrix stores drain
-                    wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                stamp(6)
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                stamp(7)
-
-            acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
-            if const_expr(self.dq_transposed):
-                wgmma.issue(mma_dQ, acc_dQ, tdQrK, tdQrdS[None, None, None, buf], True)
-            else:
-                wgmma.issue(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
-            if const_expr(self.dq_under_dk):
-                # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
-                wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
-                stamp(8)
-                warpgroup.wait_group(1)
-                stamp(9)
-                rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
-                rdQ.store(acc_dQ.load())
-                self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                             n_block, wg, diag, window_left, is_leader, stamp)
-                stamp(11)
-                warpgroup.wait_group(0)
-                stamp(12)
-                self._release_stage(pipe, pipe_do, state)
-                state.advance()
-                if const_expr(not self.dq_writer_warp):
-                    cute.arch.sync_warp()  # reconverge before the back edge (see below)
-            else:
-                warpgroup.wait_group(0)
-                if const_expr(not self.dq_in_ring):
-                    self._release_stage(pipe, pipe_do, state)  # Q, dO, LSE, dPsum are consumed
-                state.advance()
-                if const_expr(ovl):
-                    # A real copy: an unmodified one ptxas folds into the wgmma's registers,
-                    # which then count as read in the next iteration (C7517, every wgmma
-                    # serialized). softcap_val is 1.0 on this path (softcap runs one pass), and
-                    # ptxas cannot see that at compile time.
-                    rdQ_prev.store(acc_dQ.load() * softcap_val)
-                    prev_h = h
-                    prev_m = m_block
-                else:
-                    # dQ -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
-                    # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
-                    # the whole tile is harmless.
-                    rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
-                    rdQ.store(acc_dQ.load())
-                    dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
-                    if const_expr(self.dq_in_ring):
-                        # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
-                        # warpgroups' dK and dV have read them.
-                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                        if wg == 0:
-                            self._stage_and_add_dq(rdQ, tdQsdQ_q[None, None, None, stage],
-                                                   sdQ[0][None, None, 0, stage], *dq_args)
-                        else:
-                            self._stage_and_add_dq(rdQ, tdQsdQ_do[None, None, None, stage],
-                                                   sdQ[1][None, None, 0, stage], *dq_args)
-                        if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
-                            pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
-                        prev_stage = stage
-                        cute.arch.sync_warp()  # reconverge before the back edge (see below)
-                    else:
-                        self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
-                        if const_expr(not self.dq_writer_warp):
-                            # Reconverge the warp before the back edge: with the leader-only TMA region
-                            # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
-                            # cursor) in vector registers and rebuilds every stage-indexed descriptor
-                            # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
-                            cute.arch.sync_warp()
+        # What every step reads and no step changes (_step unpacks it in this order).
+        ops = (
+            acc_dK, acc_dV, b, cS, ctid, dS_slot_stride, dS_thread_offsets, diag, hkv, is_leader,
+            mSem, mask_aux, mdQacc, mma_SdP, mma_dK, mma_dQ, mma_dV, n_block, ovl, pipe, pipe_do,
+            q_off, rdQ_prev, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k,
+            seqlen_q, softcap_val, st_atom, tPrV, tPrdO, tSrK, tSrQ, tdKrQ, tdKrdS, tdQrK, tdQrdS,
+            tdQsdQ, tdQsdQ_do, tdQsdQ_q, tdSsdS, tdSsdS_st, tdVrP, tdVrdO, thr_SdP, thr_dQ,
+            thr_st_dS, tm, tma_dQ, tn, walk, wg, window_left, window_right,)
+        if const_expr(not self.split_mask_loops):
+            for step in cutlass.range(steps, unroll=1):
+                state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
+                    step, None, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+        else:
+            state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._masked_and_unmasked_steps(
+                walk, n_block, seqlen_q, seqlen_k, diag, window_left, window_right,
+                (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
 
         if const_expr(ovl):
             if steps > 0:  # the last step's dQ
@@ -395,6 +207,276 @@ class BwdConsumer:
             if ctid // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
         return state
+
+    @cute.jit
+    def _masked_and_unmasked_steps(self, walk, n_block, seqlen_q, seqlen_k, diag, window_left,
+                                   window_right, carry, ops):
+        """split_mask_loops: each head's steps as up to three loops, so the steps that cross no
+        length / causal / window limit (all but one or two per head under a causal mask) run a
+        body with no mask code and no per-step test, and the others one that masks without
+        testing. With both bodies behind a test in one loop, the causal step ran 1.5-3% slower
+        than the unmasked one (NOTES Experiment 124). Every head of the GQA group walks the same
+        query tiles, so the loops' bounds hold for each."""
+        lo, hi = self._unmasked_query_tiles(n_block, seqlen_q, seqlen_k, diag, window_left, window_right)
+        m_end = walk.m_lo + walk.n_m
+        lo = cutlass.min(cutlass.max(lo, walk.m_lo), m_end)
+        hi = cutlass.min(cutlass.max(hi, lo), m_end)
+        # walk order: descending, the tiles from hi up come first, then [lo, hi), then below lo
+        first = lo - walk.m_lo
+        if const_expr(self.descending_walk):
+            first = m_end - hi
+        bounds = (first, first + hi - lo, walk.n_m)
+        if const_expr(self.group == 1):
+            carry = self._head_steps(Int32(0), bounds, carry, ops)
+        else:
+            for h_local in cutlass.range(self.group, unroll=1):
+                carry = self._head_steps(h_local * walk.n_m, bounds, carry, ops)
+        return carry
+
+    @cute.jit
+    def _head_steps(self, base, bounds, carry, ops):
+        """One head's steps base + [0, bounds[0]) masked, [bounds[0], bounds[1]) unmasked,
+        [bounds[1], bounds[2]) masked; a masked loop that no limit of this variant can fill is
+        not compiled (its count is 0: _unmasked_query_tiles leaves lo at 0 / hi past the end)."""
+        high = self.has_left or self.varlen  # tiles from hi up can cross
+        low = self.has_right or self.mask_k  # tiles below lo can cross
+        first_masked = high if const_expr(self.descending_walk) else low
+        last_masked = low if const_expr(self.descending_walk) else high
+        state, cur_h, cur_m, prev_h, prev_m, prev_stage = carry
+        if const_expr(first_masked):
+            for step in cutlass.range(base, base + bounds[0], unroll=1):
+                state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
+                    step, True, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+        for step in cutlass.range(base + bounds[0], base + bounds[1], unroll=1):
+            state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
+                step, False, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+        if const_expr(last_masked):
+            for step in cutlass.range(base + bounds[1], base + bounds[2], unroll=1):
+                state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
+                    step, True, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+        return state, cur_h, cur_m, prev_h, prev_m, prev_stage
+
+    @cute.jit
+    def _step(self, step, limits: cutlass.Constexpr, carry, ops):
+        """One step of a work tile's walk: S^T, dP^T, P, dS, dV, dK, dQ of one query tile. `limits`:
+        None tests per step whether the tile crosses a length / causal / window limit, True masks
+        without testing, False never masks (_masked_and_unmasked_steps knows which steps those
+        are). `carry`: what passes from step to step, returned updated."""
+        state, cur_h, cur_m, prev_h, prev_m, prev_stage = carry
+        (acc_dK, acc_dV, b, cS, ctid, dS_slot_stride, dS_thread_offsets, diag, hkv, is_leader,
+         mSem, mask_aux, mdQacc, mma_SdP, mma_dK, mma_dQ, mma_dV, n_block, ovl, pipe, pipe_do,
+         q_off, rdQ_prev, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k, seqlen_q,
+         softcap_val, st_atom, tPrV, tPrdO, tSrK, tSrQ, tdKrQ, tdKrdS, tdQrK, tdQrdS, tdQsdQ,
+         tdQsdQ_do, tdQsdQ_q, tdSsdS, tdSsdS_st, tdVrP, tdVrdO, thr_SdP, thr_dQ, thr_st_dS, tm,
+         tma_dQ, tn, walk, wg, window_left, window_right,) = ops
+        h_local, m_block, partial = walk.at(step, cur_h, cur_m)
+        cur_h, cur_m = walk.advance(cur_h, cur_m)
+        h = hkv * self.group + h_local
+        stage = state.index
+        stamp = lambda event: self._stamp(mSem, n_block, hkv, b, ctid, step, event)
+        stamp(0)
+        pipe.consumer_wait(state)
+        stamp(1)
+
+        acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+        lse_vals = None
+        dpsum_vals = None
+        if const_expr(self.prefetch_stats):
+            # before the products' wgmmas: loads issued behind them wait in the same queue
+            lse_vals = self._column_stats(sLSE, cS, stage, L.rows_cols_view(acc_S))
+            dpsum_vals = self._column_stats(sDp, cS, stage, L.rows_cols_view(acc_S))
+        if const_expr(self.fold_dpsum):
+            dP_init = L.rows_cols_view(acc_dP)
+            for c in cutlass.range_constexpr(cute.size(dP_init, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
+                    dP_init[r, c] = -dpsum_vals[c]
+        wgmma.issue(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+        if const_expr(self.split_ring):
+            pipe_do.consumer_wait(state)  # dO, dPsum of this stage
+        if const_expr(not ovl or self.OVERLAP_DP):
+            wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
+        stamp(2)
+        if const_expr(ovl):
+            # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
+            # (rdQ_prev: plain registers, written after that step's wait_group(0)). The
+            # wait_group(1) below still leaves exactly dP^T outstanding (S^T, dP^T are the
+            # only groups since that wait_group(0)).
+            if step > 0:
+                self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
+                             prev_m, n_block, wg, diag, window_left, is_leader)
+            if const_expr(not self.OVERLAP_DP):
+                wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+        if const_expr(self.dq_in_ring):
+            # The previous step's dQ add has read its stage by now (it ran while these
+            # products were issued): hand that stage back, so the producer loads the next
+            # step during this one.
+            if is_leader:
+                if step > 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), prev_stage, Int32(0)))
+        S = L.rows_cols_view(acc_S)
+        dP = L.rows_cols_view(acc_dP)
+        row0 = m_block * tm  # query index of column 0
+        key0 = n_block * tn
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        mod_ctx = (b, h, score_aux, mask_aux, partial)
+        buf = 1  # the dS^T slot dQ reads (narrow: fixed; below: alternating)
+        if const_expr(self.narrow):
+            # Both products landed, then P and dS in one pass (each warpgroup: 32 queries).
+            warpgroup.wait_group(0)
+            self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                           window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
+            rP.store(acc_S.load().to(self.dtype))
+            rdS.store(acc_dP.load().to(self.dtype))
+            # The other warpgroup may still read the previous step's P^T / dS^T (its dV, dK,
+            # dQ); after this barrier both have waited for those products.
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            cute.autovec_copy(rP, tdSsdS[None, None, None, 0])
+            cute.autovec_copy(rdS, tdSsdS[None, None, None, 1])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            wgmma.issue(mma_dV, acc_dV, tdVrP, tdVrdO[None, None, None, stage], False)
+            wgmma.issue(mma_dK, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], False)
+        elif const_expr(self.p_under_dp or self.one_pass):
+            if const_expr(self.p_under_dp):
+                # P (fp32, in place) while dP^T is still on the tensor cores; dS from it once
+                # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T,
+                # dP^T and dK, dV are live (and the dPsum values are loaded after it landed).
+                warpgroup.wait_group(1)
+                stamp(3)
+                self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
+                warpgroup.wait_group(0)
+                stamp(5)
+                dpsum_vals = self._column_stats(sDp, cS, stage, S)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum_vals[c])
+            else:
+                # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
+                warpgroup.wait_group(0)
+                self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
+            rP.store(acc_S.load().to(self.dtype))
+            rdS.store(acc_dP.load().to(self.dtype))
+            if const_expr(not self.dv_after_ds):
+                wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+            if const_expr(not self.dq_under_dk):
+                wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+        else:
+            # P while dP^T is still on the tensor cores; dS while dV is.
+            warpgroup.wait_group(1)
+            stamp(3)
+            self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
+                           window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
+                           lse_vals, limits=limits)
+            rP.store(acc_S.load().to(self.dtype))
+            # dV += P^T dO  (P^T straight from registers)
+            wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+            stamp(4)
+            warpgroup.wait_group(1)
+            stamp(5)
+            if const_expr(not self.prefetch_stats):
+                dpsum_vals = self._column_stats(sDp, cS, stage, S)
+            Pb = L.rows_cols_view(rP)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                dpsum = dpsum_vals[c]
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    if const_expr(self.fold_dpsum):
+                        dP[r, c] = S[r, c] * dP[r, c]  # dP^T started at -dPsum
+                    elif const_expr(self.p_from_bf16):
+                        dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
+                    else:
+                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
+            rdS.store(acc_dP.load().to(self.dtype))
+            if const_expr(not self.dq_under_dk):
+                # dK += dS^T Q
+                wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+
+        if const_expr(not self.narrow):
+            # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
+            buf = step % 2
+            if const_expr(self.dS_stmatrix):
+                L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS),
+                                        tdSsdS_st[None, None, None, 0], dS_thread_offsets,
+                                        (buf, dS_slot_stride))
+            else:
+                cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+            if const_expr(self.dv_after_ds):
+                # dV += P^T dO while the stmatrix stores drain
+                wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            stamp(6)
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            stamp(7)
+
+        acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
+        if const_expr(self.dq_transposed):
+            wgmma.issue(mma_dQ, acc_dQ, tdQrK, tdQrdS[None, None, None, buf], True)
+        else:
+            wgmma.issue(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
+        if const_expr(self.dq_under_dk):
+            # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
+            wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+            stamp(8)
+            warpgroup.wait_group(1)
+            stamp(9)
+            rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
+            rdQ.store(acc_dQ.load())
+            self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
+                         n_block, wg, diag, window_left, is_leader, stamp)
+            stamp(11)
+            warpgroup.wait_group(0)
+            stamp(12)
+            self._release_stage(pipe, pipe_do, state)
+            state.advance()
+            if const_expr(not self.dq_writer_warp):
+                cute.arch.sync_warp()  # reconverge before the back edge (see below)
+        else:
+            warpgroup.wait_group(0)
+            if const_expr(not self.dq_in_ring):
+                self._release_stage(pipe, pipe_do, state)  # Q, dO, LSE, dPsum are consumed
+            state.advance()
+            if const_expr(ovl):
+                # A real copy: an unmodified one ptxas folds into the wgmma's registers,
+                # which then count as read in the next iteration (C7517, every wgmma
+                # serialized). softcap_val is 1.0 on this path (softcap runs one pass), and
+                # ptxas cannot see that at compile time.
+                rdQ_prev.store(acc_dQ.load() * softcap_val)
+                prev_h = h
+                prev_m = m_block
+            else:
+                # dQ -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
+                # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
+                # the whole tile is harmless.
+                rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
+                rdQ.store(acc_dQ.load())
+                dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
+                if const_expr(self.dq_in_ring):
+                    # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
+                    # warpgroups' dK and dV have read them.
+                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                    if wg == 0:
+                        self._stage_and_add_dq(rdQ, tdQsdQ_q[None, None, None, stage],
+                                               sdQ[0][None, None, 0, stage], *dq_args)
+                    else:
+                        self._stage_and_add_dq(rdQ, tdQsdQ_do[None, None, None, stage],
+                                               sdQ[1][None, None, 0, stage], *dq_args)
+                    if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
+                        pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
+                    prev_stage = stage
+                    cute.arch.sync_warp()  # reconverge before the back edge (see below)
+                else:
+                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                    if const_expr(not self.dq_writer_warp):
+                        # Reconverge the warp before the back edge: with the leader-only TMA region
+                        # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
+                        # cursor) in vector registers and rebuilds every stage-indexed descriptor
+                        # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
+                        cute.arch.sync_warp()
+        return state, cur_h, cur_m, prev_h, prev_m, prev_stage
 
     @cute.jit
     def _store_via_smem(self, acc, thr, s_tile, tma_store, g_tile, factor, ctid):

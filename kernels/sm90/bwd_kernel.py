@@ -173,6 +173,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         dq_transposed: bool = False,  # 64 queries: dQ^T = K^T dS^T (as at 80), for conflict-free dQ stores
         permuted_stats: bool = False,  # LSE / dPsum tiles in bwd_stats_layout's order: vector loads
         mod_fragment: bool = False,  # the score_mod through mod_fragment's emitter (bwd_scores.py)
+        split_mask_loops: bool = False,  # masked and unmasked steps in loops of their own (see below)
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -302,6 +303,11 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         assert not self.sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         # the deterministic dQ order counts every earlier key tile; a sparse walk skips some
         assert not (self.sparse and deterministic), "deterministic mode walks densely"
+        # Walks with a length / causal / window limit but no mask_mod: the steps that cross a
+        # limit and those that do not in separate loops, each with one P / dS body
+        # (bwd_consumer._masked_and_unmasked_steps); else one loop tests every step.
+        self.split_mask_loops = (split_mask_loops and not self.sparse and self.mask_graph is None
+                                 and (self.varlen or self.mask_k or self.has_right or self.has_left))
         # Phase tracing, a measuring tool: the first thread of each consumer warpgroup of the CTAs
         # of one (batch, KV head) pair writes a 32-bit clock at TRACE_EVENTS points of its first
         # `trace_steps` steps into mSem, then (n_blocks, 2, trace_steps * TRACE_EVENTS) int32.

@@ -8,7 +8,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 
 from ..common import mod_lowering as mods_dsl
 from ..common.mod_fragment import FragmentEmitter, FragmentPositions
@@ -62,11 +62,14 @@ class BwdScores:
 
     @cute.jit
     def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
+                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None,
+                  limits: cutlass.Constexpr = None):
         """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
 
         Only tiles that cross a mask boundary pay for the per-element test; the mask_mod runs on
-        every tile of a dense walk, and on the partial tiles only of a block-sparse walk."""
+        every tile of a dense walk, and on the partial tiles only of a block-sparse walk.
+        limits (walks without a block mask or mask_mod): None tests here whether this tile
+        crosses a limit; True / False say that it does / does not (split_mask_loops)."""
         args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                 window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
         if const_expr(self.mask_graph is not None and not self.sparse):
@@ -77,8 +80,10 @@ class BwdScores:
                 self._p_and_ds_tile(*args, True, True, lse_vals)
             else:
                 self._p_and_ds_limits(*args, lse_vals)
-        else:
+        elif const_expr(limits is None):
             self._p_and_ds_limits(*args, lse_vals)
+        else:
+            self._p_and_ds_tile(*args, limits, False, lse_vals)
 
     @cute.jit
     def _p_and_ds_limits(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
@@ -103,6 +108,32 @@ class BwdScores:
                 self._p_and_ds_tile(*args, False, False, lse_vals)
         else:
             self._p_and_ds_tile(*args, False, False, lse_vals)
+
+    @cute.jit
+    def _unmasked_query_tiles(self, n_block, seqlen_q, seqlen_k, diag, window_left, window_right):
+        """[lo, hi): the query tiles whose step crosses none of the limits _p_and_ds_limits tests
+        for key tile n_block, from the same inequalities solved for the tile index m (row0 = m *
+        tile_m). Every query tile below lo crosses the causal / right-window limit (or, with a
+        partial key tile, every tile does: lo = hi = huge); every one from hi up crosses the
+        left-window or the sequence-length limit."""
+        tm, tn = self.tile_m, self.tile_n
+        key0 = n_block * tn
+        lo = Int32(0)
+        hi = Int32(0x3FFFFFFF)
+        if const_expr(self.has_right):
+            # unmasked iff key0 + tn - 1 <= m * tm + diag + window_right
+            x = key0 + tn - 1 - diag - window_right
+            lo = cutlass.select_(x > 0, (x + tm - 1) // tm, Int32(0))
+        if const_expr(self.has_left):
+            # unmasked iff m * tm <= key0 - tm + 1 - diag + window_left
+            y = key0 - tm + 1 - diag + window_left
+            hi = cutlass.select_(y < 0, Int32(0), y // tm + 1)
+        if const_expr(self.varlen):
+            hi = cutlass.min(hi, seqlen_q // tm)  # unmasked iff m * tm + tm <= seqlen_q
+        if const_expr(self.mask_k):
+            partial_keys = key0 + tn > seqlen_k
+            lo = cutlass.select_(partial_keys, Int32(0x3FFFFFFF), lo)
+        return lo, hi
 
     @cute.jit
     def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
