@@ -50,16 +50,20 @@ for i, l in enumerate(lines):
             best = (len(body), ops)
 if best:
     print("main loop:", best[0], "instructions;", ", ".join(f"{k} {v}" for k, v in best[1].most_common(24)))
-# Every loop whose body holds one step's HGMMAs and no inner step loop (split_mask_loops compiles
-# an unmasked and a masked step loop): its instruction count and its MUFU / FSEL, which tell the
-# unmasked body (no FSEL) from the masked one.
-loops = []
+# The step loops (split_mask_loops compiles an unmasked and one or two masked ones): loops with
+# HGMMAs that hold no smaller such loop, leaving out the mbarrier retry stubs after the last EXIT
+# (their branches jump back into a loop's middle). Instruction count and FSEL / MUFU per loop:
+# the unmasked body has no FSEL.
+last_exit = max((i for i, l in enumerate(lines) if re.search(r"\bEXIT\b", l)), default=len(lines))
+spans = []
 for i, l in enumerate(lines):
     m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", l)
-    if m and m.group(1) in labels and labels[m.group(1)] < i:
-        body = [x for x in lines[labels[m.group(1)]: i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", x)]
-        loops.append((len(body), sum("HGMMA" in x for x in body), sum(" FSEL" in x for x in body),
-                      sum("MUFU" in x for x in body)))
-if loops:
-    step = min(h for _, h, _, _ in loops if h)
-    print("step loops:", "; ".join(f"{n} instructions (FSEL {f}, MUFU {u})" for n, h, f, u in loops if h == step))
+    if m and m.group(1) in labels and labels[m.group(1)] < i < last_exit:
+        a = labels[m.group(1)]
+        body = [x for x in lines[a: i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", x)]
+        if any("HGMMA" in x for x in body):
+            spans.append((a, i, body))
+inner = [(a, i, body) for a, i, body in spans
+         if not any(a <= a2 and i2 <= i and (a2, i2) != (a, i) for a2, i2, _ in spans)]
+print("step loops:", "; ".join(f"{len(body)} instructions (FSEL {sum(' FSEL' in x for x in body)}, "
+                               f"MUFU {sum('MUFU' in x for x in body)})" for _, _, body in inner))
