@@ -201,7 +201,8 @@ def main():
         ours = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
         ours_ms = _kernel_ms(ours)
         os.environ[bwd.TRACE_ENV] = str(args.steps)
-        os.environ[bwd.TRACE_PAIR_ENV] = "0:0" if args.pair == "first" else f"{B // 2}:{H // 2 if B == 1 else 0}"
+        b_t, h_t = (0, 0) if args.pair == "first" else (B // 2, H // 2 if B == 1 else 0)
+        os.environ[bwd.TRACE_PAIR_ENV] = f"{b_t}:{h_t}"
         try:
             ours()
             torch.cuda.synchronize()
@@ -212,7 +213,6 @@ def main():
             first = _first_steps(trace, TRACE_EVENTS)
             per_wg = [_phases(trace, TRACE_EVENTS, wgs=(w,)) for w in (0, 1)] if args.per_wg else []
             by_step = _by_step(trace)
-            b_t, h_t = (int(x) for x in os.environ[bwd.TRACE_PAIR_ENV].split(":"))
             ghz = _clock_ghz(trace, bwd.LAST_TRACE[:, 2:, :3], b_t * H + h_t)
         finally:
             os.environ.pop(bwd.TRACE_ENV)

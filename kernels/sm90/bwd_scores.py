@@ -88,7 +88,9 @@ class BwdScores:
     @cute.jit
     def _p_and_ds_limits(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                          window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
-        """P (and dS) with the length / causal / window limits only, tested where a tile crosses."""
+        """P (and dS) with the length / causal / window limits only, tested where a tile crosses.
+        _unmasked_query_tiles solves these same tests for the query-tile index: change both
+        together."""
         tm, tn = self.tile_m, self.tile_n
         args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                 window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
