@@ -288,6 +288,10 @@ _BWD_SWEEPS = {
     "bwd-dv-order": ({f"{p}{'-dv-after' if a == '1' else ''}": {"TORCH_FA4_BWD_PASSES": p, "TORCH_FA4_BWD_DV_AFTER_DS": a}
                       for p in ("one", "split") for a in ("0", "1")},
                      [(64, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the persistent epilogue's dV staged in the dS^T slots after dK, or in a buffer of its own
+    # (bwd_kernel `own_dv_stage`; the 64-query variants)
+    "bwd-own-dv": ({"shared": {"TORCH_FA4_BWD_OWN_DV_STAGE": "0"}, "own": {"TORCH_FA4_BWD_OWN_DV_STAGE": "1"}},
+                   [(128, S, c) for S in (1024, 4096, 16384) for c in (True, False)]),
     # one CTA per work tile against the persistent kernel (bwd_kernel `persistent`)
     "bwd-persistent": (_PERSISTENT_AB, [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384)
                                         for c in (False, True)]),

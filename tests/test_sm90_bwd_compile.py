@@ -482,6 +482,51 @@ def test_persistent_variant_compiles(kw, persistent, tmp_path, monkeypatch):
     assert ("ATOMG" in sass) is (persistent == "1")
 
 
+def test_own_dv_stage_selection(monkeypatch):
+    # the persistent 64-query variants (D96, D128) stage dV in a buffer of its own, which fits
+    # shared memory; the 128-query D64 variant already stages dK and dV together in its dS^T
+    # slots; one CTA per tile never; TORCH_FA4_BWD_OWN_DV_STAGE=0 off
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.delenv(bwd.OWN_DV_STAGE_ENV, raising=False)
+    monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
+    tiles = lambda call, det=False: bwd.variant_key(call, det)[-3]  # noqa: E731
+    for kw in (dict(d=128), dict(d=128, causal=True), dict(d=96, causal=True)):
+        t = tiles(_call(**kw))
+        assert t.persistent and t.tile_m == 64 and t.own_dv_stage, kw
+        d = kw["d"]
+        need = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m, own_dv_stage=True)
+        without = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m)  # (+ a 16-byte placeholder)
+        assert without - 16 + t.tile_n * d * 2 <= need <= bwd._SMEM_LIMIT
+    t = tiles(_call(d=64, causal=True))
+    assert t.tile_m == 128 and bwd.dkdv_share_slots(64, 64, t.tile_n, t.tile_m) and not t.own_dv_stage
+    assert not tiles(_call(d=128), True).own_dv_stage  # deterministic: one CTA per tile
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
+    assert not tiles(_call(d=128, causal=True)).own_dv_stage
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "1")
+    monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, "0")
+    assert not tiles(_call(d=128, causal=True)).own_dv_stage
+    monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, "on")
+    with pytest.raises(ValueError, match=bwd.OWN_DV_STAGE_ENV):
+        bwd.variant_key(_call(d=128), False)
+
+
+def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
+    # both stores leave together: the epilogue waits once for the TMA to read its staging, not
+    # twice (the bulk-group read waits are DEPBAR.LE SB0, 0x0 in the SASS)
+    from torch_fa4.kernels.sm90 import bwd
+
+    call = _call(d=128, causal=True)
+    waits = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, on)
+        key = bwd.variant_key(call, False)
+        assert key[-3].own_dv_stage is (on == "1")
+        (tmp_path / on).mkdir()
+        waits[on] = _compiled_and_checked(key, call, tmp_path / on).count("DEPBAR.LE SB0, 0x0")
+    assert waits["1"] == waits["0"] - 1 >= 1, waits
+
+
 def test_80_query_variant_selection(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 

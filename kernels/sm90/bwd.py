@@ -164,6 +164,12 @@ _MOD_FRAGMENT = "1"
 # TORCH_FA4_BWD_SPLIT_MASK_LOOPS=0|1.
 SPLIT_MASK_LOOPS_ENV = "TORCH_FA4_BWD_SPLIT_MASK_LOOPS"
 _SPLIT_MASK_LOOPS = "1"
+# The persistent kernel stages dK in the dS^T slots and dV in a buffer of its own where the slots
+# cannot hold both (64 queries per step: D96, D128) and shared memory has room, so both TMA stores
+# go out together and a tile's epilogue waits for one store read instead of two in a row
+# (bwd_kernel `own_dv_stage`). TORCH_FA4_BWD_OWN_DV_STAGE=0|1.
+OWN_DV_STAGE_ENV = "TORCH_FA4_BWD_OWN_DV_STAGE"
+_OWN_DV_STAGE = "1"
 
 
 class KernelTiles(NamedTuple):
@@ -189,6 +195,7 @@ class KernelTiles(NamedTuple):
     permuted_stats: bool  # row statistics in bwd_stats_layout's order
     mod_fragment: bool  # the score_mod through the fragment emitter (per element otherwise)
     split_mask_loops: bool  # masked and unmasked steps in loops of their own
+    own_dv_stage: bool  # persistent: dV staged in its own shared-memory buffer
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -277,10 +284,12 @@ def dq_first(tile_n: int, dq_in_ring: bool) -> bool:
     return on and _separate_dq_slabs(tile_n, dq_in_ring)
 
 
-def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M) -> int:
+def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M,
+                own_dv_stage: bool = False) -> int:
     """Shared memory of bwd_kernel's Storage (16-bit inputs), field by field with its alignments:
     ring barriers, LSE / dPsum ring (128-byte aligned), then 1024-byte aligned Q / dO ring, K, V,
-    dS^T (P^T) slots and fp32 dQ slabs (none when dQ is staged in the ring)."""
+    dS^T (P^T) slots, fp32 dQ slabs (none when dQ is staged in the ring) and dV's own staging
+    buffer (`own_dv_stage`; an unaligned placeholder of 16 bytes otherwise)."""
     tm = tile_m
 
     def after(offset: int, align: int, size: int) -> int:
@@ -293,7 +302,23 @@ def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, til
     for size in (stages * tm * d * 2, stages * tm * dv * 2, tile_n * d * 2, tile_n * dv * 2,
                  2 * tile_n * tm * 2, slabs):
         n = after(n, 1024, size)
-    return n
+    return after(n, 1024, tile_n * dv * 2) if own_dv_stage else n + 16
+
+
+def dkdv_share_slots(d: int, dv: int, tile_n: int, tile_m: int) -> bool:
+    """Whether the persistent epilogue stages dK and dV in the dS^T slots at once (bwd_kernel
+    `_persistent_roles`): at 128 queries per step, where the slots hold two K tiles and K's
+    swizzle is V's."""
+    return tile_m == 128 and d == dv and 2 * tile_n * tile_m >= 2 * tile_n * d
+
+
+def own_dv_stage(d: int, dv: int, tile_n: int, stages: int, tile_m: int) -> bool:
+    """Whether the persistent variant stages dV in its own buffer (OWN_DV_STAGE_ENV): where the
+    dS^T slots cannot take dK and dV at once and the buffer fits shared memory (D128 at 64 queries:
+    1 KB to spare)."""
+    if _env_choice(OWN_DV_STAGE_ENV, _OWN_DV_STAGE, ("0", "1")) != "1" or dkdv_share_slots(d, dv, tile_n, tile_m):
+        return False
+    return _smem_bytes(d, dv, tile_n, stages, False, tile_m, own_dv_stage=True) <= _SMEM_LIMIT
 
 
 def unsupported_reason(call: "AttentionCall") -> str | None:
@@ -358,7 +383,8 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
-               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV)
+               DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV,
+               OWN_DV_STAGE_ENV)
 _variant_memo: dict = {}
 
 
@@ -408,6 +434,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         trace = (trace, *(int(x) for x in (os.environ.get(TRACE_PAIR_ENV) or "0:0").split(":")))
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
+    persist = persistent(call, deterministic, tile_n, dq_in_ring, sparse)
     kernel_tiles = KernelTiles(
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m,
         passes=passes if tile_m != _TILE_M else None,
@@ -415,7 +442,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         trace=trace, exp2_emulate=emulate, fold_dpsum=fold, pdl=pdl(),
         split_ring=tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
         dv_after_ds=tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
-        persistent=persistent(call, deterministic, tile_n, dq_in_ring, sparse),
+        persistent=persist,
         l2_hints=_env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
         descending=(_env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
                     and not deterministic and sparse is None),
@@ -425,6 +452,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         mod_fragment=(call.mods is not None and call.mods.score_graph is not None
                       and _env_choice(MOD_FRAGMENT_ENV, _MOD_FRAGMENT, ("0", "1")) == "1"),
         split_mask_loops=_env_choice(SPLIT_MASK_LOOPS_ENV, _SPLIT_MASK_LOOPS, ("0", "1")) == "1",
+        own_dv_stage=persist and own_dv_stage(d, dv, tile_n, stages, tile_m),
     )
     return (
         call.q.dtype,
@@ -584,7 +612,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops, own_dv) = kernel_tiles
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -595,7 +623,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
         descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t, mod_fragment=mod_frag,
-        split_mask_loops=split_loops,
+        split_mask_loops=split_loops, own_dv_stage=own_dv,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)

@@ -174,6 +174,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         permuted_stats: bool = False,  # LSE / dPsum tiles in bwd_stats_layout's order: vector loads
         mod_fragment: bool = False,  # the score_mod through mod_fragment's emitter (bwd_scores.py)
         split_mask_loops: bool = False,  # masked and unmasked steps in loops of their own (see below)
+        own_dv_stage: bool = False,  # persistent: dV staged in a buffer of its own (see below)
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -343,6 +344,12 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         self.persistent = persistent
         assert not persistent or (self.stage_dkdv and self.dq_writer_warp and not deterministic
                                   and not self.sparse and not dq_in_ring), "persistent: dense 128-key paths"
+        # Where the dS^T slots hold only one of dK / dV (64 queries per step), the persistent
+        # epilogue stored dK, waited for the TMA to read it out, then staged dV in the same slots:
+        # two store reads in a row at every tile's end. With `own_dv_stage` dV has a buffer of its
+        # own (bwd.own_dv_stage: where shared memory has room), so both stores go out together.
+        self.own_dv_stage = bool(own_dv_stage)
+        assert not own_dv_stage or persistent, "own_dv_stage: the persistent epilogue"
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -497,6 +504,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
 
         sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
+        # dV's own staging buffer, or an unaligned 16-byte placeholder (bwd._smem_bytes)
+        sdV_out_field = (cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+                         if const_expr(self.own_dv_stage) else cute.struct.MemRange[dt, 8])
 
         @cute.struct
         class Storage:
@@ -515,6 +525,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_elems], 1024]
+            sdV_out: sdV_out_field
 
         num_kv_heads = mK.shape[2]
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
@@ -732,7 +743,12 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             both = (self.dq_split_rows and self.d == self.dv
                     and cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout))
             assert cute.cosize(sdS.layout) >= cute.cosize(sK_layout) and cute.cosize(sdS.layout) >= cute.cosize(sV_layout)
-            if const_expr(both):
+            if const_expr(self.own_dv_stage):
+                assert not both, "own_dv_stage where the dS^T slots already take dK and dV"
+                both = True
+                s_out = (st.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+                         st.sdV_out.get_tensor(sV_layout.outer, swizzle=sV_layout.inner))
+            elif const_expr(both):
                 two = cute.append(sK_layout.outer, cute.make_layout(2, stride=cute.cosize(sK_layout)))
                 s_pair = st.sdS.get_tensor(two, swizzle=sK_layout.inner)
                 s_out = (s_pair[None, None, 0], s_pair[None, None, 1])
