@@ -116,7 +116,9 @@ def _check_backward_sass(sass, key, d, dv, bodies=1):
     if tile_n == 128 and not varlen:
         assert "UTMASTG" in sass, "dK / dV are not stored through TMA"
         if not key[-3].trace:  # (the trace variant stores its clock stamps)
-            assert "STG.E" not in sass, "direct global stores besides the TMA stores"
+            # (fused_dq: dq's rows, 16-byte stores of the converter warps)
+            other = sass.replace("STG.E.128", "") if key[-3].fused_dq else sass
+            assert "STG.E" not in other, "direct global stores besides the TMA stores"
     else:
         assert "UTMASTG" not in sass and "STG.E" in sass
 
@@ -491,13 +493,17 @@ def test_own_dv_stage_selection(monkeypatch):
     monkeypatch.delenv(bwd.OWN_DV_STAGE_ENV, raising=False)
     monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
     tiles = lambda call, det=False: bwd.variant_key(call, det)[-3]  # noqa: E731
+    # beside fused_dq's staging tile only D96 has room for it
+    assert tiles(_call(d=96, causal=True)).own_dv_stage and tiles(_call(d=96, causal=True)).fused_dq
+    assert not tiles(_call(d=128, causal=True)).own_dv_stage and tiles(_call(d=128, causal=True)).fused_dq
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
     for kw in (dict(d=128), dict(d=128, causal=True), dict(d=96, causal=True)):
         t = tiles(_call(**kw))
-        assert t.persistent and t.tile_m == 64 and t.own_dv_stage, kw
+        assert t.persistent and t.tile_m == 64 and t.own_dv_stage and not t.fused_dq, kw
         d = kw["d"]
         need = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m, own_dv_stage=True)
-        without = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m)  # (+ a 16-byte placeholder)
-        assert without - 16 + t.tile_n * d * 2 <= need <= bwd._SMEM_LIMIT
+        without = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m)
+        assert without + t.tile_n * d * 2 <= need <= bwd._SMEM_LIMIT
     t = tiles(_call(d=64, causal=True))
     assert t.tile_m == 128 and bwd.dkdv_share_slots(64, 64, t.tile_n, t.tile_m) and not t.own_dv_stage
     assert not tiles(_call(d=128), True).own_dv_stage  # deterministic: one CTA per tile
@@ -511,6 +517,92 @@ def test_own_dv_stage_selection(monkeypatch):
         bwd.variant_key(_call(d=128), False)
 
 
+def test_fused_dq_selection(monkeypatch):
+    # the persistent variants write dq themselves wherever every query tile sees a key and the
+    # staging tile fits (D64 at 128 queries fills shared memory to the byte); never with
+    # seqused_k, varlen, deterministic mode or one CTA per tile; TORCH_FA4_BWD_FUSED_DQ=0 off
+    from torch_fa4.kernels.sm90 import bwd
+
+    for name in (bwd.FUSED_DQ_ENV, bwd.PERSISTENT_ENV, bwd.TILE_M_ENV):
+        monkeypatch.delenv(name, raising=False)
+    fused = lambda call, det=False: bwd.variant_key(call, det)[-3].fused_dq  # noqa: E731
+    for kw in (dict(d=64), dict(d=64, causal=True), dict(d=128), dict(d=128, causal=True), dict(d=96),
+               dict(d=128, window_left=64, window_right=0)):
+        key = bwd.variant_key(_call(**kw), False)
+        t = key[-3]
+        assert t.fused_dq and t.persistent, kw
+        assert bwd._smem_bytes(kw["d"], kw["d"], t.tile_n, t.stages, False, t.tile_m, fused_dq=True) <= bwd._SMEM_LIMIT
+    assert bwd.variant_key(_call(d=64), False)[-3].tile_m == 128
+    assert not fused(_call(d=128), True)
+    assert not fused(_call(d=128, seqused=True)) and not fused(_call(d=128, varlen=True))
+    assert not fused(_call(d=256, causal=True))  # 64-key variant: one CTA per tile
+
+    def shaped(sq, sk, **kw):
+        q = torch.empty(1, sq, 2, 128, dtype=torch.bfloat16)
+        k = torch.empty(1, sk, 2, 128, dtype=torch.bfloat16)
+        return AttentionCall(q=q, k=k, v=k, scale=0.1, **kw)
+
+    # causal, 64-query tiles: the first tile's last row (63) sees key 0 while Sq - Sk <= 63
+    assert fused(shaped(100, 37, causal=True)) and not fused(shaped(101, 37, causal=True))
+    assert fused(shaped(101, 37)) and fused(shaped(101, 37, window_left=5))
+    assert not fused(shaped(200, 100, window_right=10, window_left=0))  # rows 0-89 see no key
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
+    assert not fused(_call(d=128, causal=True))
+    monkeypatch.setenv(bwd.PERSISTENT_ENV, "1")
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
+    assert not fused(_call(d=128, causal=True))
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "yes")
+    with pytest.raises(ValueError, match=bwd.FUSED_DQ_ENV):
+        bwd.variant_key(_call(d=64), False)
+
+
+def _contributors_closed_form(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left):
+    """bwd_dq_fused.dq_contributors, transcribed (Python's floor division equals the kernel's
+    where its operands are kept non-negative)."""
+    diag, n_lo, n_hi = sk - sq, 0, -(-sk // tile_n) - 1
+    if has_right:
+        x = (m + 1) * tile_m + diag + right
+        n_hi = min(n_hi, (max(x, 1) - 1) // tile_n) if x > 0 else -1
+    if has_left:
+        n_lo = max(m * tile_m + diag - left, 0) // tile_n
+    return max(n_hi - n_lo + 1, 0)
+
+
+def test_dq_contributors_match_the_walks():
+    # the kernel's count of a query tile's contributors against the key tiles' walks, one by one,
+    # over random shapes and limits
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(400):
+        tile_m = (64, 80, 128)[int(torch.randint(3, (1,), generator=g))]
+        sq, sk = (int(x) for x in torch.randint(1, 700, (2,), generator=g))
+        has_right, has_left = (bool(x) for x in torch.randint(2, (2,), generator=g))
+        right, left = (int(x) for x in torch.randint(0, 300, (2,), generator=g))
+        for m in range(-(-sq // tile_m)):
+            want = _contributors(m, tile_m, 128, sq, sk, has_right, has_left, right, left)
+            got = _contributors_closed_form(m, tile_m, 128, sq, sk, has_right, has_left, right, left)
+            assert got == want, (m, tile_m, sq, sk, has_right, has_left, right, left)
+
+
+def test_fused_dq_compiles(tmp_path, monkeypatch):
+    # fused_dq adds the converter: one more TMA load (the finished fp32 tile), the dQ counters'
+    # atomics, and dq's 16-byte stores (none without it: the conversion pass writes dq)
+    from torch_fa4.kernels.sm90 import bwd
+
+    call = _call(d=128, causal=True)
+    sass = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(bwd.FUSED_DQ_ENV, on)
+        key = bwd.variant_key(call, False)
+        assert key[-3].fused_dq is (on == "1")
+        (tmp_path / on).mkdir()
+        sass[on] = _compiled_and_checked(key, call, tmp_path / on)
+    count = lambda on, op: sass[on].count(op)  # noqa: E731
+    assert count("1", "UTMALDG") == count("0", "UTMALDG") + 1
+    assert count("1", "ATOMG") > count("0", "ATOMG") >= 1
+    assert count("1", "STG.E.128") >= 16 and count("0", "STG.E.128") == 0
+    assert "LDL" not in sass["1"] and "STL" not in sass["1"]
+
+
 def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
     # both stores leave together: the epilogue waits once for the TMA to read its staging, not
     # twice (the bulk-group read waits are DEPBAR.LE SB0, 0x0 in the SASS)
@@ -518,6 +610,7 @@ def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
 
     call = _call(d=128, causal=True)
     waits = {}
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")  # (with it, D128 has no room for dV's buffer)
     for on in ("0", "1"):
         monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, on)
         key = bwd.variant_key(call, False)
@@ -691,7 +784,7 @@ def _emulated_kernel(key):
         mods = lookup(mod_key)
         assert mods.score_graph is None, "the emulation covers mask_mods only"
 
-    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, *rest):
         q_num, q_idx, full_num, full_idx = rest[:4]
         scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail, num_ctas = rest[4:13]
         # the CTA order and the persistent grid change nothing the emulation computes
@@ -702,10 +795,14 @@ def _emulated_kernel(key):
         # buffer is not (its TMA adds drop rows past Sq)
         assert lse2.shape[-1] % tile_m == 0 and dq_acc.shape[-2] == q.shape[1]
         assert lse2.shape[-1] >= -(-q.shape[1] // tile_m) * tile_m
+        n_m = -(-q.shape[1] // tile_m)
         if deterministic:  # one semaphore per query tile (else: the persistent tile counter)
-            assert sem.shape[-1] == -(-q.shape[1] // tile_m)
+            assert sem.shape[-1] == n_m
+        elif kernel_tiles.fused_dq:  # per query tile a counter and a queue slot; 3 counters
+            assert sem.shape == (q.shape[0], q.shape[2], 2 * n_m + 3) and int(sem.abs().sum()) == 0
         elif kernel_tiles.persistent:
             assert sem.shape == (1, 1, 1) and int(sem.sum()) == 0
+        assert (dq_out is not None) == kernel_tiles.fused_dq
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]
             sk = int(used[b]) if used is not None else sk_rows
@@ -731,8 +828,25 @@ def _emulated_kernel(key):
                 gv[:, hk] += dv_h
             dk[b].copy_(gk)
             dvv[b].copy_(gv)
+            if dq_out is not None:  # the converter warps: every query tile some key tile walks
+                for m in range(n_m):
+                    if _contributors(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left) > 0:
+                        rows = slice(m * tile_m, (m + 1) * tile_m)
+                        dq_out[b, rows] = (dq_acc[b, :, rows].transpose(0, 1) * scale).to(dq_out.dtype)
 
     return fn
+
+
+def _contributors(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left):
+    """Key tiles whose walk (bwd_kernel._tile_walk's query range) holds query tile m, counted
+    one by one."""
+    diag, count = sk - sq, 0
+    for n in range(-(-sk // tile_n)):
+        n0, n1 = n * tile_n, min(n * tile_n + tile_n, sk)
+        row_lo = max(n0 - diag - right, 0) if has_right else 0
+        row_hi = min(n1 - diag + left, sq) if has_left else sq
+        count += row_lo // tile_m <= m < -(-max(row_hi, 0) // tile_m)
+    return count
 
 
 def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles):
@@ -741,9 +855,9 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
     cu_seqlens offsets, a grid sized by max_k."""
     tile_m = kernel_tiles.tile_m
 
-    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *rest):
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, *rest):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
-        assert all(t is None for t in rest[:4]) and sem is None
+        assert all(t is None for t in rest[:4]) and sem is None and dq_out is None
         # every query tile a CTA reads, from any sequence's offset, lies inside the statistics
         assert lse2.shape == dpsum.shape == dq_acc.shape[:2] and lse2.shape[-1] % tile_m == 0
         assert lse2.shape[-1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m

@@ -170,6 +170,12 @@ _SPLIT_MASK_LOOPS = "1"
 # (bwd_kernel `own_dv_stage`). TORCH_FA4_BWD_OWN_DV_STAGE=0|1.
 OWN_DV_STAGE_ENV = "TORCH_FA4_BWD_OWN_DV_STAGE"
 _OWN_DV_STAGE = "1"
+# The persistent kernel writes dq itself: the key tile whose dQ add completes a query tile hands it
+# to two otherwise idle warps that scale and narrow it (bwd_dq_fused.py), instead of a conversion
+# pass over the whole fp32 buffer after the kernel. Calls where every query tile sees a key
+# (`fused_dq_applies`). TORCH_FA4_BWD_FUSED_DQ=0|1.
+FUSED_DQ_ENV = "TORCH_FA4_BWD_FUSED_DQ"
+_FUSED_DQ = "1"
 
 
 class KernelTiles(NamedTuple):
@@ -196,6 +202,7 @@ class KernelTiles(NamedTuple):
     mod_fragment: bool  # the score_mod through the fragment emitter (per element otherwise)
     split_mask_loops: bool  # masked and unmasked steps in loops of their own
     own_dv_stage: bool  # persistent: dV staged in its own shared-memory buffer
+    fused_dq: bool  # persistent: dq written by the kernel (no conversion pass)
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -285,24 +292,26 @@ def dq_first(tile_n: int, dq_in_ring: bool) -> bool:
 
 
 def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = _TILE_M,
-                own_dv_stage: bool = False) -> int:
+                own_dv_stage: bool = False, fused_dq: bool = False) -> int:
     """Shared memory of bwd_kernel's Storage (16-bit inputs), field by field with its alignments:
     ring barriers, LSE / dPsum ring (128-byte aligned), then 1024-byte aligned Q / dO ring, K, V,
-    dS^T (P^T) slots, fp32 dQ slabs (none when dQ is staged in the ring) and dV's own staging
-    buffer (`own_dv_stage`; an unaligned placeholder of 16 bytes otherwise)."""
+    dS^T (P^T) slots, fp32 dQ slabs (none when dQ is staged in the ring), then where used
+    fused_dq's fp32 staging tile and dV's own staging buffer (`own_dv_stage`). (fused_dq's
+    mailbox barriers sit in the first block's padding.)"""
     tm = tile_m
 
     def after(offset: int, align: int, size: int) -> int:
         return -(-offset // align) * align + size
 
-    n = 8 * (4 * stages + 1) + 8 * 5 + 4 * 2  # ring (Q, dO), K / V, persistent mailbox barriers
+    n = 8 * (4 * stages + 1) + 8 * 5 + 4 * 2 + 8 + 4 * 2  # ring (Q, dO), K / V, mailbox, fused_dq
     stat = -(-tm // 32) * 32 * stages * 4  # stages of 128-byte multiples (TMA destinations)
     n = after(after(n, 128, stat), 128, stat)
     slabs = 32 * 4 if dq_in_ring else tm * d * 4
     for size in (stages * tm * d * 2, stages * tm * dv * 2, tile_n * d * 2, tile_n * dv * 2,
                  2 * tile_n * tm * 2, slabs):
         n = after(n, 1024, size)
-    return after(n, 1024, tile_n * dv * 2) if own_dv_stage else n + 16
+    n = after(n, 1024, tile_m * d * 4) if fused_dq else n
+    return after(n, 1024, tile_n * dv * 2) if own_dv_stage else n
 
 
 def dkdv_share_slots(d: int, dv: int, tile_n: int, tile_m: int) -> bool:
@@ -312,13 +321,39 @@ def dkdv_share_slots(d: int, dv: int, tile_n: int, tile_m: int) -> bool:
     return tile_m == 128 and d == dv and 2 * tile_n * tile_m >= 2 * tile_n * d
 
 
-def own_dv_stage(d: int, dv: int, tile_n: int, stages: int, tile_m: int) -> bool:
+def own_dv_stage(d: int, dv: int, tile_n: int, stages: int, tile_m: int, fused_dq: bool = False) -> bool:
     """Whether the persistent variant stages dV in its own buffer (OWN_DV_STAGE_ENV): where the
-    dS^T slots cannot take dK and dV at once and the buffer fits shared memory (D128 at 64 queries:
-    1 KB to spare)."""
+    dS^T slots cannot take dK and dV at once and the buffer fits shared memory beside the rest
+    (D128 at 64 queries: 1 KB to spare without fused_dq's staging tile, too little with it)."""
     if _env_choice(OWN_DV_STAGE_ENV, _OWN_DV_STAGE, ("0", "1")) != "1" or dkdv_share_slots(d, dv, tile_n, tile_m):
         return False
-    return _smem_bytes(d, dv, tile_n, stages, False, tile_m, own_dv_stage=True) <= _SMEM_LIMIT
+    return _smem_bytes(d, dv, tile_n, stages, False, tile_m, own_dv_stage=True, fused_dq=fused_dq) <= _SMEM_LIMIT
+
+
+def _first_rows_reach(call: "AttentionCall"):
+    """What fused_dq_applies reads of the call's shape, for variant_key's memo: how far (down to
+    -129, enough for every tile_m) the first row's right limit lies left of key 0 (0: it reaches
+    key 0 or beyond; None: no right limit), or False when there are no keys."""
+    if call.k.shape[1] == 0:
+        return False
+    right, _ = _window(call)
+    if right is None:
+        return None
+    return max(-129, min(0, call.k.shape[1] - call.q.shape[1] + right))
+
+
+def fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: int) -> bool:
+    """Whether the persistent variant writes dq itself (FUSED_DQ_ENV): its staging tile fits
+    shared memory, and every query tile is walked by at least one key tile, or nobody would
+    write its rows: no seqused_k (a sequence may have no keys), and under a right limit (causal,
+    right window) the first tile's last row reaches key 0 (Sq > Sk + tile_m under causal fails)."""
+    if _env_choice(FUSED_DQ_ENV, _FUSED_DQ, ("0", "1")) != "1" or call.seqused_k is not None or call.is_varlen:
+        return False
+    d, dv = call.head_dim, call.head_dim_v
+    if _smem_bytes(d, dv, tile_n, stages, False, tile_m, fused_dq=True) > _SMEM_LIMIT:
+        return False
+    reach = _first_rows_reach(call)
+    return reach is not False and (reach is None or tile_m - 1 + reach >= 0)
 
 
 def unsupported_reason(call: "AttentionCall") -> str | None:
@@ -384,7 +419,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
                DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV,
-               OWN_DV_STAGE_ENV)
+               OWN_DV_STAGE_ENV, FUSED_DQ_ENV)
 _variant_memo: dict = {}
 
 
@@ -399,7 +434,7 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
             call.causal or call.window_right >= 0, call.window_left >= 0, call.softcap > 0,
             call.is_varlen, call.seqused_k is not None, bool(deterministic),
             call.mods.key if call.mods is not None else "",
-            tuple(os.environ.get(name) for name in _ENV_KNOBS))
+            _first_rows_reach(call), tuple(os.environ.get(name) for name in _ENV_KNOBS))
     key = _variant_memo.get(memo)
     if key is None:
         key = _variant_memo[memo] = _variant_key(call, deterministic)
@@ -452,8 +487,12 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         mod_fragment=(call.mods is not None and call.mods.score_graph is not None
                       and _env_choice(MOD_FRAGMENT_ENV, _MOD_FRAGMENT, ("0", "1")) == "1"),
         split_mask_loops=_env_choice(SPLIT_MASK_LOOPS_ENV, _SPLIT_MASK_LOOPS, ("0", "1")) == "1",
-        own_dv_stage=persist and own_dv_stage(d, dv, tile_n, stages, tile_m),
+        own_dv_stage=False,
+        fused_dq=persist and fused_dq_applies(call, tile_n, stages, tile_m),
     )
+    if persist:
+        kernel_tiles = kernel_tiles._replace(
+            own_dv_stage=own_dv_stage(d, dv, tile_n, stages, tile_m, kernel_tiles.fused_dq))
     return (
         call.q.dtype,
         call.head_dim,
@@ -612,7 +651,9 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
-     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops, own_dv) = kernel_tiles
+     split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops, own_dv,
+     fused_dq) = kernel_tiles
+    dq_out = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1)) if fused_dq else None
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
         sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
@@ -623,7 +664,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
         descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t, mod_fragment=mod_frag,
-        split_mask_loops=split_loops, own_dv_stage=own_dv,
+        split_mask_loops=split_loops, own_dv_stage=own_dv, fused_dq=fused_dq,
     )
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
@@ -639,7 +680,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
     stream, options = compile_stream_and_options(arch, dump_dir)
-    args = (q, k, v, do, lse, dps, dqa, dk, dvv, cuq, cuk, used, sem, *lists,
+    args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
             *aux, stream)
     return cute.compile(kernel, *args, options=options)
@@ -749,10 +790,14 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if not _tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
     counter = None
+    fused = key[-3].fused_dq
     if key[-3].persistent and not key[-3].trace:
-        # the persistent kernel's tile counter, zeroed before the row-statistics pass: the main
-        # kernel launches as that pass's programmatic dependent, with nothing in between
-        counter = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        # the persistent kernel's tile counter (and with fused_dq, before it, one dQ counter per
+        # query tile), zeroed before the row-statistics pass: the main kernel launches as that
+        # pass's programmatic dependent, with nothing in between
+        # (bwd_dq_fused: per query tile a counter and a queue slot, then the queue's head and tail)
+        shape = (call.batch, call.num_heads, 2 * math.ceil(q.shape[1] / tile_m) + 3) if fused else (1, 1, 1)
+        counter = torch.zeros(shape, dtype=torch.int32, device=q.device)
     if call.is_varlen:
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
@@ -793,13 +838,17 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
 
     q, k, v, dout, dk, dv = (_tma_view(t) for t in (q, k, v, dout, dk, dv))
+    dq_out = None
+    if fused:  # (dq is ours: contiguous, 16-byte aligned; the kernel stores 16-byte pieces)
+        assert dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in dq.stride()[:-1])
+        dq_out = _tma_view(dq)
     aux = [None] * MAX_AUX
     if call.mods is not None:
         from torch_fa4.kernels.common import mod_lowering
 
         aux = mod_lowering.kernel_aux_tensors(call.aux_tensors, MAX_AUX)
     fn(
-        q, k, v, dout, lse2, dpsum, dq_acc, dk, dv,
+        q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, dq_out,
         cu_q, cu_k, seqused, sem, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
         int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs),
@@ -807,6 +856,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)
+    if fused:  # the kernel wrote dq
+        return
     with torch.no_grad():
         if call.is_varlen:
             torch.mul(dq_acc[:, : q.shape[0]].transpose(0, 1), call.scale, out=dq)

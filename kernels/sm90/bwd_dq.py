@@ -83,7 +83,7 @@ class BwdDq:
 
     @cute.jit
     def _write_dq(self, mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
-                  window_left):
+                  window_left, fused=None):
         """The dQ writer warp: walks the consumers' steps; per step and consumer warpgroup, waits
         for the slab to be full, adds it into the fp32 buffer, and hands it back once read.
 
@@ -92,11 +92,18 @@ class BwdDq:
         of each), so the writer arrives on "empty" exactly `steps` times too: once before the
         first step, then after every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
-        semaphore wait overlapping the consumers' work on the step."""
+        semaphore wait overlapping the consumers' work on the step.
+        fused_dq (`fused` = (seqlen_q, seqlen_k, window_right)): once a step's slabs are handed
+        back, the previous step's adds are waited for and counted (bwd_dq_fused.py), the last
+        step's after the walk."""
         if steps > 0:
             for wg in cutlass.range_constexpr(2):  # both slabs start empty
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
                                          number_of_threads=DQ_HANDOFF_THREADS)
+        if const_expr(fused is not None):
+            seqlen_q, seqlen_k, window_right = fused
+        prev_h = Int32(0)
+        prev_m = Int32(0)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
             h_local, m_block, _ = walk.at(step, cur_h, cur_m)
@@ -116,7 +123,19 @@ class BwdDq:
                     cute.arch.cp_async_bulk_wait_group(1 - wg, read=True)
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
                                              number_of_threads=DQ_HANDOFF_THREADS)
+            if const_expr(fused is not None):
+                if step > 0:
+                    cute.arch.cp_async_bulk_wait_group(2)  # the previous step's two adds completed
+                    expected = self.dq_contributors(prev_m, seqlen_q, seqlen_k, diag, window_left, window_right)
+                    self._count_landed_dq(mSem, b, prev_h, prev_m, expected)
+                prev_h = h
+                prev_m = m_block
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
+        if const_expr(fused is not None):
+            if steps > 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # the last step's adds completed
+                expected = self.dq_contributors(prev_m, seqlen_q, seqlen_k, diag, window_left, window_right)
+                self._count_landed_dq(mSem, b, prev_h, prev_m, expected)
 
     # ------------------------------------------------------------------ deterministic dQ order
     @cute.jit

@@ -115,6 +115,7 @@ from ..common.tile_scheduler import grouped_order
 from . import bwd_layouts as L
 from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
+from .bwd_dq_fused import CVT_WARPS, BwdDqFused
 from .bwd_producer import BwdProducer
 from .bwd_q_walk import DenseQWalk, SparseQWalk
 from .bwd_scores import BwdScores
@@ -132,7 +133,7 @@ TRACE_EVENTS = (
 )
 
 
-class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
+class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFused):
     threads = 384
     producer_regs = 24
     consumer_regs = 240
@@ -175,6 +176,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         mod_fragment: bool = False,  # the score_mod through mod_fragment's emitter (bwd_scores.py)
         split_mask_loops: bool = False,  # masked and unmasked steps in loops of their own (see below)
         own_dv_stage: bool = False,  # persistent: dV staged in a buffer of its own (see below)
+        fused_dq: bool = False,  # persistent: dq written by this kernel (bwd_dq_fused.py)
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -350,6 +352,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         # own (bwd.own_dv_stage: where shared memory has room), so both stores go out together.
         self.own_dv_stage = bool(own_dv_stage)
         assert not own_dv_stage or persistent, "own_dv_stage: the persistent epilogue"
+        # The key tile that completes a query tile's dQ writes that tile of dq (bwd_dq_fused.py):
+        # no conversion pass after the kernel.
+        self.fused_dq = bool(fused_dq)
+        assert not fused_dq or (persistent and not self.varlen), "fused_dq: the persistent dense kernel"
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -364,10 +370,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         mdQacc: cute.Tensor,  # (B, Hq, Sq, D) (any strides) or (Hq, Tq_pad, D) fp32, zeroed
         mdK: cute.Tensor,  # shape of k, contiguous
         mdV: cute.Tensor,
+        mdQ: cute.Tensor | None,  # fused_dq: dq (B, Sq, Hq, D) in the input dtype, written here
         mCuQ: cute.Tensor | None,
         mCuK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
-        mSem: cute.Tensor | None,  # (B, Hq, n_m_blocks) int32 zeroed, deterministic mode only
+        # int32, zeroed: (B, Hq, n_m_blocks) semaphores (deterministic), (B, Hq, n_m_blocks + 1)
+        # dQ counters and the tile counter (fused_dq), or the tile counter (persistent)
+        mSem: cute.Tensor | None,
         # transposed block mask (sparse only, else None), int32: (B', H', n_kv_blocks) counts and
         # (B', H', n_kv_blocks, n_q_blocks) query-block indices, partial then full (bwd_sparse.py)
         mQNum: cute.Tensor | None,
@@ -409,6 +418,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                 for t in (mQ, mK, mV, mdO, mdK, mdV)
             ]  # (S, D, H, B)
+            if const_expr(self.fused_dq):
+                mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
             mLSE2, mDpsum = [
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                 for t in (mLSE2, mDpsum)
@@ -445,6 +456,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         tma_dQ, tdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, self._dq_slab()
         )
+        # fused_dq: a finished query tile of the fp32 buffer, loaded whole into a plain row-major
+        # staging tile for the converter warps (their 16-byte reads are conflict-free)
+        sCvt_layout = cute.make_layout((tm, d), stride=(d, 1))
+        fused = None
+        if const_expr(self.fused_dq):
+            tma_cvt, tCvt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mdQacc, sCvt_layout, (tm, d))
+            fused = (tma_cvt, tCvt, mdQ)
 
         tma_Q, tQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d)
@@ -504,12 +522,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             mma_dQ = L.make_mma(dt, MN_MAJ, MN_MAJ, (1, 2, 1), (64, d // 2))
 
         sdQ_elems = 32 if const_expr(self.dq_in_ring) else 2 * cute.cosize(sdQ_layout)  # 32: unused
-        # dV's own staging buffer, or an unaligned 16-byte placeholder (bwd._smem_bytes)
-        sdV_out_field = (cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-                         if const_expr(self.own_dv_stage) else cute.struct.MemRange[dt, 8])
 
-        @cute.struct
-        class Storage:
+        class Fields:
             bar_qdo: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             bar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             bar_do: cute.struct.MemRange[cutlass.Int64, self.stages * 2]  # split_ring only
@@ -517,6 +531,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             bar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # tile mailbox: full[2], empty[2]
             bar_kv_empty: cute.struct.MemRange[cutlass.Int64, 1]  # K / V read by both warpgroups
             sched_tile: cute.struct.MemRange[Int32, 2]
+            # fused_dq only: the converter's staging-load barrier and the tile it took
+            bar_cvt: cute.struct.MemRange[cutlass.Int64, 1]
+            cvt_job: cute.struct.MemRange[Int32, 2]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -525,7 +542,14 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_elems], 1024]
-            sdV_out: sdV_out_field
+
+        # the optional buffers exist only where used: D64's fused_dq staging tile fills shared
+        # memory to the byte (bwd._smem_bytes)
+        if const_expr(self.fused_dq):  # the converter warps' fp32 staging tile
+            Fields.__annotations__["sCvt"] = cute.struct.Align[cute.struct.MemRange[Float32, tm * d], 1024]
+        if const_expr(self.own_dv_stage):  # dV's own staging buffer
+            Fields.__annotations__["sdV_out"] = cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+        Storage = cute.struct(Fields)
 
         num_kv_heads = mK.shape[2]
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
@@ -540,7 +564,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_SdP, mma_dK, mma_dV, mma_dQ,
             scale, scale_log2, softcap_val, window_left, window_right, cta_group, cta_tail,
-            num_ctas, score_aux, mask_aux, Storage,
+            num_ctas, score_aux, mask_aux, fused, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl)
 
     # ------------------------------------------------------------------ device side
@@ -561,7 +585,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         mma_dQ: cute.TiledMma,
         scale: Float32, scale_log2: Float32, softcap_val: Float32,
         window_left: Int32, window_right: Int32, cta_group: Int32, cta_tail: Int32,
-        num_ctas: Int32, score_aux, mask_aux,
+        num_ctas: Int32, score_aux, mask_aux, fused,
         Storage: cutlass.Constexpr,
     ):
         tm = self.tile_m
@@ -629,6 +653,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                 if const_expr(self.persistent):
                     init_mailbox(st.bar_sched.data_ptr(), _TILE_READERS)
                     cute.arch.mbarrier_init(st.bar_kv_empty.data_ptr(), 2)  # one per consumer warpgroup
+                if const_expr(self.fused_dq):
+                    cute.arch.mbarrier_init(st.bar_cvt.data_ptr(), 1)  # the staging load
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # Programmatic dependent launch (`use_pdl`): this grid may start while the row-statistics
@@ -676,7 +702,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                 tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
                 sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
                 sK_layout, sV_layout, mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-                window_left, window_right, score_aux, mask_aux,
+                window_left, window_right, score_aux, mask_aux, fused,
             )
 
     # ------------------------------------------------------------------ persistent
@@ -687,7 +713,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
         tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
         sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
         sK_layout, sV_layout, mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-        window_left, window_right, score_aux, mask_aux,
+        window_left, window_right, score_aux, mask_aux, fused,
     ):
         """The persistent kernel's three roles, each a loop over the work tiles this CTA takes.
         Every role computes a tile's walk itself (the same on every thread), so the producer,
@@ -728,11 +754,17 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq):
                 t = read_item(bar_sched, sTile, i)
                 while t < total:
                     n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
-                    q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
-                    self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
-                                   diag, window_left)
+                    q_off, _, seqlen_q, seqlen_k, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
+                    self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
+                                   window_left, (seqlen_q, seqlen_k, window_right) if const_expr(self.fused_dq) else None)
                     i += 1
                     t = read_item(bar_sched, sTile, i)
+            if const_expr(self.fused_dq):
+                if warp_idx >= CVT_WARPS[0] and warp_idx <= CVT_WARPS[-1]:
+                    tma_cvt, tCvt, mdQ = fused
+                    sCvt = st.sCvt.get_tensor(cute.make_layout((self.tile_m, self.d), stride=(self.d, 1)))
+                    self._convert_dq_tiles(tCvt, mdQ, mSem, tma_cvt, sCvt, st.cvt_job.get_tensor(cute.make_layout(2)),
+                                           st.bar_cvt.data_ptr(), Int32(0), scale, tidx - 32 * CVT_WARPS[0])
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             # dK / dV staged in the dS^T slots: both at once where K and V share one layout (the
