@@ -493,10 +493,6 @@ def test_own_dv_stage_selection(monkeypatch):
     monkeypatch.delenv(bwd.OWN_DV_STAGE_ENV, raising=False)
     monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
     tiles = lambda call, det=False: bwd.variant_key(call, det)[-3]  # noqa: E731
-    # beside fused_dq's staging tile only D96 has room for it
-    assert tiles(_call(d=96, causal=True)).own_dv_stage and tiles(_call(d=96, causal=True)).fused_dq
-    assert not tiles(_call(d=128, causal=True)).own_dv_stage and tiles(_call(d=128, causal=True)).fused_dq
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
     for kw in (dict(d=128), dict(d=128, causal=True), dict(d=96, causal=True)):
         t = tiles(_call(**kw))
         assert t.persistent and t.tile_m == 64 and t.own_dv_stage and not t.fused_dq, kw
@@ -518,39 +514,42 @@ def test_own_dv_stage_selection(monkeypatch):
 
 
 def test_fused_dq_selection(monkeypatch):
-    # the persistent variants write dq themselves wherever every query tile sees a key and the
-    # staging tile fits (D64 at 128 queries fills shared memory to the byte); never with
-    # seqused_k, varlen, deterministic mode or one CTA per tile; TORCH_FA4_BWD_FUSED_DQ=0 off
+    # the persistent 128-query variants (D64) write dq themselves wherever every query tile sees a
+    # key (their staging tile fills shared memory to the byte); the 64-query ones (D96, D128)
+    # keep the conversion pass; never with seqused_k, varlen, deterministic mode or one CTA per
+    # tile; TORCH_FA4_BWD_FUSED_DQ=0 off
     from torch_fa4.kernels.sm90 import bwd
 
     for name in (bwd.FUSED_DQ_ENV, bwd.PERSISTENT_ENV, bwd.TILE_M_ENV):
         monkeypatch.delenv(name, raising=False)
     fused = lambda call, det=False: bwd.variant_key(call, det)[-3].fused_dq  # noqa: E731
-    for kw in (dict(d=64), dict(d=64, causal=True), dict(d=128), dict(d=128, causal=True), dict(d=96),
-               dict(d=128, window_left=64, window_right=0)):
-        key = bwd.variant_key(_call(**kw), False)
-        t = key[-3]
-        assert t.fused_dq and t.persistent, kw
-        assert bwd._smem_bytes(kw["d"], kw["d"], t.tile_n, t.stages, False, t.tile_m, fused_dq=True) <= bwd._SMEM_LIMIT
-    assert bwd.variant_key(_call(d=64), False)[-3].tile_m == 128
-    assert not fused(_call(d=128), True)
-    assert not fused(_call(d=128, seqused=True)) and not fused(_call(d=128, varlen=True))
-    assert not fused(_call(d=256, causal=True))  # 64-key variant: one CTA per tile
+    for kw in (dict(d=64), dict(d=64, causal=True), dict(d=64, window_left=64, window_right=0),
+               dict(d=64, hq=4, hkv=1)):
+        t = bwd.variant_key(_call(**kw), False)[-3]
+        assert t.fused_dq and t.persistent and t.tile_m == 128, kw
+        assert bwd._smem_bytes(64, 64, t.tile_n, t.stages, False, t.tile_m, fused_dq=True) <= bwd._SMEM_LIMIT
+    for kw in (dict(d=128), dict(d=128, causal=True), dict(d=96)):
+        assert not fused(_call(**kw)), kw
+    assert not fused(_call(d=64), True)
+    assert not fused(_call(d=64, seqused=True)) and not fused(_call(d=64, varlen=True))
+    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
+    assert not fused(_call(d=64, causal=True))
+    monkeypatch.delenv(bwd.TILE_M_ENV)
 
     def shaped(sq, sk, **kw):
-        q = torch.empty(1, sq, 2, 128, dtype=torch.bfloat16)
-        k = torch.empty(1, sk, 2, 128, dtype=torch.bfloat16)
+        q = torch.empty(1, sq, 2, 64, dtype=torch.bfloat16)
+        k = torch.empty(1, sk, 2, 64, dtype=torch.bfloat16)
         return AttentionCall(q=q, k=k, v=k, scale=0.1, **kw)
 
-    # causal, 64-query tiles: the first tile's last row (63) sees key 0 while Sq - Sk <= 63
-    assert fused(shaped(100, 37, causal=True)) and not fused(shaped(101, 37, causal=True))
-    assert fused(shaped(101, 37)) and fused(shaped(101, 37, window_left=5))
-    assert not fused(shaped(200, 100, window_right=10, window_left=0))  # rows 0-89 see no key
+    # causal, 128-query tiles: the first tile's last row (127) sees key 0 while Sq - Sk <= 127
+    assert fused(shaped(164, 37, causal=True)) and not fused(shaped(165, 37, causal=True))
+    assert fused(shaped(165, 37)) and fused(shaped(165, 37, window_left=5))
+    assert not fused(shaped(300, 100, window_right=10, window_left=0))  # rows 0-189 see no key
     monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
-    assert not fused(_call(d=128, causal=True))
+    assert not fused(_call(d=64, causal=True))
     monkeypatch.setenv(bwd.PERSISTENT_ENV, "1")
     monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
-    assert not fused(_call(d=128, causal=True))
+    assert not fused(_call(d=64, causal=True))
     monkeypatch.setenv(bwd.FUSED_DQ_ENV, "yes")
     with pytest.raises(ValueError, match=bwd.FUSED_DQ_ENV):
         bwd.variant_key(_call(d=64), False)
@@ -588,7 +587,7 @@ def test_fused_dq_compiles(tmp_path, monkeypatch):
     # atomics, and dq's 16-byte stores (none without it: the conversion pass writes dq)
     from torch_fa4.kernels.sm90 import bwd
 
-    call = _call(d=128, causal=True)
+    call = _call(d=64, causal=True)
     sass = {}
     for on in ("0", "1"):
         monkeypatch.setenv(bwd.FUSED_DQ_ENV, on)
@@ -600,7 +599,8 @@ def test_fused_dq_compiles(tmp_path, monkeypatch):
     assert count("1", "UTMALDG") == count("0", "UTMALDG") + 1
     assert count("1", "ATOMG") > count("0", "ATOMG") >= 1
     assert count("1", "STG.E.128") >= 16 and count("0", "STG.E.128") == 0
-    assert "LDL" not in sass["1"] and "STL" not in sass["1"]
+    # (the writer warp at 24 registers keeps one value in local memory: a store and a load)
+    assert sass["1"].count("LDL") + sass["1"].count("STL") <= 4
 
 
 def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
@@ -610,7 +610,6 @@ def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
 
     call = _call(d=128, causal=True)
     waits = {}
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")  # (with it, D128 has no room for dV's buffer)
     for on in ("0", "1"):
         monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, on)
         key = bwd.variant_key(call, False)

@@ -170,10 +170,13 @@ _SPLIT_MASK_LOOPS = "1"
 # (bwd_kernel `own_dv_stage`). TORCH_FA4_BWD_OWN_DV_STAGE=0|1.
 OWN_DV_STAGE_ENV = "TORCH_FA4_BWD_OWN_DV_STAGE"
 _OWN_DV_STAGE = "1"
-# The persistent kernel writes dq itself: the key tile whose dQ add completes a query tile hands it
-# to two otherwise idle warps that scale and narrow it (bwd_dq_fused.py), instead of a conversion
-# pass over the whole fp32 buffer after the kernel. Calls where every query tile sees a key
-# (`fused_dq_applies`). TORCH_FA4_BWD_FUSED_DQ=0|1.
+# The persistent kernel writes dq itself: the key tile whose dQ add completes a query tile queues
+# it for otherwise idle warps that scale and narrow it (bwd_dq_fused.py), instead of a conversion
+# pass over the whole fp32 buffer after the kernel. The 128-query variants (D64) where every query
+# tile sees a key (`fused_dq_applies`): H100, NOTES "Experiment 127", GPU time per call against the
+# conversion pass, D64 S1k causal +1.6%, S1k +5%, S4k causal +2.9%, S16k +4%; at 64 queries per
+# step (D96, D128) the per-step hand-off cost more than the pass (D128 -2.2% to +0.2%).
+# TORCH_FA4_BWD_FUSED_DQ=0|1.
 FUSED_DQ_ENV = "TORCH_FA4_BWD_FUSED_DQ"
 _FUSED_DQ = "1"
 
@@ -303,7 +306,7 @@ def _smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, til
     def after(offset: int, align: int, size: int) -> int:
         return -(-offset // align) * align + size
 
-    n = 8 * (4 * stages + 1) + 8 * 5 + 4 * 2 + 8 + 4 * 2  # ring (Q, dO), K / V, mailbox, fused_dq
+    n = 8 * (4 * stages + 1) + 8 * 5 + 4 * 2 + 8 + 4 * 2 + 8 * 4 + 4 * 2  # ring (Q, dO), K / V, mailboxes
     stat = -(-tm // 32) * 32 * stages * 4  # stages of 128-byte multiples (TMA destinations)
     n = after(after(n, 128, stat), 128, stat)
     slabs = 32 * 4 if dq_in_ring else tm * d * 4
@@ -343,11 +346,13 @@ def _first_rows_reach(call: "AttentionCall"):
 
 
 def fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: int) -> bool:
-    """Whether the persistent variant writes dq itself (FUSED_DQ_ENV): its staging tile fits
-    shared memory, and every query tile is walked by at least one key tile, or nobody would
-    write its rows: no seqused_k (a sequence may have no keys), and under a right limit (causal,
-    right window) the first tile's last row reaches key 0 (Sq > Sk + tile_m under causal fails)."""
-    if _env_choice(FUSED_DQ_ENV, _FUSED_DQ, ("0", "1")) != "1" or call.seqused_k is not None or call.is_varlen:
+    """Whether the persistent variant writes dq itself (FUSED_DQ_ENV): a 128-query variant whose
+    staging tile fits shared memory, where every query tile is walked by at least one key tile,
+    or nobody would write its rows: no seqused_k (a sequence may have no keys), and under a right
+    limit (causal, right window) the first tile's last row reaches key 0 (Sq > Sk + tile_m under
+    causal fails)."""
+    if (_env_choice(FUSED_DQ_ENV, _FUSED_DQ, ("0", "1")) != "1" or tile_m != 128 or call.seqused_k is not None
+            or call.is_varlen):
         return False
     d, dv = call.head_dim, call.head_dim_v
     if _smem_bytes(d, dv, tile_n, stages, False, tile_m, fused_dq=True) > _SMEM_LIMIT:

@@ -93,17 +93,19 @@ class BwdDq:
         first step, then after every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
         semaphore wait overlapping the consumers' work on the step.
-        fused_dq (`fused` = (seqlen_q, seqlen_k, window_right)): once a step's slabs are handed
-        back, the previous step's adds are waited for and counted (bwd_dq_fused.py), the last
-        step's after the walk."""
+        fused_dq (`fused` = (query heads, query tiles per head, counting-warp mailbox barriers and
+        slots, hand-offs so far)): once a step's slabs are handed back, the adds of two steps
+        before are waited for (done by then) and handed to the counting warp (bwd_dq_fused.py),
+        the last two steps' after the walk; returns the hand-offs so far."""
         if steps > 0:
             for wg in cutlass.range_constexpr(2):  # both slabs start empty
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
                                          number_of_threads=DQ_HANDOFF_THREADS)
+        passed = None
         if const_expr(fused is not None):
-            seqlen_q, seqlen_k, window_right = fused
-        prev_h = Int32(0)
-        prev_m = Int32(0)
+            n_heads, n_m, cnt_bar, cnt_slots, passed = fused
+        prev = Int32(0)  # fused_dq: the query tiles of the last two steps (prev2 the older)
+        prev2 = Int32(0)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
             h_local, m_block, _ = walk.at(step, cur_h, cur_m)
@@ -124,18 +126,19 @@ class BwdDq:
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
                                              number_of_threads=DQ_HANDOFF_THREADS)
             if const_expr(fused is not None):
-                if step > 0:
-                    cute.arch.cp_async_bulk_wait_group(2)  # the previous step's two adds completed
-                    expected = self.dq_contributors(prev_m, seqlen_q, seqlen_k, diag, window_left, window_right)
-                    self._count_landed_dq(mSem, b, prev_h, prev_m, expected)
-                prev_h = h
-                prev_m = m_block
+                if step > 1:
+                    cute.arch.cp_async_bulk_wait_group(4)  # the adds of two steps before completed
+                    passed = self._pass_landed_dq(prev2, cnt_bar, cnt_slots, passed)
+                prev2 = prev
+                prev = (b * n_heads + h) * n_m + m_block
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
         if const_expr(fused is not None):
+            cute.arch.cp_async_bulk_wait_group(0)  # the last two steps' adds completed
+            if steps > 1:
+                passed = self._pass_landed_dq(prev2, cnt_bar, cnt_slots, passed)
             if steps > 0:
-                cute.arch.cp_async_bulk_wait_group(0)  # the last step's adds completed
-                expected = self.dq_contributors(prev_m, seqlen_q, seqlen_k, diag, window_left, window_right)
-                self._count_landed_dq(mSem, b, prev_h, prev_m, expected)
+                passed = self._pass_landed_dq(prev, cnt_bar, cnt_slots, passed)
+        return passed
 
     # ------------------------------------------------------------------ deterministic dQ order
     @cute.jit

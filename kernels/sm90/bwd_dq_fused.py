@@ -3,21 +3,25 @@ conversion pass after it.
 
 The fp32 dQ buffer still collects every key tile's dQ by TMA reduce-adds. What changes is when it
 is turned into dq: as soon as a query tile is complete. Per (batch, query head, query tile) an
-int32 counter in global memory counts the key tiles whose adds have landed. The dQ writer warp,
-one step behind its adds (so the slabs go back to the consumers first), waits for the previous
-step's adds to complete, makes them visible (async-proxy fence) and bumps that tile's counter with
-acquire / release semantics. The key tile that brings it to the tile's number of contributors
-(`dq_contributors`, the inverse of bwd_kernel._tile_walk's query range) appends the tile to a
-global queue: a slot taken from a tail counter, the tile stored there with release semantics.
-
-Every CTA's converter warps (warps 2 and 3, idle otherwise) take the queue's slots in order from
-a head counter, wait for their slot to be filled, load the finished fp32 tile by TMA into a
-staging tile, scale and narrow it and store dq's rows from registers (16-byte stores: nothing to
-wait for). A global queue rather than each CTA converting its own completions: the key tiles of
-one head walk the query tiles in lockstep, so one CTA may complete a tile at every step while
-the others complete none; a CTA-local queue then held its writer warp, and so its consumers, at
-the converter's pace (D128 fell 10-17% behind the conversion pass). Through the queue, each
-conversion goes to whichever SM's converter is free.
+int32 counter in global memory counts the key tiles whose adds have landed. Two warps of the
+producer warpgroup that had no role take this on, so the dQ writer warp, which the consumers wait
+for at every step, only adds one hand-off per step:
+- the writer, two steps behind its adds (by then they have completed: the wait costs nothing),
+  makes them visible to other CTAs (async-proxy fence) and passes their query tile to the
+  counting warp (warp 2) through a two-slot mailbox (kernels/common/tile_mailbox.py);
+- the counting warp bumps that tile's counter with acquire / release semantics; the key tile
+  that brings it to the tile's number of contributors (`dq_contributors`, the inverse of
+  bwd_kernel._tile_walk's query range) appends the tile to a global queue: a slot taken from a
+  tail counter, the tile stored there with release semantics;
+- every CTA's converter warp (warp 3) takes the queue's slots in order from a head counter, waits
+  for its slot to be filled, loads the finished fp32 tile by TMA into a staging tile, scales and
+  narrows it and stores dq's rows from registers (16-byte stores: nothing to wait for).
+Measured on the way (H100, D128): the writer waiting for its adds one step behind and bumping the
+counters itself cost 10-15% (each atomic is a round trip to L2 the consumers then wait behind); a
+queue per CTA instead of the global one made the writer wait for its own converter: the key tiles
+of one head walk the query tiles in lockstep, so one CTA may complete a tile at every step while
+the others complete none. Through the global queue each conversion goes to whichever SM's
+converter is free.
 
 The queue, its counters and the per-tile counters live in the semaphore argument, zeroed by the
 host: (B, Hq, 2 * n_m + 3) int32, n_m query tiles per head. Columns [0, n_m): the tiles' counters;
@@ -42,11 +46,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from ..common.tile_mailbox import publish_item, read_item
+
 
 # the converter warps' named barrier (ids 1-7 belong to the consumers and the dQ hand-off)
 BAR_CVT = 8
-CVT_WARPS = (2, 3)  # producer warpgroup warps with no other role
-CVT_THREADS = 32 * len(CVT_WARPS)
+COUNT_WARP = 2  # producer warpgroup warps with no other role: the counting warp ...
+CVT_WARP = 3  # ... and the converter
+CVT_THREADS = 32
 VEC = 8  # elements per 16-byte dq store
 # the queue's counters at the end of the semaphore argument's first row (module docstring)
 HEAD_FROM_END, TAIL_FROM_END = 2, 1
@@ -85,25 +92,40 @@ class BwdDqFused:
         return self._sem_at(mSem, rows // mSem.shape[1], rows % mSem.shape[1], n_m + e % n_m)
 
     @cute.jit
-    def _count_landed_dq(self, mSem, b, h, m_block, expected):
-        """Writer warp, once this key tile's adds into query tile (b, h, m_block) have completed:
-        count them; the last contributor appends the tile to the conversion queue."""
+    def _pass_landed_dq(self, job, cnt_bar, cnt_slots, passed):
+        """Writer warp, once its adds into query tile `job` ((batch * Hq + head) * n_m + tile)
+        have completed: make them visible beyond the CTA and hand the tile to the counting warp.
+        Returns the hand-offs so far (the mailbox position)."""
+        cute.arch.fence_proxy("async.global")  # the TMA adds before the counting warp's release
+        publish_item(cnt_bar, cnt_slots, passed, job)
+        return passed + 1
+
+    @cute.jit
+    def _count_dq_tiles(self, mSem, cnt_bar, cnt_slots, seqlen_q, seqlen_k, window_left, window_right):
+        """Counting warp: every tile the writer passes, until it passes -1 (module docstring)."""
+        heads = mSem.shape[1]
         n_m = (mSem.shape[2] - 3) // 2
-        cute.arch.fence_proxy("async.global")  # the TMA adds before the counter's release
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            before = cute.arch.atomic_add(self._sem_at(mSem, b, h, m_block), Int32(1), sem="acq_rel", scope="gpu")
-            if before + 1 == expected:
-                last = mSem.shape[2] - 1
-                slot = cute.arch.atomic_add(self._sem_at(mSem, 0, 0, last - TAIL_FROM_END), Int32(1),
-                                            sem="relaxed", scope="gpu")
-                job = (b * mSem.shape[1] + h) * n_m + m_block
-                cute.arch.atomic_add(self._queue_slot(mSem, slot, n_m), job + 1, sem="release", scope="gpu")
-        cute.arch.sync_warp()
+        last = mSem.shape[2] - 1
+        i = Int32(0)
+        job = read_item(cnt_bar, cnt_slots, i)
+        while job >= 0:
+            m_block = job % n_m
+            h = (job // n_m) % heads
+            b = job // (n_m * heads)
+            expected = self.dq_contributors(m_block, seqlen_q, seqlen_k, seqlen_k - seqlen_q, window_left, window_right)
+            if cute.arch.lane_idx() == 0:
+                before = cute.arch.atomic_add(self._sem_at(mSem, b, h, m_block), Int32(1), sem="acq_rel", scope="gpu")
+                if before + 1 == expected:
+                    slot = cute.arch.atomic_add(self._sem_at(mSem, 0, 0, last - TAIL_FROM_END), Int32(1),
+                                                sem="relaxed", scope="gpu")
+                    cute.arch.atomic_add(self._queue_slot(mSem, slot, n_m), job + 1, sem="release", scope="gpu")
+            cute.arch.sync_warp()
+            i += 1
+            job = read_item(cnt_bar, cnt_slots, i)
 
     @cute.jit
     def _convert_dq_tiles(self, mdQacc, mdQ, mSem, tma_cvt, sCvt, sJob, bar_load, q_off, scale, ctid):
-        """Converter warps: queue slots taken in turn until every tile is taken; each tile: fp32
+        """Converter warp: queue slots taken in turn until every tile is taken; each tile: fp32
         buffer -> staging (TMA) -> dq rows (scaled, narrowed, 16-byte stores)."""
         tm, d = self.tile_m, self.d
         heads = mSem.shape[1]
@@ -136,13 +158,13 @@ class BwdDqFused:
                 # generic reads of the staging tile come before the TMA writes it
                 cute.arch.fence_proxy("async.global")
                 cute.arch.fence_proxy("async.shared", space="cta")
-                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == CVT_WARPS[0]:
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar_load, tm * d * 4)
-                    gsrc = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d), (m_block, 0))
-                    tS, tG = cpasync.tma_partition(tma_cvt, 0, cute.make_layout(1), cute.group_modes(sCvt, 0, 2),
-                                                   cute.group_modes(gsrc, 0, 2))
-                    cute.copy(tma_cvt, tG, tS, tma_bar_ptr=bar_load)
+                # (one warp: it issues the load itself)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar_load, tm * d * 4)
+                gsrc = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), (tm, d), (m_block, 0))
+                tS, tG = cpasync.tma_partition(tma_cvt, 0, cute.make_layout(1), cute.group_modes(sCvt, 0, 2),
+                                               cute.group_modes(gsrc, 0, 2))
+                cute.copy(tma_cvt, tG, tS, tma_bar_ptr=bar_load)
                 cute.arch.mbarrier_wait(bar_load, i % 2)
                 gdq = self._head_slice(mdQ, h, b, q_off)  # (Sq, D) of this head
                 rows_left = mdQ.shape[0] - m_block * tm  # (dense: the sequence's rows)

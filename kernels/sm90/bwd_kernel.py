@@ -115,7 +115,7 @@ from ..common.tile_scheduler import grouped_order
 from . import bwd_layouts as L
 from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
-from .bwd_dq_fused import CVT_WARPS, BwdDqFused
+from .bwd_dq_fused import COUNT_WARP, CVT_WARP, BwdDqFused
 from .bwd_producer import BwdProducer
 from .bwd_q_walk import DenseQWalk, SparseQWalk
 from .bwd_scores import BwdScores
@@ -531,9 +531,12 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             bar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # tile mailbox: full[2], empty[2]
             bar_kv_empty: cute.struct.MemRange[cutlass.Int64, 1]  # K / V read by both warpgroups
             sched_tile: cute.struct.MemRange[Int32, 2]
-            # fused_dq only: the converter's staging-load barrier and the tile it took
+            # fused_dq only: the converter's staging-load barrier and the tile it took, the
+            # counting warp's mailbox (full[2], empty[2]) and slots
             bar_cvt: cute.struct.MemRange[cutlass.Int64, 1]
             cvt_job: cute.struct.MemRange[Int32, 2]
+            bar_cnt: cute.struct.MemRange[cutlass.Int64, 4]
+            cnt_slots: cute.struct.MemRange[Int32, 2]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -655,6 +658,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                     cute.arch.mbarrier_init(st.bar_kv_empty.data_ptr(), 2)  # one per consumer warpgroup
                 if const_expr(self.fused_dq):
                     cute.arch.mbarrier_init(st.bar_cvt.data_ptr(), 1)  # the staging load
+                    init_mailbox(st.bar_cnt.data_ptr(), 1)  # read by the counting warp
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # Programmatic dependent launch (`use_pdl`): this grid may start while the row-statistics
@@ -749,22 +753,34 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                     t = next_item(counter, num_ctas)
                     i += 1
                 publish_item(bar_sched, sTile, i, t)  # past the last tile: the others stop
+            cnt_bar = st.bar_cnt.data_ptr()
+            cnt_slots = st.cnt_slots.get_tensor(cute.make_layout(2))
             if warp_idx == 1:
                 i = Int32(0)
+                passed = Int32(0)  # fused_dq: query tiles handed to the counting warp
                 t = read_item(bar_sched, sTile, i)
                 while t < total:
                     n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
                     q_off, _, seqlen_q, seqlen_k, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
-                    self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
-                                   window_left, (seqlen_q, seqlen_k, window_right) if const_expr(self.fused_dq) else None)
+                    if const_expr(self.fused_dq):
+                        n_m = (mSem.shape[2] - 3) // 2
+                        passed = self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
+                                                diag, window_left, (mSem.shape[1], n_m, cnt_bar, cnt_slots, passed))
+                    else:
+                        self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
+                                       window_left)
                     i += 1
                     t = read_item(bar_sched, sTile, i)
+                if const_expr(self.fused_dq):
+                    publish_item(cnt_bar, cnt_slots, passed, Int32(-1))  # the counting warp stops
             if const_expr(self.fused_dq):
-                if warp_idx >= CVT_WARPS[0] and warp_idx <= CVT_WARPS[-1]:
+                if warp_idx == COUNT_WARP:
+                    self._count_dq_tiles(mSem, cnt_bar, cnt_slots, mQ.shape[0], mK.shape[0], window_left, window_right)
+                if warp_idx == CVT_WARP:
                     tma_cvt, tCvt, mdQ = fused
                     sCvt = st.sCvt.get_tensor(cute.make_layout((self.tile_m, self.d), stride=(self.d, 1)))
                     self._convert_dq_tiles(tCvt, mdQ, mSem, tma_cvt, sCvt, st.cvt_job.get_tensor(cute.make_layout(2)),
-                                           st.bar_cvt.data_ptr(), Int32(0), scale, tidx - 32 * CVT_WARPS[0])
+                                           st.bar_cvt.data_ptr(), Int32(0), scale, tidx - 32 * CVT_WARP)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             # dK / dV staged in the dS^T slots: both at once where K and V share one layout (the

@@ -1,0 +1,102 @@
+"""GPU time per call with the host kept ahead: implementations side by side, low noise.
+
+    python benchmarks/gpu_time_probe.py --backward --rows 128:1024:1,64:4096:1 \
+        --variant 'pass={"env": {"TORCH_FA4_BWD_FUSED_DQ": "0"}}' [--rounds 5] [--out probe.json]
+
+bench.py times each call alone (triton's do_bench: an L2 flush, then events around one call), so
+whatever the host spends before the call's first kernel counts too; a backward at 1k tokens
+takes ~0.3-0.7 ms of Python against ~0.55 ms of GPU work, and a slow host moment then shows up as
+a slow kernel (NOTES "Session 28"). clock_probe.py runs seconds of back-to-back calls to read the
+power-limited clock. This probe measures what the GPU itself takes: a sleep kernel is queued
+first, so the host enqueues N calls while the GPU is still busy, and events around the N calls
+then time the GPU work alone. Rounds rotate the implementations; each row prints the median
+TFLOP/s of the rounds, its ratio to flash-attn-4 and the [min-max] spread (0.1-0.5% here, against
+2-5% for bench.py's rows).
+
+Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid). Variants: torch_fa4 with
+"env" settings (read per call: the backward's TORCH_FA4_BWD_* knobs) and, forward only, FwdConfig
+overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+
+def _time_ms(fn, calls: int) -> float:
+    """GPU milliseconds per call of `calls` calls enqueued behind a sleep kernel."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e8))  # ~50 ms at ~2 GHz: the host runs ahead of the GPU
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def probe_row(D, S, causal, impls, backward, rounds):
+    B, H = 16384 // S, 2048 // D
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fns = {name: make(q, k, v, causal) for name, make in impls.items()}
+    for fn in fns.values():  # compile and warm
+        for _ in range(3):
+            fn()
+    flops = bench._flops(B, H, S, D, causal, bwd=backward)
+    calls = max(4, 40 * 1024 // S)
+    rates = {name: [] for name in fns}
+    for rnd in range(rounds):
+        for name, fn in bench.rotated(list(fns.items()), rnd):
+            rates[name].append(flops / _time_ms(fn, calls) * 1e-9)
+    median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+    ref = median.get("flash-attn-4")
+    print(f"{'bwd' if backward else 'fwd'} D{D} S{S // 1024}k{' causal' if causal else ''}: " + "  ".join(
+        f"{name} {median[name]:.1f}{f' ({median[name] / ref:.3f})' if ref else ''} [{min(r):.0f}-{max(r):.0f}]"
+        for name, r in rates.items()), flush=True)
+    return [dict(D=D, S=S, causal=causal, backward=backward, impl=name, tflops=median[name], rounds=r)
+            for name, r in rates.items()]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="128:1024:1,64:4096:1", help="D:S:causal,...")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=JSON: torch_fa4 with \"env\" settings and (forward) FwdConfig overrides")
+    ap.add_argument("--no-peer", action="store_true", help="leave flash-attn-4 out")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    impls = {"torch_fa4": bench.ours_bwd if args.backward else bench.ours_fwd}
+    if not args.no_peer:
+        impls["flash-attn-4"] = bench.fa4_bwd if args.backward else bench.fa4_fwd
+    for spec in args.variant:
+        name, opts = spec.split("=", 1)
+        opts = json.loads(opts)
+        env = opts.pop("env", {})
+        if args.backward:
+            if opts:
+                ap.error("--variant with --backward takes only \"env\"")
+            impls[name] = bench.with_env(bench.ours_bwd, env)
+        else:
+            impls[name] = bench.with_env((lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
+    results = []
+    for spec in args.rows.split(","):
+        D, S, c = (int(x) for x in spec.split(":"))
+        results += probe_row(D, S, bool(c), impls, args.backward, args.rounds)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
