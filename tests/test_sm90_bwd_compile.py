@@ -1224,9 +1224,10 @@ def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypa
     if make_mods is _alibi_mods:
         # the score_mod through the fragment emitter (TORCH_FA4_BWD_MOD_FRAGMENT, the default):
         # kv_idx - q_idx in exact fp32 from one conversion per step, not an I2F per element (the
-        # per-element lowering had 64 / 128 at D128 / D64, plus ~9 elsewhere in the kernel)
+        # per-element lowering had 64 / 128 at D128 / D64, plus ~9 elsewhere in the kernel, and
+        # the D64 variant's fused dq conversion ~10 more in its integer divisions)
         assert vk[-3].mod_fragment
-        assert sass.count("I2F") <= 16, sass.count("I2F")
+        assert sass.count("I2F") <= 32, sass.count("I2F")
 
 
 def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):
