@@ -15,6 +15,8 @@ Warp roles (384 threads):
                dO + dPsum have separate barriers, `split_ring`); it gives registers away
                (setmaxnreg).
                With `dq_writer_warp`, its warp 1 issues the dQ TMA adds (see below).
+               With `fused_dq` (persistent, 128 queries per step), warp 2 counts each query
+               tile's landed adds and warp 3 writes finished tiles into dq (bwd_dq_fused.py).
   warpgroups 1-2 consumers, each owning 64 of the 128 keys:
       S^T  = K Q^T         (wgmma, both operands in shared memory)
       dP^T = V dO^T
@@ -374,8 +376,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         mCuQ: cute.Tensor | None,
         mCuK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
-        # int32, zeroed: (B, Hq, n_m_blocks) semaphores (deterministic), (B, Hq, n_m_blocks + 1)
-        # dQ counters and the tile counter (fused_dq), or the tile counter (persistent)
+        # int32, zeroed: (B, Hq, n_m_blocks) semaphores (deterministic), (B, Hq, 2 n_m_blocks + 3)
+        # dQ counters, queue and tile counter (fused_dq, bwd_dq_fused.py), or the tile counter
+        # alone (persistent); the tile counter is the first row's last element
         mSem: cute.Tensor | None,
         # transposed block mask (sparse only, else None), int32: (B', H', n_kv_blocks) counts and
         # (B', H', n_kv_blocks, n_q_blocks) query-block indices, partial then full (bwd_sparse.py)
@@ -761,7 +764,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 t = read_item(bar_sched, sTile, i)
                 while t < total:
                     n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
-                    q_off, _, seqlen_q, seqlen_k, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
+                    q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
                     if const_expr(self.fused_dq):
                         n_m = (mSem.shape[2] - 3) // 2
                         passed = self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
