@@ -531,6 +531,24 @@ def with_env(make, env: dict):
     return make_with_env
 
 
+def variant_makers(specs, backward: bool, error) -> dict:
+    """The probes' `--variant NAME=JSON` options as implementation makers: torch_fa4 with the
+    JSON's "env" settings (set around every call) and, forward only, the rest of it as FwdConfig
+    overrides; `error(message)` reports a backward variant with overrides."""
+    makers = {}
+    for spec in specs:
+        name, opts = spec.split("=", 1)
+        opts = json.loads(opts)
+        env = opts.pop("env", {})
+        if backward:
+            if opts:
+                error("--variant with --backward takes only \"env\" (FwdConfig overrides are forward only)")
+            makers[name] = with_env(ours_bwd, env)
+        else:
+            makers[name] = with_env((lambda o: lambda q, k, v, c: ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
+    return makers
+
+
 def ours_bwd_with_env(env):
     """ours_bwd with environment variables set around each backward call."""
     return with_env(ours_bwd, env)

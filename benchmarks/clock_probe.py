@@ -124,16 +124,7 @@ def main():
     args = ap.parse_args()
     impls = ({"torch_fa4": bench.ours_bwd, "flash-attn-4": bench.fa4_bwd} if args.backward
              else {"torch_fa4": bench.ours_fwd, "flash-attn-4": bench.fa4_fwd})
-    for spec in args.variant:
-        name, opts = spec.split("=", 1)
-        opts = json.loads(opts)
-        env = opts.pop("env", {})
-        if args.backward:
-            if opts:
-                ap.error("--variant with --backward takes only \"env\" (FwdConfig overrides are forward only)")
-            impls[name] = bench.with_env(bench.ours_bwd, env)
-            continue
-        impls[name] = bench.with_env((lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
+    impls.update(bench.variant_makers(args.variant, args.backward, ap.error))
     grid = bench._BWD_GRID if args.backward else bench._GRID
     rows = (list(grid) if args.rows == "grid"
             else [tuple(int(x) for x in spec.split(":")) for spec in args.rows.split(",")])

@@ -79,16 +79,7 @@ def main():
     impls = {"torch_fa4": bench.ours_bwd if args.backward else bench.ours_fwd}
     if not args.no_peer:
         impls["flash-attn-4"] = bench.fa4_bwd if args.backward else bench.fa4_fwd
-    for spec in args.variant:
-        name, opts = spec.split("=", 1)
-        opts = json.loads(opts)
-        env = opts.pop("env", {})
-        if args.backward:
-            if opts:
-                ap.error("--variant with --backward takes only \"env\"")
-            impls[name] = bench.with_env(bench.ours_bwd, env)
-        else:
-            impls[name] = bench.with_env((lambda o: lambda q, k, v, c: bench.ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
+    impls.update(bench.variant_makers(args.variant, args.backward, ap.error))
     results = []
     for spec in args.rows.split(","):
         D, S, c = (int(x) for x in spec.split(":"))

@@ -582,19 +582,27 @@ def test_dq_contributors_match_the_walks():
             assert got == want, (m, tile_m, sq, sk, has_right, has_left, right, left)
 
 
+def _sass_off_and_on(call, env, field, tmp_path, monkeypatch) -> dict:
+    """The variant of `call` compiled (and checked) with the switch `env` at "0" and "1", whose
+    KernelTiles `field` must follow it: {"0": SASS, "1": SASS}."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    sass = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(env, on)
+        key = bwd.variant_key(call, False)
+        assert getattr(key[-3], field) is (on == "1")
+        (tmp_path / on).mkdir()
+        sass[on] = _compiled_and_checked(key, call, tmp_path / on)
+    return sass
+
+
 def test_fused_dq_compiles(tmp_path, monkeypatch):
     # fused_dq adds the converter: one more TMA load (the finished fp32 tile), the dQ counters'
     # atomics, and dq's 16-byte stores (none without it: the conversion pass writes dq)
     from torch_fa4.kernels.sm90 import bwd
 
-    call = _call(d=64, causal=True)
-    sass = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv(bwd.FUSED_DQ_ENV, on)
-        key = bwd.variant_key(call, False)
-        assert key[-3].fused_dq is (on == "1")
-        (tmp_path / on).mkdir()
-        sass[on] = _compiled_and_checked(key, call, tmp_path / on)
+    sass = _sass_off_and_on(_call(d=64, causal=True), bwd.FUSED_DQ_ENV, "fused_dq", tmp_path, monkeypatch)
     count = lambda on, op: sass[on].count(op)  # noqa: E731
     assert count("1", "UTMALDG") == count("0", "UTMALDG") + 1
     assert count("1", "ATOMG") > count("0", "ATOMG") >= 1
@@ -608,14 +616,8 @@ def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
     # twice (the bulk-group read waits are DEPBAR.LE SB0, 0x0 in the SASS)
     from torch_fa4.kernels.sm90 import bwd
 
-    call = _call(d=128, causal=True)
-    waits = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, on)
-        key = bwd.variant_key(call, False)
-        assert key[-3].own_dv_stage is (on == "1")
-        (tmp_path / on).mkdir()
-        waits[on] = _compiled_and_checked(key, call, tmp_path / on).count("DEPBAR.LE SB0, 0x0")
+    sass = _sass_off_and_on(_call(d=128, causal=True), bwd.OWN_DV_STAGE_ENV, "own_dv_stage", tmp_path, monkeypatch)
+    waits = {on: text.count("DEPBAR.LE SB0, 0x0") for on, text in sass.items()}
     assert waits["1"] == waits["0"] - 1 >= 1, waits
 
 

@@ -475,6 +475,9 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
     emulate = int(_env_choice(EXP2_EMU_ENV, _EXP2_EMU, ("0", "2", "3", "4", "5", "6", "8")))
     fold = _env_choice(FOLD_DPSUM_ENV, _FOLD_DPSUM, ("0", "1")) == "1"
     persist = persistent(call, deterministic, tile_n, dq_in_ring, sparse)
+    # fused dq's staging tile is placed first; dV's own buffer only where it still fits beside it
+    fused = persist and fused_dq_applies(call, tile_n, stages, tile_m)
+    own_dv = persist and own_dv_stage(d, dv, tile_n, stages, tile_m, fused)
     kernel_tiles = KernelTiles(
         tile_n=tile_n, stages=stages, dq_in_ring=dq_in_ring, tile_m=tile_m,
         passes=passes if tile_m != _TILE_M else None,
@@ -492,12 +495,9 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         mod_fragment=(call.mods is not None and call.mods.score_graph is not None
                       and _env_choice(MOD_FRAGMENT_ENV, _MOD_FRAGMENT, ("0", "1")) == "1"),
         split_mask_loops=_env_choice(SPLIT_MASK_LOOPS_ENV, _SPLIT_MASK_LOOPS, ("0", "1")) == "1",
-        own_dv_stage=False,
-        fused_dq=persist and fused_dq_applies(call, tile_n, stages, tile_m),
+        own_dv_stage=own_dv,
+        fused_dq=fused,
     )
-    if persist:
-        kernel_tiles = kernel_tiles._replace(
-            own_dv_stage=own_dv_stage(d, dv, tile_n, stages, tile_m, kernel_tiles.fused_dq))
     return (
         call.q.dtype,
         call.head_dim,
