@@ -167,7 +167,7 @@ def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monke
     _compiled_and_checked(key, call, tmp_path)
 
 
-@pytest.mark.parametrize("hints", ["0", "1", "last"])
+@pytest.mark.parametrize("hints", ["0", "1", "loads", "last"])
 def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
 
@@ -175,12 +175,17 @@ def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     call = _call(d=128, causal=True)
     key = bwd.variant_key(call, False)
     assert key[-3].l2_hints == hints
-    hinted, loads = hinted_loads(_compiled_and_checked(key, call, tmp_path))
+    sass = _compiled_and_checked(key, call, tmp_path)
+    hinted, loads = hinted_loads(sass)
     assert loads >= 6
     if hints == "last":  # Q / dO / statistics hinted, K and V (loaded at each key tile's start) not
         assert 0 < hinted < loads
     else:
-        assert hinted == (loads if hints == "1" else 0)
+        assert hinted == (0 if hints == "0" else loads)
+    adds = [line for line in sass.splitlines() if "UTMAREDG" in line]
+    assert adds, "no dQ TMA adds"
+    # the dQ adds carry the evict-last policy under "1" only (a policy-less one reads desc[URZ])
+    assert all(("desc[URZ]" not in line) == (hints == "1") for line in adds)
 
 
 # the leader-warp dQ adds (TORCH_FA4_BWD_DQ_WARP=0) on the paths the writer warp takes by default

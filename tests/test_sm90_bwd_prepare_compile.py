@@ -96,12 +96,14 @@ def _emulated(dout, out, lse, lse2, dpsum, dq_acc=None):
     dpsum[..., s:] = 0.0
 
 
+@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
-def test_kernel_zeroing_the_dq_buffer_adds_only_vector_stores(dv, d, dtype, tmp_path):
+def test_kernel_zeroing_the_dq_buffer_adds_only_vector_stores(dv, d, dtype, reversed_order, tmp_path):
+    # reversed_order (bwd.PASS_ORDER_ENV) changes which slab a CTA takes, not its accesses
     from torch_fa4.kernels.sm90 import bwd_prepare
 
-    bwd_prepare.compile_kernel(dtype, dv, dump_dir=str(tmp_path), d_zero=d)
+    bwd_prepare.compile_kernel(dtype, dv, dump_dir=str(tmp_path), d_zero=d, reversed_order=reversed_order)
     sass = sass_of(tmp_path)
     per_thread = d // (bwd_prepare.ZERO_VEC * bwd_prepare.THREADS_PER_ROW)
     assert sass.count("STG.E.128") == per_thread, "the dQ row is not zeroed in 16-byte stores"

@@ -127,10 +127,13 @@ _EXP2_EMU = "0"
 # TORCH_FA4_BWD_FOLD_DPSUM=1|0; on: +0.4-5% on the D128 rows (H100, NOTES Experiment 31).
 FOLD_DPSUM_ENV = "TORCH_FA4_BWD_FOLD_DPSUM"
 _FOLD_DPSUM = "1"
-# L2 eviction priorities on the loads (bwd_kernel `l2_hints`, kernels/common/l2_hints.py): Q, dO
-# and the row statistics, which every key tile of a head reads, evict-last; K and V, read by one
-# CTA, evict-first. TORCH_FA4_BWD_L2_HINTS=0|1|last (last: only the evict-last ones). On: H100,
-# NOTES "Experiment 68", two sweeps: +1-2% on most S4k / S16k rows, level at S1k.
+# L2 eviction priorities (bwd_kernel `l2_hints`, kernels/common/l2_hints.py): Q, dO and the row
+# statistics, which every key tile of a head reads, and the fp32 dQ buffer, which every key tile
+# adds to and the conversion pass reads last, evict-last; K and V, read by one CTA, evict-first.
+# TORCH_FA4_BWD_L2_HINTS=0|1|loads|last (loads: the loads' hints only, not the dQ adds'; last: only
+# the loads' evict-last ones). H100: the loads' hints +1-2% on most S4k / S16k rows, level at S1k
+# (NOTES "Experiment 68"); the dQ adds' evict-last +0.3% at D128 S1k / S4k / S16k causal, +0.9%
+# at D64 S1k causal, in GPU time (Experiment 128).
 L2_HINTS_ENV = "TORCH_FA4_BWD_L2_HINTS"
 _L2_HINTS = "1"
 # Causal / right-window walks from the last query tile down to the diagonal (bwd_kernel
@@ -179,6 +182,13 @@ _OWN_DV_STAGE = "1"
 # TORCH_FA4_BWD_FUSED_DQ=0|1.
 FUSED_DQ_ENV = "TORCH_FA4_BWD_FUSED_DQ"
 _FUSED_DQ = "1"
+# The passes around the main kernel take their slabs in the reverse of its (batch, head) order, so
+# each meets the other's last lines in L2: the row-statistics pass ends on the pairs the main
+# kernel starts with, and the conversion starts on the last batch, whose dQ adds landed last.
+# H100, GPU time (NOTES "Experiment 128"): D128 S1k causal +1.0%, S1k +0.5%, D64 S1k causal +0.9%,
+# level at S4k / S16k. TORCH_FA4_BWD_PASS_ORDER=natural|prepare|convert|both (the passes reversed).
+PASS_ORDER_ENV = "TORCH_FA4_BWD_PASS_ORDER"
+_PASS_ORDER = "both"
 
 
 class KernelTiles(NamedTuple):
@@ -198,7 +208,7 @@ class KernelTiles(NamedTuple):
     split_ring: bool  # separate Q / dO ring barriers
     dv_after_ds: bool  # dV issued after the dS^T stores
     persistent: bool  # one CTA per SM taking work tiles from a counter
-    l2_hints: str  # "0", "1" or "last"
+    l2_hints: str  # "0", "1", "loads" or "last"
     descending: bool  # causal walks from the last query tile down
     dq_transposed: bool  # dQ^T = K^T dS^T
     permuted_stats: bool  # row statistics in bwd_stats_layout's order
@@ -273,6 +283,12 @@ def persistent(call: "AttentionCall", deterministic: bool, tile_n: int, dq_in_ri
     on = _env_choice(PERSISTENT_ENV, _PERSISTENT, ("0", "1")) == "1"
     return (on and tile_n == 128 and dq_writer_warp(tile_n, dq_in_ring) and not deterministic
             and not call.is_varlen and sparse is None)
+
+
+def reversed_passes() -> tuple[bool, bool]:
+    """(row-statistics pass reversed, dq conversion reversed): PASS_ORDER_ENV."""
+    order = _env_choice(PASS_ORDER_ENV, _PASS_ORDER, ("natural", "prepare", "convert", "both"))
+    return order in ("prepare", "both"), order in ("convert", "both")
 
 
 def pdl() -> bool:
@@ -486,7 +502,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         split_ring=tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
         dv_after_ds=tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
         persistent=persist,
-        l2_hints=_env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "last")),
+        l2_hints=_env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "loads", "last")),
         descending=(_env_choice(DESCENDING_ENV, _DESCENDING, ("0", "1")) == "1" and right is not None
                     and not deterministic and sparse is None),
         dq_transposed=dq_transposed(d, dv, tile_n, tile_m, dq_in_ring),
@@ -741,7 +757,8 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
         if bwd_prepare.unsupported_reason(dout, out, lse) is None:
             fused_zero = zero_dq is not None and bwd_prepare.dq_zeroing_takes(zero_dq, dout)
             stats = bwd_prepare.row_statistics(dout, out, lse, rows, zero_dq if fused_zero else None,
-                                               stat_tile=tile_m if permuted else 0)
+                                               stat_tile=tile_m if permuted else 0,
+                                               reversed_order=reversed_passes()[0])
             if zero_dq is not None and not fused_zero:
                 zero_dq.zero_()
             return (*stats, rows)
@@ -870,7 +887,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         from . import bwd_dq_convert
 
         if bwd_dq_convert.takes(dq_acc_rows, dq):
-            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3].pdl)
+            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3].pdl,
+                                         reversed_order=reversed_passes()[1])
         else:
             torch.mul(dq_acc_rows, call.scale, out=dq)
 

@@ -9,6 +9,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from ..common import l2_hints
 from . import bwd_layouts as L
 
 # Named barriers of the dQ hand-off (bwd_kernel.py lists them all): with dq_writer_warp, per
@@ -78,7 +79,7 @@ class BwdDq:
         gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
         tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
                                        cute.group_modes(gdQ, 0, 2))
-        cute.copy(tma_dQ, tS, tG)
+        cute.copy(tma_dQ, tS, tG, cache_policy=l2_hints.policy(self.evict_last_dq, l2_hints.EVICT_LAST))
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

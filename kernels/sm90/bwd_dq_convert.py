@@ -29,9 +29,12 @@ MAX_ELEMENTS = 2**31 - VEC * THREADS  # 32-bit element indices
 class ScaledNarrowKernel:
     """fn(src, dst, scale): dst[i] = src[i] * scale for i < N, src fp32 (N,), dst 16-bit (N,)."""
 
-    def __init__(self, dtype, pdl: bool = True):
+    def __init__(self, dtype, pdl: bool = True, reversed_order: bool = False):
         self.dtype = dtype
         self.pdl = pdl  # programmatic dependent launch after the main backward kernel
+        # CTAs take the buffer last chunk first: the main kernel's last pairs (the last batch)
+        # added their dQ last, so their lines are the ones still in L2 (bwd.PASS_ORDER_ENV)
+        self.reversed_order = reversed_order
 
     @cute.jit
     def __call__(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32, stream):
@@ -46,6 +49,8 @@ class ScaledNarrowKernel:
             cute.arch.griddepcontrol_wait()  # the main kernel's dQ adds have all landed
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.reversed_order):
+            bidx = cute.arch.grid_dim()[0] - 1 - bidx
         chunk = bidx * THREADS + tidx  # this thread's 8 elements: column `chunk` below
         src_v = cute.logical_divide(src, cute.make_layout(VEC))  # (VEC, N / VEC)
         dst_v = cute.logical_divide(dst, cute.make_layout(VEC))
@@ -57,26 +62,27 @@ class ScaledNarrowKernel:
             cute.autovec_copy(r_dst, dst_v[None, chunk])
 
 
-def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None, pdl: bool = True):
+def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None, pdl: bool = True,
+                   reversed_order: bool = False):
     """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
     cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there. pdl:
     launched as a programmatic dependent of the main backward kernel (bwd.PDL_ENV)."""
     from torch_fa4.kernels import compile_cache
 
     if dump_dir is not None:
-        return _compile(dtype, arch, dump_dir, pdl)
-    return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype, pdl),
-                                        lambda: _compile(dtype, arch, None, pdl))
+        return _compile(dtype, arch, dump_dir, pdl, reversed_order)
+    return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype, pdl, reversed_order),
+                                        lambda: _compile(dtype, arch, None, pdl, reversed_order))
 
 
-def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True):
+def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True, reversed_order: bool = False):
     from .bwd import _cute_dtype, compile_stream_and_options
 
     n = cute.sym_int(divisibility=VEC)
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
     dst = cute.runtime.make_fake_tensor(_cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype), pdl), src, dst, Float32(1.0), stream, options=options)
+    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype), pdl, reversed_order), src, dst, Float32(1.0), stream, options=options)
 
 
 def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
@@ -88,6 +94,7 @@ def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0)
 
 
-def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float, pdl: bool = True) -> None:
+def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float, pdl: bool = True,
+                  reversed_order: bool = False) -> None:
     """dst = src * scale in dst's dtype (call when `takes(src, dst)`)."""
-    compile_kernel(dst.dtype, pdl=pdl)(src.view(-1), dst.view(-1), float(scale))
+    compile_kernel(dst.dtype, pdl=pdl, reversed_order=reversed_order)(src.view(-1), dst.view(-1), float(scale))

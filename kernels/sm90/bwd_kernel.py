@@ -171,7 +171,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
         dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
         persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
-        l2_hints: str = "0",  # "1": Q / dO / statistics evict-last, K / V evict-first; "last": the former only
+        l2_hints: str = "0",  # "1": Q / dO / statistics / dQ adds evict-last, K / V evict-first;
+        # "loads": the same without the dQ adds'; "last": the loads' evict-last ones only
         descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
         dq_transposed: bool = False,  # 64 queries: dQ^T = K^T dS^T (as at 80), for conflict-free dQ stores
         permuted_stats: bool = False,  # LSE / dPsum tiles in bwd_stats_layout's order: vector loads
@@ -185,9 +186,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # need the key tiles to reach a query tile in key-tile order)
         assert not descending_walk or (causal_or_right and not deterministic), "descending walk: causal, not deterministic"
         self.descending_walk = descending_walk
-        assert l2_hints in ("0", "1", "last")
+        assert l2_hints in ("0", "1", "loads", "last")
         self.evict_last_q_do = l2_hints != "0"  # read by every key tile of a head
-        self.evict_first_kv = l2_hints == "1"  # read by this CTA only
+        self.evict_first_kv = l2_hints in ("1", "loads")  # read by this CTA only
+        self.evict_last_dq = l2_hints == "1"  # added to by every key tile, read by the conversion last
         assert tile_n in (64, 128)
         self.tile_n = tile_n
         assert tile_m in (64, 80, 128)

@@ -53,7 +53,7 @@ class RowStatisticsKernel:
 
     threads = ROWS_PER_CTA * THREADS_PER_ROW
 
-    def __init__(self, dtype, dv: int, d_zero: int = 0, stat_tile: int = 0):
+    def __init__(self, dtype, dv: int, d_zero: int = 0, stat_tile: int = 0, reversed_order: bool = False):
         if dv % (VEC * THREADS_PER_ROW):
             raise ValueError(f"Dv={dv} is not a multiple of {VEC * THREADS_PER_ROW}")
         if d_zero % (ZERO_VEC * THREADS_PER_ROW):
@@ -66,6 +66,10 @@ class RowStatisticsKernel:
         # > 0: lse2 / dpsum rows stored in bwd_stats_layout's permuted order within tiles of this
         # many rows (the backward variant's queries per step)
         self.stat_tile = stat_tile
+        # CTAs take the (batch, head, tile) slabs last to first, so the rows this pass touches
+        # last (its dQ zeros, dO, the statistics) are the first pairs the main kernel walks: still
+        # in L2 when it starts (bwd.PASS_ORDER_ENV)
+        self.reversed_order = reversed_order
 
     @cute.jit
     def __call__(self, dout: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
@@ -82,6 +86,9 @@ class RowStatisticsKernel:
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
+        if const_expr(self.reversed_order):
+            n_tiles, n_heads, n_batch = cute.arch.grid_dim()
+            tile, h, b = n_tiles - 1 - tile, n_heads - 1 - h, n_batch - 1 - b
         seqlen = dout.shape[1]
         rows = lse2.shape[2]
         row = tile * ROWS_PER_CTA + tidx // THREADS_PER_ROW
@@ -128,7 +135,7 @@ class RowStatisticsKernel:
 
 
 def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: str | None = None,
-                   d_zero: int = 0, stat_tile: int = 0):
+                   d_zero: int = 0, stat_tile: int = 0, reversed_order: bool = False):
     """cute.compile the kernel for (dtype, Dv, head dim of the dQ buffer it zeroes or 0) against
     symbolic shapes and strides (no GPU needed).
 
@@ -137,13 +144,13 @@ def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: 
     from torch_fa4.kernels import compile_cache
 
     if dump_dir is not None:
-        return _compile(dtype, dv, arch, dump_dir, d_zero, stat_tile)
-    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile),
-                                        lambda: _compile(dtype, dv, arch, None, d_zero, stat_tile))
+        return _compile(dtype, dv, arch, dump_dir, d_zero, stat_tile, reversed_order)
+    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile, reversed_order),
+                                        lambda: _compile(dtype, dv, arch, None, d_zero, stat_tile, reversed_order))
 
 
 def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0,
-             stat_tile: int = 0):
+             stat_tile: int = 0, reversed_order: bool = False):
     from .bwd import _cute_dtype, compile_stream_and_options
 
     sym, s64 = cute.sym_int, cute.sym_int64
@@ -164,7 +171,7 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
         a4 = lambda: s64(divisibility=ZERO_VEC)
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero, stat_tile), dout, out, lse, lse2, dpsum, dq_acc, stream,
+    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero, stat_tile, reversed_order), dout, out, lse, lse2, dpsum, dq_acc, stream,
                         options=options)
 
 
@@ -215,19 +222,19 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
 
 
 def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None,
-                   stat_tile: int = 0):
+                   stat_tile: int = 0, reversed_order: bool = False):
     """(lse2, dpsum), each (B, H, rows) dense or (H, rows) varlen, contiguous fp32, from dout/out
     (B, S, H, Dv) or (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
     dq_acc: a dense (B, S, H, D) fp32 buffer to zero in the same pass (see dq_zeroing_takes)."""
     # one allocation for both (each costs the host time per call); the second half starts B*H*rows
     # floats in, 16-byte aligned for the backward's TMA with bwd.row_statistics' rows (whole tiles)
     lse2, dpsum = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
-    row_statistics_into(dout, out, lse, lse2, dpsum, dq_acc, stat_tile)
+    row_statistics_into(dout, out, lse, lse2, dpsum, dq_acc, stat_tile, reversed_order)
     return lse2, dpsum
 
 
 def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None,
-                        stat_tile: int = 0) -> None:
+                        stat_tile: int = 0, reversed_order: bool = False) -> None:
     """Like row_statistics, into given contiguous fp32 buffers of shape (*lse.shape[:-1], rows),
     rows >= S; every element is written (padding included). dq_acc, if given, must satisfy
     dq_zeroing_takes (the caller checks it once)."""
@@ -238,7 +245,7 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor,
         dout, out, lse, lse2, dpsum = (t.unsqueeze(0) for t in (dout, out, lse, lse2, dpsum))
     assert not stat_tile or lse2.shape[-1] % stat_tile == 0, "permuted rows come in whole tiles"
     d_zero = 0 if dq_acc is None else dq_acc.shape[-1]
-    fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero, stat_tile=stat_tile)
+    fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero, stat_tile=stat_tile, reversed_order=reversed_order)
     fn(_packed_size_one_strides(dout), _packed_size_one_strides(out), lse, lse2, dpsum, dq_acc)
 
 

@@ -92,10 +92,12 @@ def _check(lse2, dpsum, dout, out, lse, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 @pytest.mark.parametrize("dv", DVS)
 @pytest.mark.parametrize("layout", ["dense", "dense_bhsd_views", "dense_wide_rows", "varlen", "varlen_strided",
                                     "per_sequence"])
-def test_fused_row_statistics_match_float64(layout, dv, dtype):
+def test_fused_row_statistics_match_float64(layout, dv, dtype, reversed_order):
+    # reversed_order: the CTAs take the slabs last to first (bwd.PASS_ORDER_ENV); same results
     from torch_fa4.kernels.sm90 import bwd_prepare
 
     dout, out, lse = _inputs(layout, dv, dtype)
@@ -104,7 +106,7 @@ def test_fused_row_statistics_match_float64(layout, dv, dtype):
     for rows in (math.ceil(s / 64) * 64, math.ceil(s / 64) * 64 + 128, s):  # exact fit too: no padding
         lse2 = torch.full((*lse.shape[:-1], rows), math.nan, device="cuda")
         dpsum = torch.full_like(lse2, math.nan)
-        bwd_prepare.row_statistics_into(dout, out, lse, lse2, dpsum)
+        bwd_prepare.row_statistics_into(dout, out, lse, lse2, dpsum, reversed_order=reversed_order)
         torch.cuda.synchronize()
         _check(lse2, dpsum, dout, out, lse, rows)
 
@@ -209,18 +211,20 @@ def test_attention_backward_matches_float64_with_fused_statistics(d, varlen, mon
 
 # ---- the last pass: dq = dq_acc * scale in the input dtype (kernels/sm90/bwd_dq_convert.py)
 
+@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [8, 2040, 2048, 2056, 3 * 517 * 5 * 64])
-def test_dq_conversion_matches_torch(n, dtype):
+def test_dq_conversion_matches_torch(n, dtype, reversed_order):
     """Fresh fp32 values (some beyond the 16-bit range), a NaN-poisoned output: the same bits as
-    torch's multiply-then-round, including a partial last CTA and a single chunk."""
+    torch's multiply-then-round, including a partial last CTA and a single chunk, with the CTAs
+    in either order (bwd.PASS_ORDER_ENV)."""
     from torch_fa4.kernels.sm90 import bwd_dq_convert
 
     src = torch.randn(n, device="cuda") * 3
     src[:: 97] *= 1e5  # overflow to inf in fp16 alike
     dst = torch.full((n,), float("nan"), device="cuda", dtype=dtype)
     assert bwd_dq_convert.takes(src, dst)
-    bwd_dq_convert.scaled_narrow(src, dst, 0.0883)
+    bwd_dq_convert.scaled_narrow(src, dst, 0.0883, reversed_order=reversed_order)
     want = (src * 0.0883).to(dtype)
     assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
 
@@ -238,16 +242,17 @@ def test_dq_conversion_refuses_layouts_it_cannot_read():
     assert not bwd_dq_convert.takes(torch.zeros(36, device="cuda"), torch.zeros(36, device="cuda", dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 @pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
-def test_fused_pass_zeroes_the_dq_buffer(dv, d):
+def test_fused_pass_zeroes_the_dq_buffer(dv, d, reversed_order):
     """The row-statistics pass zeroes the backward's (B, S, H, D) fp32 dQ buffer, NaN-poisoned
-    here, and still writes the same statistics."""
+    here, and still writes the same statistics, with its CTAs in either order."""
     from torch_fa4.kernels.sm90 import bwd_prepare
 
     dout, out, lse = _inputs("dense", dv, torch.bfloat16)
     dq_acc = torch.full((*dout.shape[:3], d), math.nan, device="cuda")
     rows = math.ceil(lse.shape[-1] / 64) * 64
-    lse2, dpsum = bwd_prepare.row_statistics(dout, out, lse, rows, dq_acc)
+    lse2, dpsum = bwd_prepare.row_statistics(dout, out, lse, rows, dq_acc, reversed_order=reversed_order)
     torch.cuda.synchronize()
     assert (dq_acc == 0).all()
     _check(lse2, dpsum, dout, out, lse, rows)
