@@ -308,10 +308,13 @@ _BWD_SWEEPS = {
                           [(D, S, True) for D in (64, 128) for S in (1024, 4096, 16384)]),
     # the causal rows whose run-to-run scatter is in question: with --rounds N, N alternating timings
     "bwd-causal": ({"torch_fa4": {}}, [(128, 1024, True), (64, 1024, True), (128, 16384, True)]),
-    # L2 eviction priorities on the loads: Q / dO / statistics evict-last, K / V evict-first
-    "bwd-l2-hints": ({"none": {"TORCH_FA4_BWD_L2_HINTS": "0"}, "both": {"TORCH_FA4_BWD_L2_HINTS": "1"},
-                      "last": {"TORCH_FA4_BWD_L2_HINTS": "last"}},
+    # L2 eviction priorities: Q / dO / statistics (and, "all", the dQ adds) evict-last, K / V evict-first
+    "bwd-l2-hints": ({"none": {"TORCH_FA4_BWD_L2_HINTS": "0"}, "all": {"TORCH_FA4_BWD_L2_HINTS": "1"},
+                      "loads": {"TORCH_FA4_BWD_L2_HINTS": "loads"}, "last": {"TORCH_FA4_BWD_L2_HINTS": "last"}},
                      [(D, S, c) for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)]),
+    # the passes around the main kernel in its order or the reverse (bwd.PASS_ORDER_ENV)
+    "bwd-pass-order": ({o: {"TORCH_FA4_BWD_PASS_ORDER": o} for o in ("natural", "prepare", "convert", "both")},
+                       [(D, S, c) for D in (64, 128) for S in (1024, 4096) for c in (False, True)]),
     # causal walks from the last query tile down to the diagonal (bwd_q_walk.DenseQWalk): the CTAs
     # in flight read the same Q / dO tiles at once
     "bwd-descending": ({"ascending": {"TORCH_FA4_BWD_DESCENDING": "0"}, "descending": {"TORCH_FA4_BWD_DESCENDING": "1"}},
