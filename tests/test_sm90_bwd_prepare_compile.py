@@ -70,7 +70,7 @@ def test_varlen_and_dense_share_one_compiled_kernel(monkeypatch):
     fn = bwd_prepare.compile_kernel(torch.bfloat16, 64)
     assert bwd_prepare.compile_kernel(torch.bfloat16, 64) is fn  # cached: no second compile
     keys = []
-    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0: keys.append((dtype, dv)) or _emulated)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0, reversed_order=False: keys.append((dtype, dv)) or _emulated)
     for lead, lse_shape in (((2, 10), (2, 3, 10)), ((17,), (3, 17))):
         dout = torch.randn(*lead, 3, 64).to(torch.bfloat16)
         bwd_prepare.row_statistics(dout, dout.clone(), torch.randn(lse_shape), 64)
@@ -135,7 +135,7 @@ def test_backward_host_zeroes_the_dq_buffer_in_either_path(monkeypatch):
 def test_host_wrapper_fills_the_padded_layout(varlen, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
-    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0: _emulated)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0, reversed_order=False: _emulated)
     h, dv = 3, 96
     if varlen:  # a (T, H, Dv) slice of a wider buffer: non-contiguous rows
         dout = torch.randn(37, h, dv + 8).to(torch.float16)[..., :dv]
