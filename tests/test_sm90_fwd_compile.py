@@ -119,7 +119,7 @@ VARIANTS = {
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
-    # the D128 default past 8192 keys (fwd_host._D128_COND_RESCALE_MIN_SEQLEN_K), persistent and causal
+    # the D128 default for plain and causal calls (fwd_host._d128_cond_rescale_pays), persistent and causal
     "d128_cond_rescale": (dict(D=128), dict(rescale_threshold=8.0)),
     "d128_causal_cond_rescale": (dict(D=128, causal=True), dict(rescale_threshold=8.0, persistent=False)),
     # per-step stamps of the consumer warpgroups (benchmarks/turn_trace.py)
@@ -216,9 +216,9 @@ def test_public_causal_calls_run_the_causal_variants():
         assert AttentionCall(q=q, k=q, v=q, scale=0.1, window_right=0).has_window  # not causal: a window
 
 
-def test_d128_long_walks_take_the_conditional_rescale():
-    """D128 past 8192 keys: FA4's conditional rescale, the early rescale below (NOTES
-    "Experiment 96"); other head dims keep theirs at any length."""
+def test_d128_takes_the_conditional_rescale():
+    """D128 plain and causal calls: FA4's conditional rescale at every length (NOTES
+    "Experiment 130"); other head dims keep theirs."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     def cfg(D, Sq, Sk, **kw):
@@ -227,12 +227,11 @@ def test_d128_long_walks_take_the_conditional_rescale():
         return fwd_host.default_config(AttentionCall(q=q, k=k, v=k, scale=0.1, **kw))
 
     for causal in (False, True):
-        long = cfg(128, 16384, 16384, causal=causal)
-        assert (long.rescale_threshold, long.early_o_rescale) == (8.0, False)
-        short = cfg(128, 4096, 4096, causal=causal)
-        assert (short.rescale_threshold, short.early_o_rescale) == (None, True)
-    assert cfg(128, 128, 16384).rescale_threshold == 8.0  # the walk's length: the keys
-    assert cfg(128, 16384, 4096).rescale_threshold is None
+        for s in (1024, 4096, 16384):
+            assert (cfg(128, s, s, causal=causal).rescale_threshold, cfg(128, s, s, causal=causal).early_o_rescale) \
+                == (8.0, False)
+    assert cfg(128, 128, 16384).rescale_threshold == 8.0
+    assert cfg(128, 16384, 128).rescale_threshold == 8.0
     assert cfg(64, 16384, 16384).rescale_threshold is None
     assert cfg(256, 16384, 16384).rescale_threshold == 8.0  # (D256's own default)
     # only the measured rows: no mods, softcap or window
@@ -260,7 +259,8 @@ def test_o_rescale_order_per_head_dim():
         assert not early(64, S) and not early(64, S, causal=True)
     assert not early(96, 4096) and not early(96, 16384)
     assert early(96, 2048) and early(96, 4096, causal=True) and early(96, 4096, softcap=10.0)
-    assert early(128, 4096) and early(128, 4096, causal=True)
+    assert not early(128, 4096) and not early(128, 1024, causal=True)  # the conditional rescale
+    assert early(128, 4096, softcap=10.0) and early(128, 4096, causal=True, window_left=256)
     assert early(96, 4096, overrides=dict(early_o_rescale=True))
 
 

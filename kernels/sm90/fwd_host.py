@@ -167,7 +167,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
-    if _d128_cond_rescale_pays(call, max_k):
+    if _d128_cond_rescale_pays(call):
         opts["rescale_threshold"] = 8.0
     # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
@@ -238,17 +238,16 @@ def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool
     return not d96_long_plain
 
 
-# D=128 walks longer than this take FA4's conditional rescale (O moves only when a row's max grows by
-# more than 2^8) instead of the early rescale. H100, four rescale sweeps (NOTES "Experiment 96"),
-# S16k +0.7 / 0 / +2.2 / -0.6%, S16k causal +1.3 / +4.1 / +2.5 / +0.1%; at S4k -0.4% to -5.6%,
-# so shorter walks keep the early rescale. D=64 measured level to -4% at S16k. Only the rows
-# measured take it: plain and causal calls (mods, softcap and windows keep the early rescale;
-# both are exact).
-_D128_COND_RESCALE_MIN_SEQLEN_K = 8192
-
-
-def _d128_cond_rescale_pays(call: AttentionCall, max_k: int) -> bool:
-    return (call.head_dim == call.head_dim_v == 128 and max_k > _D128_COND_RESCALE_MIN_SEQLEN_K
+# D=128 plain and causal calls take FA4's conditional rescale (O moves only when a row's max grows
+# by more than 2^8) instead of the early rescale, at every length. H100: four bench.py sweeps
+# (NOTES "Experiment 96") had S16k +0.7 / 0 / +2.2 / -0.6%, S16k causal +1.3 / +4.1 / +2.5 / +0.1%,
+# and S4k -0.4% to -5.6%, so until session 29 only walks past 8192 keys took it. GPU time alone
+# (gpu_time_probe.py, NOTES "Experiment 130"), two probes: S4k +1.9 / +2.0%, S8k +2.2%, S4k causal
+# +0.8%, S1k causal +1.1%, S1k -0.2%. D=64 measured level to -4% at S16k (and -2.8 / -1.9% at
+# S4k / S16k in GPU time). Only the rows measured take it: mods, softcap and windows keep the
+# early rescale (both are exact).
+def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
+    return (call.head_dim == call.head_dim_v == 128
             and call.mods is None and call.softcap <= 0 and not call.has_window)
 
 

@@ -203,12 +203,14 @@ def test_softmax_options(opts):
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
 
 
+@pytest.mark.parametrize("sk", [9000, 700])
 @pytest.mark.parametrize("causal", [False, True])
-def test_d128_long_walk_default(causal):
-    """D128 past 8192 keys runs the conditional rescale by default (fwd_host)."""
+def test_d128_default_takes_the_conditional_rescale(causal, sk):
+    """D128 plain and causal calls run the conditional rescale by default (fwd_host), long and
+    short walks (the short causal one on the dynamic schedule with Q released early)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
-    call = _dense_call(1, 300, 9000, 2, 1, 128, causal=causal)
+    call = _dense_call(1, 300, sk, 2, 1, 128, causal=causal)
     assert fwd_host.default_config(call).rescale_threshold == 8.0
     _check(call)
 
