@@ -262,6 +262,10 @@ def test_o_rescale_order_per_head_dim():
     assert not early(128, 4096) and not early(128, 1024, causal=True)  # the conditional rescale
     assert early(128, 4096, softcap=10.0) and early(128, 4096, causal=True, window_left=256)
     assert early(96, 4096, overrides=dict(early_o_rescale=True))
+    # an early rescale asked for at D128 drops the default conditional one (the two exclude each other)
+    q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
+    forced = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1), early_o_rescale=True)
+    assert (forced.early_o_rescale, forced.rescale_threshold) == (True, None)
 
 
 def test_kv_multicast_variants_multicast_their_loads(tmp_path):

@@ -196,6 +196,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         cfg = replace(cfg, kv_multicast=True)
     if "early_o_rescale" not in overrides:
         cfg = replace(cfg, early_o_rescale=_early_rescale_pays(call, cfg, max_k))
+    elif cfg.early_o_rescale and "rescale_threshold" not in overrides:
+        cfg = replace(cfg, rescale_threshold=None)  # the early rescale goes with always rescaling
     if "split_ways" not in overrides:
         _, ways = split_plan(cfg, call)
         cfg = replace(cfg, split_ways=ways if ways > 1 else 0)
