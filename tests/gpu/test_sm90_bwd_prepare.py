@@ -26,6 +26,8 @@ pytestmark = [
 ]
 
 DVS = (64, 96, 128, 192, 256)
+# each pass with its CTAs in the natural order and in the reverse one (bwd.PASS_ORDER_ENV)
+BOTH_ORDERS = pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 LOG2E = math.log2(math.e)
 
 
@@ -92,7 +94,7 @@ def _check(lse2, dpsum, dout, out, lse, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
+@BOTH_ORDERS
 @pytest.mark.parametrize("dv", DVS)
 @pytest.mark.parametrize("layout", ["dense", "dense_bhsd_views", "dense_wide_rows", "varlen", "varlen_strided",
                                     "per_sequence"])
@@ -211,7 +213,7 @@ def test_attention_backward_matches_float64_with_fused_statistics(d, varlen, mon
 
 # ---- the last pass: dq = dq_acc * scale in the input dtype (kernels/sm90/bwd_dq_convert.py)
 
-@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
+@BOTH_ORDERS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [8, 2040, 2048, 2056, 3 * 517 * 5 * 64])
 def test_dq_conversion_matches_torch(n, dtype, reversed_order):
@@ -242,7 +244,7 @@ def test_dq_conversion_refuses_layouts_it_cannot_read():
     assert not bwd_dq_convert.takes(torch.zeros(36, device="cuda"), torch.zeros(36, device="cuda", dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
+@BOTH_ORDERS
 @pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
 def test_fused_pass_zeroes_the_dq_buffer(dv, d, reversed_order):
     """The row-statistics pass zeroes the backward's (B, S, H, D) fp32 dQ buffer, NaN-poisoned
