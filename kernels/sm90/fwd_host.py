@@ -370,6 +370,8 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
 
     dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
     options = fwd_launch.compile_options(arch, dump_dir)
+    if cfg.ptxas_options:
+        options += f" --ptxas-options '{cfg.ptxas_options}'"
 
     def build():
         import cutlass.cute as cute
