@@ -71,7 +71,8 @@ class FwdConfig:
     # instructions per key tile on the CPU compile (kernels/common/ring_waits.py, NOTES
     # "Experiment 78"); off until timed on a GPU (bench --sweep peek-waits)
     peek_waits: bool = False
-    # measuring: extra ptxas flags (e.g. "-O2"), passed through cute.compile's --ptxas-options
+    # extra ptxas flags (e.g. "--register-usage-level=10", D64's default), passed through
+    # cute.compile's --ptxas-options: they change the schedule, never the results
     ptxas_options: str = ""
     # a score_mod's t * (affine position expression), e.g. ALiBi's slope * (kv_idx - q_idx), as one
     # fma per distinct offset; under abs after a run-time branch on the expression's sign

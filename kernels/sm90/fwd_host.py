@@ -43,7 +43,11 @@ _DEFAULT_OPTIONS = {
     # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too). D64 rescales O
     # after the P V wait instead (as flash-attn-4 does there): H100, NOTES "Experiment 118", three
     # sustained probes, +0.5% to +3% on 11 of 12 D64 grid-row readings (-0.2% on one)
-    64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=False),
+    64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=False,
+             # ptxas's register-usage level 10 (default 5): H100, NOTES "Experiment 134", two
+             # probes, S4k +1.2% / +1.2%, S16k +0.3% / +0.4%, S16k causal +0.7% / +0.5%, S4k
+             # causal +0.3% / +0.2%, S1k level
+             ptxas_options="--register-usage-level=10"),
     # (plain D96 calls of 4096+ keys take the late rescale: `_d96_late_rescale_pays`)
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
