@@ -8,6 +8,7 @@ mapping and refusals, the launch argument list and the opt-in kernel disk cache 
 """
 
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -500,6 +501,27 @@ def test_grid_policy(monkeypatch):
     q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True), persistent=False)
     assert not cfg.persistent and not cfg.dynamic_schedule
+
+
+def test_ptxas_options_reach_ptxas(tmp_path):
+    """D64 compiles with ptxas's register-usage level 10 (fwd_host._DEFAULT_OPTIONS; +0.2-1.2% on
+    the D64 grid rows in two H100 probes, NOTES "Experiment 134"). The flag goes through
+    cute.compile's --ptxas-options: the same variant without it schedules differently, so a flag
+    that was dropped on the way (or that ptxas ignored) fails here."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    q = torch.empty(1, 16384, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S16k row
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125))
+    assert cfg.ptxas_options == "--register-usage-level=10"
+    q128 = torch.empty(1, 16384, 16, 128, dtype=torch.bfloat16)
+    assert fwd_host.default_config(AttentionCall(q=q128, k=q128, v=q128, scale=0.1)).ptxas_options == ""
+    loops = {}
+    for flags in (cfg.ptxas_options, ""):
+        (tmp_path / str(bool(flags))).mkdir()
+        sass = _compile_and_check_sass(replace(cfg, ptxas_options=flags), tmp_path / str(bool(flags)))
+        # instructions without their addresses (code elsewhere moving would shift those alone)
+        loops[flags] = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in _unmasked_key_loop(sass, cfg)]
+    assert loops[cfg.ptxas_options] != loops[""], "the ptxas flag did not change the key loop"
 
 
 def test_d64_tile_policy():
