@@ -167,6 +167,27 @@ def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monke
     _compiled_and_checked(key, call, tmp_path)
 
 
+def test_backward_ptxas_flags_reach_ptxas(tmp_path, monkeypatch):
+    """TORCH_FA4_BWD_PTXAS (measuring, off by default) enters the variant and goes to ptxas through
+    cute.compile's --ptxas-options: the D64 causal kernel compiles to different machine code with
+    it, so a flag dropped on the way fails here. Default: no flags."""
+    import re
+
+    from torch_fa4.kernels.sm90 import bwd
+
+    call = _call(d=64, causal=True)
+    assert bwd.variant_key(call, False)[-3].ptxas_options == ""
+    codes = {}
+    for flags in ("", "--register-usage-level=10"):
+        monkeypatch.setenv(bwd.PTXAS_ENV, flags)
+        key = bwd.variant_key(call, False)
+        assert key[-3].ptxas_options == flags
+        (tmp_path / str(bool(flags))).mkdir()
+        sass = _compiled_and_checked(key, call, tmp_path / str(bool(flags)))
+        codes[flags] = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines()]
+    assert codes[""] != codes["--register-usage-level=10"], "the ptxas flag did not change the code"
+
+
 @pytest.mark.parametrize("hints", ["0", "1", "loads", "last"])
 def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd

@@ -189,6 +189,11 @@ _FUSED_DQ = "1"
 # level at S4k / S16k. TORCH_FA4_BWD_PASS_ORDER=natural|prepare|convert|both (the passes reversed).
 PASS_ORDER_ENV = "TORCH_FA4_BWD_PASS_ORDER"
 _PASS_ORDER = "both"
+# Extra ptxas flags for the main kernel, passed through cute.compile's --ptxas-options (they change
+# the schedule, never the results): TORCH_FA4_BWD_PTXAS="--register-usage-level=10", say. The
+# forward's D64 default took that level (NOTES "Experiment 134"); the backward is not measured yet.
+PTXAS_ENV = "TORCH_FA4_BWD_PTXAS"
+_PTXAS = ""
 
 
 class KernelTiles(NamedTuple):
@@ -216,6 +221,7 @@ class KernelTiles(NamedTuple):
     split_mask_loops: bool  # masked and unmasked steps in loops of their own
     own_dv_stage: bool  # persistent: dV staged in its own shared-memory buffer
     fused_dq: bool  # persistent: dq written by the kernel (no conversion pass)
+    ptxas_options: str = ""  # extra ptxas flags (PTXAS_ENV)
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -440,7 +446,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
                DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV,
-               OWN_DV_STAGE_ENV, FUSED_DQ_ENV)
+               OWN_DV_STAGE_ENV, FUSED_DQ_ENV, PTXAS_ENV)
 _variant_memo: dict = {}
 
 
@@ -513,6 +519,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         split_mask_loops=_env_choice(SPLIT_MASK_LOOPS_ENV, _SPLIT_MASK_LOOPS, ("0", "1")) == "1",
         own_dv_stage=own_dv,
         fused_dq=fused,
+        ptxas_options=os.environ.get(PTXAS_ENV, _PTXAS).strip(),
     )
     return (
         call.q.dtype,
@@ -673,7 +680,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
      split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops, own_dv,
-     fused_dq) = kernel_tiles
+     fused_dq, ptxas) = kernel_tiles
     dq_out = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1)) if fused_dq else None
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
@@ -701,6 +708,8 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
     stream, options = compile_stream_and_options(arch, dump_dir)
+    if ptxas:
+        options += f" --ptxas-options '{ptxas}'"
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
             *aux, stream)
