@@ -38,6 +38,22 @@ def operand_reason(call: AttentionCall, kernel: str, head_dims: tuple, head_dim_
     return None
 
 
+def call_features(call: AttentionCall) -> dict:
+    """The fields of a forward variant (sm90 FwdConfig, sm100 Sm100FwdConfig) that come straight
+    from the call: dtype, head dims and which masks and length tensors it brings."""
+    return dict(
+        dtype_name=str(call.q.dtype).removeprefix("torch."),
+        head_dim=call.head_dim,
+        head_dim_v=call.head_dim_v,
+        causal=bool(call.causal),
+        has_window=call.has_window,
+        softcap=call.softcap > 0,
+        varlen_q=call.cu_seqlens_q is not None,
+        varlen_k=call.cu_seqlens_k is not None,
+        has_seqused_k=call.seqused_k is not None,
+    )
+
+
 def layout_reason(call: AttentionCall) -> Optional[str]:
     """Why the TMA loads of a forward kernel cannot read these tensors (None: they can)."""
     if call.is_varlen != (call.cu_seqlens_k is not None):

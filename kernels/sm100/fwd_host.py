@@ -47,19 +47,7 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
 
 def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
     tile_n, kv_stages = _TILES[call.head_dim]
-    cfg = Sm100FwdConfig(
-        dtype_name=str(call.q.dtype).removeprefix("torch."),
-        head_dim=call.head_dim,
-        head_dim_v=call.head_dim_v,
-        tile_n=tile_n,
-        kv_stages=kv_stages,
-        causal=bool(call.causal),
-        has_window=call.has_window,
-        softcap=call.softcap > 0,
-        varlen_q=call.cu_seqlens_q is not None,
-        varlen_k=call.cu_seqlens_k is not None,
-        has_seqused_k=call.seqused_k is not None,
-    )
+    cfg = Sm100FwdConfig(tile_n=tile_n, kv_stages=kv_stages, **fwd_launch.call_features(call))
     cfg = replace(cfg, **overrides) if overrides else cfg
     assert cfg.tmem_columns()["used"] <= TMEM_COLUMNS and cfg.smem_bytes() <= SMEM_LIMIT, cfg
     return cfg

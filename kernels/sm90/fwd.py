@@ -154,6 +154,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         def buffer(layout):
             return cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(layout)], 1024]
 
+        separate_o = self.separate_o
+
         @cute.struct
         class Shared:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
@@ -165,24 +167,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             sQ: buffer(sQ_layout)
             sK: buffer(sK_layout)
             sV: buffer(sV_layout)
+            if separate_o:  # (else O is staged over Q's buffer)
+                sO: buffer(sO_layout)
 
-        if not self.separate_o:
-            return Shared
-
-        @cute.struct
-        class SharedWithO:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_sched: cute.struct.MemRange[cutlass.Int64, 4]  # dynamic_schedule: item mailbox
-            sched_slots: cute.struct.MemRange[Int32, 2]
-            split_flags: cute.struct.MemRange[Int32, 4]  # split_ways: a counter value per warpgroup
-            sQ: buffer(sQ_layout)
-            sK: buffer(sK_layout)
-            sV: buffer(sV_layout)
-            sO: buffer(sO_layout)
-
-        return SharedWithO
+        return Shared
 
     # ------------------------------------------------------------------ host side
     @cute.jit

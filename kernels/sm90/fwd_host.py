@@ -177,19 +177,11 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
     cfg = FwdConfig(
-        dtype_name=str(call.q.dtype).removeprefix("torch."),
-        head_dim=call.head_dim,
-        head_dim_v=call.head_dim_v,
         tile_m=tile_m,
         tile_n=tile_n,
         num_stages=shape.get("num_stages", 2),
         split_mask_loops=shape.get("split_mask_loops", True),
-        causal=bool(call.causal),
-        has_window=call.has_window,
-        softcap=call.softcap > 0,
-        varlen_q=call.cu_seqlens_q is not None,
-        varlen_k=call.cu_seqlens_k is not None,
-        has_seqused_k=call.seqused_k is not None,
+        **fwd_launch.call_features(call),
         **opts,
         **mods,
     )
