@@ -20,6 +20,17 @@ _compile_seconds: dict[Hashable, float] = {}
 _from_disk: set = set()
 
 
+def extra_options(dump_dir: str | None, ptxas_options: str = "") -> str:
+    """The cute.compile options every kernel's builder appends: keep the cubin and PTX in dump_dir
+    (tests, SASS checks), and extra ptxas flags (they change the schedule, never the results)."""
+    options = ""
+    if dump_dir is not None:
+        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    if ptxas_options:
+        options += f" --ptxas-options '{ptxas_options}'"
+    return options
+
+
 def get_or_compile(key: Hashable, build: Callable[[], Any], persist: bool = False) -> Any:
     fn = _compiled.get(key)
     if fn is not None:

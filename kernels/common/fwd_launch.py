@@ -226,8 +226,7 @@ def _fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varle
             offsets() if has_seqused_k else None)
 
 
-def compile_options(arch: str, dump_dir: Optional[str]) -> str:
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
-    return options
+def compile_options(arch: str, dump_dir: Optional[str], ptxas_options: str = "") -> str:
+    from torch_fa4.kernels.compile_cache import extra_options
+
+    return f"--enable-tvm-ffi --gpu-arch {arch}" + extra_options(dump_dir, ptxas_options)

@@ -292,8 +292,8 @@ def compile_probe(score_graph, mask_graph, arch: str = "sm_90a", dump_dir: str |
     probe = ModProbeKernel(score_graph, mask_graph)
     specs = [a for g in (score_graph, mask_graph) if g is not None for a in g.aux]
     aux = [fake_aux_tensor(a.dtype, a.ndim) for a in specs] + [None] * (MAX_AUX - len(specs))
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    from torch_fa4.kernels.common.fwd_launch import compile_options
+
+    options = compile_options(arch, dump_dir)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(probe, fake(Float32), fake(Float32), fake(Int32), *aux, stream, options=options)

@@ -599,16 +599,16 @@ def _use_tvm_ffi() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
-def compile_stream_and_options(arch: str, dump_dir: str | None):
+def compile_stream_and_options(arch: str, dump_dir: str | None, ptxas_options: str = ""):
     """(fake stream, cute.compile options) shared by the backward's kernels: TVM-FFI launches where
     tvm_ffi is installed (without it, a CPU-only checkout, kernels still compile for the tests);
-    dump_dir: also keep the cubin and PTX there."""
+    dump_dir: also keep the cubin and PTX there; ptxas_options: extra ptxas flags."""
     import cutlass.cute as cute
 
+    from torch_fa4.kernels.compile_cache import extra_options
+
     tvm = _use_tvm_ffi()
-    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "")
-    if dump_dir is not None:
-        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "") + extra_options(dump_dir, ptxas_options)
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm), options
 
 
@@ -707,9 +707,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
-    stream, options = compile_stream_and_options(arch, dump_dir)
-    if ptxas:
-        options += f" --ptxas-options '{ptxas}'"
+    stream, options = compile_stream_and_options(arch, dump_dir, ptxas)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
             *aux, stream)

@@ -365,9 +365,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
 
     dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
-    options = fwd_launch.compile_options(arch, dump_dir)
-    if cfg.ptxas_options:
-        options += f" --ptxas-options '{cfg.ptxas_options}'"
+    options = fwd_launch.compile_options(arch, dump_dir, cfg.ptxas_options)
 
     def build():
         import cutlass.cute as cute
