@@ -868,3 +868,32 @@ def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_pa
     assert loops
     for loop in loops[:2]:
         assert sum("R2UR" in line for line in loop) <= 2
+
+
+def test_skip_masked_first_policy_and_code(tmp_path):
+    """D256 calls under causal / window masks skip a warpgroup's Q K^T and softmax on a first key
+    tile it cannot see (fwd_host._skip_masked_first_pays; H100, NOTES "Experiment 135"); other head
+    dims, unmasked calls and calls with mods do not. The option must reach the code (the SASS
+    differs) without duplicating a matmul or serializing them (_compile_and_check_sass); the GPU
+    tests check the results."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def cfg_of(D, **kw):
+        q = torch.empty(4, 4096, 2048 // D, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw))
+
+    assert cfg_of(256, causal=True).skip_masked_first
+    assert cfg_of(256, window_left=512, window_right=0).skip_masked_first
+    assert not cfg_of(256).skip_masked_first
+    assert not cfg_of(64, causal=True).skip_masked_first
+    assert not cfg_of(128, causal=True).skip_masked_first
+    assert not fwd_host.default_config(_mod_call(256, score_mod=_alibi(), causal=True)).skip_masked_first
+    cfg = cfg_of(256, causal=True)
+    code = {}
+    for skip in (True, False):
+        (tmp_path / str(skip)).mkdir()
+        sass = _compile_and_check_sass(replace(cfg, skip_masked_first=skip), tmp_path / str(skip))
+        code[skip] = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines()]
+    assert code[True] != code[False], "skip_masked_first did not reach the kernel"
+    hgmma = {skip: sum("HGMMA" in x for x in lines) for skip, lines in code.items()}
+    assert hgmma[True] == hgmma[False], hgmma

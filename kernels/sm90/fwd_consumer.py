@@ -130,6 +130,16 @@ class FwdConsumer:
                       seqlen, m_block, head, batch_q, wg, tidx)
 
     @cute.jit
+    def _sees_first_tile(self, brange, seqlen, walk, m_block, wg):
+        """Whether this warpgroup's rows see any key of the walk's first tile (the rightmost of a
+        dense walk); always, unless cfg.skip_masked_first. Its last row has the largest right
+        limit (causal / window), so a tile starting at or past that limit is masked for every row."""
+        if const_expr(not self.cfg.skip_masked_first):
+            return True  # a Python constant: the branches on it are resolved at compile time
+        last_row = cutlass.min(m_block * self.tile_m + (wg + 1) * 64, seqlen.seqlen_q) - 1
+        return walk.n_block(0) * self.tile_n < brange.right_limit(last_row, seqlen.seqlen_q, seqlen.seqlen_k)
+
+    @cute.jit
     def _release_after_softmax(self, pipe_k, state, softmax):
         """Release the K slot once the softmax is done, as a data dependence ptxas can see.
 
@@ -292,20 +302,32 @@ class FwdConsumer:
             # first key tile of the walk (the rightmost without a block mask): S only
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             wait_full(pipe_k, state, self.cfg.peek_waits)
+            sees_first = self._sees_first_tile(brange, seqlen, walk, m_block, wg)
             self._turn_wait(wg)
-            wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
-            self._turn_pass(wg)
-            warpgroup.wait_group(0)
+            if sees_first:
+                # (the wait inside the branch too: a wgmma group left open across a branch makes
+                # ptxas serialize the matmuls)
+                wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+                self._turn_pass(wg)
+                warpgroup.wait_group(0)
+            else:
+                self._turn_pass(wg)
             if tidx == 0:
                 self._stamp(tile, 3)
             pipe_k.consumer_release(state)
             if const_expr(self._early_q_release):
                 if walk.count == 1:
                     pipe_q.consumer_release(q_state)
-            self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
-                         self._is_partial(walk, 0))
-            softmax.step(acc_s, row_scale)
-            convert_pairs(a_operand(acc_s), tOrP)
+            if sees_first:
+                self._scores(acc_s, coords, brange, m_block, walk.n_block(0), seqlen, score_scale, mods,
+                             self._is_partial(walk, 0))
+                softmax.step(acc_s, row_scale)
+                convert_pairs(a_operand(acc_s), tOrP)
+            else:
+                # what the softmax makes of a tile with every score masked: P = 0, the state
+                # untouched; row_scale is read by the early O rescale before the next P V
+                tOrP.fill(0.0)
+                row_scale.fill(1.0)
             v_state = state.clone()
             state.advance()
 

@@ -461,6 +461,31 @@ def test_idle_warpgroups_skip_their_matmuls(grid):
     _check(_dense_call(2, 300, 700, 6, 3, 128), skip_idle_rows=True, **grids)
 
 
+def test_warpgroups_skip_a_fully_masked_first_tile():
+    """skip_masked_first: a warpgroup whose rows see no key of the walk's first (rightmost) tile
+    skips its Q K^T and softmax, P zero. Cases where that happens: the 192-row
+    D64 tile on the diagonal (one or two warpgroups, by the tile's parity), D256's 80-key tiles,
+    Sq < Sk and Sq > Sk causal offsets (rows with no key at all), windows, GQA, varlen, one-tile
+    walks, persistent CTAs, the early O rescale."""
+    skip = dict(skip_masked_first=True)
+    wide = dict(tile_m=192, tile_n=128, **skip)
+    for Sq, Sk in ((1000, 1000), (700, 650), (333, 1100), (900, 200), (64, 64)):
+        _check(_dense_call(2, Sq, Sk, 4, 2, 64, causal=True), persistent=False, **wide)
+    _check(_dense_call(2, 700, 650, 4, 2, 64, causal=True), persistent=False, early_o_rescale=True, **wide)
+    _check(_dense_call(1, 333, 1100, 3, 1, 64, causal=True, window_left=300, window_right=20), **wide)
+    _check(_dense_call(1, 1000, 1000, 3, 3, 64, window_left=-1, window_right=10), **wide)
+    for D in (128, 256):
+        _check(_dense_call(2, 700, 700, 4, 2, D, causal=True), **skip)
+        _check(_dense_call(2, 300, 900, 2, 2, D, causal=True), persistent=True, **skip)
+        _check(_dense_call(2, 900, 300, 2, 1, D, causal=True), **skip)
+    lens = [100, 257, 1, 1000, 70]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _check(AttentionCall(q=q, k=k, v=v, scale=0.125, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                         max_seqlen_q=max(lens), max_seqlen_k=max(lens)), **wide)
+
+
 def test_early_o_rescale_three_consumer_warpgroups():
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=True), tile_m=192, tile_n=128, persistent=False,
            early_o_rescale=True)
