@@ -438,6 +438,17 @@ def test_split_mask_loops_and_persistent_above_d128(D):
     _check(_dense_call(2, 517, 900, 4, 4, D), split_mask_loops=True, persistent=True)
 
 
+def _varlen_causal_d64_call():
+    """Five causal D64 sequences of mixed lengths (one of a single token), GQA 4 / 2: items of
+    several lengths, ragged 192-row tiles and one-tile walks in one launch."""
+    lens = [100, 257, 1, 1000, 70]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return AttentionCall(q=q, k=k, v=v, scale=0.125, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                         max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+
+
 @pytest.mark.parametrize("grid", ["one-shot", "persistent", "dynamic"])
 def test_idle_warpgroups_skip_their_matmuls(grid):
     """skip_idle_rows: in the last query tile of a sequence, warpgroups whose 64 rows all lie past
@@ -450,12 +461,7 @@ def test_idle_warpgroups_skip_their_matmuls(grid):
     for S, causal in ((1000, False), (257, True), (4096 + 100, True), (200, False)):
         _check(_dense_call(2, S, S, 8, 2, 64, causal=causal), **wide)
     _check(_dense_call(1, 333, 1100, 3, 1, 64, causal=True, window_left=300, window_right=20), **wide)
-    lens = [100, 257, 1, 1000, 70]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    _check(AttentionCall(q=q, k=k, v=v, scale=0.125, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                         max_seqlen_q=max(lens), max_seqlen_k=max(lens)), **wide)
+    _check(_varlen_causal_d64_call(), **wide)
     if grid != "dynamic":  # (D256 on the dynamic schedule is its default at these lengths: test_causal)
         _check(_dense_call(2, 300, 300, 4, 4, 256, causal=True), skip_idle_rows=True, **grids)
     _check(_dense_call(2, 300, 700, 6, 3, 128), skip_idle_rows=True, **grids)
@@ -463,8 +469,8 @@ def test_idle_warpgroups_skip_their_matmuls(grid):
 
 def test_warpgroups_skip_a_fully_masked_first_tile():
     """skip_masked_first: a warpgroup whose rows see no key of the walk's first (rightmost) tile
-    skips its Q K^T and softmax, P zero. Cases where that happens: the 192-row
-    D64 tile on the diagonal (one or two warpgroups, by the tile's parity), D256's 80-key tiles,
+    skips its Q K^T and softmax, P zero. Cases where that happens: the 192-row D64 tile on the
+    diagonal (one or two warpgroups, by the tile's parity), D256's 80-key tiles,
     Sq < Sk and Sq > Sk causal offsets (rows with no key at all), windows, GQA, varlen, one-tile
     walks, persistent CTAs, the early O rescale."""
     skip = dict(skip_masked_first=True)
@@ -478,12 +484,7 @@ def test_warpgroups_skip_a_fully_masked_first_tile():
         _check(_dense_call(2, 700, 700, 4, 2, D, causal=True), **skip)
         _check(_dense_call(2, 300, 900, 2, 2, D, causal=True), persistent=True, **skip)
         _check(_dense_call(2, 900, 300, 2, 1, D, causal=True), **skip)
-    lens = [100, 257, 1, 1000, 70]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    _check(AttentionCall(q=q, k=k, v=v, scale=0.125, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                         max_seqlen_q=max(lens), max_seqlen_k=max(lens)), **wide)
+    _check(_varlen_causal_d64_call(), **wide)
 
 
 def test_early_o_rescale_three_consumer_warpgroups():
