@@ -871,9 +871,9 @@ def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_pa
 
 
 def test_skip_masked_first_policy_and_code(tmp_path):
-    """D256 calls under causal / window masks skip a warpgroup's Q K^T and softmax on a first key
-    tile it cannot see (fwd_host._skip_masked_first_pays; H100, NOTES "Experiment 135"); other head
-    dims, unmasked calls and calls with mods do not. The option must reach the code (the SASS
+    """D192 / D256 calls under causal / window masks skip a warpgroup's Q K^T and softmax on a
+    first key tile it cannot see (fwd_host._skip_masked_first_pays; H100, NOTES "Experiment
+    135"); other head dims, unmasked calls and calls with mods do not. The option must reach the code (the SASS
     differs) without duplicating a matmul or serializing them (_compile_and_check_sass); the GPU
     tests check the results."""
     from torch_fa4.kernels.sm90 import fwd_host
@@ -883,6 +883,7 @@ def test_skip_masked_first_policy_and_code(tmp_path):
         return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw))
 
     assert cfg_of(256, causal=True).skip_masked_first
+    assert cfg_of(192, causal=True).skip_masked_first
     assert cfg_of(256, window_left=512, window_right=0).skip_masked_first
     assert not cfg_of(256).skip_masked_first
     assert not cfg_of(64, causal=True).skip_masked_first

@@ -67,8 +67,8 @@ class FwdConfig:
     # under causal / window masks, a consumer warpgroup whose 64 rows see no key of the walk's
     # first (rightmost) tile skips that tile's Q K^T and softmax, its P set to zero (a run-time
     # test once per work item). Such tiles: the 192-row D64 tile's upper warpgroups on the
-    # diagonal, D256's 80-key tiles, Sq != Sk offsets (NOTES "Experiment 135"; the default for
-    # D256 under causal / window masks: fwd_host._skip_masked_first_pays)
+    # diagonal, D192's 112- and D256's 80-key tiles, Sq != Sk offsets (NOTES "Experiment 135"; the
+    # default for D192 / D256 under causal / window masks: fwd_host._skip_masked_first_pays)
     skip_masked_first: bool = False
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise

@@ -203,13 +203,15 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 
 
 def _skip_masked_first_pays(call: AttentionCall) -> bool:
-    """FwdConfig.skip_masked_first: D256 calls under causal / window masks, without mods. Its
-    80-key tiles leave the upper warpgroup of a 128-row tile on the diagonal with nothing to see
-    in the walk's first tile about half the time. H100, NOTES "Experiment 135", GPU time against
-    flash-attn-4, without / with: D256 S4k causal 1.012 / 1.018, S1k causal 1.076 / 1.100. The
-    192-row D64 tile has such tiles too, but there the test reshaped ptxas's key loops and lost
-    0.4-1.6% (S4k-S16k causal); D128's 128 x 128 tiles have none when Sq = Sk (-0.2%)."""
-    return call.head_dim == 256 and (call.causal or call.has_window) and call.mods is None
+    """FwdConfig.skip_masked_first: D192 / D256 calls under causal / window masks, without mods.
+    Their 112- / 80-key tiles often leave the upper warpgroup of a 128-row tile on the diagonal
+    with nothing to see in the walk's first tile. H100, NOTES "Experiment 135", GPU time against
+    flash-attn-4, without / with: D256 S4k causal 1.006 / 1.013, S1k causal 1.076 / 1.099, S16k
+    causal 1.011 / 1.013; D192 S4k causal 0.971 / 0.979, S1k causal 1.116 / 1.135, S16k causal
+    0.956 / 0.959. The 192-row D64 tile has such tiles too, but there the test reshaped ptxas's
+    key loops and lost 0.4-1.6% (S4k-S16k causal); D128's 128 x 128 tiles have none when Sq = Sk
+    (-0.2%)."""
+    return call.head_dim in (192, 256) and (call.causal or call.has_window) and call.mods is None
 
 
 # The split tail (kernels/common/split_tail.py) for plain calls whose last round leaves SMs idle:

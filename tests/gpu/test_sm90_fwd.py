@@ -470,7 +470,7 @@ def test_idle_warpgroups_skip_their_matmuls(grid):
 def test_warpgroups_skip_a_fully_masked_first_tile():
     """skip_masked_first: a warpgroup whose rows see no key of the walk's first (rightmost) tile
     skips its Q K^T and softmax, P zero. Cases where that happens: the 192-row D64 tile on the
-    diagonal (one or two warpgroups, by the tile's parity), D256's 80-key tiles,
+    diagonal (one or two warpgroups, by the tile's parity), D192's 112- and D256's 80-key tiles,
     Sq < Sk and Sq > Sk causal offsets (rows with no key at all), windows, GQA, varlen, one-tile
     walks, persistent CTAs, the early O rescale."""
     skip = dict(skip_masked_first=True)
@@ -480,7 +480,7 @@ def test_warpgroups_skip_a_fully_masked_first_tile():
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=True), persistent=False, early_o_rescale=True, **wide)
     _check(_dense_call(1, 333, 1100, 3, 1, 64, causal=True, window_left=300, window_right=20), **wide)
     _check(_dense_call(1, 1000, 1000, 3, 3, 64, window_left=-1, window_right=10), **wide)
-    for D in (128, 256):
+    for D in (128, 192, 256):
         _check(_dense_call(2, 700, 700, 4, 2, D, causal=True), **skip)
         _check(_dense_call(2, 300, 900, 2, 2, D, causal=True), persistent=True, **skip)
         _check(_dense_call(2, 900, 300, 2, 1, D, causal=True), **skip)
