@@ -468,7 +468,8 @@ def test_tail_group_policy(monkeypatch):
 
 
 def test_grid_policy(monkeypatch):
-    """D <= 128 compiles the persistent loop; long causal calls still launch one CTA per item."""
+    """D <= 128 and plain D192 calls compile the persistent loop; long causal calls still launch
+    one CTA per item."""
     from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
@@ -492,7 +493,8 @@ def test_grid_policy(monkeypatch):
     assert ctas(16384, window_left=100) == ctas(16384, D=64, causal=True, window_left=1024) == 132
     assert ctas(16384, D=256, causal=True, window_left=1024) == ctas(4096, D=192, window_left=100) == 132
     assert fwd_host.default_config(_call(128, window_left=100)).dynamic_schedule
-    assert ctas(4096, D=192) == fwd_launch.ONE_CTA_PER_ITEM
+    # plain D192 calls persistent, causal ones one CTA per item (fwd_host._d192_persistent_pays)
+    assert ctas(4096, D=192) == 132
     q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent
     assert ctas(4096, D=256) == ctas(16384, D=256, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
@@ -577,8 +579,8 @@ def test_split_mask_loops_policy():
         q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
         return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True)).split_mask_loops
 
-    assert split(1024, 64) and split(1024, 128) and split(4096, 256)
-    assert not split(1024, 256) and not split(4096, 192)
+    assert split(1024, 64) and split(1024, 128) and split(4096, 256) and split(1024, 192)
+    assert not split(1024, 256)
 
 
 def test_compile_cache_reuses_variants():

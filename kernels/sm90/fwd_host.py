@@ -51,6 +51,7 @@ _DEFAULT_OPTIONS = {
     # (plain D96 calls of 4096+ keys take the late rescale: `_d96_late_rescale_pays`)
     96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
     128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
+    # D192: persistent for plain calls only (`_d192_persistent_pays`)
     192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False),
     # rescale: +5..7% measured; pin_pv_wait: H100, NOTES "Experiment 57": +2-3.5% at S1k, level
     # elsewhere, while D64 and D128 lose 1-4% with it
@@ -131,9 +132,10 @@ _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _D64_WIDE_MIN_SEQLEN_Q = 2048
 
 
-# Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=128; D=256 splits past 2048 keys
-# (H100, NOTES "Experiment 20": +4-8% at S=16k, +-1% at S=4k, the single loop 3.5% faster at S=1k);
-# D=192 keeps one loop (it compiles split, but has not been measured).
+# Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=192; D=256 splits past 2048 keys
+# (H100, NOTES "Experiment 20": +4-8% at S=16k, +-1% at S=4k, the single loop 3.5% faster at S=1k).
+# D=192 (H100, NOTES "Experiment 136", GPU time, one loop / split): S4k 0.956 / 0.985, S16k 0.951 /
+# 0.987, S4k causal 0.980 / 1.011, S16k causal 0.963 / 1.006, S1k causal 1.115 / 1.123.
 _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
@@ -141,7 +143,7 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops)."""
     tile_m, tile_n = _TILES[call.head_dim]
     if call.head_dim == 192:
-        return dict(tile_m=tile_m, tile_n=tile_n, split_mask_loops=False)
+        return dict(tile_m=tile_m, tile_n=tile_n)
     if call.head_dim == 256:
         return dict(tile_m=tile_m, tile_n=tile_n,
                     split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
@@ -168,6 +170,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         tile_n = _block_tile_n(call)
         mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
+    if _d192_persistent_pays(call):
+        opts["persistent"] = True
     opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
@@ -200,6 +204,14 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         _, ways = split_plan(cfg, call)
         cfg = replace(cfg, split_ways=ways if ways > 1 else 0)
     return cfg
+
+
+def _d192_persistent_pays(call: AttentionCall) -> bool:
+    """Plain D192 calls run on a persistent grid (one CTA per SM looping over items). H100, NOTES
+    "Experiment 136", GPU time against flash-attn-4 with split key loops, one CTA per item /
+    persistent: S4k 0.985 / 1.001, S16k 0.987 / 1.002; causal S4k 1.011 / 1.013, S16k 1.006 /
+    1.006, S1k 1.123 / 1.085, so causal calls keep one CTA per item."""
+    return call.head_dim == 192 and _plain(call)
 
 
 def _skip_masked_first_pays(call: AttentionCall) -> bool:
