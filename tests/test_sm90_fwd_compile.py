@@ -281,8 +281,9 @@ def test_kv_multicast_variants_multicast_their_loads(tmp_path):
 
 
 def test_plain_long_calls_take_kv_multicast():
-    """Plain calls of D96 / D128 / D256 with 4096 keys or more run CTA pairs sharing their K / V
-    loads (NOTES "Experiment 99"); masks, varlen, mods, softcap, D64 and short walks do not."""
+    """Plain calls of D96 / D128 / D192 / D256 with 4096 keys or more run CTA pairs sharing their
+    K / V loads (NOTES "Experiments 99, 137"); masks, varlen, mods, softcap, D64 and short walks
+    do not."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     def cfg(D, Sq, Sk, **kw):
@@ -290,7 +291,7 @@ def test_plain_long_calls_take_kv_multicast():
         k = torch.empty(1, Sk, 2, D, dtype=torch.bfloat16)
         return fwd_host.default_config(AttentionCall(q=q, k=k, v=k, scale=0.1, **kw))
 
-    for D in (96, 128, 256):
+    for D in (96, 128, 192, 256):
         assert cfg(D, 4096, 4096).kv_multicast
         assert cfg(D, 16384, 16384).kv_multicast
         assert cfg(D, 100, 8192).kv_multicast  # the walk's length decides: the keys
@@ -299,7 +300,6 @@ def test_plain_long_calls_take_kv_multicast():
         assert not cfg(D, 16384, 16384, softcap=30.0).kv_multicast
     assert not cfg(128, 1024, 1024).kv_multicast
     assert not cfg(64, 16384, 16384).kv_multicast
-    assert not cfg(192, 16384, 16384).kv_multicast
     q = torch.empty(1, 16384, 2, 128, dtype=torch.bfloat16)  # an override wins
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1), kv_multicast=False).kv_multicast
 
@@ -498,7 +498,9 @@ def test_grid_policy(monkeypatch):
     q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent
     assert ctas(4096, D=256) == ctas(16384, D=256, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
-    assert ctas(4096, D=192, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
+    # D192 causal walks up to 8192 keys take the counter too; longer ones one CTA per item
+    assert ctas(4096, D=192, causal=True) == 132
+    assert ctas(16384, D=192, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
     # an override to one CTA per item drops the dynamic schedule with the persistent loop
     q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True), persistent=False)

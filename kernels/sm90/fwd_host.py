@@ -280,9 +280,11 @@ def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
 # costs clock: NOTES "Experiment 99", sustained runs (benchmarks/clock_probe.py), against one CTA
 # per K / V load: D128 S16k +3.4% (clock +2%), S4k +2.7%, D96 S16k +6%, D256 S4k / S16k +1.3%;
 # D128 S1k -1.2% and D64 (192-row tile, less traffic per FLOP) level, so those keep single CTAs.
+# D192 (NOTES "Experiment 137", GPU time against flash-attn-4, persistent grid without / with):
+# S4k 0.999 / 1.010, S16k 0.998 / 1.004.
 # Plain calls only: the pair must walk the same key tiles (no causal / window mask, varlen or
 # block mask); mods and softcap have not been measured with it.
-_KV_MULTICAST_HEAD_DIMS = (96, 128, 256)
+_KV_MULTICAST_HEAD_DIMS = (96, 128, 192, 256)
 _KV_MULTICAST_MIN_SEQLEN_K = 4096
 
 
@@ -306,7 +308,8 @@ def _persistent_fits(call: AttentionCall) -> bool:
 # against the earlier default (one CTA per item past 2048 keys, or static persistent): S4k causal
 # D64 +5%, D128 +1-3%, D256 +1.5-2%; D256 S1k +2-4% (causal +2%); S16k causal level on average
 # (-3% to +5% over two runs), D256 S16k -5%; D64 / D128 S1k causal -1% (inside the spread).
-# D=192 has not been measured.
+# D=192 (NOTES "Experiment 137", GPU time against flash-attn-4, one CTA per item / the counter):
+# S1k causal 1.136 / 1.193, S4k causal 1.011 / 1.030, S8k causal 1.000 / 1.012.
 _DYNAMIC_MAX_CAUSAL_SEQLEN = 8192
 _DYNAMIC_MAX_D256_SEQLEN = 2048
 
@@ -317,8 +320,6 @@ def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
         # against one CTA per item (the default before): D64 S1k +26%, S4k +13%, S16k +10%; D128
         # S1k +16%, S4k +5%, S16k +8%; D192 S1k +3%, S4k +2%, S16k +1%; D256 S4k +2%, S16k +4%
         return True
-    if call.head_dim == 192:
-        return False
     if call.causal:
         return longest <= _DYNAMIC_MAX_CAUSAL_SEQLEN
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN

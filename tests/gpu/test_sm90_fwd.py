@@ -231,6 +231,7 @@ def test_conditional_rescale_when_the_max_keeps_growing(D):
     (1, 300, 700, 3, 3, 128),  # 3 query tiles: the pair's rounding tile lies past the end
     (2, 2500, 2100, 2, 1, 64),  # the 192-row tile, one CTA per item, 14 tiles, GQA
     (1, 100, 333, 2, 2, 64),  # one query tile: its partner only loads
+    (2, 700, 900, 4, 2, 192),  # 112-key tiles, a ragged last one
 ])
 def test_kv_multicast(shape):
     """CTA pairs sharing each K / V tile through TMA multicast (FwdConfig.kv_multicast)."""
@@ -307,7 +308,7 @@ def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
 
 
 @pytest.mark.parametrize("max_ctas", [1, 7, 10_000])
-@pytest.mark.parametrize("shape", ["128x128", "192x128"])
+@pytest.mark.parametrize("shape", ["128x128", "192x128", "d192"])
 def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     """Persistent CTAs taking items from the counter (tile_mailbox): every item written once, with
     fewer CTAs than items (each CTA loops over many, in the order the counter hands them out) and
@@ -317,7 +318,7 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
     tiles = dict(tile_m=192, tile_n=128) if shape == "192x128" else {}
-    D = 64 if shape == "192x128" else 128
+    D = {"128x128": 128, "192x128": 64, "d192": 192}[shape]
     for causal in (True, False):
         _check(_dense_call(3, 833, 900, 4, 2, D, causal=causal), persistent=True, dynamic_schedule=True,
                **tiles)
