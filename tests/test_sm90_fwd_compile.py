@@ -107,6 +107,9 @@ VARIANTS = {
     # 192 x 128 (flash-attn-4's D64 shape) fits 160 registers once P is converted by packed pairs
     # (kernels/common/convert.py; before: 284 spill instructions, 36 waits), persistent loop too
     "d64_192x128": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False)),
+    # D96's 192-row tile past 2048 queries (fwd_host._D96_WIDE; 128-key tiles spill there)
+    "d96_192x112": (dict(D=96), dict(tile_m=192, tile_n=112, persistent=False)),
+    "d96_192x112_causal": (dict(D=96, causal=True), dict(tile_m=192, tile_n=112, persistent=False)),
     "d64_192x128_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=False)),
     "d64_192x128_persistent": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=True)),
     "d64_192x128_causal_persistent": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=True)),
@@ -292,8 +295,12 @@ def test_plain_long_calls_take_kv_multicast():
         return fwd_host.default_config(AttentionCall(q=q, k=k, v=k, scale=0.1, **kw))
 
     for D in (96, 128, 192, 256):
-        assert cfg(D, 4096, 4096).kv_multicast
-        assert cfg(D, 16384, 16384).kv_multicast
+        if D == 96:  # past 2048 queries D96 runs 192-row tiles, not measured with multicast
+            assert not cfg(D, 4096, 4096).kv_multicast
+            assert cfg(D, 2048, 4096).kv_multicast
+        else:
+            assert cfg(D, 4096, 4096).kv_multicast
+            assert cfg(D, 16384, 16384).kv_multicast
         assert cfg(D, 100, 8192).kv_multicast  # the walk's length decides: the keys
         assert not cfg(D, 16384, 16384, causal=True).kv_multicast
         assert not cfg(D, 16384, 16384, window_left=512, window_right=512).kv_multicast
@@ -545,6 +552,26 @@ def test_d64_tile_policy():
     assert shape(4096, D=128) == (128, 128, 2, True)
     assert shape(4096, softcap=30.0)[:2] == (128, 128)
     assert shape(4096, causal=True, window_left=256)[:2] == (128, 128)
+
+
+def test_d96_tile_policy():
+    """D96 takes 192 x 112 tiles past 2048 queries for plain calls and causal walks past 8192 keys
+    (NOTES "Experiment 138"); causal walks up to 8192 keys keep the 128-row tile on the dynamic
+    schedule, and short calls, mods and windows the 128-row tile."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def shape(Sq, Sk=None, **kw):
+        q = torch.empty(1, Sq, 2, 96, dtype=torch.bfloat16)
+        k = torch.empty(1, Sk or Sq, 2, 96, dtype=torch.bfloat16)
+        cfg = fwd_host.default_config(AttentionCall(q=q, k=k, v=k, scale=0.1, **kw))
+        return cfg.tile_m, cfg.tile_n, cfg.persistent, cfg.kv_multicast
+
+    assert shape(4096) == shape(16384) == (192, 112, False, False)
+    assert shape(16384, causal=True) == shape(2100, 8300, causal=True) == (192, 112, False, False)
+    assert shape(4096, causal=True) == (128, 128, True, False)
+    assert shape(2048) == (128, 128, True, False)
+    assert shape(4096, window_left=256)[:2] == (128, 128)
+    assert fwd_host.default_config(_mod_call(96, score_mod=_alibi(), S=4096)).tile_m == 128
 
 
 def test_dynamic_schedule_with_mods_policy():

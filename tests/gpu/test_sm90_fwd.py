@@ -505,12 +505,28 @@ def test_d64_default_past_2048_queries(causal):
     _check(call)
 
 
-def test_d96_long_plain_default():
-    """D96 plain calls of 4096 keys or more: O rescaled after the P V wait, with K / V multicast
-    to CTA pairs (fwd_host defaults); ragged last query and key tiles, GQA."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_d96_192_row_tiles(causal):
+    """192 x 112 tiles at D96 (fwd_host._D96_WIDE: three consumer warpgroups): ragged query and key
+    tiles, GQA, fp16, Sq < Sk, and the defaults that take them (plain calls past 2048 queries,
+    causal ones past 8192 keys)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
-    call = _dense_call(1, 4100, 4200, 4, 2, 96)
+    wide = dict(tile_m=192, tile_n=112, persistent=False)
+    _check(_dense_call(2, 700, 650, 4, 2, 96, causal=causal), **wide)
+    _check(_dense_call(1, 333, 1100, 3, 1, 96, dtype=torch.float16, causal=causal), **wide)
+    call = _dense_call(1, 2100, 8300 if causal else 2500, 2, 1, 96, causal=causal)
+    assert (fwd_host.default_config(call).tile_m, fwd_host.default_config(call).tile_n) == (192, 112)
+    _check(call)
+
+
+def test_d96_long_plain_default():
+    """D96 plain calls of 4096 keys or more (on the 128-row tile: up to 2048 queries): O rescaled
+    after the P V wait, with K / V multicast to CTA pairs (fwd_host defaults); ragged last query
+    and key tiles, GQA."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _dense_call(1, 2000, 4200, 4, 2, 96)
     cfg = fwd_host.default_config(call)
     assert not cfg.early_o_rescale and cfg.kv_multicast
     _check(call)
