@@ -131,10 +131,10 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _D64_WIDE_MIN_SEQLEN_Q = 2048
 # D=96 likewise runs 192-row tiles past 2048 queries, with 112-key tiles (128 spill at 160
-# registers), where the 128-row tile has no better grid: plain calls, and causal walks past the
-# dynamic schedule's 8192 keys. H100, NOTES "Experiment 138", GPU time against flash-attn-4,
-# 128 x 128 / 192 x 112 (one CTA per item, two stages): S4k 0.955 / 0.995, S16k 0.962 / 0.986,
-# S16k causal 0.947 / 1.009; S4k causal 1.041 (dynamic schedule) / 1.028.
+# registers); causal walks up to 8192 keys take them on the dynamic schedule. H100, NOTES
+# "Experiment 138", GPU time against flash-attn-4, 128 x 128 / 192 x 112 (two stages): S4k 0.955
+# / 0.995, S16k 0.962 / 0.986, S16k causal 0.947 / 1.009, S4k causal 1.039 / 1.074, S8k causal
+# 0.973 / 1.028 (both tiles on the dynamic schedule there); three stages and K / V multicast level.
 _D96_WIDE = dict(tile_m=192, tile_n=112, persistent=False)
 
 
@@ -159,8 +159,7 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
     if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _D64_WIDE_MIN_SEQLEN_Q:
         return dict(_D64_WIDE, num_stages=2 if call.causal else 3)
-    if (call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _D64_WIDE_MIN_SEQLEN_Q
-            and (not call.causal or max(max_q, max_k) > _DYNAMIC_MAX_CAUSAL_SEQLEN)):
+    if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _D64_WIDE_MIN_SEQLEN_Q:
         return dict(_D96_WIDE)
     return dict(tile_m=tile_m, tile_n=tile_n)
 

@@ -308,7 +308,7 @@ def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
 
 
 @pytest.mark.parametrize("max_ctas", [1, 7, 10_000])
-@pytest.mark.parametrize("shape", ["128x128", "192x128", "d192"])
+@pytest.mark.parametrize("shape", ["128x128", "192x128", "d192", "d96_192x112"])
 def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     """Persistent CTAs taking items from the counter (tile_mailbox): every item written once, with
     fewer CTAs than items (each CTA loops over many, in the order the counter hands them out) and
@@ -317,8 +317,8 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     from torch_fa4.kernels.common import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
-    tiles = dict(tile_m=192, tile_n=128) if shape == "192x128" else {}
-    D = {"128x128": 128, "192x128": 64, "d192": 192}[shape]
+    tiles = {"192x128": dict(tile_m=192, tile_n=128), "d96_192x112": dict(tile_m=192, tile_n=112)}.get(shape, {})
+    D = {"128x128": 128, "192x128": 64, "d192": 192, "d96_192x112": 96}[shape]
     for causal in (True, False):
         _check(_dense_call(3, 833, 900, 4, 2, D, causal=causal), persistent=True, dynamic_schedule=True,
                **tiles)
@@ -508,16 +508,19 @@ def test_d64_default_past_2048_queries(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_d96_192_row_tiles(causal):
     """192 x 112 tiles at D96 (fwd_host._D96_WIDE: three consumer warpgroups): ragged query and key
-    tiles, GQA, fp16, Sq < Sk, and the defaults that take them (plain calls past 2048 queries,
-    causal ones past 8192 keys)."""
+    tiles, GQA, fp16, Sq < Sk, and the defaults that take them past 2048 queries (causal walks up
+    to 8192 keys on the dynamic schedule)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     wide = dict(tile_m=192, tile_n=112, persistent=False)
     _check(_dense_call(2, 700, 650, 4, 2, 96, causal=causal), **wide)
     _check(_dense_call(1, 333, 1100, 3, 1, 96, dtype=torch.float16, causal=causal), **wide)
-    call = _dense_call(1, 2100, 8300 if causal else 2500, 2, 1, 96, causal=causal)
-    assert (fwd_host.default_config(call).tile_m, fwd_host.default_config(call).tile_n) == (192, 112)
-    _check(call)
+    for sk in (2500, 8300):
+        call = _dense_call(1, 2100, sk, 2, 1, 96, causal=causal)
+        cfg = fwd_host.default_config(call)
+        assert (cfg.tile_m, cfg.tile_n) == (192, 112)
+        assert cfg.dynamic_schedule == (causal and sk <= 8192)
+        _check(call)
 
 
 def test_d96_long_plain_default():
