@@ -35,10 +35,11 @@ L2_BYTES = 50 * 1024 * 1024
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
-# behind them. Persistent grids stop at D=128: above it the outer loop made ptxas serialize the
-# wgmmas (advisory C7512) until P was converted by packed pairs, and at D=256 it then measured no
-# gain (NOTES "Experiment 20"); calls with mods run one-shot too (`_persistent_fits`), and windowed
-# calls without mods take the dynamic schedule (`_dynamic_schedule_pays`).
+# behind them. Static persistent grids stop at D=128, but for plain D=192 calls
+# (`_d192_persistent_pays`): above D=128 the outer loop made ptxas serialize the wgmmas (advisory
+# C7512) until P was converted by packed pairs, and at D=256 it then measured no gain (NOTES
+# "Experiment 20"); calls with mods run one-shot too (`_persistent_fits`), and windowed calls
+# without mods and short causal walks take the dynamic schedule (`_dynamic_schedule_pays`).
 _DEFAULT_OPTIONS = {
     # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too). D64 rescales O
     # after the P V wait instead (as flash-attn-4 does there): H100, NOTES "Experiment 118", three
