@@ -300,7 +300,7 @@ _KV_MULTICAST_MIN_SEQLEN_K = 4096
 def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
     return (_plain(call) and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
             and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule
-            and cfg.skip_idle_rows and cfg.num_consumer_wg == 2)  # (192-row D96 tiles: not measured)
+            and cfg.skip_idle_rows and cfg.num_consumer_wg == 2)  # (D96 192-row tiles: level with it, Exp. 138)
 
 
 def _persistent_fits(call: AttentionCall) -> bool:
