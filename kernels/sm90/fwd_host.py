@@ -31,7 +31,8 @@ L2_BYTES = 50 * 1024 * 1024
 
 # (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup; key tiles sized so two
 # stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB). D=64 has
-# a second shape for long plain calls, `_D64_WIDE` (see `_tiles`).
+# a second shape for long plain calls, `_D64_WIDE`, and D=96 one for long dense calls, `_D96_WIDE`
+# (see `_tiles`).
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
 # the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
@@ -130,7 +131,7 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 # (softcap), spilled in the key loop (mask_mods), cannot split a block mask's 128-row tiles, or have
 # not run on the GPU at this shape (window, varlen).
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
-_D64_WIDE_MIN_SEQLEN_Q = 2048
+_WIDE_MIN_SEQLEN_Q = 2048  # (the 192-row tiles of D=64 and D=96 start past it)
 # D=96 likewise runs 192-row tiles past 2048 queries, with 112-key tiles (128 spill at 160
 # registers); causal walks up to 8192 keys take them on the dynamic schedule. H100, NOTES
 # "Experiment 138", GPU time against flash-attn-4, 128 x 128 / 192 x 112 (two stages): S4k 0.955
@@ -158,9 +159,9 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     # a score_mod alone: H100, NOTES "Experiment 90", ALiBi against the 128-row tile: S4k +6% causal
     # (dynamic schedule), +12% without a mask, S16k +9% / +11%; no spills (CPU compile tests)
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
-    if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _D64_WIDE_MIN_SEQLEN_Q:
+    if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _WIDE_MIN_SEQLEN_Q:
         return dict(_D64_WIDE, num_stages=2 if call.causal else 3)
-    if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _D64_WIDE_MIN_SEQLEN_Q:
+    if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
         return dict(_D96_WIDE)
     return dict(tile_m=tile_m, tile_n=tile_n)
 
