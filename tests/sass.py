@@ -38,6 +38,12 @@ def sass_of(dump_dir, pattern="*.cubin") -> str:
     return subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
 
 
+def without_addresses(lines) -> list:
+    """SASS lines without their /*address*/ comments, stripped: code that merely moved elsewhere
+    in the binary compares equal, so two compiles can be compared instruction by instruction."""
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in lines]
+
+
 def hinted_loads(sass: str) -> tuple:
     """(TMA loads carrying an L2 cache-policy operand, all TMA loads) in `sass`: a load without a
     policy reads `desc[URZ]` (kernels/common/l2_hints.py)."""

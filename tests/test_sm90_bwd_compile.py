@@ -171,7 +171,7 @@ def test_backward_ptxas_flags_reach_ptxas(tmp_path, monkeypatch):
     """TORCH_FA4_BWD_PTXAS (measuring, off by default) enters the variant and goes to ptxas through
     cute.compile's --ptxas-options: the D64 causal kernel compiles to different machine code with
     it, so a flag dropped on the way fails here. Default: no flags."""
-    import re
+    from sass import without_addresses
 
     from torch_fa4.kernels.sm90 import bwd
 
@@ -184,7 +184,7 @@ def test_backward_ptxas_flags_reach_ptxas(tmp_path, monkeypatch):
         assert key[-3].ptxas_options == flags
         (tmp_path / str(bool(flags))).mkdir()
         sass = _compiled_and_checked(key, call, tmp_path / str(bool(flags)))
-        codes[flags] = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines()]
+        codes[flags] = without_addresses(sass.splitlines())
     assert codes[""] != codes["--register-usage-level=10"], "the ptxas flag did not change the code"
 
 

@@ -8,7 +8,6 @@ mapping and refusals, the launch argument list and the opt-in kernel disk cache 
 """
 
 import os
-import re
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,7 @@ pytest.importorskip("tvm_ffi")
 
 from _mod_cases import alibi_abs  # noqa: E402
 from sass import (exps_after_pv_wait, hinted_loads, issued_when_ready, key_loops, sass_of,  # noqa: E402
-                  spills_between_matmuls)
+                  spills_between_matmuls, without_addresses)
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
@@ -531,7 +530,7 @@ def test_ptxas_options_reach_ptxas(tmp_path):
         (tmp_path / str(bool(flags))).mkdir()
         sass = _compile_and_check_sass(replace(cfg, ptxas_options=flags), tmp_path / str(bool(flags)))
         # instructions without their addresses (code elsewhere moving would shift those alone)
-        loops[flags] = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in _unmasked_key_loop(sass, cfg)]
+        loops[flags] = without_addresses(_unmasked_key_loop(sass, cfg))
     assert loops[cfg.ptxas_options] != loops[""], "the ptxas flag did not change the key loop"
 
 
@@ -925,7 +924,7 @@ def test_skip_masked_first_policy_and_code(tmp_path):
     for skip in (True, False):
         (tmp_path / str(skip)).mkdir()
         sass = _compile_and_check_sass(replace(cfg, skip_masked_first=skip), tmp_path / str(skip))
-        code[skip] = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines()]
+        code[skip] = without_addresses(sass.splitlines())
     assert code[True] != code[False], "skip_masked_first did not reach the kernel"
     hgmma = {skip: sum("HGMMA" in x for x in lines) for skip, lines in code.items()}
     assert hgmma[True] == hgmma[False], hgmma

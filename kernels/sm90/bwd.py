@@ -191,7 +191,8 @@ PASS_ORDER_ENV = "TORCH_FA4_BWD_PASS_ORDER"
 _PASS_ORDER = "both"
 # Extra ptxas flags for the main kernel, passed through cute.compile's --ptxas-options (they change
 # the schedule, never the results): TORCH_FA4_BWD_PTXAS="--register-usage-level=10", say. The
-# forward's D64 default took that level (NOTES "Experiment 134"); the backward is not measured yet.
+# forward's D64 default took that level (NOTES "Experiment 134"); on the D64 backward levels 8
+# and 10 lost 1-2% on the causal rows (session 31), so none is the default.
 PTXAS_ENV = "TORCH_FA4_BWD_PTXAS"
 _PTXAS = ""
 
