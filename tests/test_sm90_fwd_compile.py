@@ -474,8 +474,8 @@ def test_tail_group_policy(monkeypatch):
 
 
 def test_grid_policy(monkeypatch):
-    """D <= 128 and plain D192 calls compile the persistent loop; long causal calls still launch
-    one CTA per item."""
+    """D <= 128 and plain D192 calls compile the persistent loop; causal calls without mods take
+    items from the counter at every length, with a score_mod up to 8192 keys."""
     from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
@@ -487,14 +487,19 @@ def test_grid_policy(monkeypatch):
         return fwd_host._grid_ctas(fwd_host.default_config(call), call)
 
     assert ctas(16384) == ctas(1024, causal=True) == 132
-    # causal walks up to 8192 keys, and D=256 up to 2048: persistent, items from the counter
+    # causal walks of any length, and D=256 up to 2048 keys: persistent, items from the counter
     assert ctas(4096, causal=True) == ctas(8192, D=256, causal=True) == ctas(1024, D=256) == 132
-    for kw in (dict(S=4096, causal=True), dict(S=8192, D=64, causal=True), dict(S=2048, D=256)):
+    assert ctas(16384, causal=True) == ctas(16384, D=64, causal=True) == ctas(32768, D=96, causal=True) == 132
+    for kw in (dict(S=4096, causal=True), dict(S=8192, D=64, causal=True), dict(S=2048, D=256),
+               dict(S=16384, D=64, causal=True), dict(S=16384, D=256, causal=True)):
         q = torch.empty(1, kw.pop("S"), 2, kw.get("D", 128), dtype=torch.bfloat16)
         kw.pop("D", None)
         assert fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).dynamic_schedule
     assert not fwd_host.default_config(_call(128)).dynamic_schedule
-    assert ctas(16384, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
+    # a causal call with a score_mod: the counter up to 8192 keys (longer: not measured)
+    assert fwd_host.default_config(_mod_call(128, score_mod=_alibi(), S=8192, causal=True)).dynamic_schedule
+    long_mod = _mod_call(128, score_mod=_alibi(), S=8200, causal=True)
+    assert not fwd_host.default_config(long_mod).dynamic_schedule
     # windowed walks of any length take items from the counter, at every head dim
     assert ctas(16384, window_left=100) == ctas(16384, D=64, causal=True, window_left=1024) == 132
     assert ctas(16384, D=256, causal=True, window_left=1024) == ctas(4096, D=192, window_left=100) == 132
@@ -503,10 +508,10 @@ def test_grid_policy(monkeypatch):
     assert ctas(4096, D=192) == 132
     q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent
-    assert ctas(4096, D=256) == ctas(16384, D=256, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
-    # D192 causal walks up to 8192 keys take the counter too; longer ones one CTA per item
-    assert ctas(4096, D=192, causal=True) == 132
-    assert ctas(16384, D=192, causal=True) == fwd_launch.ONE_CTA_PER_ITEM
+    assert ctas(4096, D=256) == fwd_launch.ONE_CTA_PER_ITEM
+    assert ctas(16384, D=256, causal=True) == 132
+    # D192 causal walks take the counter too
+    assert ctas(4096, D=192, causal=True) == ctas(16384, D=192, causal=True) == 132
     # an override to one CTA per item drops the dynamic schedule with the persistent loop
     q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True), persistent=False)
@@ -545,8 +550,8 @@ def test_d64_tile_policy():
         return cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.persistent
 
     assert shape(4096) == (192, 128, 3, False)
-    assert shape(16384, causal=True) == (192, 128, 2, False)
-    assert shape(4096, causal=True) == (192, 128, 2, True)  # the dynamic schedule's persistent loop
+    # causal: the dynamic schedule's persistent loop
+    assert shape(16384, causal=True) == shape(4096, causal=True) == (192, 128, 2, True)
     assert shape(2048) == (128, 128, 2, True)
     assert shape(4096, D=128) == (128, 128, 2, True)
     assert shape(4096, softcap=30.0)[:2] == (128, 128)
@@ -555,8 +560,8 @@ def test_d64_tile_policy():
 
 def test_d96_tile_policy():
     """D96 takes 192 x 112 tiles past 2048 queries for plain and causal calls (NOTES "Experiment
-    138"), causal walks up to 8192 keys on the dynamic schedule; short calls, mods and windows
-    keep the 128-row tile."""
+    138"), causal walks on the dynamic schedule; short calls, mods and windows keep the 128-row
+    tile."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     def shape(Sq, Sk=None, **kw):
@@ -566,8 +571,9 @@ def test_d96_tile_policy():
         return cfg.tile_m, cfg.tile_n, cfg.persistent, cfg.kv_multicast
 
     assert shape(4096) == shape(16384) == (192, 112, False, False)
-    assert shape(16384, causal=True) == shape(2100, 8300, causal=True) == (192, 112, False, False)
-    assert shape(4096, causal=True) == (192, 112, True, False)  # the dynamic schedule's persistent loop
+    # causal: the dynamic schedule's persistent loop
+    assert shape(16384, causal=True) == shape(2100, 8300, causal=True) == (192, 112, True, False)
+    assert shape(4096, causal=True) == (192, 112, True, False)
     assert shape(2048) == (128, 128, True, False)
     assert shape(4096, window_left=256)[:2] == (128, 128)
     assert fwd_host.default_config(_mod_call(96, score_mod=_alibi(), S=4096)).tile_m == 128

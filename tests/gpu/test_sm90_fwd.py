@@ -325,6 +325,19 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     _check(_dense_call(1, 2100, 2500, 2, 1, D, causal=True), persistent=True, dynamic_schedule=True, **tiles)
 
 
+@pytest.mark.parametrize("D", [64, 128, 192, 256])
+def test_long_causal_walks_take_the_counter(D):
+    """Causal calls without mods take items from the counter at every length (fwd_host
+    ._dynamic_schedule_pays; NOTES "Experiment 139"): the defaults past 8192 keys, Sq < Sk (the
+    bottom-right diagonal), ragged last tiles, GQA."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    call = _dense_call(1, 2100, 8400, 4, 2, D, causal=True)
+    cfg = fwd_host.default_config(call)
+    assert cfg.persistent and cfg.dynamic_schedule
+    _check(call)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_l2_groups_of_every_size(monkeypatch, group):
     """Work items grouped by `group` (batch, head) pairs (common.tile_scheduler; 15 pairs, so 2 and
@@ -508,8 +521,8 @@ def test_d64_default_past_2048_queries(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_d96_192_row_tiles(causal):
     """192 x 112 tiles at D96 (fwd_host._D96_WIDE: three consumer warpgroups): ragged query and key
-    tiles, GQA, fp16, Sq < Sk, and the defaults that take them past 2048 queries (causal walks up
-    to 8192 keys on the dynamic schedule)."""
+    tiles, GQA, fp16, Sq < Sk, and the defaults that take them past 2048 queries (causal walks on
+    the dynamic schedule)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     wide = dict(tile_m=192, tile_n=112, persistent=False)
@@ -519,7 +532,7 @@ def test_d96_192_row_tiles(causal):
         call = _dense_call(1, 2100, sk, 2, 1, 96, causal=causal)
         cfg = fwd_host.default_config(call)
         assert (cfg.tile_m, cfg.tile_n) == (192, 112)
-        assert cfg.dynamic_schedule == (causal and sk <= 8192)
+        assert cfg.dynamic_schedule == causal
         _check(call)
 
 
