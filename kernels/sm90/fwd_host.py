@@ -133,7 +133,7 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _WIDE_MIN_SEQLEN_Q = 2048  # (the 192-row tiles of D=64 and D=96 start past it)
 # D=96 likewise runs 192-row tiles past 2048 queries, with 112-key tiles (128 spill at 160
-# registers); causal walks up to 8192 keys take them on the dynamic schedule. H100, NOTES
+# registers); causal walks take them on the dynamic schedule. H100, NOTES
 # "Experiment 138", GPU time against flash-attn-4, 128 x 128 / 192 x 112 (two stages): S4k 0.955
 # / 0.995, S16k 0.962 / 0.986, S16k causal 0.947 / 1.009, S4k causal 1.039 / 1.074, S8k causal
 # 0.973 / 1.028 (both tiles on the dynamic schedule there); three stages and K / V multicast level.
