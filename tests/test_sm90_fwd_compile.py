@@ -113,7 +113,7 @@ VARIANTS = {
     "d64_192x128_persistent": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=True)),
     "d64_192x128_causal_persistent": (dict(D=64, causal=True), dict(tile_m=192, tile_n=128, persistent=True)),
     # the shapes here are short, so causal calls and D256 default to the dynamic schedule's
-    # persistent loop (fwd_host._dynamic_schedule_pays); long ones run one CTA per item
+    # persistent loop (fwd_host._dynamic_schedule_pays); long plain D256 ones run one CTA per item
     "d256_one_shot": (dict(D=256), dict(persistent=False)),
     "d256_causal_one_shot": (dict(D=256, causal=True), dict(persistent=False)),
     # D256 past 2048 keys splits its key loop by mask (fwd_host._tiles)
@@ -504,7 +504,7 @@ def test_grid_policy(monkeypatch):
     assert ctas(16384, window_left=100) == ctas(16384, D=64, causal=True, window_left=1024) == 132
     assert ctas(16384, D=256, causal=True, window_left=1024) == ctas(4096, D=192, window_left=100) == 132
     assert fwd_host.default_config(_call(128, window_left=100)).dynamic_schedule
-    # plain D192 calls persistent, causal ones one CTA per item (fwd_host._d192_persistent_pays)
+    # plain D192 calls on the static persistent loop (fwd_host._d192_persistent_pays)
     assert ctas(4096, D=192) == 132
     q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent

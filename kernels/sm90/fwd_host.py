@@ -220,7 +220,8 @@ def _d192_persistent_pays(call: AttentionCall) -> bool:
     """Plain D192 calls run on a persistent grid (one CTA per SM looping over items). H100, NOTES
     "Experiment 136", GPU time against flash-attn-4 with split key loops, one CTA per item /
     persistent: S4k 0.985 / 1.001, S16k 0.987 / 1.002; causal S4k 1.011 / 1.013, S16k 1.006 /
-    1.006, S1k 1.123 / 1.085, so causal calls keep one CTA per item."""
+    1.006, S1k 1.123 / 1.085, so causal calls stay off the static loop (they take the dynamic
+    schedule, `_dynamic_schedule_pays`)."""
     return call.head_dim == 192 and _plain(call)
 
 
@@ -362,7 +363,8 @@ def _dynamic_fits(call: AttentionCall) -> bool:
 # Causal or windowed walks longer than this run one CTA per item even in a kernel compiled
 # persistent: the hardware hands out CTAs dynamically, which a static round-robin over items of
 # unequal length cannot match (H200, NOTES.md "Experiment 10": persistent +14-17% at S=1k causal,
-# -4% to -11% at S=4k/16k causal, +0-8% without a mask).
+# -4% to -11% at S=4k/16k causal, +0-8% without a mask). By default such calls take the dynamic
+# schedule or run one-shot (mods); this applies to a static persistent loop asked for by override.
 PERSISTENT_MAX_MASKED_SEQLEN = 2048
 
 
