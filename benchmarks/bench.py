@@ -548,7 +548,7 @@ def variant_makers(specs, backward: bool, error) -> dict:
                 error("--variant with --backward takes only \"env\" (FwdConfig overrides are forward only)")
             makers[name] = with_env(ours_bwd, env)
         else:
-            makers[name] = with_env((lambda o: lambda q, k, v, c: ours_fwd(q, k, v, c, cfg_opts=o))(opts), env)
+            makers[name] = with_env((lambda o: lambda q, k, v, c, **kw: ours_fwd(q, k, v, c, cfg_opts=o, **kw))(opts), env)
     return makers
 
 

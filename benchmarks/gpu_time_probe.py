@@ -10,12 +10,14 @@ a slow kernel (NOTES "Session 28"). clock_probe.py runs seconds of back-to-back 
 power-limited clock. This probe measures what the GPU itself takes: a sleep kernel is queued
 first, so the host enqueues N calls while the GPU is still busy, and events around the N calls
 then time the GPU work alone. Rounds rotate the implementations; each row prints the median
-TFLOP/s of the rounds, its ratio to flash-attn-4 and the [min-max] spread (0.1-0.5% here, against
-2-5% for bench.py's rows).
+TFLOP/s of the rounds, its ratio to flash-attn-4 (else to torch_fa4's defaults) and the
+[min-max] spread (0.1-0.5% here, against 2-5% for bench.py's rows).
 
-Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid). Variants: torch_fa4 with
-"env" settings (read per call: the backward's TORCH_FA4_BWD_* knobs) and, forward only, FwdConfig
-overrides.
+Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid), or D:S:causal:MOD with a
+score_mod named as bench.py's sweep rows name them ("alibi", "alibi-kv-q"; forward only, and
+implementations that take no score_mod, flash-attn-4 here, sit such rows out). Variants: torch_fa4
+with "env" settings (read per call: the backward's TORCH_FA4_BWD_* knobs) and, forward only,
+FwdConfig overrides.
 """
 
 from __future__ import annotations
@@ -44,10 +46,19 @@ def _time_ms(fn, calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def probe_row(D, S, causal, impls, backward, rounds):
+def probe_row(D, S, causal, impls, backward, rounds, mod=None):
     B, H = 16384 // S, 2048 // D
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fns = {name: make(q, k, v, causal) for name, make in impls.items()}
+    if mod is None:
+        fns = {name: make(q, k, v, causal) for name, make in impls.items()}
+    else:
+        score_mod = bench._named_score_mods(H)[mod]
+        fns = {}
+        for name, make in impls.items():
+            try:
+                fns[name] = make(q, k, v, causal, score_mod=score_mod)
+            except RuntimeError:  # (a peer without score_mods)
+                pass
     for fn in fns.values():  # compile and warm
         for _ in range(3):
             fn()
@@ -58,17 +69,20 @@ def probe_row(D, S, causal, impls, backward, rounds):
         for name, fn in bench.rotated(list(fns.items()), rnd):
             rates[name].append(flops / _time_ms(fn, calls) * 1e-9)
     median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
-    ref = median.get("flash-attn-4")
-    print(f"{'bwd' if backward else 'fwd'} D{D} S{S // 1024}k{' causal' if causal else ''}: " + "  ".join(
+    # ratios to flash-attn-4, or to torch_fa4's defaults on rows flash-attn-4 sits out
+    ref_name = "flash-attn-4" if "flash-attn-4" in median else "torch_fa4"
+    ref = median.get(ref_name)
+    label = f"D{D} S{S // 1024}k{' causal' if causal else ''}{f' {mod}' if mod else ''}"
+    print(f"{'bwd' if backward else 'fwd'} {label} (ratio to {ref_name}): " + "  ".join(
         f"{name} {median[name]:.1f}{f' ({median[name] / ref:.3f})' if ref else ''} [{min(r):.0f}-{max(r):.0f}]"
         for name, r in rates.items()), flush=True)
-    return [dict(D=D, S=S, causal=causal, backward=backward, impl=name, tflops=median[name], rounds=r)
+    return [dict(D=D, S=S, causal=causal, mod=mod, backward=backward, impl=name, tflops=median[name], rounds=r)
             for name, r in rates.items()]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="128:1024:1,64:4096:1", help="D:S:causal,...")
+    ap.add_argument("--rows", default="128:1024:1,64:4096:1", help="D:S:causal[:MOD],...")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", action="append", default=[],
@@ -82,8 +96,10 @@ def main():
     impls.update(bench.variant_makers(args.variant, args.backward, ap.error))
     results = []
     for spec in args.rows.split(","):
-        D, S, c = (int(x) for x in spec.split(":"))
-        results += probe_row(D, S, bool(c), impls, args.backward, args.rounds)
+        D, S, c, *mod = spec.split(":")
+        if mod and args.backward:
+            ap.error("score_mod rows are forward only")
+        results += probe_row(int(D), int(S), bool(int(c)), impls, args.backward, args.rounds, *mod)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=results), f, indent=1)

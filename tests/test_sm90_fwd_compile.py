@@ -475,7 +475,7 @@ def test_tail_group_policy(monkeypatch):
 
 def test_grid_policy(monkeypatch):
     """D <= 128 and plain D192 calls compile the persistent loop; causal calls without mods take
-    items from the counter at every length, with a score_mod up to 8192 keys."""
+    items from the counter at every length, with or without a score_mod."""
     from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
@@ -496,10 +496,11 @@ def test_grid_policy(monkeypatch):
         kw.pop("D", None)
         assert fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).dynamic_schedule
     assert not fwd_host.default_config(_call(128)).dynamic_schedule
-    # a causal call with a score_mod: the counter up to 8192 keys (longer: not measured)
+    # a causal call with a score_mod takes the counter at every length too (NOTES Experiment 140)
     assert fwd_host.default_config(_mod_call(128, score_mod=_alibi(), S=8192, causal=True)).dynamic_schedule
-    long_mod = _mod_call(128, score_mod=_alibi(), S=8200, causal=True)
-    assert not fwd_host.default_config(long_mod).dynamic_schedule
+    assert fwd_host.default_config(_mod_call(128, score_mod=_alibi(), S=16384, causal=True)).dynamic_schedule
+    # ... where the persistent loop fits: a mask_mod keeps one CTA per item
+    assert not fwd_host.default_config(_mod_call(128, mask_mod=_doc_mask(16384), S=16384, causal=True)).persistent
     # windowed walks of any length take items from the counter, at every head dim
     assert ctas(16384, window_left=100) == ctas(16384, D=64, causal=True, window_left=1024) == 132
     assert ctas(16384, D=256, causal=True, window_left=1024) == ctas(4096, D=192, window_left=100) == 132

@@ -687,6 +687,20 @@ def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
                          causal=causal)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_long_causal_score_mod_takes_the_counter(sm90_fwd_variants, D):
+    """Causal calls whose only mod is a score_mod take items from the counter past 8192 keys too
+    (fwd_host._dynamic_schedule_pays, NOTES "Experiment 140"): 8400 keys, 2100 queries (a
+    bottom-right diagonal far from q_idx == kv_idx, ragged last tiles), GQA."""
+    B, Sq, Sk, H, Hkv = 1, 2100, 8400, 4, 2
+    q, k, v = _qkv(B, Sq, Sk, H, Hkv, D)
+    slopes = M.alibi_slopes(H, device="cuda")
+    out, lse = _public(torch_fa4.attention, q, k, v, causal=True, score_mod=alibi_abs(slopes), return_lse=True)
+    assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].dynamic_schedule
+    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
+                         causal=True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_d64_score_mod_on_192_row_tiles(sm90_fwd_variants, causal):
     """D64 past 2048 queries with a score_mod alone: 192-row tiles (three consumer warpgroups),
