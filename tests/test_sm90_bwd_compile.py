@@ -118,6 +118,10 @@ def _check_backward_sass(sass, key, d, dv, bodies=1):
         if not key[-3].trace:  # (the trace variant stores its clock stamps)
             # (fused_dq: dq's rows, 16-byte stores of the converter warps)
             other = sass.replace("STG.E.128", "") if key[-3].fused_dq else sass
+            if key[-3].split_tail:  # a piece's partial dK / dV: one 32-bit store per value
+                values = tile_n * (d + dv) // 256
+                assert other.count("STG.E ") == values, f"{other.count('STG.E ')} workspace stores, {values} expected"
+                other = other.replace("STG.E ", "")
             assert "STG.E" not in other, "direct global stores besides the TMA stores"
     else:
         assert "UTMASTG" not in sass and "STG.E" in sass
@@ -478,6 +482,41 @@ def test_persistent_selection(monkeypatch):
         bwd.variant_key(_call(d=64), False)
 
 
+def test_split_tail_selection(monkeypatch):
+    """The split tail's code goes into dense persistent variants without causal / window limits,
+    softcap, mods, seqused_k or determinism: by default the 128-query (D64) variant only; the
+    measuring modes (k pieces, noop) at any head dim; none with TORCH_FA4_BWD_SPLIT_TAIL=0."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    def split(deterministic=False, **kw):
+        return bwd.variant_key(_call(**kw), deterministic)[-3].split_tail
+
+    assert split(d=64) and not split(d=128) and not split(d=96)
+    for kw in (dict(causal=True), dict(window_left=100), dict(softcap=5.0), dict(seqused=True)):
+        assert not split(d=64, **kw), kw
+    assert not split(d=64, deterministic=True)
+    for mode in ("3", "noop"):
+        monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, mode)
+        assert split(d=64) and split(d=128) and split(d=96) and not split(d=128, causal=True)
+    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "0")
+    assert not split(d=64)
+
+
+def test_split_plan():
+    """The last round's tiles and their pieces (common.split_plan.choose with the backward's
+    costs): the grid's D64 rows have 4096 tiles, 4 of them in a last round on 132 SMs."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    assert bwd.split_plan(4096, 132, 128) == (4, 8)  # S16k: 128 steps per tile
+    assert bwd.split_plan(4096, 132, 32) == (4, 8)  # S4k: pieces of 4 steps
+    assert bwd.split_plan(4096, 132, 8) == (0, 1)  # S1k: 2 steps of piece cost on 8 do not pay
+    assert bwd.split_plan(132 * 31, 132, 128) == (0, 1)  # full rounds
+    assert bwd.split_plan(100, 132, 128) == (0, 1)  # one round
+    # 68 tiles left over (D128's 2048 tiles): 3 pieces need a second round of pieces, still a gain
+    r, k = bwd.split_plan(2048, 132, 256)
+    assert r == 68 and k >= 3
+
+
 def test_persistent_grid_size(monkeypatch):
     # one CTA per multiprocessor (off CUDA: per tile), at most one per tile, capped by
     # TORCH_FA4_BWD_PERSISTENT_CTAS, never zero
@@ -508,6 +547,20 @@ def test_persistent_variant_compiles(kw, persistent, tmp_path, monkeypatch):
     assert key[-3].persistent is (persistent == "1")
     sass = _compiled_and_checked(key, call, tmp_path)
     assert ("ATOMG" in sass) is (persistent == "1")
+
+
+@pytest.mark.parametrize("d,mode", [(64, "1"), (96, "3"), (128, "3")])
+def test_split_tail_variant_compiles(d, mode, tmp_path, monkeypatch):
+    # the split tail's code: D64's default, and the measuring mode's D96 / D128 variants (GQA);
+    # the SASS check counts the pieces' 32-bit workspace stores
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, mode)
+    call = _call(d=d, hq=4, hkv=2)
+    key = bwd.variant_key(call, False)
+    assert key[-3].split_tail and key[-3].persistent
+    sass = _compiled_and_checked(key, call, tmp_path)
+    assert "ATOMG" in sass
 
 
 def test_own_dv_stage_selection(monkeypatch):
@@ -811,12 +864,17 @@ def _emulated_kernel(key):
         mods = lookup(mod_key)
         assert mods.score_graph is None, "the emulation covers mask_mods only"
 
-    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, *rest):
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, split_ws, split_cnt, *rest):
         q_num, q_idx, full_num, full_idx = rest[:4]
-        scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail, num_ctas = rest[4:13]
-        # the CTA order and the persistent grid change nothing the emulation computes
+        (scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail, num_ctas, split_items,
+         split_ways) = rest[4:15]
+        # the CTA order, the persistent grid and the split tail change nothing the emulation
+        # computes; the split's plan and buffers are checked against the launch
         assert cta_group >= 1 and cta_tail >= 1 and num_ctas >= 1
-        mask_aux = [t for t in rest[13:] if t is not None][mods.num_score_aux if mods else 0:]
+        _check_split_launch(kernel_tiles, d, dv, k, sem, split_ws, split_cnt, num_ctas, split_items, split_ways)
+        if split_items:
+            _LAST_SPLIT.append((split_items, split_ways))
+        mask_aux = [t for t in rest[15:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
         # the kernel reads whole query tiles of tile_m rows: statistics padded to them; the dQ
         # buffer is not (its TMA adds drop rows past Sq)
@@ -864,6 +922,33 @@ def _emulated_kernel(key):
     return fn
 
 
+_LAST_SPLIT: list = []  # (split tiles, ways) of the emulated launches that split
+
+
+def _check_split_launch(kernel_tiles, d, dv, k, sem, split_ws, split_cnt, num_ctas, split_items, split_ways):
+    """The split tail's launch arguments (bwd.backward): none without the variant's split code;
+    with it, the last round's tiles (0 when the rounds are full or splitting does not pay), a
+    workspace slot of (tile_n (d + dv) / 256, 256) fp32 per piece, and zeroed counters that
+    follow the tile counter in one buffer."""
+    if not kernel_tiles.split_tail:
+        assert split_ws is None and split_cnt is None and (split_items, split_ways) == (0, 1)
+        return
+    import os
+
+    from torch_fa4.kernels.sm90 import bwd
+
+    tiles = -(-k.shape[1] // kernel_tiles.tile_n) * k.shape[0] * k.shape[2]
+    assert split_items in (0, tiles % num_ctas) and split_items < num_ctas
+    # a launch that does not split runs the variant without the split code (but for "noop")
+    assert split_items or os.environ.get(bwd.SPLIT_TAIL_ENV) == "noop"
+    assert split_items == 0 or (split_ways >= 2 and tiles > num_ctas)
+    values = kernel_tiles.tile_n * (d + dv) // 256
+    assert split_ws.dtype == torch.float32 and split_ws.shape == (max(split_items * split_ways, 1), values, 256)
+    assert split_cnt.dtype == torch.int32 and split_cnt.shape == (max(split_items, 1),)
+    assert int(split_cnt.abs().sum()) == 0
+    assert split_cnt.data_ptr() == sem.data_ptr() + 4 * sem.numel()  # zeroed with the tile counter
+
+
 def _contributors(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left):
     """Key tiles whose walk (bwd_kernel._tile_walk's query range) holds query tile m, counted
     one by one."""
@@ -882,9 +967,10 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
     cu_seqlens offsets, a grid sized by max_k."""
     tile_m = kernel_tiles.tile_m
 
-    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, *rest):
+    def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, split_ws, split_cnt, *rest):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
         assert all(t is None for t in rest[:4]) and sem is None and dq_out is None
+        assert split_ws is None and split_cnt is None and tuple(rest[13:15]) == (0, 1)
         # every query tile a CTA reads, from any sequence's offset, lies inside the statistics
         assert lse2.shape == dpsum.shape == dq_acc.shape[:2] and lse2.shape[-1] % tile_m == 0
         assert lse2.shape[-1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m
@@ -935,10 +1021,11 @@ def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, 
 
 @pytest.mark.parametrize("tile_m", [64, 128])
 @pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_window_packed", "varlen_causal_packed",
-                                  "varlen_q_only_seqused", "softcap", "deterministic_window"])
+                                  "varlen_q_only_seqused", "softcap", "deterministic_window", "plain_split_gqa"])
 def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     """varlen_*_packed: one launch of the packed-rows variant (bwd.VARLEN_KERNEL_ENV), max_seqlen_k
-    left for the host to read from cu_seqlens; varlen_window: one dense launch per sequence."""
+    left for the host to read from cu_seqlens; varlen_window: one dense launch per sequence;
+    plain_split_gqa: 12 work tiles on 5 persistent CTAs, the last round's 2 tiles split in 3."""
     import math
 
     from torch_fa4.kernels.sm90 import bwd
@@ -953,6 +1040,10 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     if case == "dense_causal_gqa":
         q, k, v, do = rnd(2, 70, hq, d), rnd(2, 50, hkv, d), rnd(2, 50, hkv, d), rnd(2, 70, hq, d)
         kw = dict(causal=True)  # 70 queries over 50 keys: the first 20 rows see nothing
+    elif case == "plain_split_gqa":
+        q, k, v, do = rnd(2, 300, hq, d), rnd(2, 290, hkv, d), rnd(2, 290, hkv, d), rnd(2, 300, hq, d)
+        monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")
+        monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "3")
     elif case == "softcap":
         q, k, v, do = rnd(1, 33, hq, d), rnd(1, 90, hkv, d), rnd(1, 90, hkv, d), rnd(1, 33, hq, d)
         kw = dict(softcap=5.0, window_left=20, window_right=3)
@@ -1012,7 +1103,10 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
 
     grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
+    _LAST_SPLIT.clear()
     bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, case.startswith("deterministic"))
+    if case == "plain_split_gqa":
+        assert _LAST_SPLIT == [(2, 3)]  # (split tiles, ways) the launch passed
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
         err = (got.double() - r).norm() / r.norm()

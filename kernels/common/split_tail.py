@@ -20,6 +20,11 @@ Memory order: each thread's stores, then its gpu-scope fence, then the warpgroup
 one thread's acq_rel atomic (cumulative over what the barrier made it see); on the reading side
 the atomic, the barrier, a fence, then the loads. The workspace lines a reader loads were never
 in its SM's L1 during the launch.
+
+The sm90 backward splits its last round too (`finish_sum_piece`): a work tile there is one key
+tile's walk over the query tiles, split into pieces of consecutive query tiles. A piece ends
+holding partial dK / dV sums, so merging is adding; the whole consumer group (both warpgroups,
+whose halves the epilogue stores together) counts as one, with one counter per split tile.
 """
 
 import cutlass
@@ -62,6 +67,23 @@ def _merge_state(ws: cute.Tensor, slot: Int32, lane: Int32, acc_o: cute.Tensor, 
 
 
 @cute.jit
+def _count_piece(counters: cute.Tensor, index: Int32, flags: cute.Tensor, flag: Int32, lane: Int32,
+                 threads: cutlass.Constexpr[int], barrier_id: Int32, ways) -> cutlass.Boolean:
+    """After every thread of a group stored its part of a piece: the piece counted in
+    `counters[index]`, and whether it was the last of its `ways` (the same answer on every thread
+    of the group; `flags[flag]` hands the counter's value to them)."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    if lane == 0:
+        flags[flag] = cute.arch.atomic_add(counters.iterator + index, Int32(1), sem="acq_rel", scope="gpu")
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    last = flags[flag] == ways - 1
+    if last:
+        cute.arch.fence_acq_rel_gpu()
+    return last
+
+
+@cute.jit
 def finish_piece(ws: cute.Tensor, counters: cute.Tensor, flags: cute.Tensor, piece: Int32, split_index: Int32,
                  ways: cutlass.Constexpr[int], wg: Int32, num_wg: cutlass.Constexpr[int], lane: Int32, acc_o: cute.Tensor,
                  ref: cute.Tensor, row_sum: cute.Tensor, barrier_id: Int32) -> cutlass.Boolean:
@@ -76,15 +98,37 @@ def finish_piece(ws: cute.Tensor, counters: cute.Tensor, flags: cute.Tensor, pie
     item_wg = split_index * num_wg + wg
     first_slot = item_wg * ways
     _store_state(ws, first_slot + piece, lane, acc_o, ref, row_sum)
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-    if lane == 0:
-        flags[wg] = cute.arch.atomic_add(counters.iterator + item_wg, Int32(1), sem="acq_rel", scope="gpu")
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-    last = flags[wg] == ways - 1
+    last = _count_piece(counters, item_wg, flags, wg, lane, 128, barrier_id, ways)
     if last:
-        cute.arch.fence_acq_rel_gpu()
         for q in cutlass.range_constexpr(ways):
             if q != piece:
                 _merge_state(ws, first_slot + q, lane, acc_o, ref, row_sum)
+    return last
+
+
+@cute.jit
+def finish_sum_piece(ws: cute.Tensor, counters: cute.Tensor, flags: cute.Tensor, piece: Int32, split_index: Int32,
+                     ways: Int32, lane: Int32, threads: cutlass.Constexpr[int], accs: tuple,
+                     barrier_id: Int32) -> cutlass.Boolean:
+    """A group of `threads` threads ends a piece whose partial results add up: each thread stores
+    its fp32 register accumulators `accs` in the piece's workspace slot, the piece is counted, and
+    the last piece of its tile adds the others' parts into its own. Returns whether this group
+    writes the tile (the same answer on every thread).
+
+    ws: (slots, values, threads) fp32, slot split_index * ways + piece, value-major (a warp's
+    stores and loads are whole lines), values: the accumulators' sizes summed; counters: (split
+    tiles,) int32, zero at launch; flags: a shared int32; barrier_id: a named barrier of the
+    group's threads. `ways` may be a run-time value."""
+    first_slot = split_index * ways
+    offsets = [sum(cute.size(a) for a in accs[:i]) for i in range(len(accs))]  # static
+    for i in cutlass.range_constexpr(len(accs)):
+        for e in cutlass.range_constexpr(cute.size(accs[i])):
+            ws[first_slot + piece, offsets[i] + e, lane] = accs[i][e]
+    last = _count_piece(counters, split_index, flags, 0, lane, threads, barrier_id, ways)
+    if last:
+        for q in cutlass.range(ways, unroll=1):
+            if q != piece:
+                for i in cutlass.range_constexpr(len(accs)):
+                    for e in cutlass.range_constexpr(cute.size(accs[i])):
+                        accs[i][e] = accs[i][e] + ws[first_slot + q, offsets[i] + e, lane]
     return last

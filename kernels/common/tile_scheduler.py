@@ -149,3 +149,20 @@ def grouped_order(t: Int32, tiles_per_pair: Int32, pairs: Int32, group: Int32, t
         pos = r // size
         pair = g * group + r - pos * size
     return pos, pair
+
+
+@cute.jit
+def split_unit(t: Int32, items: Int32, split_items: Int32, ways):
+    """(item, piece, split index) of work unit t of a grid whose last `split_items` of `items`
+    run as `ways` pieces each, numbered after the whole items and item-major: piece -1 for a
+    whole item (the sm90 backward's order; TileScheduler above adds the forward's pairs)."""
+    first = items - split_items
+    item = t
+    piece = Int32(-1)
+    j = Int32(0)
+    if t >= first:
+        j = (t - first) // ways
+        piece = (t - first) - j * ways
+        item = first + j
+    return item, piece, j
+

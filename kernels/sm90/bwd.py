@@ -194,6 +194,22 @@ _PASS_ORDER = "both"
 # forward's D64 default took that level (NOTES "Experiment 134"); on the D64 backward levels 8
 # and 10 lost 1-2% on the causal rows (session 31), so none is the default.
 PTXAS_ENV = "TORCH_FA4_BWD_PTXAS"
+# The split tail (bwd_kernel `split_tail`, kernels/common/split_tail.py): the last round's work
+# tiles run as pieces of consecutive query tiles on the SMs the round leaves idle. Plain dense
+# calls (no causal or window limit, softcap, mods, seqused_k or varlen) on the persistent kernel,
+# whose tiles all walk the same steps; `split_plan` decides per launch (a piece costs about
+# _SPLIT_PIECE_COST_STEPS steps besides its own: its K / V load, the pipeline's fill, the partial
+# sums' store and merge), and launches that do not split run the variant without the split code.
+# By default the 128-query (D64) variant only. H100, GPU time (NOTES "Experiment 141"), against
+# flash-attn-4, no split code / split: D64 S16k 0.984 / 1.007, S4k 0.995 / 1.019 (4096 tiles on
+# 132 SMs: a last round of 4 tiles, split 8 ways); at D128 the split code alone cost 1.7% (S16k)
+# and 1.5% (S4k) in the loop, as much as the split gained. TORCH_FA4_BWD_SPLIT_TAIL=0 (off) | 1
+# (automatic, the default) | k (k pieces wherever a round is left partial, at any head dim;
+# measuring) | noop (the split code without a split, at any head dim; measuring).
+SPLIT_TAIL_ENV = "TORCH_FA4_BWD_SPLIT_TAIL"
+_SPLIT_PIECE_COST_STEPS = 4.0
+_SPLIT_MIN_STEPS = 4
+_SPLIT_MAX_WAYS = 8
 _PTXAS = ""
 
 
@@ -223,6 +239,7 @@ class KernelTiles(NamedTuple):
     own_dv_stage: bool  # persistent: dV staged in its own shared-memory buffer
     fused_dq: bool  # persistent: dq written by the kernel (no conversion pass)
     ptxas_options: str = ""  # extra ptxas flags (PTXAS_ENV)
+    split_tail: bool = False  # persistent: the last round's tiles may run as pieces (SPLIT_TAIL_ENV)
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -368,6 +385,45 @@ def _first_rows_reach(call: "AttentionCall"):
     return max(-129, min(0, call.k.shape[1] - call.q.shape[1] + right))
 
 
+def _split_mode() -> str:
+    return _env_choice(SPLIT_TAIL_ENV, "1", ("0", "1", "noop", *map(str, range(2, 65))))
+
+
+def split_tail_applies(call: "AttentionCall", deterministic: bool, sparse, tile_m: int) -> bool:
+    """Whether a persistent call may run the variant with the split tail's code (SPLIT_TAIL_ENV;
+    `backward` still drops it for launches that do not split): dense calls whose work tiles all
+    walk the same query tiles, on the 128-query variant unless a measuring mode is set."""
+    mode = _split_mode()
+    if mode == "0" or (mode == "1" and tile_m != 128):
+        return False
+    limits = call.causal or call.window_left >= 0 or call.window_right >= 0 or call.softcap > 0
+    return not (limits or deterministic or sparse is not None or call.mods is not None
+                or call.seqused_k is not None or call.is_varlen or call.block_mask)
+
+
+def split_plan(tiles: int, ctas: int, steps: int) -> tuple[int, int]:
+    """(split tiles, ways) for a launch of `tiles` work tiles of `steps` steps each on `ctas`
+    persistent CTAs: the last round's tiles and how many pieces each runs as; (0, 1) where
+    splitting would not shorten the last round by 15% of a tile (common.split_plan.choose)."""
+    from torch_fa4.kernels.common import split_plan as plan
+
+    mode = _split_mode()
+    if mode in ("0", "noop"):
+        return 0, 1
+    if mode != "1":  # k pieces of every tile of a partial last round
+        r = tiles % ctas if tiles > ctas else 0
+        return (r, int(mode)) if r else (0, 1)
+    return plan.choose(tiles, ctas, steps, min_tiles=_SPLIT_MIN_STEPS, max_ways=_SPLIT_MAX_WAYS,
+                       piece_cost_tiles=_SPLIT_PIECE_COST_STEPS)
+
+
+def _launch_split(call: "AttentionCall", tiles: KernelTiles) -> tuple[int, int]:
+    """split_plan for a dense persistent launch of `call` on the variant with `tiles`."""
+    n_tiles = math.ceil(call.k.shape[1] / tiles.tile_n) * call.k.shape[-2] * call.batch
+    steps = math.ceil(call.q.shape[1] / tiles.tile_m) * (call.num_heads // call.num_heads_kv)
+    return split_plan(n_tiles, _persistent_ctas(n_tiles, call.q.device), steps)
+
+
 def fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: int) -> bool:
     """Whether the persistent variant writes dq itself (FUSED_DQ_ENV): a 128-query variant whose
     staging tile fits shared memory, where every query tile is walked by at least one key tile,
@@ -447,7 +503,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST_ENV, DQ_WARP_ENV, TRACE_ENV, TRACE_PAIR_ENV,
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
                DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV,
-               OWN_DV_STAGE_ENV, FUSED_DQ_ENV, PTXAS_ENV)
+               OWN_DV_STAGE_ENV, FUSED_DQ_ENV, PTXAS_ENV, SPLIT_TAIL_ENV)
 _variant_memo: dict = {}
 
 
@@ -521,6 +577,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         own_dv_stage=own_dv,
         fused_dq=fused,
         ptxas_options=os.environ.get(PTXAS_ENV, _PTXAS).strip(),
+        split_tail=persist and split_tail_applies(call, deterministic, sparse, tile_m),
     )
     return (
         call.q.dtype,
@@ -681,7 +738,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
      split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops, own_dv,
-     fused_dq, ptxas) = kernel_tiles
+     fused_dq, ptxas, split_tail) = kernel_tiles
     dq_out = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1)) if fused_dq else None
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
@@ -693,8 +750,12 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         dq_under_dk=dq_before_dk, dq_writer_warp=dq_warp, trace=trace, exp2_emulate_every=emulate, fold_dpsum=fold,
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
         descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t, mod_fragment=mod_frag,
-        split_mask_loops=split_loops, own_dv_stage=own_dv, fused_dq=fused_dq,
+        split_mask_loops=split_loops, own_dv_stage=own_dv, fused_dq=fused_dq, split_tail=split_tail,
     )
+    split_ws = split_cnt = None
+    if split_tail:  # the pieces' partial dK / dV (slots, values, 256 threads) and their counters
+        split_ws = fake(Float32, (sym(), sym(), 256), (cute.sym_int64(), 256, 1), 16)
+        split_cnt = fake(Int32, (sym(),), (1,), 4)
     lists = [None] * 4
     if sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
         s64 = cute.sym_int64
@@ -709,9 +770,9 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
     stream, options = compile_stream_and_options(arch, dump_dir, ptxas)
-    args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, *lists,
+    args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
-            *aux, stream)
+            Int32(0), Int32(1), *aux, stream)
     return cute.compile(kernel, *args, options=options)
 
 
@@ -806,6 +867,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic)
         return
     key = variant_key(call, deterministic)
+    split_items, ways = 0, 1
+    if key[-3].split_tail:
+        split_items, ways = _launch_split(call, key[-3])
+        if not split_items and _split_mode() != "noop":  # no split: the variant without its code
+            key = (*key[:-3], key[-3]._replace(split_tail=False), *key[-2:])
     fn = compile_variant(key)
     tile_m = key[-3].tile_m  # queries per step: row statistics, dQ buffer, semaphores pad to it
     q, k, v = call.q, call.k, call.v
@@ -821,13 +887,24 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         dout = dout.contiguous()
     counter = None
     fused = key[-3].fused_dq
+    pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
+    split_ws = split_cnt = None
+    if key[-3].split_tail:
+        # every piece's partial dK / dV, stored before it is read (bwd_kernel `split_tail`)
+        values = key[-3].tile_n * (call.head_dim + call.head_dim_v) // 256
+        split_ws = torch.empty((max(split_items * ways, 1), values, 256), dtype=torch.float32, device=q.device)
     if key[-3].persistent and not key[-3].trace:
         # the persistent kernel's tile counter (and with fused_dq, before it, one dQ counter per
-        # query tile), zeroed before the row-statistics pass: the main kernel launches as that
-        # pass's programmatic dependent, with nothing in between
+        # query tile; with the split tail, after it, one piece counter per split tile), zeroed
+        # before the row-statistics pass in one buffer: the main kernel launches as that pass's
+        # programmatic dependent, with nothing in between
         # (bwd_dq_fused: per query tile a counter and a queue slot, then the queue's head and tail)
         shape = (call.batch, call.num_heads, 2 * math.ceil(q.shape[1] / tile_m) + 3) if fused else (1, 1, 1)
-        counter = torch.zeros(shape, dtype=torch.int32, device=q.device)
+        extra = max(split_items, 1) if split_ws is not None else 0
+        counters = torch.zeros(math.prod(shape) + extra, dtype=torch.int32, device=q.device)
+        counter = counters[: math.prod(shape)].view(shape)
+        if split_ws is not None:
+            split_cnt = counters[math.prod(shape):]
     if call.is_varlen:
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
         dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
@@ -846,7 +923,6 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         max_q, max_k = max_seqlens(call)
     else:
         max_q, max_k = q.shape[1], k.shape[1]
-    pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     sem = None
     if deterministic:
         sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
@@ -879,10 +955,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         aux = mod_lowering.kernel_aux_tensors(call.aux_tensors, MAX_AUX)
     fn(
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, dq_out,
-        cu_q, cu_k, seqused, sem, *lists,
+        cu_q, cu_k, seqused, sem, split_ws, split_cnt, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
         int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs),
-        _persistent_ctas(math.ceil(max_k / key[-3].tile_n) * pairs, q.device) if key[-3].persistent else 1, *aux,
+        _persistent_ctas(math.ceil(max_k / key[-3].tile_n) * pairs, q.device) if key[-3].persistent else 1,
+        split_items, ways, *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)

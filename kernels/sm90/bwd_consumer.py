@@ -7,9 +7,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..common import split_tail
 from ..common import static_layout as SL
 from ..common import wgmma
 from . import bwd_layouts as L
@@ -32,10 +33,14 @@ class BwdConsumer:
         window_left, window_right, hkv, b, n_block, walk, steps,
         seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
         state=None, kv_iter=None, bar_kv_empty=None, s_out=None, both: cutlass.Constexpr = False,
+        piece_end=None,
     ):
         """One work tile's steps and its dK / dV. Persistent: `state` carries the ring over tiles
         (returned); K / V are waited for at phase kv_iter and released before the epilogue, which
-        stages dK / dV in the dS^T slots (s_out: their (dK, dV) views; `both`: at once)."""
+        stages dK / dV in the dS^T slots (s_out: their (dK, dV) views; `both`: at once).
+        split_tail: `piece_end` = (workspace, counters, shared flag, piece, split index, ways);
+        a piece (piece >= 0) hands its partial dK / dV to the last piece of its tile, which
+        writes the sums (kernels/common/split_tail.finish_sum_piece)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
         # The warpgroup index, known to the compiler as warp-uniform: shared-memory operand
         # descriptors depend only on it, so their per-k-block arithmetic stays in uniform
@@ -186,17 +191,24 @@ class BwdConsumer:
             if steps > 0:
                 if ctid % 128 == 0:
                     cute.arch.mbarrier_arrive(bar_kv_empty)
-            # dK / dV through the dS^T slots (_store_via_smem waits until both warpgroups are past
-            # their last dQ, which reads them); the next tile's dS^T may go there only once the
-            # TMA stores have read them
-            self._store_via_smem(acc_dK, thr_dK, s_out[0], tma_dK, gdK, scale, ctid)
-            if const_expr(not both):
+            writes = Boolean(True)  # this CTA writes the tile's dK / dV
+            if const_expr(piece_end is not None):
+                ws, counters, flag, piece, split_index, ways = piece_end
+                if piece >= 0:  # (the consumers' own barrier, as in _store_via_smem)
+                    writes = split_tail.finish_sum_piece(ws, counters, flag, piece, split_index, ways, ctid, 256,
+                                                         (acc_dK, acc_dV), 1)
+            if writes:
+                # dK / dV through the dS^T slots (_store_via_smem waits until both warpgroups are
+                # past their last dQ, which reads them); the next tile's dS^T may go there only
+                # once the TMA stores have read them
+                self._store_via_smem(acc_dK, thr_dK, s_out[0], tma_dK, gdK, scale, ctid)
+                if const_expr(not both):
+                    if ctid // 32 == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self._store_via_smem(acc_dV, thr_dV, s_out[1], tma_dV, gdV, Float32(1.0), ctid)
                 if ctid // 32 == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            self._store_via_smem(acc_dV, thr_dV, s_out[1], tma_dV, gdV, Float32(1.0), ctid)
-            if ctid // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
         elif const_expr(not self.stage_dkdv):
             self._store_rows(acc_dK, thr_dK.partition_C(gdK), thr_dK.partition_C(cute.make_identity_tensor((tn, d))), rows_k - n_block * tn, scale)
             self._store_rows(acc_dV, thr_dV.partition_C(gdV), thr_dV.partition_C(cute.make_identity_tensor((tn, dv))), rows_k - n_block * tn, Float32(1.0))

@@ -113,7 +113,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 
 from ..common import mod_lowering as mods_dsl
 from ..common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
-from ..common.tile_scheduler import grouped_order
+from ..common.tile_scheduler import grouped_order, split_unit
 from . import bwd_layouts as L
 from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
@@ -180,6 +180,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         split_mask_loops: bool = False,  # masked and unmasked steps in loops of their own (see below)
         own_dv_stage: bool = False,  # persistent: dV staged in a buffer of its own (see below)
         fused_dq: bool = False,  # persistent: dq written by this kernel (bwd_dq_fused.py)
+        split_tail: bool = False,  # persistent: the last round's tiles split into pieces (see below)
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -359,6 +360,14 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # The key tile that completes a query tile's dQ writes that tile of dq (bwd_dq_fused.py):
         # no conversion pass after the kernel.
         self.fused_dq = bool(fused_dq)
+        # The split tail (kernels/common/split_tail.py): the launch names the last `split_items`
+        # work tiles and `split_ways`; each runs as that many pieces of consecutive query tiles
+        # (work items numbered after the whole tiles), on different SMs. Every piece stores its
+        # partial dK / dV in a global workspace, and the last to finish adds the others' into its
+        # own and runs the ordinary epilogue. The pieces' dQ adds are the tile's, spread out.
+        # Dense walks without a block mask (bwd.split_tail_applies picks the calls).
+        assert not split_tail or (persistent and not self.sparse and not deterministic)
+        self.split_tail = bool(split_tail)
         assert not fused_dq or (persistent and not self.varlen), "fused_dq: the persistent dense kernel"
 
     # ------------------------------------------------------------------ host side (jit)
@@ -382,6 +391,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # dQ counters, queue and tile counter (fused_dq, bwd_dq_fused.py), or the tile counter
         # alone (persistent); the tile counter is the first row's last element
         mSem: cute.Tensor | None,
+        # split_tail: (split tiles * ways, values, 256) fp32 workspace of the pieces' partial dK /
+        # dV (bwd_consumer), and (split tiles,) int32 piece counters, zeroed; else None
+        mSplitWs: cute.Tensor | None,
+        mSplitCnt: cute.Tensor | None,
         # transposed block mask (sparse only, else None), int32: (B', H', n_kv_blocks) counts and
         # (B', H', n_kv_blocks, n_q_blocks) query-block indices, partial then full (bwd_sparse.py)
         mQNum: cute.Tensor | None,
@@ -397,6 +410,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         cta_group: Int32,  # CTA order: groups of this many (kv head, batch) pairs (_cta_coords)
         cta_tail: Int32,  # ... except the last this many pairs, one group (_cta_coords)
         num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile); else unused
+        split_items: Int32,  # split_tail: the last this many work tiles run as pieces (0: none)
+        split_ways: Int32,  # ... of this many pieces each
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,  # captured mod tensors, None when unused
         stream,
     ):
@@ -542,6 +557,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             cvt_job: cute.struct.MemRange[Int32, 2]
             bar_cnt: cute.struct.MemRange[cutlass.Int64, 4]
             cnt_slots: cute.struct.MemRange[Int32, 2]
+            split_flag: cute.struct.MemRange[Int32, 2]  # split_tail: the piece counter handed round
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -567,7 +583,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
-            mCuQ, mCuK, mSeqUsedK, mSem,
+            mCuQ, mCuK, mSeqUsedK, mSem, (mSplitWs, mSplitCnt, split_items, split_ways),
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
             mma_SdP, mma_dK, mma_dV, mma_dQ,
@@ -585,7 +601,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_dO: cute.CopyAtom, tma_LSE: cute.CopyAtom, tma_Dp: cute.CopyAtom,
         tma_dQ: cute.CopyAtom, tma_dK, tma_dV,
-        mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
+        mCuQ, mCuK, mSeqUsedK, mSem, split, q_lists,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
@@ -706,7 +722,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                         self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], False)
         else:
             self._persistent_roles(
-                warp_idx, tidx, num_ctas, cta_group, cta_tail, st,
+                warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split,
                 mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
                 tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
                 sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
@@ -717,7 +733,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
     # ------------------------------------------------------------------ persistent
     @cute.jit
     def _persistent_roles(
-        self, warp_idx, tidx, num_ctas, cta_group, cta_tail, st,
+        self, warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split,
         mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
         tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
         sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
@@ -730,7 +746,12 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         tiles with steps (an empty tile loads nothing and stores zeros)."""
         n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         heads, batches = mK.shape[2], mK.shape[3]
-        total = n_blocks * heads * batches
+        total = n_blocks * heads * batches  # work items (with a split tail, pieces count one each)
+        split_items, split_ways = Int32(0), Int32(1)
+        if const_expr(self.split_tail):
+            split_items, split_ways = split[2], split[3]
+            total = total + split_items * (split_ways - 1)
+        tiles = (n_blocks, heads, batches, cta_group, cta_tail, total, split_items, split_ways)
         bar_sched = st.bar_sched.data_ptr()
         bar_kv_empty = st.bar_kv_empty.data_ptr()
         sTile = st.sched_tile.get_tensor(cute.make_layout(2))
@@ -746,8 +767,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 kv_iter = Int32(0)
                 while t < total:
                     publish_item(bar_sched, sTile, i, t)
-                    n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
-                    q_off, k_off, _, _, _, _, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
+                    n_block, hkv, b, piece, _ = self._item_coords(t, tiles)
+                    q_off, k_off, _, _, _, _, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b,
+                                                                            piece, split_ways)
                     state = self._produce(
                         mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
                         tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
@@ -765,8 +787,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 passed = Int32(0)  # fused_dq: query tiles handed to the counting warp
                 t = read_item(bar_sched, sTile, i)
                 while t < total:
-                    n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
-                    q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b)
+                    n_block, hkv, b, piece, _ = self._item_coords(t, tiles)
+                    q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b, piece,
+                                                                           split_ways)
                     if const_expr(self.fused_dq):
                         n_m = (mSem.shape[2] - 3) // 2
                         passed = self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
@@ -812,19 +835,24 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             i = Int32(0)
             kv_iter = Int32(0)
             t = read_item(bar_sched, sTile, i)
+            split_flag = st.split_flag.get_tensor(cute.make_layout(2))
             while t < total:
-                n_block, hkv, b = self._tile_coords(t, n_blocks, heads, batches, cta_group, cta_tail)
+                n_block, hkv, b, piece, split_index = self._item_coords(t, tiles)
+                # a piece's end (bwd_consumer): workspace, counters, the shared flag, its place
+                piece_end = None
+                if const_expr(self.split_tail):
+                    piece_end = (split[0], split[1], split_flag, piece, split_index, split_ways)
                 if const_expr(self.trace_steps > 0):
                     if tidx == 128:
                         self._stamp_cta(mSem, n_block, hkv, b, heads, True)  # the tile's start
                 q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
-                    *walk_args, n_block, hkv, b)
+                    *walk_args, n_block, hkv, b, piece, split_ways)
                 state = self._consume(
                     mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
                     mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
                     window_left, window_right, hkv, b, n_block, walk, steps,
                     seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
-                    state, kv_iter, bar_kv_empty, s_out, both,
+                    state, kv_iter, bar_kv_empty, s_out, both, piece_end,
                 )
                 if steps > 0:
                     kv_iter += 1
@@ -837,9 +865,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
     # ------------------------------------------------------------------ helpers
     @cute.jit
     def _tile_walk(self, mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right,
-                   n_block, hkv, b):
+                   n_block, hkv, b, piece=None, ways=None):
         """A work tile's sequence bookkeeping (the same on every thread): (q_off, k_off, seqlen_q,
-        seqlen_k, rows_k, diag, walk over its query tiles, steps)."""
+        seqlen_k, rows_k, diag, walk over its query tiles, steps). split_tail: `piece` >= 0 of
+        `ways` walks its share of the tile's query tiles (consecutive ones; -1: the whole tile)."""
         tm, tn = self.tile_m, self.tile_n
         q_off = Int32(0)
         k_off = Int32(0)
@@ -869,6 +898,11 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         n_m = cutlass.max(m_hi - m_lo, 0)
         if n0 >= seqlen_k:
             n_m = Int32(0)
+        if const_expr(self.split_tail):
+            if piece >= 0:
+                first = n_m * piece // ways
+                m_lo = m_lo + first
+                n_m = n_m * (piece + 1) // ways - first
         if const_expr(self.sparse):
             walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
@@ -876,6 +910,20 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             walk = DenseQWalk(m_lo, n_m, self.group, self.descending_walk)
         steps = walk.count
         return q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps
+
+    @cute.jit
+    def _item_coords(self, t, tiles):
+        """(key tile, kv head, batch, piece, split index) of persistent work item t: items below
+        the split tail are whole tiles (piece -1); the tail's items are the last `split_items`
+        tiles' pieces, piece-fastest (tiles = _persistent_roles' bookkeeping tuple)."""
+        n_blocks, heads, batches, cta_group, cta_tail, _, split_items, ways = tiles
+        tile = t
+        piece = Int32(-1)
+        split_index = Int32(0)
+        if const_expr(self.split_tail):
+            tile, piece, split_index = split_unit(t, n_blocks * heads * batches, split_items, ways)
+        n_block, hkv, b = self._tile_coords(tile, n_blocks, heads, batches, cta_group, cta_tail)
+        return n_block, hkv, b, piece, split_index
 
     @cute.jit
     def _cta_coords(self, cta_group, cta_tail):

@@ -485,6 +485,33 @@ def test_persistent_tiles_per_cta(monkeypatch, ctas):
     _case(BF, 2, 300, 517, 2, 2, 96, 96, causal=True)
 
 
+@pytest.mark.parametrize("ways", ["2", "3", "5", "1"])
+def test_split_tail(monkeypatch, ways):
+    # the last round's tiles as pieces of consecutive query tiles (bwd_kernel `split_tail`), on a
+    # grid capped at 5 CTAs: forced to 2, 3 or 5 pieces (any head dim), or the automatic plan
+    # ("1": the 128-query D64 variant only; 2 pieces of the first call's last 2 tiles, since 3
+    # would need a second round); the partial dK / dV of every piece summed by the last one
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")
+    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, ways)
+    plans = []
+    plan = bwd.split_plan
+    monkeypatch.setattr(bwd, "split_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    _case(BF, 2, 700, 900, 4, 2, 64, 64, expect_tile_m=128)  # 32 tiles, 12 steps each (GQA 2)
+    assert plans[-1] == (2, 2 if ways == "1" else int(ways))
+    # 2 query tiles per head: with 3 or 5 pieces some pieces have no step
+    _case(BF, 2, 200, 900, 4, 2, 64, 64, expect_tile_m=128)
+    assert plans[-1] == ((0, 1) if ways == "1" else (2, int(ways)))
+    planned = len(plans)
+    _case(FP, 2, 700, 900, 4, 2, 128, 128, strided=True)  # 64 queries per step
+    _case(BF, 1, 700, 1000, 2, 2, 96, 96)  # 16 tiles: the last one split
+    if ways == "1":
+        assert len(plans) == planned  # (not taken by default: the split code costs D128 its gain)
+    else:
+        assert plans[planned:] == [(2, int(ways)), (1, int(ways))]
+
+
 def test_persistent_many_tiles_at_full_grid():
     # more work tiles (8 key tiles x 64 pairs) than multiprocessors: each CTA takes several from
     # the counter
