@@ -202,8 +202,8 @@ PTXAS_ENV = "TORCH_FA4_BWD_PTXAS"
 # sums' store and merge), and launches that do not split run the variant without the split code.
 # By default the 128-query (D64) variant only. H100, GPU time (NOTES "Experiment 141"), against
 # flash-attn-4, no split code / split: D64 S16k 0.984 / 1.007, S4k 0.995 / 1.019 (4096 tiles on
-# 132 SMs: a last round of 4 tiles, split 8 ways); at D128 the split code alone cost 1.7% (S16k)
-# and 1.5% (S4k) in the loop, as much as the split gained. TORCH_FA4_BWD_SPLIT_TAIL=0 (off) | 1
+# 132 SMs: a last round of 4 tiles, split 8 ways); at D128 the split code alone (no split) cost
+# 1.7% (S16k) and 1.5% (S4k), as much as the split gained. TORCH_FA4_BWD_SPLIT_TAIL=0 (off) | 1
 # (automatic, the default) | k (k pieces wherever a round is left partial, at any head dim;
 # measuring) | noop (the split code without a split, at any head dim; measuring).
 SPLIT_TAIL_ENV = "TORCH_FA4_BWD_SPLIT_TAIL"

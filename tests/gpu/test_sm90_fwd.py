@@ -671,6 +671,16 @@ def test_alibi_score_mod(sm90_fwd_variants, D, causal):
     _check_against_naive(out, lse, q, k, v, (M.alibi(slopes), None), (M.alibi(slopes.cpu()), None), causal=causal)
 
 
+def _alibi_abs_case(B, Sq, Sk, H, Hkv, D, causal):
+    """One call with slope * |q_idx - kv_idx| through the public API on fresh inputs, checked
+    against float64."""
+    q, k, v = _qkv(B, Sq, Sk, H, Hkv, D)
+    slopes = M.alibi_slopes(H, device="cuda")
+    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=alibi_abs(slopes), return_lse=True)
+    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
+                         causal=causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(517, 517), (200, 517), (517, 200)])
 def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
@@ -678,13 +688,8 @@ def test_alibi_abs_every_sign_branch(sm90_fwd_variants, Sq, Sk, causal):
     >= 0, <= 0, or mixed; mod_fragment.emit_score_mod). 517 positions: tiles on both sides of the
     diagonal and on it; Sq != Sk shifts the causal diagonal (bottom-right) off q_idx == kv_idx, so
     unmasked tiles of either sign occur too."""
-    B, H, D = 2, 4, 128
-    q, k, v = _qkv(B, Sq, Sk, H, H, D)
-    slopes = M.alibi_slopes(H, device="cuda")
-    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=alibi_abs(slopes), return_lse=True)
+    _alibi_abs_case(2, Sq, Sk, 4, 4, 128, causal)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].mod_key
-    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
-                         causal=causal)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -692,13 +697,8 @@ def test_long_causal_score_mod_takes_the_counter(sm90_fwd_variants, D):
     """Causal calls whose only mod is a score_mod take items from the counter past 8192 keys too
     (fwd_host._dynamic_schedule_pays, NOTES "Experiment 140"): 8400 keys, 2100 queries (a
     bottom-right diagonal far from q_idx == kv_idx, ragged last tiles), GQA."""
-    B, Sq, Sk, H, Hkv = 1, 2100, 8400, 4, 2
-    q, k, v = _qkv(B, Sq, Sk, H, Hkv, D)
-    slopes = M.alibi_slopes(H, device="cuda")
-    out, lse = _public(torch_fa4.attention, q, k, v, causal=True, score_mod=alibi_abs(slopes), return_lse=True)
+    _alibi_abs_case(1, 2100, 8400, 4, 2, D, True)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].dynamic_schedule
-    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
-                         causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -706,13 +706,8 @@ def test_d64_score_mod_on_192_row_tiles(sm90_fwd_variants, causal):
     """D64 past 2048 queries with a score_mod alone: 192-row tiles (three consumer warpgroups),
     causal on the dynamic schedule, three K/V stages without a mask; 2100 queries leave a ragged
     last tile, 2500 keys a ragged last key tile and a bottom-right diagonal off q_idx == kv_idx."""
-    B, H, D, Sq, Sk = 1, 2, 64, 2100, 2500
-    q, k, v = _qkv(B, Sq, Sk, H, H, D)
-    slopes = M.alibi_slopes(H, device="cuda")
-    out, lse = _public(torch_fa4.attention, q, k, v, causal=causal, score_mod=alibi_abs(slopes), return_lse=True)
+    _alibi_abs_case(1, 2100, 2500, 2, 2, 64, causal)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].tile_m == 192
-    _check_against_naive(out, lse, q, k, v, (alibi_abs(slopes), None), (alibi_abs(slopes.cpu()), None),
-                         causal=causal)
 
 
 def test_alibi_flex_attention_gqa(sm90_fwd_variants):
