@@ -484,8 +484,9 @@ def test_persistent_selection(monkeypatch):
 
 def test_split_tail_selection(monkeypatch):
     """The split tail's code goes into dense persistent variants without causal / window limits,
-    softcap, mods, seqused_k or determinism: by default the 128-query (D64) variant only; the
-    measuring modes (k pieces, noop) at any head dim; none with TORCH_FA4_BWD_SPLIT_TAIL=0."""
+    softcap, mods, seqused_k, determinism or tracing: by default the 128-query (D64) variant
+    only; the measuring modes (k pieces, noop) at any head dim; none with
+    TORCH_FA4_BWD_SPLIT_TAIL=0."""
     from torch_fa4.kernels.sm90 import bwd
 
     def split(deterministic=False, **kw):
@@ -495,6 +496,9 @@ def test_split_tail_selection(monkeypatch):
     for kw in (dict(causal=True), dict(window_left=100), dict(softcap=5.0), dict(seqused=True)):
         assert not split(d=64, **kw), kw
     assert not split(d=64, deterministic=True)
+    monkeypatch.setenv(bwd.TRACE_ENV, "4")  # the trace buffer takes the counters' place
+    assert not split(d=64)
+    monkeypatch.delenv(bwd.TRACE_ENV)
     for mode in ("3", "noop"):
         monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, mode)
         assert split(d=64) and split(d=128) and split(d=96) and not split(d=128, causal=True)

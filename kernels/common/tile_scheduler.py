@@ -165,4 +165,3 @@ def split_unit(t: Int32, items: Int32, split_items: Int32, ways):
         piece = (t - first) - j * ways
         item = first + j
     return item, piece, j
-

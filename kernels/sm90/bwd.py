@@ -577,7 +577,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         own_dv_stage=own_dv,
         fused_dq=fused,
         ptxas_options=os.environ.get(PTXAS_ENV, _PTXAS).strip(),
-        split_tail=persist and split_tail_applies(call, deterministic, sparse, tile_m),
+        split_tail=persist and not trace and split_tail_applies(call, deterministic, sparse, tile_m),
     )
     return (
         call.q.dtype,
