@@ -6,8 +6,10 @@ from one fused pass (bwd_prepare.py); dQ's fp32 -> dtype conversion is one more 
 (bwd_dq_convert.py; it applies the softmax scale, which the kernel leaves out of dQ).
 Kernels compile once per `variant_key` (dtype, head dims, GQA group, mask kinds, softcap on/off,
 varlen, determinism, key tile, ring stages and queries per step, dQ order and writer warp,
-block-mask tile ratios, mods key, L2 hints); shapes, strides, scale, softcap value, window sizes, captured
-mod tensors and block-mask lists are runtime arguments, so new sizes or values never recompile.
+block-mask tile ratios, mods key, L2 hints, split tail); shapes, strides, scale, softcap value, window
+sizes, captured mod tensors, block-mask lists and the split tail's plan are runtime arguments, so new
+sizes or values never recompile, except that a plain D64 launch whose last round splits
+(`split_plan`) takes the variant with the split code (one more compile, once).
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
