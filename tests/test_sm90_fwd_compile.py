@@ -474,8 +474,8 @@ def test_tail_group_policy(monkeypatch):
 
 
 def test_grid_policy(monkeypatch):
-    """D <= 128 and plain D192 calls compile the persistent loop; causal calls without mods take
-    items from the counter at every length, with or without a score_mod."""
+    """D <= 128 and plain D192 calls compile the persistent loop; causal calls take items from
+    the counter at every length (with mods: where the loop fits, a score_mod alone)."""
     from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 

@@ -751,7 +751,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if const_expr(self.split_tail):
             split_items, split_ways = split[2], split[3]
             total = total + split_items * (split_ways - 1)
-        tiles = (n_blocks, heads, batches, cta_group, cta_tail, total, split_items, split_ways)
+        tiles = (n_blocks, heads, batches, cta_group, cta_tail, split_items, split_ways)
         bar_sched = st.bar_sched.data_ptr()
         bar_kv_empty = st.bar_kv_empty.data_ptr()
         sTile = st.sched_tile.get_tensor(cute.make_layout(2))
@@ -916,7 +916,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         """(key tile, kv head, batch, piece, split index) of persistent work item t: items below
         the split tail are whole tiles (piece -1); the tail's items are the last `split_items`
         tiles' pieces, piece-fastest (tiles = _persistent_roles' bookkeeping tuple)."""
-        n_blocks, heads, batches, cta_group, cta_tail, _, split_items, ways = tiles
+        n_blocks, heads, batches, cta_group, cta_tail, split_items, ways = tiles
         tile = t
         piece = Int32(-1)
         split_index = Int32(0)

@@ -330,12 +330,11 @@ _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
-    if call.has_window:
-        # items of a few key tiles each, at any length: H100, NOTES "Experiment 73", window 1024
-        # against one CTA per item (the default before): D64 S1k +26%, S4k +13%, S16k +10%; D128
-        # S1k +16%, S4k +5%, S16k +8%; D192 S1k +3%, S4k +2%, S16k +1%; D256 S4k +2%, S16k +4%
-        return True
-    if call.causal:
+    if call.has_window or call.causal:
+        # causal: the comment above; windows: items of a few key tiles each, at any length: H100,
+        # NOTES "Experiment 73", window 1024 against one CTA per item (the default before): D64
+        # S1k +26%, S4k +13%, S16k +10%; D128 S1k +16%, S4k +5%, S16k +8%; D192 S1k +3%, S4k +2%,
+        # S16k +1%; D256 S4k +2%, S16k +4%
         return True
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
 
