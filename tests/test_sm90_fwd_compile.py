@@ -247,6 +247,34 @@ def test_d128_takes_the_conditional_rescale():
                                                  scale=0.1), rescale_threshold=None).early_o_rescale
 
 
+def test_d64_wide_tile_takes_two_max_chains(tmp_path):
+    """The row max as two chains on D64's 192-row tile for calls without mods (NOTES "Experiment
+    148"); the 128-row tile of short calls, score_mods and other head dims keep one chain. The
+    option reaches the code: the two-chain key loop has the one-chain loop's FMNMX count in
+    another order."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def chains(D, S, **kw):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).max_chains
+
+    for S in (4096, 16384):
+        assert chains(64, S) == chains(64, S, causal=True) == 2
+        assert chains(128, S) == chains(256, S) == 1
+    assert chains(64, 1024) == chains(64, 1024, causal=True) == 1
+    score = _mod_call(64, score_mod=_alibi(), S=4096)
+    assert fwd_host.default_config(score).tile_m == 192 and fwd_host.default_config(score).max_chains == 1
+    q = torch.empty(1, 16384, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S16k row
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125))
+    loops = {}
+    for n in (1, 2):
+        (tmp_path / str(n)).mkdir()
+        sass = _compile_and_check_sass(replace(cfg, max_chains=n), tmp_path / str(n))
+        loops[n] = without_addresses(_unmasked_key_loop(sass, cfg))
+    assert loops[1] != loops[2]
+    assert sum("FMNMX" in x for x in loops[1]) == sum("FMNMX" in x for x in loops[2])
+
+
 def test_o_rescale_order_per_head_dim():
     """Where O is rescaled (fwd_host): after the P V wait at D64 (NOTES "Experiment 118") and on
     plain D96 calls of 4096 keys or more ("Experiment 120"); just before P V is issued (the early

@@ -41,11 +41,32 @@ def quad_allreduce_sum(x: Float32) -> Float32:
     return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
+@cute.jit
+def row_max(s_row: cute.Tensor, chains: cutlass.Constexpr[int]) -> Float32:
+    """max over s_row's values as `chains` independent FMNMX chains joined at the end: ptxas does
+    not reassociate the max, so one chain is len(s_row) - 1 dependent instructions deep."""
+    n = cute.size(s_row)
+    parts = [s_row[c] for c in range(chains)]
+    for c in cutlass.range_constexpr(chains, n):
+        parts[c % chains] = cute.arch.fmax(parts[c % chains], s_row[c])
+    return _pairwise_max(parts)
+
+
+def _pairwise_max(parts: list) -> Float32:
+    # plain Python (a trace-time loop): cute.jit would turn this `while` into a device loop
+    while len(parts) > 1:
+        parts = [cute.arch.fmax(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)] + (
+            [parts[-1]] if len(parts) % 2 else [])
+    return parts[0]
+
+
 class OnlineSoftmax(DynamicState):
     _dynamic_fields = ("scale_log2", "ref", "row_sum")
 
-    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold=None, emulate_every: int = 0):
+    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold=None, emulate_every: int = 0,
+                 max_chains: int = 1):
         self.scale_log2 = scale_log2
+        self.max_chains = max_chains
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
         self.emulate_every = emulate_every
@@ -76,9 +97,7 @@ class OnlineSoftmax(DynamicState):
         s = rows_cols(acc_s)
         any_moved = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(self.num_rows):
-            m = s[r, 0]
-            for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
-                m = cute.arch.fmax(m, s[r, c])
+            m = row_max(s[r, None], self.max_chains)
             m = quad_allreduce_max(m) * self.scale_log2
             old = self.ref[r]
             new = cute.arch.fmax(old, m)

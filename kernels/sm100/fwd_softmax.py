@@ -18,7 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from torch_fa4.kernels.common.exp2_mufu import exp2_mufu
-from torch_fa4.kernels.common.online_softmax import LN2, OnlineSoftmax
+from torch_fa4.kernels.common.online_softmax import LN2, OnlineSoftmax, row_max
 
 
 def as_wgmma_row(t: cute.Tensor) -> cute.Tensor:
@@ -39,10 +39,7 @@ class RowOnlineSoftmax(OnlineSoftmax):
     def step(self, s_row: cute.Tensor, row_scale: cute.Tensor) -> cutlass.Boolean:
         """Scores -> p in place (s_row: the row's N values). row_scale[0] gets the factor O must be
         multiplied by before this tile's P V is added; returns whether the reference moved."""
-        m = s_row[0]
-        for c in cutlass.range_constexpr(1, cute.size(s_row)):
-            m = cute.arch.fmax(m, s_row[c])
-        m = m * self.scale_log2
+        m = row_max(s_row, self.max_chains) * self.scale_log2
         old = self.ref[0]
         new = cute.arch.fmax(old, m)
         if cutlass.const_expr(self.rescale_threshold is not None):

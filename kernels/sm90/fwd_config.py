@@ -33,6 +33,9 @@ class FwdConfig:
     dynamic_schedule: bool = False
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
     exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
+    # the row max as this many independent FMNMX chains (kernels/common/online_softmax.row_max;
+    # the result is the same, only ptxas's schedule changes)
+    max_chains: int = 1
     # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead
     # of after it lands (off the path from the P V wait to the next issue); always-rescale only
     early_o_rescale: bool = False

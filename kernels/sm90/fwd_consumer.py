@@ -291,7 +291,8 @@ class FwdConsumer:
                             cfg.mod_affine_fma)
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
-        softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every)
+        softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every,
+                                cfg.max_chains)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
         wait_full(pipe_q, q_state, self.cfg.peek_waits)

@@ -514,8 +514,20 @@ def test_d64_default_past_2048_queries(causal):
 
     call = _dense_call(1, 2100, 2500, 4, 2, 64, causal=causal)
     cfg = fwd_host.default_config(call)
-    assert (cfg.tile_m, cfg.tile_n, cfg.num_stages) == (192, 128, 2 if causal else 3)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.max_chains) == (192, 128, 2 if causal else 3, 2)
     _check(call)
+
+
+@pytest.mark.parametrize("chains", [1, 3, 4])
+@pytest.mark.parametrize("D, causal", [(64, False), (64, True), (128, True)])
+def test_row_max_chains_change_no_bit(chains, D, causal):
+    """The row max as several FMNMX chains (FwdConfig.max_chains) is the same max: every output
+    bit equals the one-chain kernel's, on a ragged shape, after the usual float64 check."""
+    call = _dense_call(2, 2300, 2100, 4, 2, D, causal=causal)
+    _check(call, max_chains=chains)
+    out, lse = _run_kernel(call, max_chains=chains)
+    ref_out, ref_lse = _run_kernel(call, max_chains=2 if chains == 1 else 1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.parametrize("causal", [False, True])
