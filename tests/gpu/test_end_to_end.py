@@ -129,3 +129,39 @@ def test_compiled_training_step_matches_eager(picked):
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
     for g, w in zip(got, want):
         assert _rel(g, w) < 2e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_scale_with_large_logits(picked, causal):
+    """A negative scale makes a row's smallest q.k its largest score. The forward kernels take the
+    row max of the raw q.k and scale it, so dispatch runs such calls on -q with -scale
+    (dispatch._scores_scaled_up). Logits spanning hundreds of log2 units would overflow a softmax
+    referenced to the wrong end of the row."""
+    B, S, H, D, scale = 2, 700, 4, 64, -0.5
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k = q * 4, k * 4  # q.k * scale: a spread of ~90 natural units per row
+
+    def reference(q, k, v):
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device="cuda").triu(1), -math.inf)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+    qa, ka, va = _leaves(q, k, v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
+        out, lse = torch_fa4.attention(qa, ka, va, causal=causal, scale=scale, return_lse=True)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert ("forward", "torch_fa4.kernels.sm90") in picked
+    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
+    ref, ref_lse = reference(q64, k64, v64)
+    ref.backward(grad.double())
+    qb, kb, vb = _leaves(q, k, v)
+    base, _ = reference(qb, kb, vb)
+    base.backward(grad)
+    assert torch.isfinite(lse).all()
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-2 * ref_lse.abs().max().item()
+    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
+    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad), (va.grad, vb.grad, v64.grad)):
+        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
