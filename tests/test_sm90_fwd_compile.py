@@ -415,7 +415,9 @@ def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
         counts[early] = (after[0], exps)
     print(f"causal={causal}: exponentials after the P V wait, late / early rescale: {counts}")
     (late_after, late_exps), (early_after, early_exps) = counts[False], counts[True]
-    assert late_after >= late_exps - 4, counts  # ahead of all but at most 4 (62 and 66 of 66 measured)
+    # ahead of all but at most 5 (62 and 66 of 66 measured; 61 causal since the two-chain row max,
+    # NOTES "Experiment 148", which was timed on the GPU in that form)
+    assert late_after >= late_exps - 5, counts
     assert 0 < early_after < early_exps - 2, counts  # among them (2 of the 66 are the rescale factors)
 
 
