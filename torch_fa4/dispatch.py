@@ -94,11 +94,11 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.forward(call)
     out = torch.empty(call.out_shape(), dtype=call.q.dtype, device=call.q.device)
     lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
-    kernel.forward(_scores_scaled_up(call), out, lse)
+    kernel.forward(_with_nonnegative_scale(call), out, lse)
     return out, lse
 
 
-def _scores_scaled_up(call: AttentionCall) -> AttentionCall:
+def _with_nonnegative_scale(call: AttentionCall) -> AttentionCall:
     """The same call with a scale >= 0 where the kernels' softmax needs one.
 
     The forward kernels take each row's max of the raw scores q.k and multiply it by the scale
