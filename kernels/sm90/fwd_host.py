@@ -161,7 +161,7 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
     if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _WIDE_MIN_SEQLEN_Q:
         # the row max as two chains, calls without mods: H100 GPU time, NOTES "Experiment 148",
-        # S16k +0.3..+0.6% over five probes, S4k +0.1..+0.8%, causal +0.2..+0.7% (on the 128-row
+        # S16k +0.3..+0.6% over five probes, S4k +0.4..+0.8%, causal +0.1..+0.7% (on the 128-row
         # tile of S1k it lost 3%, so that shape keeps one chain)
         return dict(_D64_WIDE, num_stages=2 if call.causal else 3, max_chains=2 if call.mods is None else 1)
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
