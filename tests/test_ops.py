@@ -225,25 +225,26 @@ def test_import_does_not_load_cutedsl_or_cuda():
 
 
 def test_kernels_get_a_nonnegative_scale():
-    """dispatch._with_nonnegative_scale: plain calls with a negative scale reach the kernels as -q with
+    """fwd_launch.nonnegative_scale: plain calls with a negative scale reach the kernels as -q with
     -scale (the same scores; the kernels' row max needs scale >= 0); softcap and score_mod calls,
     whose softmax runs on already scaled scores, and calls with scale >= 0 pass unchanged."""
-    from torch_fa4 import dispatch, mods as M
+    from torch_fa4 import mods as M
+    from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.call import AttentionCall
     from torch_fa4.mods import registry
 
     q, k = torch.randn(1, 5, 2, 8, dtype=torch.float64), torch.randn(1, 7, 2, 8, dtype=torch.float64)
     call = AttentionCall(q=q, k=k, v=k, scale=-0.3)
-    flipped = dispatch._with_nonnegative_scale(call)
+    flipped = fwd_launch.nonnegative_scale(call)
     assert flipped.scale == 0.3 and torch.equal(flipped.q, -q)
     scores = lambda c: torch.einsum("bqhd,bkhd->bhqk", c.q, c.k) * c.scale  # noqa: E731
     assert torch.equal(scores(flipped), scores(call))
     for same in (AttentionCall(q=q, k=k, v=k, scale=0.3), AttentionCall(q=q, k=k, v=k, scale=0.0),
                  AttentionCall(q=q, k=k, v=k, scale=-0.3, softcap=5.0)):
-        assert dispatch._with_nonnegative_scale(same) is same
+        assert fwd_launch.nonnegative_scale(same) is same
     key, aux = M.prepare(lambda s, b, h, i, j: s * 2, None)
     scored = AttentionCall(q=q, k=k, v=k, scale=-0.3, mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
-    assert dispatch._with_nonnegative_scale(scored) is scored
+    assert fwd_launch.nonnegative_scale(scored) is scored
     key, aux = M.prepare(None, M.causal_mask)
     masked = AttentionCall(q=q, k=k, v=k, scale=-0.3, mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
-    assert dispatch._with_nonnegative_scale(masked).scale == 0.3
+    assert fwd_launch.nonnegative_scale(masked).scale == 0.3

@@ -13,7 +13,6 @@ import functools
 import importlib
 import os
 import warnings
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -94,22 +93,8 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.forward(call)
     out = torch.empty(call.out_shape(), dtype=call.q.dtype, device=call.q.device)
     lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
-    kernel.forward(_with_nonnegative_scale(call), out, lse)
+    kernel.forward(call, out, lse)
     return out, lse
-
-
-def _with_nonnegative_scale(call: AttentionCall) -> AttentionCall:
-    """The same call with a scale >= 0 where the kernels' softmax needs one.
-
-    The forward kernels take each row's max of the raw scores q.k and multiply it by the scale
-    (one multiply per row, not per score); with a negative scale that is the row's minimum, and
-    large logits then overflow. q.k * scale = (-q).k * (-scale) exactly (negating bf16 / fp16 is
-    exact), so such calls run on -q, a copy made only for them. Softcap and score_mod calls are
-    not affected: their softmax runs on scores already multiplied by the scale. The backward needs
-    no change: it recomputes P from the saved LSE, with no row max."""
-    if call.scale >= 0 or call.softcap > 0 or (call.mods is not None and call.mods.score_graph is not None):
-        return call
-    return replace(call, q=-call.q, scale=-call.scale)
 
 
 def backward(call: AttentionCall, dout, out, lse, deterministic: bool):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -155,6 +156,20 @@ def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, h
     return tail if tail > heads_per_group else 0
 
 
+def nonnegative_scale(call: AttentionCall) -> AttentionCall:
+    """The same call with a scale >= 0 where the kernels' softmax needs one.
+
+    The forward kernels take each row's max of the raw scores q.k and multiply it by the scale
+    (one multiply per row, not per score); with a negative scale that is the row's minimum, and
+    large logits then overflow. q.k * scale = (-q).k * (-scale) exactly (negating bf16 / fp16 is
+    exact), so such calls run on -q, a copy made only for them. Softcap and score_mod calls are
+    not affected: their softmax runs on scores already multiplied by the scale. The backward needs
+    no change: it recomputes P from the saved LSE, with no row max."""
+    if call.scale >= 0 or call.softcap > 0 or (call.mods is not None and call.mods.score_graph is not None):
+        return call
+    return replace(call, q=-call.q, scale=-call.scale)
+
+
 def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int, tile_m: int) -> Optional[list]:
     """The arguments every forward kernel starts with, or None when the call has no query rows.
 
@@ -162,8 +177,10 @@ def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int, ti
     its grid one-shot); kernels compiled one-shot ignore it. tile_m: query rows per work item.
 
     With softcap the kernel computes softcap * tanh(s * scale / softcap), so the score is scaled
-    by scale / softcap first and the softmax (log2 domain) by softcap * log2(e).
+    by scale / softcap first and the softmax (log2 domain) by softcap * log2(e). A negative scale
+    arrives as -q with -scale (`nonnegative_scale`).
     """
+    call = nonnegative_scale(call)
     max_q, max_k = max_seqlens(call)
     if max_q == 0 or call.batch == 0:
         return None

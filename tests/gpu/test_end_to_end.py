@@ -134,8 +134,8 @@ def test_compiled_training_step_matches_eager(picked):
 @pytest.mark.parametrize("causal", [False, True])
 def test_negative_scale_with_large_logits(picked, causal):
     """A negative scale makes a row's smallest q.k its largest score. The forward kernels take the
-    row max of the raw q.k and scale it, so dispatch runs such calls on -q with -scale
-    (dispatch._with_nonnegative_scale). Logits spanning hundreds of log2 units would overflow a softmax
+    row max of the raw q.k and scale it, so their launch runs such calls on -q with -scale
+    (fwd_launch.nonnegative_scale). Logits spanning hundreds of log2 units would overflow a softmax
     referenced to the wrong end of the row."""
     B, S, H, D, scale = 2, 700, 4, 64, -0.5
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
