@@ -965,3 +965,34 @@ def test_skip_masked_first_policy_and_code(tmp_path):
     assert code[True] != code[False], "skip_masked_first did not reach the kernel"
     hgmma = {skip: sum("HGMMA" in x for x in lines) for skip, lines in code.items()}
     assert hgmma[True] == hgmma[False], hgmma
+
+
+def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatch):
+    """One-shot calls without a causal / window mask launch a (query tile, head, batch) grid
+    (FwdConfig.grid3d): the work item is the grid index, so the integer divisions that decode a
+    flat grid's item (I2F.RP starts each) are gone, but for the GQA head ratio's two; the key loop
+    keeps its length. Persistent, causal, windowed, multicast calls and the measuring overrides of
+    the item order keep the flat grid."""
+    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    q = torch.empty(1, 16384, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S16k row
+    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125))
+    assert cfg.grid3d and not cfg.persistent
+    sass = {}
+    for g in (True, False):
+        (tmp_path / str(g)).mkdir()
+        sass[g] = _compile_and_check_sass(replace(cfg, grid3d=g), tmp_path / str(g))
+    assert sass[True].count("I2F.RP") <= 2 < sass[False].count("I2F.RP")
+    assert issued_when_ready(_unmasked_key_loop(sass[True], cfg)) == issued_when_ready(
+        _unmasked_key_loop(sass[False], cfg))
+
+    def grid3d(D, S, **kw):
+        q = torch.empty(16384 // S, S, 2048 // D, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw)).grid3d
+
+    assert not grid3d(64, 16384, causal=True) and not grid3d(64, 16384, window_left=512)
+    assert not grid3d(128, 16384)  # persistent
+    assert not grid3d(256, 16384)  # K / V multicast to CTA pairs
+    monkeypatch.setenv(fwd_launch.L2_GROUP_ENV, "4")
+    assert not grid3d(64, 16384)

@@ -110,6 +110,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         assert cfg.num_stages >= 1
         assert cfg.trace or not cfg.turn_trace, "turn_trace writes into the trace tensor"
         assert cfg.persistent or not cfg.dynamic_schedule, "dynamic_schedule: a persistent kernel's loop"
+        assert not cfg.grid3d or not (cfg.persistent or cfg.split_ways or cfg.kv_multicast or cfg.causal
+                                      or cfg.has_window or cfg.varlen_q), "grid3d: one-shot plain grids"
         # the early rescale applies every tile's factors; the conditional rescale skips some (fwd_config)
         assert not (cfg.early_o_rescale and cfg.rescale_threshold is not None)
         # the two CTAs of a pair must walk the same key tiles, and an item past the sequence's end
@@ -269,6 +271,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch, split_items, cfg.split_ways)
         if const_expr(cfg.persistent):
             grid = (cutlass.min(grid[0], max_ctas), 1, 1)
+        if const_expr(cfg.grid3d):
+            grid = (num_m_blocks, cute.size(mQ.shape[2]), num_batch)
         self.kernel(
             tQ, tK, tV, tO, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
             tma_Q, tma_K, tma_V, tma_O,
@@ -310,6 +314,9 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if const_expr(cfg.grid3d):  # the flat item number, for the one-shot test and tracing
+            _, by, bz = cute.arch.block_idx()
+            bidx = bidx + num_m_blocks * (by + cute.size(mQ.shape[2]) * bz)
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
                               cfg.causal, split_items, cfg.split_ways, 2 if cfg.kv_multicast else 1)
         brange = BlockRange(self.tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
@@ -390,6 +397,9 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
     def _unit(self, sched: TileScheduler, tile):
         """(m_block, head, batch, piece) of work unit `tile`; piece -1: a whole item (always
         without split_ways)."""
+        if const_expr(self.cfg.grid3d):
+            m_block, head, batch = cute.arch.block_idx()
+            return m_block, head, batch, Int32(-1)
         m_block, head, batch = sched.work(tile)
         piece, _ = sched.piece(tile)
         return m_block, head, batch, piece

@@ -97,6 +97,10 @@ class FwdConfig:
     # by the last piece to finish (kernels/common/split_tail.py; 0: no split code); the launch
     # says how many items. Plain calls only (every item walks the same key tiles)
     split_ways: int = 0
+    # one-shot grids of plain calls: a (query tile, head, batch) grid whose indices are the work
+    # item, instead of a flat grid decoded by the tile scheduler (integer divisions before the
+    # first load); the same item order (fwd_host._grid3d_fits)
+    grid3d: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

@@ -944,3 +944,24 @@ def test_disk_cache_across_processes(tmp_path):
     assert results[1][1:] == (2, False), results
     for worst, _, _ in results:
         assert worst < 2e-2, results  # bf16 output vs float64 (a wrong kernel is off by O(0.1-1))
+
+
+@pytest.mark.parametrize("D", [64, 96])
+def test_item_grid(D):
+    """One-shot plain calls launch a (query tile, head, batch) grid (FwdConfig.grid3d): every item
+    runs once, in the same order (the trace stamps each item's row), with the same bits as the
+    flat grid's decode. Ragged last query tile, GQA, several batches; the 192-row tile's calls."""
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.kernels.sm90.fwd import FWD_TRACE_SMID
+
+    call = _dense_call(3, 2300, 2500, 4, 2, D)
+    cfg = fwd_host.default_config(call)
+    assert cfg.grid3d and not cfg.persistent and cfg.tile_m == 192
+    _check(call)
+    out, lse = _run_kernel(call)
+    flat_out, flat_lse = _run_kernel(call, grid3d=False)
+    assert torch.equal(out, flat_out) and torch.equal(lse, flat_lse)
+    items = -(-2300 // cfg.tile_m) * 4 * 3
+    trace = torch.zeros(items, FWD_TRACE_SMID + 1, dtype=torch.int32, device="cuda")
+    _run_kernel(call, trace=trace)
+    assert (trace[:, :FWD_TRACE_SMID] != 0).all(), "an item was not stamped"
