@@ -994,5 +994,7 @@ def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatc
     assert not grid3d(64, 16384, causal=True) and not grid3d(64, 16384, window_left=512)
     assert not grid3d(128, 16384)  # persistent
     assert not grid3d(256, 16384)  # K / V multicast to CTA pairs
+    many = torch.empty(1, 4096, 2, 64, dtype=torch.bfloat16).expand(70000, -1, -1, -1)
+    assert not fwd_host.default_config(AttentionCall(q=many, k=many, v=many, scale=0.1)).grid3d  # y, z <= 65535
     monkeypatch.setenv(fwd_launch.L2_GROUP_ENV, "4")
     assert not grid3d(64, 16384)
