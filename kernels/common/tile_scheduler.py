@@ -79,8 +79,7 @@ class TileScheduler(DynamicState):
         2i, 2i + 1 the same piece of two adjacent split items)."""
         k = self.split_ways
         if const_expr(self.split_pair == 1):
-            j = v // k
-            return v - j * k, j
+            return item_major_piece(v, k)
         g = v // (2 * k)
         rem = v - g * (2 * k)
         return rem // 2, 2 * g + rem % 2
@@ -161,7 +160,14 @@ def split_unit(t: Int32, items: Int32, split_items: Int32, ways):
     piece = Int32(-1)
     j = Int32(0)
     if t >= first:
-        j = (t - first) // ways
-        piece = (t - first) - j * ways
+        piece, j = item_major_piece(t - first, ways)
         item = first + j
     return item, piece, j
+
+
+@cute.jit
+def item_major_piece(v: Int32, ways):
+    """(piece, split index) of the v-th piece unit when each split item's `ways` pieces take
+    adjacent units (so they start together on different SMs)."""
+    j = v // ways
+    return v - j * ways, j
