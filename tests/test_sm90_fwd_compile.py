@@ -998,3 +998,40 @@ def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatc
     assert not fwd_host.default_config(AttentionCall(q=many, k=many, v=many, scale=0.1)).grid3d  # y, z <= 65535
     monkeypatch.setenv(fwd_launch.L2_GROUP_ENV, "4")
     assert not grid3d(64, 16384)
+
+
+def test_d64_plain_calls_take_hand_built_descriptors(tmp_path):
+    """D64's 192-row tile, plain calls: the key loop's matmuls from hand-built descriptors at
+    ptxas's register-usage level 0 (kernels/common/wgmma_desc.py; NOTES "Experiment 156").
+    Causal calls, mods, the 128-row tile and other head dims keep cute.gemm's descriptors. The
+    option reaches the code: the unmasked key loop no longer derives descriptors from shared-memory
+    addresses (the 14-bit address mask, a per-thread descriptor moved to a uniform register), and
+    a head dim whose rows are not 128 bytes is refused at trace time."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    def cfg(D, S, **kw):
+        q = torch.empty(16384 // S, S, 2048 // D, D, dtype=torch.bfloat16)
+        return fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, **kw))
+
+    for S in (4096, 16384):
+        plain = cfg(64, S)
+        assert plain.hand_descriptors and plain.ptxas_options == "--register-usage-level=0"
+        causal = cfg(64, S, causal=True)
+        assert not causal.hand_descriptors and causal.ptxas_options == "--register-usage-level=10"
+        assert not cfg(64, S, softcap=20.0).hand_descriptors
+        assert not cfg(128, S).hand_descriptors
+    assert not cfg(64, 1024).hand_descriptors  # (the 128-row tile)
+    assert not fwd_host.default_config(_mod_call(64, score_mod=_alibi(), S=4096)).hand_descriptors
+
+    plain = cfg(64, 16384)
+    loops = {}
+    for hand in (False, True):
+        (tmp_path / str(hand)).mkdir()
+        sass = _compile_and_check_sass(replace(plain, hand_descriptors=hand), tmp_path / str(hand))
+        loops[hand] = _unmasked_key_loop(sass, plain)
+    masks = {hand: sum("0x3fc0" in x for x in loop) for hand, loop in loops.items()}
+    assert masks[False] > 0 and masks[True] == 0, masks
+    assert not any("R2UR" in x for x in loops[True])
+    assert issued_when_ready(loops[True]) < issued_when_ready(loops[False])
+    with pytest.raises(AssertionError, match="128-byte rows"):
+        fwd_host.compile_fwd(replace(cfg(128, 4096), hand_descriptors=True), dump_dir=str(tmp_path / "d128"))

@@ -65,6 +65,7 @@ from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mailbox import init_mailbox
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
+from torch_fa4.kernels.common import wgmma_desc
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
 from torch_fa4.kernels.sm90.fwd_consumer import FwdConsumer
 from torch_fa4.kernels.sm90.fwd_epilogue import FwdEpilogue
@@ -237,6 +238,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, None)
         sK_layout = self._smem_layout(self.tile_n, self.hdim, cfg.num_stages)
         sV_layout = self._smem_layout(self.tile_n, self.hdimv, cfg.num_stages)
+        if const_expr(cfg.hand_descriptors):
+            wgmma_desc.check_layouts(self.dtype.width, self.tile_n, sQ_layout, sK_layout, sV_layout)
         # O: one standalone 64-row tile per consumer warpgroup, each stored by its own TMA
         sO_layout = self._smem_layout(64, self.hdimv, self.num_wg)
 

@@ -101,6 +101,10 @@ class FwdConfig:
     # item, instead of a flat grid decoded by the tile scheduler (integer divisions before the
     # first load); the same item order (fwd_host._grid3d_fits)
     grid3d: bool = False
+    # the key loop's matmuls issued from descriptors built once per CTA, a stage or k-block one
+    # 64-bit add (kernels/common/wgmma_desc.py), instead of cute.gemm's per-matmul lowering from
+    # the shared-memory address; 16-bit operands with 128-byte rows only (head dims 64)
+    hand_descriptors: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

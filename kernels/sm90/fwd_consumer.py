@@ -18,7 +18,7 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_mailbox import read_item
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
-from torch_fa4.kernels.common import split_tail, wgmma
+from torch_fa4.kernels.common import split_tail, wgmma, wgmma_desc
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -86,15 +86,24 @@ class FwdConsumer:
             # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
             # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
             scale_rows(acc_o, row_scale)
+        if const_expr(self.cfg.hand_descriptors):
+            # this step's K and V descriptors, formed before the turn is taken
+            k_desc, v_desc = self._hand_descs.stage(state.index, v_state.index)
         self._turn_stamp(t, wg, 0)
         wait_full(pipe_k, state, self.cfg.peek_waits)
         self._turn_stamp(t, wg, 1)
         self._turn_wait(wg)
         self._turn_stamp(t, wg, 2)
-        wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
+        if const_expr(self.cfg.hand_descriptors):
+            self._hand_descs.qk(acc_s, k_desc)
+        else:
+            wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
         wait_full(pipe_v, v_state, self.cfg.peek_waits)
         self._turn_stamp(t, wg, 3)
-        wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        if const_expr(self.cfg.hand_descriptors):
+            self._hand_descs.pv(acc_o, tOrP, v_desc)
+        else:
+            wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
         self._turn_stamp(t, wg, 4)
         warpgroup.wait_group(1)  # S ready; P V still running
@@ -168,6 +177,9 @@ class FwdConsumer:
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        if const_expr(cfg.hand_descriptors):
+            # read by _kv_step (as _trace: saves threading it through)
+            self._hand_descs = wgmma_desc.KeyLoopDescriptors(sQ, sK, sVt, wg, self.tile_n, self.hdim, self.dtype)
         if const_expr(self.pingpong):
             if wg == 0:  # the first warpgroup goes first
                 cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=256)

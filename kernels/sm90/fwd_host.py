@@ -163,7 +163,14 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
         # the row max as two chains, calls without mods: H100 GPU time, NOTES "Experiment 148",
         # S16k +0.3..+0.6% over five probes, S4k +0.4..+0.8%, causal +0.1..+0.7% (on the 128-row
         # tile of S1k it lost 3%, so that shape keeps one chain)
-        return dict(_D64_WIDE, num_stages=2 if call.causal else 3, max_chains=2 if call.mods is None else 1)
+        shape = dict(_D64_WIDE, num_stages=2 if call.causal else 3, max_chains=2 if call.mods is None else 1)
+        if call.mods is None and not call.causal:
+            # plain calls: the key loop's matmuls from hand-built descriptors, compiled at ptxas's
+            # register-usage level 0 (levels 0-2 give one loop, 4-10 another). H200 GPU time, NOTES
+            # "Experiment 156": S16k 0.991 -> 0.995, S4k 1.012 -> 1.016 against flash-attn-4; at
+            # level 10 they were level, and they lost 0.8-1.1% on the causal rows (Experiment 155)
+            shape.update(hand_descriptors=True, ptxas_options="--register-usage-level=0")
+        return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
         return dict(_D96_WIDE)
     return dict(tile_m=tile_m, tile_n=tile_n)
@@ -175,6 +182,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     shape = _tiles(call, max_q, max_k)
     tile_m, tile_n = shape["tile_m"], shape["tile_n"]
     opts = dict(_DEFAULT_OPTIONS[call.head_dim])
+    if "ptxas_options" in shape:
+        opts["ptxas_options"] = shape["ptxas_options"]
     mods = {}
     if call.mods is not None:
         mods = dict(mod_key=call.mods.key,
@@ -199,6 +208,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         num_stages=shape.get("num_stages", 2),
         split_mask_loops=shape.get("split_mask_loops", True),
         max_chains=shape.get("max_chains", 1),
+        hand_descriptors=shape.get("hand_descriptors", False),
         **fwd_launch.call_features(call),
         **opts,
         **mods,

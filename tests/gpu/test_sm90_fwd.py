@@ -965,3 +965,22 @@ def test_item_grid(D):
     trace = torch.zeros(items, FWD_TRACE_SMID + 1, dtype=torch.int32, device="cuda")
     _run_kernel(call, trace=trace)
     assert (trace[:, :FWD_TRACE_SMID] != 0).all(), "an item was not stamped"
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "fp16", "window", "short", "softcap"])
+def test_hand_descriptors(case):
+    """The key loop's matmuls from hand-built descriptors (FwdConfig.hand_descriptors,
+    kernels/common/wgmma_desc.py; the default of plain calls on D64's 192-row tile): exact against
+    float64 on poisoned outputs and bit-identical to cute.gemm's descriptors, on the 192-row D64
+    tile (one-shot and causal, with the masked loops), the 128-row tile of short calls
+    (persistent: Q's descriptor kept across items), fp16, windows and softcap; ragged lengths,
+    GQA."""
+    kw = dict(plain={}, causal=dict(causal=True), fp16={}, window=dict(window_left=300, window_right=40),
+              short={}, softcap=dict(softcap=20.0))[case]
+    dtype = torch.float16 if case == "fp16" else torch.bfloat16
+    Sq, Sk = (700, 900) if case == "short" else (2300, 2500)
+    call = _dense_call(3, Sq, Sk, 4, 2, 64, dtype, **kw)
+    _check(call, hand_descriptors=True)
+    out, lse = _run_kernel(call, hand_descriptors=True)
+    ref_out, ref_lse = _run_kernel(call, hand_descriptors=False)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
