@@ -5,8 +5,9 @@ address at every matmul: the address shifted and masked, the constant upper word
 ring stage's offset added, each k-block's offset added with a carry. In the D64 forward key loop
 that is ~30 uniform instructions per key tile, placed by ptxas after the turn barrier, between the
 warpgroup taking its turn and its first HGMMA (NOTES "Experiment 155"). Here the caller builds a
-64-bit descriptor once per CTA for each operand's stage 0, k-block 0; a stage or k-block is then
-one 64-bit add of a constant, and the adds can be issued before the turn is taken.
+64-bit descriptor once per CTA for each operand's stage 0, k-block 0; a ring stage is then one
+add into the address field, formed before the turn is taken, and a k-block one 64-bit add at the
+issue.
 
 Descriptor format (PTX ISA, "Matrix Descriptor Format" for wgmma): bits 0-13 the start address
 >> 4, bits 16-29 the leading-dimension byte offset >> 4, bits 32-45 the stride-dimension byte
@@ -21,7 +22,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -103,16 +104,14 @@ def _shape_name(n: int, ab: str) -> str:
     return f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}"
 
 
-def mma_ss(acc: cute.Tensor, desc_a: Int64, desc_b: Int64, n: cutlass.Constexpr[int], ab: cutlass.Constexpr[str],
-           accumulate: cutlass.Constexpr[bool]):
+def mma_ss(acc: cute.Tensor, desc_a: Int64, desc_b: Int64, n: int, ab: str, accumulate: bool):
     """acc (+)= A B for one k16 block, A and B K-major in shared memory (S = Q K^T)."""
     vals = _mma_asm(_acc_list(acc), _shape_name(n, ab), [Int64(desc_a)], "l", desc_b, accumulate, "1, 1, 0, 0")
     for i, v in enumerate(vals):
         acc[i] = v
 
 
-def mma_rs(acc: cute.Tensor, a_regs: cute.Tensor, desc_b: Int64, n: cutlass.Constexpr[int],
-           ab: cutlass.Constexpr[str]):
+def mma_rs(acc: cute.Tensor, a_regs: cute.Tensor, desc_b: Int64, n: int, ab: str):
     """acc += A B for one k16 block, A the four 32-bit registers of a 16-bit fragment, B MN-major
     (transposed) in shared memory (O += P V)."""
     a_ops = [Int32(a_regs[i]) for i in range(4)]
@@ -131,8 +130,8 @@ class KeyLoopDescriptors:
         assert dtype.width == 16 and hdim * dtype.width // 8 == ROW_BYTES, \
             "hand-built descriptors: 16-bit operands, head dim 64"
         assert cute.size(sVt, mode=[0]) * dtype.width // 8 == ROW_BYTES, "hand-built descriptors: value dim 64"
-        self.ab = "bf16" if dtype.__name__ == "BFloat16" else "f16"
-        self.tile_n, self.hdim = tile_n, hdim
+        self.ab = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}[dtype]
+        self.tile_n, self.hdim, self.hdimv = tile_n, hdim, cute.size(sVt, mode=[0])
         self.stage_units_ = stage_units(tile_n)
         q_addr = Int32(sQ.iterator.toint()) + wg * (64 * ROW_BYTES)
         self.q = descriptor(q_addr)
@@ -159,5 +158,5 @@ class KeyLoopDescriptors:
         p_regs = cute.recast_tensor(tOrP, Int32)
         warpgroup.fence()
         for k in range(self.tile_n // 16):
-            mma_rs(acc_o, p_regs[None, 0, k], v_desc + MN_MAJOR_KBLOCK * k, self.hdim, self.ab)
+            mma_rs(acc_o, p_regs[None, 0, k], v_desc + MN_MAJOR_KBLOCK * k, self.hdimv, self.ab)
         warpgroup.commit_group()
