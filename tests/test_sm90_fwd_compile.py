@@ -551,14 +551,18 @@ def test_grid_policy(monkeypatch):
 
 def test_ptxas_options_reach_ptxas(tmp_path):
     """D64 compiles with ptxas's register-usage level 10 (fwd_host._DEFAULT_OPTIONS; +0.2-1.2% on
-    the D64 grid rows in two H100 probes, NOTES "Experiment 134"). The flag goes through
-    cute.compile's --ptxas-options: the same variant without it schedules differently, so a flag
-    that was dropped on the way (or that ptxas ignored) fails here."""
+    the D64 grid rows in two H100 probes, NOTES "Experiment 134"), except plain calls on the
+    192-row tile, whose hand-built descriptors take level 0 (NOTES "Experiment 156"). The flag goes
+    through cute.compile's --ptxas-options: the same variant without it (ptxas's default, level 5)
+    schedules differently, so a flag that was dropped on the way (or that ptxas ignored) fails
+    here."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     q = torch.empty(1, 16384, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S16k row
+    causal = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125, causal=True))
+    assert causal.ptxas_options == "--register-usage-level=10"
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.125))
-    assert cfg.ptxas_options == "--register-usage-level=10"
+    assert cfg.ptxas_options == "--register-usage-level=0"
     q128 = torch.empty(1, 16384, 16, 128, dtype=torch.bfloat16)
     assert fwd_host.default_config(AttentionCall(q=q128, k=q128, v=q128, scale=0.1)).ptxas_options == ""
     loops = {}
@@ -971,8 +975,9 @@ def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatc
     """One-shot calls without a causal / window mask launch a (query tile, head, batch) grid
     (FwdConfig.grid3d): the work item is the grid index, so the integer divisions that decode a
     flat grid's item (I2F.RP starts each) are gone, but for the GQA head ratio's two; the key loop
-    keeps its length. Persistent, causal, windowed, multicast calls and the measuring overrides of
-    the item order keep the flat grid."""
+    keeps its length to within ptxas's scheduling (427 both at session 36's level 10; 421 against
+    422 with the hand-built descriptors at level 0). Persistent, causal, windowed, multicast calls
+    and the measuring overrides of the item order keep the flat grid."""
     from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
@@ -984,8 +989,8 @@ def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatc
         (tmp_path / str(g)).mkdir()
         sass[g] = _compile_and_check_sass(replace(cfg, grid3d=g), tmp_path / str(g))
     assert sass[True].count("I2F.RP") <= 2 < sass[False].count("I2F.RP")
-    assert issued_when_ready(_unmasked_key_loop(sass[True], cfg)) == issued_when_ready(
-        _unmasked_key_loop(sass[False], cfg))
+    assert abs(issued_when_ready(_unmasked_key_loop(sass[True], cfg)) - issued_when_ready(
+        _unmasked_key_loop(sass[False], cfg))) <= 2
 
     def grid3d(D, S, **kw):
         q = torch.empty(16384 // S, S, 2048 // D, D, dtype=torch.bfloat16)
