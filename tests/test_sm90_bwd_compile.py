@@ -429,18 +429,23 @@ def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, mon
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
 
 
-@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_causal_deterministic"])
-def test_backward_one_ring_barrier_compiles(name, tmp_path, monkeypatch):
-    # the default splits the ring barrier at 128 queries; TORCH_FA4_BWD_SPLIT_RING=0 keeps one
+@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_gqa_window",
+                                  "tm128_d64_causal_deterministic"])
+def test_backward_ring_barrier_choice_compiles(name, tmp_path, monkeypatch):
+    # At 128 queries per step walks without a right limit split the ring barrier (Q + LSE, dO +
+    # dPsum) and causal / right-window walks keep one (NOTES Experiment 157);
+    # TORCH_FA4_BWD_SPLIT_RING forces either, and the form a call does not take by default is the
+    # one compiled here (the other is in the variant tests above)
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.delenv(bwd.SPLIT_RING_ENV, raising=False)
     call_kw, deterministic = VARIANTS_TM128[name]
     call = _call(**call_kw)
-    assert bwd.variant_key(call, deterministic)[-3].split_ring is True
-    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "0")
+    right_limit = call_kw.get("causal", False) or call_kw.get("window_right", -1) >= 0
+    assert bwd.variant_key(call, deterministic)[-3].split_ring is (not right_limit)
+    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "1" if right_limit else "0")
     key = bwd.variant_key(call, deterministic)
-    assert key[-3].split_ring is False and key[-3].tile_m == 128
+    assert key[-3].split_ring is right_limit and key[-3].tile_m == 128
     assert bwd.variant_key(_call(d=128), False)[-3].split_ring is False  # 64-query variants keep one barrier
     _compiled_and_checked(key, call, tmp_path)
 

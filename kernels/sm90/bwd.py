@@ -82,11 +82,13 @@ _D128_PASSES = "one"
 # and the conversion is scheduled under the main kernel's last wave. TORCH_FA4_BWD_PDL=0|1.
 PDL_ENV = "TORCH_FA4_BWD_PDL"
 # Separate ring barriers for Q + LSE and dO + dPsum on the 128-query variant (bwd_kernel
-# `split_ring`: S^T issued once Q has landed, as flash-attn-4 does). On: +0.4-4.3% on five of the
-# six D64 rows, -1.4% (wide range) on S4k causal (H100, NOTES Experiment 45).
-# TORCH_FA4_BWD_SPLIT_RING=0 gives the single barrier back.
+# `split_ring`: S^T issued once Q has landed, as flash-attn-4 does), for walks without a right
+# limit. H100, NOTES Experiment 45: +0.4-4.3% on five of the six D64 rows, -1.4% on S4k causal.
+# Re-timed on today's kernel (H200, GPU time, NOTES Experiment 157): the plain rows still gain
+# (S16k +1.9%, S1k +0.8%, S4k +0.4%), the causal ones lose (S16k causal -0.7%, both probes; S4k
+# causal -0.6%), so causal and right-window walks take the single barrier.
+# TORCH_FA4_BWD_SPLIT_RING=0|1 forces either.
 SPLIT_RING_ENV = "TORCH_FA4_BWD_SPLIT_RING"
-_SPLIT_RING = "1"
 # dV issued after the dS^T stores on the one-pass / split wide variants (bwd_kernel `dv_after_ds`):
 # with "split" the traced D64 step went from 4989 to 4692 cycles and the kernel ran 3-5% faster
 # (H100, NOTES Experiment 54). TORCH_FA4_BWD_DV_AFTER_DS=0 gives the old order back.
@@ -289,6 +291,13 @@ def tiles(d: int, dv: int, tile_n: int | None = None, tile_m: int = _TILE_M) -> 
     if tile_m == _TILE_M and dv >= d and _smem_bytes(d, dv, tile_n, 2, True) <= _SMEM_LIMIT:
         return tile_n, 2, True
     return tile_n, 1, False
+
+
+def split_ring(tile_m: int, right_limit: bool) -> bool:
+    """Whether the variant with `tile_m` queries per step gives Q and dO ring barriers of their own
+    (walks with a causal / right-window limit: `right_limit`); see SPLIT_RING_ENV."""
+    default = "0" if right_limit else "1"
+    return tile_m == 128 and _env_choice(SPLIT_RING_ENV, default, ("0", "1")) == "1"
 
 
 def _separate_dq_slabs(tile_n: int, dq_in_ring: bool) -> bool:
@@ -564,7 +573,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         passes=passes if tile_m != _TILE_M else None,
         dq_first=dq_first(tile_n, dq_in_ring), dq_writer_warp=dq_writer_warp(tile_n, dq_in_ring),
         trace=trace, exp2_emulate=emulate, fold_dpsum=fold, pdl=pdl(),
-        split_ring=tile_m == 128 and _env_choice(SPLIT_RING_ENV, _SPLIT_RING, ("0", "1")) == "1",
+        split_ring=split_ring(tile_m, right is not None),
         dv_after_ds=tile_m != _TILE_M and _env_choice(DV_AFTER_DS_ENV, _DV_AFTER_DS, ("0", "1")) == "1",
         persistent=persist,
         l2_hints=_env_choice(L2_HINTS_ENV, _L2_HINTS, ("0", "1", "loads", "last")),

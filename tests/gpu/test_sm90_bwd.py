@@ -530,8 +530,9 @@ def test_not_persistent(monkeypatch):
 
 @pytest.mark.parametrize("split_ring", ["0", "1"])
 def test_tm128_split_ring(monkeypatch, split_ring):
-    # TORCH_FA4_BWD_SPLIT_RING: separate ring barriers for Q + LSE and dO + dPsum (128 queries, the
-    # default "1"), or one barrier for the whole stage ("0")
+    # TORCH_FA4_BWD_SPLIT_RING: separate ring barriers for Q + LSE and dO + dPsum ("1", 128 queries,
+    # the default without a right limit), or one barrier for the whole stage ("0", the default of
+    # causal / right-window walks), each forced on both kinds of walk
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.setenv(bwd.SPLIT_RING_ENV, split_ring)
@@ -540,6 +541,7 @@ def test_tm128_split_ring(monkeypatch, split_ring):
     _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True, expect_tile_m=128)
     _case(BF, 2, 300, 517, 2, 2, 64, 64, softcap=8.0, causal=True, expect_tile_m=128)
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, deterministic=True, expect_tile_m=128)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, left=200, right=30, expect_tile_m=128)
 
 
 # ---- 80 queries per step at D128 without masks (bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
