@@ -85,8 +85,9 @@ PDL_ENV = "TORCH_FA4_BWD_PDL"
 # `split_ring`: S^T issued once Q has landed, as flash-attn-4 does), for walks without a right
 # limit. H100, NOTES Experiment 45: +0.4-4.3% on five of the six D64 rows, -1.4% on S4k causal.
 # Re-timed on today's kernel (H200, GPU time, NOTES Experiment 157): the plain rows still gain
-# (S16k +1.9%, S1k +0.8%, S4k +0.4%), the causal ones lose (S16k causal -0.7%, both probes; S4k
-# causal -0.6%), so causal and right-window walks take the single barrier.
+# (S16k +1.9%, S1k +0.8%, S4k +0.4%); walks with a right limit lose (S16k causal -0.5 to -0.7% in
+# three probes, S4k causal -0.6%, window 1024 causal -1.1% at S16k and -1.7% at S4k), so those
+# take the single barrier.
 # TORCH_FA4_BWD_SPLIT_RING=0|1 forces either.
 SPLIT_RING_ENV = "TORCH_FA4_BWD_SPLIT_RING"
 # dV issued after the dS^T stores on the one-pass / split wide variants (bwd_kernel `dv_after_ds`):
