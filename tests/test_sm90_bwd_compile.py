@@ -605,7 +605,7 @@ def test_fused_dq_selection(monkeypatch):
     # the persistent 128-query variants (D64) write dq themselves wherever every query tile sees a
     # key (their staging tile fills shared memory to the byte); the 64-query ones (D96, D128)
     # keep the conversion pass; never with seqused_k, varlen, deterministic mode or one CTA per
-    # tile; TORCH_FA4_BWD_FUSED_DQ=0 off
+    # tile; TORCH_FA4_BWD_FUSED_DQ=auto not past 4096 queries, =0 off
     from torch_fa4.kernels.sm90 import bwd
 
     for name in (bwd.FUSED_DQ_ENV, bwd.PERSISTENT_ENV, bwd.TILE_M_ENV):
@@ -633,6 +633,16 @@ def test_fused_dq_selection(monkeypatch):
     assert fused(shaped(164, 37, causal=True)) and not fused(shaped(165, 37, causal=True))
     assert fused(shaped(165, 37)) and fused(shaped(165, 37, window_left=5))
     assert not fused(shaped(300, 100, window_right=10, window_left=0))  # rows 0-189 see no key
+    # the default fuses at any length; TORCH_FA4_BWD_FUSED_DQ=auto leaves calls of more than 4096
+    # queries to the conversion pass
+    assert fused(shaped(16384, 16384, causal=True)) and fused(shaped(4097, 4097))
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "auto")
+    assert fused(shaped(4096, 4096)) and fused(shaped(4096, 4096, causal=True))
+    assert not fused(shaped(4097, 4097)) and not fused(shaped(16384, 16384, causal=True))
+    assert not fused(shaped(4097, 64)) and fused(shaped(1024, 1024))
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "1")
+    assert fused(shaped(8192, 8192))
+    monkeypatch.delenv(bwd.FUSED_DQ_ENV)
     monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
     assert not fused(_call(d=64, causal=True))
     monkeypatch.setenv(bwd.PERSISTENT_ENV, "1")
@@ -1030,16 +1040,23 @@ def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, 
 
 @pytest.mark.parametrize("tile_m", [64, 128])
 @pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_window_packed", "varlen_causal_packed",
-                                  "varlen_q_only_seqused", "softcap", "deterministic_window", "plain_split_gqa"])
+                                  "varlen_q_only_seqused", "softcap", "deterministic_window", "plain_split_gqa",
+                                  "dense_causal_gqa_pass", "plain_split_gqa_pass"])
 def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     """varlen_*_packed: one launch of the packed-rows variant (bwd.VARLEN_KERNEL_ENV), max_seqlen_k
     left for the host to read from cu_seqlens; varlen_window: one dense launch per sequence;
-    plain_split_gqa: 12 work tiles on 5 persistent CTAs, the last round's 2 tiles split in 3."""
+    plain_split_gqa: 12 work tiles on 5 persistent CTAs, the last round's 2 tiles split in 3;
+    *_pass: the dense persistent calls with the dq conversion pass after the kernel instead of the
+    fused dq (TORCH_FA4_BWD_FUSED_DQ=auto's choice past 4096 queries)."""
     import math
 
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    conversion_pass = case.endswith("_pass")
+    if conversion_pass:
+        monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
+        case = case[: -len("_pass")]
     monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1" if case.endswith("_packed") else "0")
     monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))  # D64: the 64- or the 128-query variant
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -1076,6 +1093,8 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
     assert bwd.runs_per_sequence(call, case.startswith("deterministic")) == (
         call.cu_seqlens_q is not None and not case.endswith("_packed"))
+    if tile_m == 128 and case in ("dense_causal_gqa", "plain_split_gqa"):
+        assert bwd.variant_key(call, False)[-3].fused_dq is not conversion_pass
 
     # float64 reference, one sequence at a time (dense or packed)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))

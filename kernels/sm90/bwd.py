@@ -183,10 +183,17 @@ _OWN_DV_STAGE = "1"
 # pass over the whole fp32 buffer after the kernel. The 128-query variants (D64) where every query
 # tile sees a key (`fused_dq_applies`): H100, NOTES "Experiment 127", GPU time per call against the
 # conversion pass, D64 S1k causal +1.6%, S1k +5%, S4k causal +2.9%, S16k +4%; at 64 queries per
-# step (D96, D128) the per-step hand-off cost more than the pass (D128 -2.2% to +0.2%).
-# TORCH_FA4_BWD_FUSED_DQ=0|1.
+# step (D96, D128) the per-step hand-off cost more than the pass (D128 -2.2% to +0.2%). Past
+# _FUSED_DQ_MAX_SEQLEN_Q queries the pass is faster on today's kernel (NOTES "Experiment 158", GPU
+# time, pass against fused: H200 S16k causal +2.0% in two probes, S8k causal +1.2%, S16k +1.0%;
+# H100 S16k causal +1.0%, S8k causal +0.3%, S16k +1.0%; at S4k causal fused still leads by 0.5%).
+# TORCH_FA4_BWD_FUSED_DQ=1 (at any length, the default) | auto (up to that length) | 0 (never).
+# "auto" is not the default yet: the dense 128-query variant with the pass (and the split tail
+# with it) has not run its float64 GPU tests since fused dq became the default
+# (tests/gpu/test_sm90_bwd.py `test_tm128_dq_pass_or_fused`, `test_long_d64_call_takes_the_conversion_pass`).
 FUSED_DQ_ENV = "TORCH_FA4_BWD_FUSED_DQ"
 _FUSED_DQ = "1"
+_FUSED_DQ_MAX_SEQLEN_Q = 4096
 # The passes around the main kernel take their slabs in the reverse of its (batch, head) order, so
 # each meets the other's last lines in L2: the row-statistics pass ends on the pairs the main
 # kernel starts with, and the conversion starts on the last batch, whose dQ adds landed last.
@@ -385,6 +392,12 @@ def own_dv_stage(d: int, dv: int, tile_n: int, stages: int, tile_m: int, fused_d
     return _smem_bytes(d, dv, tile_n, stages, False, tile_m, own_dv_stage=True, fused_dq=fused_dq) <= _SMEM_LIMIT
 
 
+def _long_queries(call: "AttentionCall") -> bool:
+    """Whether a dense call has more queries than the fused dq pays for (_FUSED_DQ_MAX_SEQLEN_Q);
+    read by fused_dq_applies in "auto" mode and part of variant_key's memo."""
+    return not call.is_varlen and call.q.shape[1] > _FUSED_DQ_MAX_SEQLEN_Q
+
+
 def _first_rows_reach(call: "AttentionCall"):
     """What fused_dq_applies reads of the call's shape, for variant_key's memo: how far (down to
     -129, enough for every tile_m) the first row's right limit lies left of key 0 (0: it reaches
@@ -438,12 +451,14 @@ def _launch_split(call: "AttentionCall", tiles: KernelTiles) -> tuple[int, int]:
 
 def fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: int) -> bool:
     """Whether the persistent variant writes dq itself (FUSED_DQ_ENV): a 128-query variant whose
-    staging tile fits shared memory, where every query tile is walked by at least one key tile,
+    staging tile fits shared memory (in "auto" mode up to _FUSED_DQ_MAX_SEQLEN_Q queries), where
+    every query tile is walked by at least one key tile,
     or nobody would write its rows: no seqused_k (a sequence may have no keys), and under a right
     limit (causal, right window) the first tile's last row reaches key 0 (Sq > Sk + tile_m under
     causal fails)."""
-    if (_env_choice(FUSED_DQ_ENV, _FUSED_DQ, ("0", "1")) != "1" or tile_m != 128 or call.seqused_k is not None
-            or call.is_varlen):
+    mode = _env_choice(FUSED_DQ_ENV, _FUSED_DQ, ("0", "1", "auto"))
+    if (mode == "0" or (mode == "auto" and _long_queries(call)) or tile_m != 128
+            or call.seqused_k is not None or call.is_varlen):
         return False
     d, dv = call.head_dim, call.head_dim_v
     if _smem_bytes(d, dv, tile_n, stages, False, tile_m, fused_dq=True) > _SMEM_LIMIT:
@@ -530,7 +545,7 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
             call.causal or call.window_right >= 0, call.window_left >= 0, call.softcap > 0,
             call.is_varlen, call.seqused_k is not None, bool(deterministic),
             call.mods.key if call.mods is not None else "",
-            _first_rows_reach(call), tuple(os.environ.get(name) for name in _ENV_KNOBS))
+            _first_rows_reach(call), _long_queries(call), tuple(os.environ.get(name) for name in _ENV_KNOBS))
     key = _variant_memo.get(memo)
     if key is None:
         key = _variant_memo[memo] = _variant_key(call, deterministic)

@@ -544,6 +544,35 @@ def test_tm128_split_ring(monkeypatch, split_ring):
     _case(BF, 2, 300, 517, 4, 2, 64, 64, left=200, right=30, expect_tile_m=128)
 
 
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_tm128_dq_pass_or_fused(monkeypatch, fused):
+    # TORCH_FA4_BWD_FUSED_DQ: the D64 persistent variant writes dq itself ("1") or leaves the fp32
+    # buffer to the conversion pass after the kernel ("0"; "auto" takes it past 4096 queries), forced
+    # on dense causal, plain (split tail forced), windowed and GQA walks
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, fused)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
+    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")  # 12 work tiles: a last round of 2, in 3 pieces
+    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "3")
+    _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
+    monkeypatch.delenv(bwd.SPLIT_TAIL_ENV)
+    monkeypatch.delenv(bwd.PERSISTENT_CTAS_ENV)
+    _case(BF, 2, 300, 300, 6, 2, 64, 64, left=100, right=0, expect_tile_m=128)
+
+
+def test_long_d64_call_takes_the_conversion_pass(monkeypatch):
+    # TORCH_FA4_BWD_FUSED_DQ=auto: past bwd._FUSED_DQ_MAX_SEQLEN_Q queries the conversion pass
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "auto")
+    sq = bwd._FUSED_DQ_MAX_SEQLEN_Q + 100
+    q = torch.empty(1, sq, 2, 64, device="cuda", dtype=BF)
+    assert not bwd.variant_key(AttentionCall(q=q, k=q, v=q, scale=0.125, causal=True), False)[-3].fused_dq
+    _case(BF, 1, sq, sq, 2, 1, 64, 64, causal=True, expect_tile_m=128)
+
+
 # ---- 80 queries per step at D128 without masks (bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
 # dQ computed transposed; dS in one fp32 pass with P or from the bf16 P (D128_PASSES_ENV)
 
