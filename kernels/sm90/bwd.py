@@ -452,10 +452,9 @@ def _launch_split(call: "AttentionCall", tiles: KernelTiles) -> tuple[int, int]:
 def fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: int) -> bool:
     """Whether the persistent variant writes dq itself (FUSED_DQ_ENV): a 128-query variant whose
     staging tile fits shared memory (in "auto" mode up to _FUSED_DQ_MAX_SEQLEN_Q queries), where
-    every query tile is walked by at least one key tile,
-    or nobody would write its rows: no seqused_k (a sequence may have no keys), and under a right
-    limit (causal, right window) the first tile's last row reaches key 0 (Sq > Sk + tile_m under
-    causal fails)."""
+    every query tile is walked by at least one key tile, or nobody would write its rows: no
+    seqused_k (a sequence may have no keys), and under a right limit (causal, right window) the
+    first tile's last row reaches key 0 (Sq > Sk + tile_m under causal fails)."""
     mode = _env_choice(FUSED_DQ_ENV, _FUSED_DQ, ("0", "1", "auto"))
     if (mode == "0" or (mode == "auto" and _long_queries(call)) or tile_m != 128
             or call.seqused_k is not None or call.is_varlen):
