@@ -605,7 +605,7 @@ def test_fused_dq_selection(monkeypatch):
     # the persistent 128-query variants (D64) write dq themselves wherever every query tile sees a
     # key (their staging tile fills shared memory to the byte); the 64-query ones (D96, D128)
     # keep the conversion pass; never with seqused_k, varlen, deterministic mode or one CTA per
-    # tile; TORCH_FA4_BWD_FUSED_DQ=auto not past 4096 queries, =0 off
+    # tile; by default (TORCH_FA4_BWD_FUSED_DQ=auto) not past 4096 queries; =1 at any length, =0 off
     from torch_fa4.kernels.sm90 import bwd
 
     for name in (bwd.FUSED_DQ_ENV, bwd.PERSISTENT_ENV, bwd.TILE_M_ENV):
@@ -633,15 +633,15 @@ def test_fused_dq_selection(monkeypatch):
     assert fused(shaped(164, 37, causal=True)) and not fused(shaped(165, 37, causal=True))
     assert fused(shaped(165, 37)) and fused(shaped(165, 37, window_left=5))
     assert not fused(shaped(300, 100, window_right=10, window_left=0))  # rows 0-189 see no key
-    # the default fuses at any length; TORCH_FA4_BWD_FUSED_DQ=auto leaves calls of more than 4096
-    # queries to the conversion pass
-    assert fused(shaped(16384, 16384, causal=True)) and fused(shaped(4097, 4097))
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "auto")
+    # the default ("auto") leaves calls of more than 4096 queries to the conversion pass;
+    # TORCH_FA4_BWD_FUSED_DQ=1 fuses at any length
     assert fused(shaped(4096, 4096)) and fused(shaped(4096, 4096, causal=True))
     assert not fused(shaped(4097, 4097)) and not fused(shaped(16384, 16384, causal=True))
     assert not fused(shaped(4097, 64)) and fused(shaped(1024, 1024))
+    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "auto")
+    assert not fused(shaped(8192, 8192)) and fused(shaped(2048, 8192))
     monkeypatch.setenv(bwd.FUSED_DQ_ENV, "1")
-    assert fused(shaped(8192, 8192))
+    assert fused(shaped(8192, 8192)) and fused(shaped(16384, 16384, causal=True))
     monkeypatch.delenv(bwd.FUSED_DQ_ENV)
     monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
     assert not fused(_call(d=64, causal=True))
@@ -1047,7 +1047,7 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
     left for the host to read from cu_seqlens; varlen_window: one dense launch per sequence;
     plain_split_gqa: 12 work tiles on 5 persistent CTAs, the last round's 2 tiles split in 3;
     *_pass: the dense persistent calls with the dq conversion pass after the kernel instead of the
-    fused dq (TORCH_FA4_BWD_FUSED_DQ=auto's choice past 4096 queries)."""
+    fused dq (the default's choice past 4096 queries, forced here on short calls)."""
     import math
 
     from torch_fa4.kernels.sm90 import bwd

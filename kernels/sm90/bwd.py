@@ -187,12 +187,11 @@ _OWN_DV_STAGE = "1"
 # _FUSED_DQ_MAX_SEQLEN_Q queries the pass is faster on today's kernel (NOTES "Experiment 158", GPU
 # time, pass against fused: H200 S16k causal +2.0% in two probes, S8k causal +1.2%, S16k +1.0%;
 # H100 S16k causal +1.0%, S8k causal +0.3%, S16k +1.0%; at S4k causal fused still leads by 0.5%).
-# TORCH_FA4_BWD_FUSED_DQ=1 (at any length, the default) | auto (up to that length) | 0 (never).
-# "auto" is not the default yet: the dense 128-query variant with the pass (and the split tail
-# with it) has not run its float64 GPU tests since fused dq became the default
-# (tests/gpu/test_sm90_bwd.py `test_tm128_dq_pass_or_fused`, `test_long_d64_call_takes_the_conversion_pass`).
+# Session 39 confirmed it (H200, pass against fused: S16k causal +2.0%, S8k causal +1.5%) and found
+# a longer hand-off lag in the writer (3 or 4 steps instead of 2) level to -0.5% (Experiment 159).
+# TORCH_FA4_BWD_FUSED_DQ=auto (up to that length, the default) | 1 (at any length) | 0 (never).
 FUSED_DQ_ENV = "TORCH_FA4_BWD_FUSED_DQ"
-_FUSED_DQ = "1"
+_FUSED_DQ = "auto"
 _FUSED_DQ_MAX_SEQLEN_Q = 4096
 # The passes around the main kernel take their slabs in the reverse of its (batch, head) order, so
 # each meets the other's last lines in L2: the row-statistics pass ends on the pairs the main

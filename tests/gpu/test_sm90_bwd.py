@@ -562,7 +562,8 @@ def test_tm128_dq_pass_or_fused(monkeypatch, fused):
 
 
 def test_long_d64_call_takes_the_conversion_pass(monkeypatch):
-    # TORCH_FA4_BWD_FUSED_DQ=auto: past bwd._FUSED_DQ_MAX_SEQLEN_Q queries the conversion pass
+    # TORCH_FA4_BWD_FUSED_DQ=auto (the default, set here against the environment): past
+    # bwd._FUSED_DQ_MAX_SEQLEN_Q queries the conversion pass
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import bwd
 
