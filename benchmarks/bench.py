@@ -343,6 +343,20 @@ _BWD_SWEEPS = {
 }
 
 
+def document_mask(S: int, doc_len: int = 512, device: str = "cuda"):
+    """The grid's document-mask row: (mask_mod, flops) for S tokens in documents of doc_len, the
+    flops counting only the visible pairs under causal masking."""
+    doc_ids = torch.arange(S, device=device, dtype=torch.int32) // doc_len
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+
+    def doc_flops(B, H, S_, D, causal=True, bwd=False):  # S / doc_len causal doc_len x doc_len blocks
+        return 4.0 * B * H * (S // doc_len) * doc_len * (doc_len + 1) / 2 * D * (2.5 if bwd else 1.0)
+
+    return document, doc_flops
+
+
 def rotated(items: list, turn: int) -> list:
     """items starting `turn` places along (a b c, b c a, ...): each round or turn of a timing loop
     puts a different implementation first, so the clock after a pause is not always the same one's."""
@@ -720,14 +734,7 @@ def main():
         measure(f"fwd D{D} S{S // 1024}k{' causal' if causal else ''}", D, S, causal, _flops, row_peers)
     print(f"  ({time.perf_counter() - t_start:.0f} s elapsed)", flush=True)
     alibi = _named_score_mods(width // 128)["alibi"]
-    doc_ids = torch.arange(4096, device="cuda", dtype=torch.int32) // 512  # 8 documents of 512 tokens
-
-    def document(b, h, q_idx, kv_idx):
-        return doc_ids[q_idx] == doc_ids[kv_idx]
-
-    def doc_flops(B, H, S, D, c):  # visible pairs: 8 causal 512 x 512 blocks
-        return 4.0 * B * H * 8 * 512 * 513 / 2 * D
-
+    document, doc_flops = document_mask(4096)
     mod_rows = (
         ("softcap 30", dict(softcap=30.0), _flops),
         ("window 1024", dict(window=_WINDOW_1024), _window_flops(_WINDOW_1024)),

@@ -14,8 +14,9 @@ TFLOP/s of the rounds, its ratio to flash-attn-4 (else to torch_fa4's defaults) 
 [min-max] spread (0.1-0.5% here, against 2-5% for bench.py's rows).
 
 Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid), or D:S:causal:MOD with a
-score_mod named as bench.py's sweep rows name them ("alibi", "alibi-kv-q"; forward only, and
-implementations that take no score_mod, flash-attn-4 here, sit such rows out). Variants: torch_fa4
+score_mod named as bench.py's sweep rows name them ("alibi", "alibi-kv-q") or "document" (the
+grid's block-sparse document mask, causal rows, FlexAttention compiled as a peer); forward only,
+and implementations that take no mods, flash-attn-4 here, sit such rows out. Variants: torch_fa4
 with "env" settings (read per call: the backward's TORCH_FA4_BWD_* knobs) and, forward only,
 FwdConfig overrides.
 """
@@ -49,20 +50,25 @@ def _time_ms(fn, calls: int) -> float:
 def probe_row(D, S, causal, impls, backward, rounds, mod=None):
     B, H = 16384 // S, 2048 // D
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = bench._flops(B, H, S, D, causal, bwd=backward)
     if mod is None:
         fns = {name: make(q, k, v, causal) for name, make in impls.items()}
     else:
-        score_mod = bench._named_score_mods(H)[mod]
+        if mod == "document":
+            mask_mod, doc_flops = bench.document_mask(S)
+            mods, flops = dict(mask_mod=mask_mod), doc_flops(B, H, S, D)
+            impls = {**impls, "flex": bench.flex_fwd}
+        else:
+            mods = dict(score_mod=bench._named_score_mods(H)[mod])
         fns = {}
         for name, make in impls.items():
             try:
-                fns[name] = make(q, k, v, causal, score_mod=score_mod)
-            except RuntimeError:  # (a peer without score_mods)
+                fns[name] = make(q, k, v, causal, **mods)
+            except RuntimeError:  # (a peer without mods)
                 pass
     for fn in fns.values():  # compile and warm
         for _ in range(3):
             fn()
-    flops = bench._flops(B, H, S, D, causal, bwd=backward)
     calls = max(4, 40 * 1024 // S)
     rates = {name: [] for name in fns}
     for rnd in range(rounds):

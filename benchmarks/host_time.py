@@ -8,7 +8,10 @@ For each row and implementation (the same wrappers as bench.py) this prints
 so a row whose host time exceeds its kernel time is bound by the host. With --cprofile it also
 prints where torch_fa4's host time goes (cProfile, top functions by own time).
 
-    python benchmarks/host_time.py [--rows 128:1024:0,128:1024:1] [--bwd] [--fwd] [--cprofile N]
+    python benchmarks/host_time.py [--rows 128:1024:0,128:4096:1:document] [--bwd] [--fwd] [--cprofile N]
+
+A row D:S:causal:document is the grid's block-sparse document-mask row (forward only; torch_fa4
+against FlexAttention compiled).
 """
 
 from __future__ import annotations
@@ -90,18 +93,27 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for direction in directions:
         for spec in args.rows.split(","):
-            D, S, causal = (int(x) for x in spec.split(":"))
+            D, S, causal, *mod = spec.split(":")
+            D, S, causal = int(D), int(S), int(causal)
             B, H = 16384 // S, 2048 // D
             q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            print(f"== {direction} D{D} S{S}{' causal' if causal else ''} (B={B}, H={H})")
-            fns = {name: make(q, k, v, bool(causal)) for name, make in makers[direction].items()}
+            print(f"== {direction} D{D} S{S}{' causal' if causal else ''} {' '.join(mod)} (B={B}, H={H})")
+            flops = bench._flops(B, H, S, D, bool(causal), bwd=direction == "bwd")
+            if mod == ["document"] and direction == "fwd":
+                mask_mod, doc_flops = bench.document_mask(S)
+                flops = doc_flops(B, H, S, D)
+                fns = {name: make(q, k, v, bool(causal), mask_mod=mask_mod)
+                       for name, make in (("torch_fa4", bench.ours_fwd), ("flex", bench.flex_fwd))}
+            elif mod:
+                ap.error(f"row {spec}: the only mod row is a forward D:S:causal:document")
+            else:
+                fns = {name: make(q, k, v, bool(causal)) for name, make in makers[direction].items()}
             # the host's speed drifts (other tenants, clocks): implementations take turns, and the
             # fastest of the rounds is kept as each one's host cost
             host = {name: min(host_ms(fn) for _ in range(args.rounds)) for name, fn in fns.items()}
             for name, fn in fns.items():
                 device = bench._time_ms(fn)
                 kernels = sum(profile_kernels._profile(fn, 10).values()) / 1e3
-                flops = bench._flops(B, H, S, D, bool(causal), bwd=direction == "bwd")
                 print(f"  {name:14s} device {device:.3f} ms ({flops / device / 1e9:.0f} TFLOP/s)  "
                       f"host {host[name]:.3f} ms  kernels {kernels:.3f} ms")
                 if args.cprofile and name.startswith("torch_fa4"):
