@@ -2,11 +2,13 @@
 
 Times the CuTe DSL import once, then `compile_fwd` / the backward's `compile_variant` for a few
 default variants, each compiled for the first time in this process (the in-process cache is
-empty; the opt-in disk cache is not used). Needs no GPU (CUTE_DSL_ARCH=sm_90a on a CPU machine).
+empty; the disk cache is turned off). Needs no GPU (CUTE_DSL_ARCH=sm_90a on a CPU machine).
 
     python benchmarks/compile_time.py              # one process
     python benchmarks/compile_time.py --phases     # + where each variant's time goes
     python benchmarks/compile_time.py --runs 5     # 5 fresh processes: median [min-max] per line
+    python benchmarks/compile_time.py --disk       # with the disk cache: a process that compiles
+                                                   # and stores, then one that loads
 
 --phases splits each variant's time (by wrapping CuTe DSL internals, measurement only):
   preprocess  the DSL's AST rewrite of each @cute.jit function, once per function per process
@@ -26,6 +28,7 @@ import time
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ.setdefault("TORCH_FA4_KERNEL_CACHE", "0")  # --disk sets it for its child processes
 
 _PHASES = ("preprocess", "mlir", "host-jit")
 
@@ -57,10 +60,11 @@ def _install_phase_timers(acc: dict) -> None:
 
 
 def run_once(phases: bool) -> None:
-    t0 = time.perf_counter()
-    import cutlass.cute  # noqa: F401
+    if os.environ["TORCH_FA4_KERNEL_CACHE"] == "0":  # (loading from disk imports no CuTe DSL)
+        t0 = time.perf_counter()
+        import cutlass.cute  # noqa: F401
 
-    print(f"import cutlass.cute: {time.perf_counter() - t0:.2f} s")
+        print(f"import cutlass.cute: {time.perf_counter() - t0:.2f} s")
     acc: dict = {}
     if phases:
         _install_phase_timers(acc)
@@ -109,12 +113,28 @@ def run_many(runs: int, phases: bool) -> None:
         print(number.sub(lambda m: next(it), lines[0]))
 
 
+def run_disk() -> None:
+    """Two fresh processes sharing an empty disk cache: compile + store, then load."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=cache)
+        for label in ("compile and store", "load from disk"):
+            t = time.perf_counter()
+            out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, check=True).stdout
+            print(f"== {label} (process total {time.perf_counter() - t:.1f} s)")
+            print("\n".join(line for line in out.splitlines() if ": " in line and " s" in line))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phases", action="store_true", help="split each variant's time by phase")
     parser.add_argument("--runs", type=int, default=1, help="fresh processes; prints median [min-max]")
+    parser.add_argument("--disk", action="store_true", help="compile and store, then load in a new process")
     args = parser.parse_args()
-    if args.runs > 1:
+    if args.disk:
+        run_disk()
+    elif args.runs > 1:
         run_many(args.runs, args.phases)
     else:
         run_once(args.phases)

@@ -1,18 +1,21 @@
-"""Compiled kernels kept on disk, so a new process loads a variant instead of compiling it (opt-in).
+"""Compiled kernels kept on disk, so a new process loads a variant instead of compiling it.
 
-`cute.compile` traces and compiles again in every process (2-3 s per variant on two CPU cores, after
-~2 s to import CuTe DSL); CuTe DSL's own file cache does not cover `cute.compile`. With
-`TORCH_FA4_KERNEL_CACHE=1`, a freshly compiled kernel is exported as an object file
-(`export_to_c`), linked with the system C compiler into a shared library against the CuTe DSL and
-TVM-FFI runtime libraries, and stored under `$TORCH_FA4_CACHE_DIR/kernels` (default
-`~/.cache/torch_fa4/kernels`). A later process loads it with TVM-FFI alone: no CuTe DSL import,
-no tracing, no compile.
+`cute.compile` traces and compiles again in every process (2.4-4.9 s per variant on two CPU cores,
+after ~0.5-2 s to import CuTe DSL); CuTe DSL's own file cache does not cover `cute.compile`. So a
+freshly compiled kernel is exported as an object file (`export_to_c`), linked with the system C
+compiler into a shared library against the CuTe DSL and TVM-FFI runtime libraries (0.2-0.5 s, in
+the process that compiled it), and stored under `$TORCH_FA4_CACHE_DIR/kernels` (default
+`~/.cache/torch_fa4/kernels`). A later process loads it with TVM-FFI alone in about a
+millisecond: no CuTe DSL import, no tracing, no compile. On by default; `TORCH_FA4_KERNEL_CACHE=0`
+turns it off (every process compiles).
 
 The file name is a digest of the variant key, the CuTe DSL and TVM-FFI versions and the text of
-every kernel source file, so an edited kernel or an upgraded DSL never loads a stale binary.
-Everything is best effort: no compiler, a read-only directory, a damaged file or a library that no
-longer resolves all mean "compile as usual". Opt-in until the load path has run on a GPU
-(tests/gpu/test_sm90_fwd.py::test_disk_cache_across_processes).
+every source file of the package (the kernels, and the mod tracing whose keys they are built
+from), so an edited kernel or an upgraded DSL never loads a stale binary. Everything is best
+effort: no compiler, a read-only directory, a damaged file or a library that no longer resolves
+all mean "compile as usual". The load path is checked on the GPU for the forward
+(tests/gpu/test_sm90_fwd.py::test_disk_cache_across_processes) and the backward's three kernels
+(tests/gpu/test_sm90_bwd.py::test_disk_cache_across_processes).
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ _loaded_modules: list = []  # keep loaded libraries alive for the process
 _source_digest: list[str] = []
 
 
+ENV = "TORCH_FA4_KERNEL_CACHE"
+
+
 def enabled() -> bool:
-    return os.environ.get("TORCH_FA4_KERNEL_CACHE", "") == "1"
+    """On unless TORCH_FA4_KERNEL_CACHE=0."""
+    return os.environ.get(ENV, "1").strip() != "0"
 
 
 def cache_dir() -> Path:
@@ -42,13 +49,24 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _source_roots() -> list[Path]:
+    """The kernels' folder and the torch_fa4 package's (the mods' tracing and lowering keys), found
+    without importing either: installed, kernels/ is torch_fa4/kernels/; in a checkout (editable
+    install) it sits beside torch_fa4/."""
+    kernels = Path(__file__).resolve().parent
+    if kernels.parent.name == "torch_fa4":
+        return [kernels.parent]
+    package = kernels.parent / "torch_fa4"
+    return [kernels] + ([package] if package.is_dir() else [])
+
+
 def _sources() -> str:
     if not _source_digest:
         h = hashlib.sha256()
-        root = Path(__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode())
-            h.update(path.read_bytes())
+        for root in _source_roots():
+            for path in sorted(root.rglob("*.py")):
+                h.update(f"{root.name}/{path.relative_to(root)}".encode())
+                h.update(path.read_bytes())
         _source_digest.append(h.hexdigest())
     return _source_digest[0]
 

@@ -6,6 +6,7 @@ handed from the producer to the consumers (setmaxnreg) and that nothing large sp
 One compile per variant, a few seconds each.
 """
 
+import os
 
 import pytest
 import torch
@@ -1438,3 +1439,57 @@ def test_cta_tail_groups_the_last_pairs_only_under_masks(monkeypatch):
     monkeypatch.setenv(bwd.CTA_TAIL_ENV, "5")
     assert bwd.cta_tail(call(16384, 128, causal=True), pairs=16) == 5
     assert bwd.cta_tail(call(1024, 64), pairs=4) == 4
+
+
+_DISK_CACHE_SCRIPT = r"""
+import sys, torch
+from torch_fa4.call import AttentionCall
+from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.sm90 import bwd, bwd_dq_convert, bwd_prepare
+q = torch.randn(1, 256, 4, 64).bfloat16()
+call = AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True)
+lse, stats = torch.zeros(1, 4, 256), torch.empty(1, 4, 256)
+results = []
+def attempt(fn):
+    try:
+        fn()
+        results.append("ran")
+    except ValueError as e:  # TVM-FFI's check of the CPU tensors, after the kernel was found
+        results.append("device-check" if "device_type=cuda" in str(e) else str(e)[:200])
+g = lambda: torch.empty_like(q)
+attempt(lambda: bwd.backward(call, g(), g(), lse, g(), g(), g(), False))
+attempt(lambda: bwd_prepare.compile_kernel(torch.bfloat16, 64, d_zero=64)(q, q, lse, stats, stats, torch.empty(1, 256, 4, 64)))
+attempt(lambda: bwd_dq_convert.compile_kernel(torch.bfloat16)(torch.empty(64), torch.empty(64).bfloat16(), 1.0))
+print("RESULT", ",".join(results), compile_cache.stats()["from_disk"], "cutlass" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("setting", ["default", "0"])
+def test_backward_kernels_load_from_disk_in_a_new_process(tmp_path, setting):
+    """The disk cache (on by default, TORCH_FA4_KERNEL_CACHE=0 off) covers the backward's three
+    kernels: the first process compiles and stores them, the second loads all three without
+    importing CuTe DSL, and their launches bind the host's arguments (up to TVM-FFI's device check
+    of these CPU tensors); off, every process compiles and nothing is stored."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_FA4_CACHE_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
+    env.pop("TORCH_FA4_KERNEL_CACHE", None)
+    if setting != "default":
+        env["TORCH_FA4_KERNEL_CACHE"] = setting
+    results = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _DISK_CACHE_SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=600)
+        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
+        assert line, run.stdout[-2000:] + run.stderr[-2000:]
+        results.append(line[0].split()[1:])
+    checks = ",".join(["device-check"] * 3)
+    assert results[0] == [checks, "0", "True"], results[0]  # compiled (and stored, by default)
+    stored = list((tmp_path / "kernels").glob("*.so")) if (tmp_path / "kernels").exists() else []
+    if setting == "default":
+        assert results[1] == [checks, "3", "False"], results[1]  # loaded; the DSL never imported
+        assert len(stored) == 3
+    else:
+        assert results[1] == [checks, "0", "True"], results[1]
+        assert not stored

@@ -859,8 +859,9 @@ print("RESULT", result, compile_cache.stats()["from_disk"], "cutlass" in sys.mod
 
 
 def test_disk_cache_loads_in_a_new_process_without_the_dsl(tmp_path):
-    """TORCH_FA4_KERNEL_CACHE=1: the first process compiles and stores the kernel, the second loads
-    it (no CuTe DSL import, no compile) and its launch binds the same arguments."""
+    """The disk cache (TORCH_FA4_KERNEL_CACHE=1 here, as by default): the first process compiles
+    and stores the kernel, the second loads it (no CuTe DSL import, no compile) and its launch
+    binds the same arguments."""
     import subprocess
     import sys
 

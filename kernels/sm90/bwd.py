@@ -677,6 +677,7 @@ def _cute_dtype(dtype: torch.dtype):
 
 
 def _use_tvm_ffi() -> bool:
+    """Whether the kernels launch through TVM-FFI (the only form the disk cache can store)."""
     import importlib.util
 
     return importlib.util.find_spec("tvm_ffi") is not None
@@ -703,7 +704,8 @@ def compile_variant(key: tuple, arch: str = "sm_90a", dump_dir: str | None = Non
 
     if dump_dir is not None:
         return _build(key, arch, dump_dir)
-    return compile_cache.get_or_compile(("sm90_bwd", arch, key), lambda: _build(key, arch, None))
+    return compile_cache.get_or_compile(("sm90_bwd", arch, key), lambda: _build(key, arch, None),
+                                        persist=_use_tvm_ffi())
 
 
 def _build(key: tuple, arch: str, dump_dir: str | None):

@@ -11,55 +11,18 @@ kernel. Here each thread reads 8 floats as two 16-byte loads and writes 8 16-bit
 16-byte store, so the pass moves its 3 x 67 MB at close to DRAM bandwidth.
 
 Compiled once per output dtype; N is symbolic (a multiple of 8: head dims are).
-Importing this module loads CuTe DSL; bwd.py imports it only for CUDA tensors.
+The kernel itself is in bwd_dq_convert_kernel.py, imported only to compile it: this module's
+host side loads no CuTe DSL, so a kernel loaded from the disk cache (kernels/disk_cache.py) runs
+without it.
 """
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
 import torch
-from cutlass import Float32
 
 VEC = 8  # elements per thread: 2 x 16-byte fp32 loads, 1 x 16-byte store of 16-bit values
 THREADS = 256
 MAX_ELEMENTS = 2**31 - VEC * THREADS  # 32-bit element indices
-
-
-class ScaledNarrowKernel:
-    """fn(src, dst, scale): dst[i] = src[i] * scale for i < N, src fp32 (N,), dst 16-bit (N,)."""
-
-    def __init__(self, dtype, pdl: bool = True, reversed_order: bool = False):
-        self.dtype = dtype
-        self.pdl = pdl  # programmatic dependent launch after the main backward kernel
-        # CTAs take the buffer last chunk first: the main kernel's last pairs (the last batch)
-        # added their dQ last, so their lines are the ones still in L2 (bwd.PASS_ORDER_ENV)
-        self.reversed_order = reversed_order
-
-    @cute.jit
-    def __call__(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32, stream):
-        per_cta = VEC * THREADS
-        grid = ((cute.size(src) + per_cta - 1) // per_cta, 1, 1)
-        # programmatic dependent launch: scheduled while the main kernel's last CTAs run
-        self.kernel(src, dst, scale).launch(grid=grid, block=(THREADS, 1, 1), stream=stream, use_pdl=self.pdl)
-
-    @cute.kernel
-    def kernel(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the main kernel's dQ adds have all landed
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.reversed_order):
-            bidx = cute.arch.grid_dim()[0] - 1 - bidx
-        chunk = bidx * THREADS + tidx  # this thread's 8 elements: column `chunk` below
-        src_v = cute.logical_divide(src, cute.make_layout(VEC))  # (VEC, N / VEC)
-        dst_v = cute.logical_divide(dst, cute.make_layout(VEC))
-        if chunk * VEC < cute.size(src):
-            r_src = cute.make_rmem_tensor((VEC,), Float32)
-            cute.autovec_copy(src_v[None, chunk], r_src)
-            r_dst = cute.make_rmem_tensor((VEC,), self.dtype)
-            r_dst.store((r_src.load() * scale).to(self.dtype))
-            cute.autovec_copy(r_dst, dst_v[None, chunk])
 
 
 def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None, pdl: bool = True,
@@ -71,12 +34,19 @@ def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | Non
 
     if dump_dir is not None:
         return _compile(dtype, arch, dump_dir, pdl, reversed_order)
+    from .bwd import _use_tvm_ffi
+
     return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype, pdl, reversed_order),
-                                        lambda: _compile(dtype, arch, None, pdl, reversed_order))
+                                        lambda: _compile(dtype, arch, None, pdl, reversed_order),
+                                        persist=_use_tvm_ffi())
 
 
 def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True, reversed_order: bool = False):
+    import cutlass.cute as cute
+    from cutlass import Float32
+
     from .bwd import _cute_dtype, compile_stream_and_options
+    from .bwd_dq_convert_kernel import ScaledNarrowKernel
 
     n = cute.sym_int(divisibility=VEC)
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)

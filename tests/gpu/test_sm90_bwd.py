@@ -867,3 +867,53 @@ def _bench_block_sparse():  # pragma: no cover - manual timing
 
 if __name__ == "__main__":
     _bench()
+
+
+_DISK_CACHE_SCRIPT = r"""
+import math, sys, torch
+from torch_fa4.call import AttentionCall
+from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.sm90 import bwd
+torch.manual_seed(int(sys.argv[1]))
+B, S, H, D = 2, 300, 4, 128
+q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+s = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * D ** -0.5
+i, j = torch.arange(S, device="cuda").view(S, 1), torch.arange(S, device="cuda").view(1, S)
+s = s.masked_fill(j > i, -math.inf)
+out64 = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v64)
+refs = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=True)
+grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+bwd.backward(call, do, out64.detach().to(q.dtype), torch.logsumexp(s, -1).float().detach(), *grads, False)
+torch.cuda.synchronize()
+# each gradient's largest error relative to its largest value (NaN anywhere: inf)
+worst = max(float((g.double() - r).abs().max() / r.abs().max()) if not g.isnan().any() else float("inf")
+            for g, r in zip(grads, refs))
+print("RESULT", worst, compile_cache.stats()["from_disk"], "cutlass" in sys.modules)
+"""
+
+
+def test_disk_cache_across_processes(tmp_path):
+    """The disk cache (on by default) with the backward's three kernels (row statistics with the
+    dQ buffer's zeros, the main kernel, the dq conversion: D128): a second process loads them,
+    never imports CuTe DSL, and its dq, dk, dv on fresh inputs match float64 autograd as the first
+    process's do."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_FA4_CACHE_DIR=str(tmp_path))
+    env.pop("TORCH_FA4_KERNEL_CACHE", None)
+    results = []
+    for seed in torch.randint(0, 2**31, (2,)).tolist():
+        run = subprocess.run([sys.executable, "-c", _DISK_CACHE_SCRIPT, str(seed)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
+        assert line, run.stdout[-2000:] + run.stderr[-2000:]
+        worst, from_disk, dsl = line[0].split()[1:]
+        results.append((float(worst), int(from_disk), dsl == "True"))
+    assert results[0][1:] == (0, True), results
+    assert results[1][1:] == (3, False), results
+    for worst, _, _ in results:
+        assert worst < 2e-2, results  # bf16 rounding is ~4e-3 of the largest value; a wrong kernel is O(1)

@@ -926,7 +926,7 @@ print("RESULT", worst, compile_cache.stats()["from_disk"], "cutlass" in sys.modu
 
 
 def test_disk_cache_across_processes(tmp_path):
-    """TORCH_FA4_KERNEL_CACHE=1 (opt-in): a second process loads the kernels the first stored and
+    """TORCH_FA4_KERNEL_CACHE=1 (the default): a second process loads the kernels the first stored and
     gets the same correct results without importing CuTe DSL."""
     import subprocess
     import sys
