@@ -26,6 +26,7 @@ mask_mod is evaluated on every tile of the dense walk: slower, same result.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -676,8 +677,10 @@ def _cute_dtype(dtype: torch.dtype):
     return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
 
 
+@functools.cache
 def _use_tvm_ffi() -> bool:
-    """Whether the kernels launch through TVM-FFI (the only form the disk cache can store)."""
+    """Whether the kernels launch through TVM-FFI (the only form the disk cache can store); asked
+    on every launch, so answered once."""
     import importlib.util
 
     return importlib.util.find_spec("tvm_ffi") is not None
