@@ -1470,20 +1470,13 @@ def test_backward_kernels_load_from_disk_in_a_new_process(tmp_path, setting):
     kernels: the first process compiles and stores them, the second loads all three without
     importing CuTe DSL, and their launches bind the host's arguments (up to TVM-FFI's device check
     of these CPU tensors); off, every process compiles and nothing is stored."""
-    import subprocess
-    import sys
+    from _fresh_process import result_fields
 
     env = dict(os.environ, TORCH_FA4_CACHE_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
     env.pop("TORCH_FA4_KERNEL_CACHE", None)
     if setting != "default":
         env["TORCH_FA4_KERNEL_CACHE"] = setting
-    results = []
-    for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", _DISK_CACHE_SCRIPT], env=env, capture_output=True, text=True,
-                             timeout=600)
-        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
-        assert line, run.stdout[-2000:] + run.stderr[-2000:]
-        results.append(line[0].split()[1:])
+    results = [result_fields(_DISK_CACHE_SCRIPT, env, timeout=600) for _ in range(2)]
     checks = ",".join(["device-check"] * 3)
     assert results[0] == [checks, "0", "True"], results[0]  # compiled (and stored, by default)
     stored = list((tmp_path / "kernels").glob("*.so")) if (tmp_path / "kernels").exists() else []

@@ -862,17 +862,10 @@ def test_disk_cache_loads_in_a_new_process_without_the_dsl(tmp_path):
     """The disk cache (TORCH_FA4_KERNEL_CACHE=1 here, as by default): the first process compiles
     and stores the kernel, the second loads it (no CuTe DSL import, no compile) and its launch
     binds the same arguments."""
-    import subprocess
-    import sys
+    from _fresh_process import result_fields
 
     env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
-    results = []
-    for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", _DISK_CACHE_SCRIPT], env=env, capture_output=True, text=True,
-                             timeout=300)
-        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
-        assert line, run.stdout[-2000:] + run.stderr[-2000:]
-        results.append(line[0].split()[1:])
+    results = [result_fields(_DISK_CACHE_SCRIPT, env) for _ in range(2)]
     assert results[0] == ["device", "check", "0", "True"], results[0]  # compiled, then stored
     assert results[1] == ["device", "check", "1", "False"], results[1]  # loaded; DSL never imported
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1

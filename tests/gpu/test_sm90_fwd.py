@@ -928,17 +928,12 @@ print("RESULT", worst, compile_cache.stats()["from_disk"], "cutlass" in sys.modu
 def test_disk_cache_across_processes(tmp_path):
     """TORCH_FA4_KERNEL_CACHE=1 (the default): a second process loads the kernels the first stored and
     gets the same correct results without importing CuTe DSL."""
-    import subprocess
-    import sys
+    from _fresh_process import result_fields
 
     env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=str(tmp_path))
     results = []
     for seed in torch.randint(0, 2**31, (2,)).tolist():
-        run = subprocess.run([sys.executable, "-c", _DISK_CACHE_GPU_SCRIPT, str(seed)], env=env, capture_output=True,
-                             text=True, timeout=300)
-        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
-        assert line, run.stdout[-2000:] + run.stderr[-2000:]
-        worst, from_disk, dsl = line[0].split()[1:]
+        worst, from_disk, dsl = result_fields(_DISK_CACHE_GPU_SCRIPT, env, str(seed))
         results.append((float(worst), int(from_disk), dsl == "True"))
     assert results[0][1:] == (0, True), results
     assert results[1][1:] == (2, False), results
