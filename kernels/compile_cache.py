@@ -5,8 +5,8 @@ arch); tensor shapes and strides are symbolic in the compiled kernels, so new si
 CuTe DSL's own on-disk cache does not cover `cute.compile`; across processes, callers that pass
 `persist=True` (the sm_90 kernels built with TVM-FFI launches) also use `disk_cache` (on unless
 TORCH_FA4_KERNEL_CACHE=0), which stores exported kernels and loads them in later processes
-without compiling. `stats()` lets tests check that a
-second call compiles nothing (and how many variants came from disk).
+without compiling. `stats()` lets tests check that a second call compiles nothing (and how many
+variants came from disk).
 """
 
 from __future__ import annotations
