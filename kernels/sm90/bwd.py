@@ -707,20 +707,21 @@ def compile_variant(key: tuple, arch: str = "sm_90a", dump_dir: str | None = Non
 
     if dump_dir is not None:
         return _build(key, arch, dump_dir)
-    return compile_cache.get_or_compile(("sm90_bwd", arch, key), lambda: _build(key, arch, None),
+    return compile_cache.get_or_compile(("sm90_bwd", arch, key), lambda jit=True: _build(key, arch, None, jit),
                                         persist=_use_tvm_ffi())
 
 
-def _build(key: tuple, arch: str, dump_dir: str | None):
+def _build(key: tuple, arch: str, dump_dir: str | None, jit: bool = True):
     mods = None
     if key[-1]:
         from torch_fa4.mods import registry
 
         mods = registry.lookup(key[-1])
-    return _compile(key[:-1], mods, arch, dump_dir)
+    return _compile(key[:-1], mods, arch, dump_dir, jit)
 
 
-def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
+def _compile(key: tuple, mods, arch: str, dump_dir: str | None, jit: bool = True):
+    """jit=False: without the host JIT engines, only to be exported (compile_cache.get_or_compile)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -803,7 +804,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None):
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
             Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
             Int32(0), Int32(1), *aux, stream)
-    return cute.compile(kernel, *args, options=options)
+    return cute.compile(kernel, *args, options=options, no_jit_engine=not jit)
 
 
 _SMS: dict = {}

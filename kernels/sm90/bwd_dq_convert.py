@@ -37,11 +37,12 @@ def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | Non
     from .bwd import _use_tvm_ffi
 
     return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype, pdl, reversed_order),
-                                        lambda: _compile(dtype, arch, None, pdl, reversed_order),
+                                        lambda jit=True: _compile(dtype, arch, None, pdl, reversed_order, jit),
                                         persist=_use_tvm_ffi())
 
 
-def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True, reversed_order: bool = False):
+def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True, reversed_order: bool = False,
+             jit: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32
 
@@ -52,7 +53,8 @@ def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = Tr
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
     dst = cute.runtime.make_fake_tensor(_cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype), pdl, reversed_order), src, dst, Float32(1.0), stream, options=options)
+    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype), pdl, reversed_order), src, dst, Float32(1.0), stream, options=options,
+                       no_jit_engine=not jit)
 
 
 def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:

@@ -56,12 +56,13 @@ def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: 
     from .bwd import _use_tvm_ffi
 
     return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile, reversed_order),
-                                        lambda: _compile(dtype, dv, arch, None, d_zero, stat_tile, reversed_order),
+                                        lambda jit=True: _compile(dtype, dv, arch, None, d_zero, stat_tile,
+                                                                  reversed_order, jit),
                                         persist=_use_tvm_ffi())
 
 
 def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0,
-             stat_tile: int = 0, reversed_order: bool = False):
+             stat_tile: int = 0, reversed_order: bool = False, jit: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32
 
@@ -87,7 +88,7 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
     stream, options = compile_stream_and_options(arch, dump_dir)
     return cute.compile(RowStatisticsKernel(cdt, dv, d_zero, stat_tile, reversed_order), dout, out, lse, lse2, dpsum, dq_acc, stream,
-                        options=options)
+                        options=options, no_jit_engine=not jit)
 
 
 # ---- host side ------------------------------------------------------------------------------------

@@ -440,7 +440,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
     options = fwd_launch.compile_options(arch, dump_dir, cfg.ptxas_options)
 
-    def build():
+    def build(jit: bool = True):  # jit=False: only to be exported (compile_cache.get_or_compile)
         import cutlass.cute as cute
 
         from torch_fa4.kernels.sm90.fwd import FlashFwdSm90
@@ -450,7 +450,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
             FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
             *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(1) if cfg.dynamic_schedule else None,
             _fake_int32(2) if cfg.trace else None, *_fake_split(cfg), stream,
-            options=options,
+            options=options, no_jit_engine=not jit,
         )
 
     if dump_dir is not None:
