@@ -351,7 +351,7 @@ def document_mask(S: int, doc_len: int = 512, device: str = "cuda"):
     def document(b, h, q_idx, kv_idx):
         return doc_ids[q_idx] == doc_ids[kv_idx]
 
-    def doc_flops(B, H, S_, D, causal=True, bwd=False):  # S / doc_len causal doc_len x doc_len blocks
+    def doc_flops(B, H, S, D, causal=True, bwd=False):  # S / doc_len causal doc_len x doc_len blocks
         return 4.0 * B * H * (S // doc_len) * doc_len * (doc_len + 1) / 2 * D * (2.5 if bwd else 1.0)
 
     return document, doc_flops

@@ -699,16 +699,21 @@ def compile_stream_and_options(arch: str, dump_dir: str | None, ptxas_options: s
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm), options
 
 
+def cached_compile(key: tuple, build):
+    """compile_cache.get_or_compile for the backward's kernels: kept on disk where they launch
+    through TVM-FFI (the form the disk cache stores)."""
+    from torch_fa4.kernels import compile_cache
+
+    return compile_cache.get_or_compile(key, build, persist=_use_tvm_ffi())
+
+
 def compile_variant(key: tuple, arch: str = "sm_90a", dump_dir: str | None = None):
     """Compile one variant against symbolic shapes (no GPU needed).
 
     dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
-    from torch_fa4.kernels import compile_cache
-
     if dump_dir is not None:
         return _build(key, arch, dump_dir)
-    return compile_cache.get_or_compile(("sm90_bwd", arch, key), lambda jit=True: _build(key, arch, None, jit),
-                                        persist=_use_tvm_ffi())
+    return cached_compile(("sm90_bwd", arch, key), lambda jit=True: _build(key, arch, None, jit))
 
 
 def _build(key: tuple, arch: str, dump_dir: str | None, jit: bool = True):

@@ -30,15 +30,12 @@ def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | Non
     """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
     cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there. pdl:
     launched as a programmatic dependent of the main backward kernel (bwd.PDL_ENV)."""
-    from torch_fa4.kernels import compile_cache
-
     if dump_dir is not None:
         return _compile(dtype, arch, dump_dir, pdl, reversed_order)
-    from .bwd import _use_tvm_ffi
+    from .bwd import cached_compile
 
-    return compile_cache.get_or_compile(("sm90_bwd_dq_convert", arch, dtype, pdl, reversed_order),
-                                        lambda jit=True: _compile(dtype, arch, None, pdl, reversed_order, jit),
-                                        persist=_use_tvm_ffi())
+    return cached_compile(("sm90_bwd_dq_convert", arch, dtype, pdl, reversed_order),
+                          lambda jit=True: _compile(dtype, arch, None, pdl, reversed_order, jit))
 
 
 def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True, reversed_order: bool = False,

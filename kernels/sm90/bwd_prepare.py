@@ -49,16 +49,12 @@ def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: 
 
     Cached per process (kernels/compile_cache.py); dump_dir: also keep the cubin there (always
     compiles, bypassing the cache)."""
-    from torch_fa4.kernels import compile_cache
-
     if dump_dir is not None:
         return _compile(dtype, dv, arch, dump_dir, d_zero, stat_tile, reversed_order)
-    from .bwd import _use_tvm_ffi
+    from .bwd import cached_compile
 
-    return compile_cache.get_or_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile, reversed_order),
-                                        lambda jit=True: _compile(dtype, dv, arch, None, d_zero, stat_tile,
-                                                                  reversed_order, jit),
-                                        persist=_use_tvm_ffi())
+    return cached_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile, reversed_order),
+                          lambda jit=True: _compile(dtype, dv, arch, None, d_zero, stat_tile, reversed_order, jit))
 
 
 def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0,
