@@ -38,8 +38,7 @@ VARIANTS = {
     "d128_dv64": (dict(d=128, dv=64), False),
     "d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
     "d128_softcap_causal": (dict(d=128, softcap=10.0, causal=True), False),
-    # the kernel's own varlen variants: opt-in (bwd.VARLEN_KERNEL_ENV); bwd.backward runs varlen
-    # per sequence through the dense variants until tests/gpu test_varlen_kernel passes
+    # the packed-rows varlen variants (bwd.VARLEN_KERNEL_ENV: one launch for the batch)
     "d128_varlen_causal_gqa": (dict(d=128, hq=4, hkv=2, varlen=True, causal=True), False),
     "d64_varlen_window": (dict(d=64, varlen=True, window_left=64, window_right=16), False),
     "d256_varlen_causal": (dict(d=256, varlen=True, causal=True), False),
@@ -289,19 +288,19 @@ def test_descending_walk_selection(monkeypatch):
 
 
 def test_varlen_kernel_selection(monkeypatch):
-    """Packed varlen batches run one dense launch per sequence unless the kernel's packed-rows
-    variant is asked for (bwd.VARLEN_KERNEL_ENV); deterministic mode and one-sided cu_seqlens
-    always run per sequence, dense batches never."""
+    """Packed varlen batches run the kernel's packed-rows variant in one launch unless one dense
+    launch per sequence is asked for (bwd.VARLEN_KERNEL_ENV=0); deterministic mode and one-sided
+    cu_seqlens always run per sequence, dense batches never."""
     import dataclasses
 
     from torch_fa4.kernels.sm90 import bwd
 
     packed = _call(d=128, varlen=True, causal=True)
     monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV, raising=False)
+    assert not bwd.runs_per_sequence(packed, False)
+    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
     assert bwd.runs_per_sequence(packed, False)
-    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1")
-    with pytest.warns(RuntimeWarning, match="illegal instruction"):  # it faults on an H100
-        assert not bwd.runs_per_sequence(packed, False)
+    monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV)
     assert bwd.runs_per_sequence(packed, True)
     assert bwd.runs_per_sequence(dataclasses.replace(packed, cu_seqlens_k=None), False)
     assert not bwd.runs_per_sequence(_call(d=128, causal=True), False)
@@ -983,20 +982,25 @@ def _contributors(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left):
 
 def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles):
     """_emulated_kernel for the packed-rows varlen variant: q / do (Tq, Hq, D), k / v (Tk, Hkv, D),
-    row statistics and the dQ buffer (Hq, rows[, D]) over the packed rows, sequences at the
-    cu_seqlens offsets, a grid sized by max_k."""
+    the dQ buffer (Hq, rows, D) over the packed rows, sequences at the cu_seqlens offsets, a grid
+    sized by max_k; the row statistics (Hq, rows') with sequence b's rows from
+    (cu_q[b] + b tile_m) // tile_m * tile_m (bwd_kernel._stat_row_offset)."""
     tile_m = kernel_tiles.tile_m
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, split_ws, split_cnt, *rest):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
         assert all(t is None for t in rest[:4]) and sem is None and dq_out is None
         assert split_ws is None and split_cnt is None and tuple(rest[13:15]) == (0, 1)
-        # every query tile a CTA reads, from any sequence's offset, lies inside the statistics
-        assert lse2.shape == dpsum.shape == dq_acc.shape[:2] and lse2.shape[-1] % tile_m == 0
-        assert lse2.shape[-1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m
+        # every query tile a CTA adds to lies inside the dQ buffer
+        assert lse2.shape == dpsum.shape and lse2.shape[0] == dq_acc.shape[0] and lse2.shape[-1] % tile_m == 0
+        assert dq_acc.shape[1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m
+        stats_end = 0  # every statistics tile a CTA reads lies inside the buffer, past the last sequence's
         for b in range(cu_q.shape[0] - 1):
             qa, qb, ka, kb = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
             sq, sk_rows = qb - qa, kb - ka
+            st = (qa + b * tile_m) // tile_m * tile_m
+            assert st >= stats_end and st + -(-sq // tile_m) * tile_m <= lse2.shape[-1]
+            stats_end = st + -(-sq // tile_m) * tile_m
             assert sk_rows <= max_k, "the grid does not cover the longest sequence's key tiles"
             sk = int(used[b]) if used is not None else sk_rows
             _, _, vis = _visible(sq, sk_rows, sk, has_right, has_left, right, left)
@@ -1005,7 +1009,7 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
             for h in range(q.shape[1]):
                 hk = h // group
                 dq_h, dk_h, dv_h = _head_grads(q[qa:qb, h], k[ka:kb, hk], v[ka:kb, hk], do[qa:qb, h],
-                                               lse2[h, qa:qb], dpsum[h, qa:qb], vis.double(), scale,
+                                               lse2[h, st : st + sq], dpsum[h, st : st + sq], vis.double(), scale,
                                                scale_log2, softcap, softcap_val)
                 dq_acc[h, qa:qb] += dq_h.float()
                 gk[:, hk] += dk_h

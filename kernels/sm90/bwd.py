@@ -13,8 +13,9 @@ sizes or values never recompile, except that a plain D64 launch whose last round
 
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
-strides, deterministic dQ. Varlen (cu_seqlens) runs one dense launch per sequence unless
-TORCH_FA4_BWD_VARLEN_KERNEL=1 (`runs_per_sequence`). score_mod/mask_mod are lowered into
+strides, deterministic dQ. Varlen (cu_seqlens) runs one launch of the packed-rows variant for the
+batch (one dense launch per sequence in deterministic mode, with one side packed or with
+TORCH_FA4_BWD_VARLEN_KERNEL=0; `runs_per_sequence`). score_mod/mask_mod are lowered into
 the kernel (derivative from the traced graph; validated on an H200 by
 tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
 dense batches, not deterministic, block-mask tiles multiples of the kernel's query rows per step
@@ -29,7 +30,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import warnings
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -110,12 +110,11 @@ PERSISTENT_CTAS_ENV = "TORCH_FA4_BWD_PERSISTENT_CTAS"
 # keep the leader adds (dQ staged in the ring needs them; D192 is not converted).
 DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Varlen batches (cu_seqlens_q and _k) in one launch of the kernel's packed-rows variant (per
-# sequence row offsets) instead of one dense launch per sequence. That variant faults on the
-# device (an illegal instruction at the producer's TMA load of a stage's LSE, every head dim;
-# NOTES Experiment 80); it stays opt-in until tests/gpu/test_sm90_bwd.py::test_varlen_kernel
-# passes. TORCH_FA4_BWD_VARLEN_KERNEL=0|1.
+# sequence row offsets; the row statistics at tile-aligned offsets, varlen_stat_layout), the
+# default; TORCH_FA4_BWD_VARLEN_KERNEL=0 runs one dense launch per sequence instead (the way
+# deterministic varlen calls and calls with only one side packed always run).
 VARLEN_KERNEL_ENV = "TORCH_FA4_BWD_VARLEN_KERNEL"
-_VARLEN_KERNEL = "0"
+_VARLEN_KERNEL = "1"
 # Phase tracing, a measuring tool (benchmarks/bwd_trace.py): TORCH_FA4_BWD_TRACE=N compiles a
 # variant that stamps a clock at bwd_kernel.TRACE_EVENTS of the first N steps of the CTAs of batch
 # 0, KV head 0 (TORCH_FA4_BWD_TRACE_PAIR=b:hkv picks another pair: batch 0, head 0 run in the
@@ -744,12 +743,13 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None, jit: bool = True
     sq_pad = sym()
     if varlen:
         tq, tk, tq_pad = sym(), sym(), sym()
+        stat_rows = sym()  # the statistics' own rows (varlen_stat_layout), not the dQ buffer's
         q = fake(cdt, (tq, hq, d), (al(), al(), 1))
         k = fake(cdt, (tk, hkv, d), (al(), al(), 1))
         v = fake(cdt, (tk, hkv, dv), (al(), al(), 1))
         do = fake(cdt, (tq, hq, dv), (al(), al(), 1))
-        lse = fake(Float32, (hq, tq_pad), (al(), 1))
-        dps = fake(Float32, (hq, tq_pad), (al(), 1))
+        lse = fake(Float32, (hq, stat_rows), (al(), 1))
+        dps = fake(Float32, (hq, stat_rows), (al(), 1))
         dqa = fake(Float32, (hq, tq_pad, d), (al(), d, 1))
         dk = fake(cdt, (tk, hkv, d), (al(), d, 1))
         dvv = fake(cdt, (tk, hkv, dv), (al(), dv, 1))
@@ -866,6 +866,8 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
                                                reversed_order=reversed_passes()[0])
             if zero_dq is not None and not fused_zero:
                 zero_dq.zero_()
+            if call.is_varlen:
+                stats = varlen_stat_layout(call, *stats, tile_m)
             return (*stats, rows)
     if zero_dq is not None:
         zero_dq.zero_()
@@ -880,7 +882,39 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
         from .bwd_stats_layout import permute_rows
 
         lse2, dpsum = permute_rows(lse2, tile_m), permute_rows(dpsum, tile_m)
+    if call.is_varlen:
+        lse2, dpsum = varlen_stat_layout(call, lse2, dpsum, tile_m)
     return lse2, dpsum, rows
+
+
+def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
+    """Where each sequence's LSE / dPsum rows start in the varlen backward's layout (int64, B):
+    its first packed row moved down to a whole query tile, b tiles further on, so that every
+    tile the kernel loads starts 16-byte aligned (bwd_kernel._stat_row_offset computes the same
+    on the device). Sequence b's tiles end at or before sequence b + 1's start:
+    (c + L + (b + 1) t) // t >= (c + b t) // t + ceil(L / t) for c = cu[b], L its length."""
+    cu = cu_seqlens_q.to(torch.int64)
+    b = torch.arange(cu.numel() - 1, device=cu.device)
+    return (cu[:-1] + b * tile_m) // tile_m * tile_m
+
+
+def varlen_stat_layout(call: "AttentionCall", lse2: torch.Tensor, dpsum: torch.Tensor, tile_m: int):
+    """The packed rows' statistics (Hq, >= T) moved to the tile-aligned per-sequence offsets of
+    stat_row_offsets, in (Hq, rows) buffers whose other rows hold +inf / 0 (as padding rows do).
+    A TMA load whose first element is not 16-byte aligned faults (NOTES Experiment 160), and
+    sequences start at any packed row."""
+    total = call.q.shape[0]
+    cu = call.cu_seqlens_q.to(device=lse2.device, dtype=torch.int64)
+    batch = cu.numel() - 1
+    rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
+    t = torch.arange(total, device=lse2.device)
+    seq = torch.searchsorted(cu[1:], t, right=True)  # the sequence of each packed row
+    dest = t + (stat_row_offsets(cu, tile_m) - cu[:-1])[seq]
+    moved = []
+    for x, fill in ((lse2, math.inf), (dpsum, 0.0)):
+        y = torch.full((x.shape[0], rows), fill, dtype=torch.float32, device=x.device)
+        moved.append(y.index_copy_(1, dest, x[:, :total]))
+    return moved
 
 
 def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
@@ -889,13 +923,7 @@ def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
     if not (call.is_varlen or call.cu_seqlens_k is not None):
         return False
     packed = call.is_varlen and call.cu_seqlens_k is not None and not deterministic
-    if packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1":
-        warnings.warn(f"{VARLEN_KERNEL_ENV}=1: the packed-rows varlen backward stops with an illegal "
-                      "instruction on H100 (benchmarks/NOTES.md, Experiments 80 and 85), which leaves "
-                      "the CUDA context unusable; unset it for the per-sequence backward",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return not (packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1")
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:

@@ -85,10 +85,9 @@ Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks onl
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
 Variable length: the `varlen` variant (packed rows, per-sequence row offsets, dK / dV stored from
-registers with a row predicate) faults on the device: an illegal instruction at the producer's
-TMA load of a stage's LSE (compute-sanitizer, NOTES Experiment 80), cause not found. bwd.py runs
-varlen batches one sequence at a time through the dense variant unless
-TORCH_FA4_BWD_VARLEN_KERNEL=1 (bwd.runs_per_sequence).
+registers with a row predicate). Its LSE / dPsum rows start each sequence at a tile-aligned
+offset (`_stat_row_offset`, bwd.varlen_stat_layout): a TMA load of fp32 rows from an offset that
+is not a multiple of 4 stopped the kernel with an illegal instruction (NOTES Experiment 160).
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
@@ -953,6 +952,18 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         """fp32 elements per ring stage of the LSE / dPsum buffers: tile_m rounded up to 128 bytes,
         the alignment a TMA destination in shared memory needs (80 queries: 96)."""
         return -(-self.tile_m // 32) * 32
+
+    @cute.jit
+    def _stat_row_offset(self, q_off, b):
+        """Where sequence b's LSE / dPsum rows start. Dense: 0. Varlen: its first row q_off moved
+        down to a whole query tile, past the previous sequence's rows (bwd.stat_row_offsets, the
+        host's copy of this formula, lays them out so): a TMA load whose first element along the
+        contiguous mode is not 16-byte aligned stops the kernel with an illegal instruction, and
+        fp32 rows are aligned only at multiples of 4 (NOTES Experiment 160)."""
+        off = q_off
+        if const_expr(self.varlen):
+            off = (q_off + b * self.tile_m) // self.tile_m * self.tile_m
+        return off
 
     @cute.jit
     def _head_slice(self, t: cute.Tensor, h, b, off):

@@ -43,6 +43,7 @@ class BwdProducer:
             cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
         if const_expr(state is None):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        stat_off = self._stat_row_offset(q_off, b)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(steps, unroll=1):
             if const_expr(self.persistent):
@@ -55,8 +56,8 @@ class BwdProducer:
             h = hkv * self.group + h_local
             gQ = cute.local_tile(self._head_slice(mQ, h, b, q_off), (tm, self.d), (None, 0))
             gdO = cute.local_tile(self._head_slice(mdO, h, b, q_off), (tm, self.dv), (None, 0))
-            gL = cute.local_tile(self._head_slice(mLSE2, h, b, q_off), (tm,), (None,))
-            gD = cute.local_tile(self._head_slice(mDpsum, h, b, q_off), (tm,), (None,))
+            gL = cute.local_tile(self._head_slice(mLSE2, h, b, stat_off), (tm,), (None,))
+            gD = cute.local_tile(self._head_slice(mDpsum, h, b, stat_off), (tm,), (None,))
             tQs, tQg = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tdOs, tdOg = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
             tLs, tLg = cpasync.tma_partition(tma_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gL, 0, 1))

@@ -73,8 +73,8 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
           mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None,
-          expect_dq_warp=None, expect_dq_t=None, expect_mod_fragment=None):
-    """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
+          expect_dq_warp=None, expect_dq_t=None, expect_mod_fragment=None, lens=None):
+    """lens: varlen, these (query lengths, key lengths) instead of random ones. block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
     bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
     column) the backward must walk it with, None for the dense walk; expect_tile_m: the queries
     per kernel step the variant must have; expect_dq_warp: whether it must add dQ from the
@@ -88,6 +88,8 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
     if varlen:
         lens_q = torch.randint(1, sq + 1, (b,), generator=torch.Generator().manual_seed(torch.seed() % 2**31))
         lens_k = torch.randint(1, sk + 1, (b,), generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+        if lens is not None:
+            lens_q, lens_k = (torch.tensor(x) for x in lens)
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lens_q.cumsum(0)]).to(torch.int32).to(dev)
         cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lens_k.cumsum(0)]).to(torch.int32).to(dev)
         q = rnd(int(cu_q[-1]), hq, d).to(dtype)
@@ -273,9 +275,10 @@ def test_varlen():
     _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True)
 
 
-# The kernel's packed-rows varlen variant (one launch for the batch, bwd.VARLEN_KERNEL_ENV), opt-in
-# until this passes: (D, causal, window (left, right), softcap, hq, hkv, dtype, max sq, max sk).
-# Sequences of 1 .. max rows each, so tiles start mid-sequence, straddle two sequences, and some
+# The kernel's packed-rows varlen variant (one launch for the batch, bwd.VARLEN_KERNEL_ENV, the
+# default): (D, causal, window (left, right), softcap, hq, hkv, dtype, max sq, max sk).
+# Sequences of 1 .. max rows each, so sequences start at any packed row (their row statistics
+# move to tile-aligned offsets, bwd.varlen_stat_layout), tiles straddle two sequences, and some
 # sequences are shorter than a tile.
 _VARLEN_KERNEL_CASES = {
     "d64_causal": (64, True, (-1, -1), 0.0, 4, 2, BF, 300, 260),
@@ -288,22 +291,42 @@ _VARLEN_KERNEL_CASES = {
 }
 
 
-# run=False: the variant faults with an illegal instruction (NOTES Experiments 80 and 85), which
-# leaves the process's CUDA context unusable and fails every later test of that process
-@pytest.mark.xfail(reason="packed varlen backward: illegal instruction on H100", run=False)
-@pytest.mark.parametrize("name", list(_VARLEN_KERNEL_CASES))
-def test_varlen_kernel(name, monkeypatch):
+def _refuse_per_sequence(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd
-
-    d, causal, (left, right), softcap, hq, hkv, dtype, sq, sk = _VARLEN_KERNEL_CASES[name]
-    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1")
 
     def refuse(*args, **kwargs):
         raise AssertionError("ran one launch per sequence, not the packed variant")
 
     monkeypatch.setattr(bwd, "_backward_per_sequence", refuse)
+
+
+@pytest.mark.parametrize("name", list(_VARLEN_KERNEL_CASES))
+def test_varlen_kernel(name, monkeypatch):
+    d, causal, (left, right), softcap, hq, hkv, dtype, sq, sk = _VARLEN_KERNEL_CASES[name]
+    _refuse_per_sequence(monkeypatch)
     _case(dtype, 5, sq, sk, hq, hkv, d, d, causal=causal, left=left, right=right, softcap=softcap,
           varlen=True)
+
+
+def test_varlen_kernel_odd_offsets(monkeypatch):
+    """Sequences starting at packed rows 17, 317, 446, 702 (none 16-byte aligned as fp32 rows):
+    the layout that stopped the packed variant with an illegal instruction (NOTES Experiment 160)."""
+    _refuse_per_sequence(monkeypatch)
+    lens = ([17, 300, 129, 256, 64], [40, 260, 129, 200, 64])
+    _case(BF, 5, 300, 260, 4, 2, 64, 64, causal=True, varlen=True, lens=lens)
+    _case(BF, 5, 300, 260, 2, 2, 128, 128, varlen=True, lens=lens)
+
+
+def test_varlen_per_sequence(monkeypatch):
+    """TORCH_FA4_BWD_VARLEN_KERNEL=0: one dense launch per sequence, the way deterministic calls run."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
+    seen = []
+    per_sequence = bwd._backward_per_sequence
+    monkeypatch.setattr(bwd, "_backward_per_sequence", lambda *a: seen.append(1) or per_sequence(*a))
+    _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True)
+    assert seen, "the packed variant ran"
 
 
 def test_seqused_k():

@@ -157,7 +157,14 @@ def test_backward_host_uses_fused_path_and_matches_torch_path(varlen, min_rows, 
     assert lse2.is_contiguous() and dpsum.is_contiguous()
     assert torch.equal(lse2.cpu(), lse2_t)  # same fp32 product, same +inf rows and padding
     torch.testing.assert_close(dpsum.cpu(), dpsum_t, rtol=1e-5, atol=1e-5)
-    assert (dpsum[..., lse.shape[-1]:] == 0).all()
+    padding = torch.ones(dpsum.shape[-1], dtype=torch.bool)
+    if varlen:  # each sequence's rows at its tile-aligned offset (bwd.varlen_stat_layout)
+        cu = call.cu_seqlens_q.tolist()
+        for first, start, end in zip(bwd.stat_row_offsets(call.cu_seqlens_q, bwd._TILE_M).tolist(), cu, cu[1:]):
+            padding[first : first + end - start] = False
+    else:
+        padding[: lse.shape[-1]] = False
+    assert (dpsum[..., padding] == 0).all() and (lse2[..., padding] == math.inf).all()
 
 
 def test_expanded_gradient_takes_the_torch_path(monkeypatch):
