@@ -42,6 +42,7 @@ VARIANTS = {
     "d128_varlen_causal_gqa": (dict(d=128, hq=4, hkv=2, varlen=True, causal=True), False),
     "d64_varlen_window": (dict(d=64, varlen=True, window_left=64, window_right=16), False),
     "d256_varlen_causal": (dict(d=256, varlen=True, causal=True), False),
+    "d128_varlen_causal_deterministic": (dict(d=128, varlen=True, causal=True), True),
     "d64_seqused": (dict(d=64, seqused=True), False),
     "d128_causal_deterministic": (dict(d=128, causal=True), True),
     # narrow variant (64 keys per CTA shared by both warpgroups): head dims above 128
@@ -288,9 +289,9 @@ def test_descending_walk_selection(monkeypatch):
 
 
 def test_varlen_kernel_selection(monkeypatch):
-    """Packed varlen batches run the kernel's packed-rows variant in one launch unless one dense
-    launch per sequence is asked for (bwd.VARLEN_KERNEL_ENV=0); deterministic mode and one-sided
-    cu_seqlens always run per sequence, dense batches never."""
+    """Packed varlen batches run the kernel's packed-rows variant in one launch, deterministic
+    mode included, unless one dense launch per sequence is asked for (bwd.VARLEN_KERNEL_ENV=0);
+    one-sided cu_seqlens always run per sequence, dense batches never."""
     import dataclasses
 
     from torch_fa4.kernels.sm90 import bwd
@@ -301,7 +302,7 @@ def test_varlen_kernel_selection(monkeypatch):
     monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
     assert bwd.runs_per_sequence(packed, False)
     monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV)
-    assert bwd.runs_per_sequence(packed, True)
+    assert not bwd.runs_per_sequence(packed, True)
     assert bwd.runs_per_sequence(dataclasses.replace(packed, cu_seqlens_k=None), False)
     assert not bwd.runs_per_sequence(_call(d=128, causal=True), False)
 
@@ -1383,6 +1384,32 @@ def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypa
         # the D64 variant's fused dq conversion ~10 more in its integer divisions)
         assert vk[-3].mod_fragment
         assert sass.count("I2F") <= 32, sass.count("I2F")
+
+
+def test_varlen_mods_variant_compiles_to_hgmma(tmp_path, monkeypatch):
+    """score_mod and mask_mod on packed varlen batches: the packed-rows variant, whose mods see
+    each sequence's own positions and its index as b; refused where the batch would run one
+    dense launch per sequence (each launch would see its sequence as batch 0)."""
+    import dataclasses
+
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    key, aux = prepare(*_tanh_bias_document_mods())
+    call = _call(d=128, hq=4, hkv=2, varlen=True, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
+    assert bwd.unsupported_reason(call) is None
+    assert "both sides" in bwd.unsupported_reason(dataclasses.replace(call, cu_seqlens_k=None))
+    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
+    assert "packed-rows" in bwd.unsupported_reason(call)
+    monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV)
+    vk = bwd.variant_key(call, False)
+    assert vk[7] and vk[-1] == key  # varlen, the mods
+    bwd.compile_variant(vk, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    bodies = _step_bodies(vk, call)
+    assert sass.count("HGMMA.") == bodies * (128 // 16 * 2 + 128 // 16 + 2 * (64 // 16))
+    assert sass.count("LDL") + sass.count("STL") <= 64
 
 
 def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):

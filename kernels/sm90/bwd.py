@@ -492,8 +492,11 @@ MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowerin
 def _mods_reason(call: "AttentionCall") -> str | None:
     if call.mods is None:
         return "score_mod/mask_mod key given but not resolved to a ModSet"
-    if call.is_varlen or call.cu_seqlens_k is not None:
-        return "sm90 backward takes score_mod/mask_mod on dense batches only"
+    if call.is_varlen != (call.cu_seqlens_k is not None):
+        return "sm90 backward takes score_mod/mask_mod with cu_seqlens on both sides or neither"
+    if call.is_varlen and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "0":
+        # the per-sequence launches would see each sequence as batch 0
+        return f"score_mod/mask_mod with varlen need the packed-rows backward ({VARLEN_KERNEL_ENV}=0)"
     if len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm90 backward: at most {MAX_AUX})"
     if any(t.requires_grad for t in call.score_aux):
@@ -918,16 +921,18 @@ def varlen_stat_layout(call: "AttentionCall", lse2: torch.Tensor, dpsum: torch.T
 
 
 def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
-    """Whether a call with cu_seqlens runs one dense launch per sequence (VARLEN_KERNEL_ENV): always
-    with only one side packed or in deterministic mode (the packed variant's turns are untested)."""
+    """Whether a call with cu_seqlens runs one dense launch per sequence: with only one side
+    packed, or when VARLEN_KERNEL_ENV=0 asks for it. (Deterministic mode works per sequence as in
+    a dense batch: its turns count the key tiles before each query tile of the sequence.)"""
     if not (call.is_varlen or call.cu_seqlens_k is not None):
         return False
-    packed = call.is_varlen and call.cu_seqlens_k is not None and not deterministic
+    packed = call.is_varlen and call.cu_seqlens_k is not None
     return not (packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1")
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
     if runs_per_sequence(call, deterministic):
+        assert call.mods is None, "mods on per-sequence launches (unsupported_reason refuses them)"
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic)
         return
     key = variant_key(call, deterministic)

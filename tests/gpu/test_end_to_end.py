@@ -94,6 +94,44 @@ def test_training_step_with_alibi_gqa_runs_on_kernels(picked, d):
         assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
 
 
+def test_varlen_training_step_with_a_score_mod_runs_on_kernels(picked):
+    """Packed sequences (starting at rows 0, 17, 317, 446) with a score_mod that reads b, the
+    sequence's index, and positions within the sequence: forward and backward on the kernels."""
+    lens, H, HKV, d = [17, 300, 129, 64], 4, 2, 128
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16) for h in (H, HKV, HKV))
+    slopes = torch.rand(H, device="cuda")
+
+    def alibi_by_sequence(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (b + 1) * 0.25 * (q_idx - kv_idx).abs()
+
+    qa, ka, va = _leaves(q, k, v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
+        out = torch_fa4.attention(qa, ka, va, causal=True, score_mod=alibi_by_sequence, cu_seqlens_q=cu,
+                                  cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert ("forward", "torch_fa4.kernels.sm90") in picked
+    assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
+
+    def per_sequence(q, k, v, dtype):  # each sequence alone, as batch 0 with b shifted to its index
+        leaves = _leaves(*(t.to(dtype) for t in (q, k, v)))
+        outs = []
+        for n, (a, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+            mod = lambda s, b, h, i, j, n=n: alibi_by_sequence(s, b + n, h, i, j)  # noqa: E731
+            outs.append(_float64_attention(*(t[a:e][None] for t in leaves), causal=True, score_mod=mod)[0])
+        o = torch.cat(outs)
+        o.backward(grad.to(dtype))
+        return o, leaves
+
+    ref, (q64, k64, v64) = per_sequence(q, k, v, torch.float64)
+    base, (qb, kb, vb) = per_sequence(q, k, v, torch.bfloat16)  # eager bf16 attention: the error budget
+    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
+    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad), (va.grad, vb.grad, v64.grad)):
+        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+
+
 class _TinyAttention(torch.nn.Module):
     def __init__(self, dim=256, heads=4, kv_heads=2):
         super().__init__()

@@ -113,7 +113,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
     q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
     outs, lses = [], []
     seqs = spans if varlen else list(range(b))
-    for s in seqs:
+    for i, s in enumerate(seqs):
         if varlen:
             qa, qb, ka, kb = s
             qs, ks, vs = q64[qa:qb], k64[ka:kb], v64[ka:kb]
@@ -121,7 +121,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
             kl = int(used[s]) if used is not None else sk
             qs, ks, vs = q64[s], k64[s, :kl], v64[s, :kl]
         vis = _visible(qs.shape[0], ks.shape[0], causal, left, right, dev)
-        o, l = _attend64(qs, ks, vs, scale, softcap, vis, score_mod, mask_mod, 0 if varlen else s)
+        o, l = _attend64(qs, ks, vs, scale, softcap, vis, score_mod, mask_mod, i)  # mods see b = i
         outs.append(o)
         lses.append(l)
     out64 = torch.cat(outs, 0) if varlen else torch.stack(outs, 0)
@@ -317,6 +317,15 @@ def test_varlen_kernel_odd_offsets(monkeypatch):
     _case(BF, 5, 300, 260, 2, 2, 128, 128, varlen=True, lens=lens)
 
 
+def test_varlen_deterministic(monkeypatch):
+    """Deterministic mode on the packed-rows variant: two runs equal bit for bit, and float64's
+    gradients (each sequence's turns count the key tiles before its query tiles)."""
+    _refuse_per_sequence(monkeypatch)
+    lens = ([17, 300, 129, 256, 64], [40, 260, 129, 200, 64])
+    _case(BF, 5, 300, 260, 4, 2, 128, 128, causal=True, varlen=True, deterministic=True, lens=lens)
+    _case(BF, 5, 300, 260, 4, 2, 64, 64, left=50, right=10, varlen=True, deterministic=True)
+
+
 def test_varlen_per_sequence(monkeypatch):
     """TORCH_FA4_BWD_VARLEN_KERNEL=0: one dense launch per sequence, the way deterministic calls run."""
     from torch_fa4.kernels.sm90 import bwd
@@ -381,6 +390,32 @@ def test_mods(mod_fragment, make_mods, causal):
     score_mod, mask_mod = make_mods(slopes, doc)
     _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
           expect_mod_fragment=mod_fragment and score_mod is not None)
+
+
+def _sequence_index(slopes, doc):  # mods reading b, the sequence's index in a varlen batch
+    period = torch.randint(2, 6, (8,), device="cuda", dtype=torch.int32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx) * (b + 1) * 0.25
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((kv_idx % period[b]) != 1) | (kv_idx == 0)
+
+    return score_mod, mask_mod
+
+
+@pytest.mark.parametrize("make_mods,causal,d", [
+    (_alibi, True, 128), (_tanh_bias_documents, False, 128), (_sequence_index, True, 128),
+    (_sequence_index, False, 64),
+])
+def test_mods_varlen(make_mods, causal, d, monkeypatch):
+    """Mods on packed varlen batches (the packed-rows variant): positions within each sequence,
+    b its index, as the forward does."""
+    _refuse_per_sequence(monkeypatch)
+    slopes = torch.rand(4, device="cuda")
+    doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
+    score_mod, mask_mod = make_mods(slopes, doc)
+    _case(BF, 5, 300, 260, 4, 2, d, d, causal=causal, varlen=True, score_mod=score_mod, mask_mod=mask_mod)
 
 
 @pytest.mark.parametrize("d,causal", [(128, False), (64, True)])
