@@ -67,6 +67,32 @@ def test_varlen_errors():
         torch_fa4.attention(q4, k4, v4, seqused_k=torch.tensor([3, 9], dtype=torch.int32))
 
 
+def test_varlen_values_are_read_once_per_unmodified_tensor(monkeypatch):
+    """The offsets' values are read (a device sync on the GPU) once per live, unmodified set of
+    tensors: the second call with the same cu_seqlens reads nothing, an in-place change or a new
+    tensor is read again, and a bad value is still caught."""
+    from torch_fa4 import checks
+
+    reads = []
+    real = checks._check_varlen_values
+    monkeypatch.setattr(checks, "_check_varlen_values", lambda *a: reads.append(1) or real(*a))
+    q, k, v = (torch.randn(10, 2, 64) for _ in range(3))
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 10], dtype=torch.int32)
+    torch_fa4.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch_fa4.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(reads) == 1
+    cu_q[1] = 6  # in place: read again (and valid)
+    torch_fa4.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(reads) == 2
+    cu_k[1] = 11  # in place and now decreasing: caught
+    with pytest.raises(ValueError, match="never decrease"):
+        torch_fa4.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    fresh = torch.tensor([0, 4, 10], dtype=torch.int32)  # equal values, another tensor: read
+    torch_fa4.attention(q, k, v, cu_seqlens_q=fresh, cu_seqlens_k=torch.tensor([0, 5, 10], dtype=torch.int32))
+    assert len(reads) == 4
+
+
 def test_scalar_errors():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="softcap must be"):

@@ -983,7 +983,7 @@ def _contributors(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left):
 
 def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles):
     """_emulated_kernel for the packed-rows varlen variant: q / do (Tq, Hq, D), k / v (Tk, Hkv, D),
-    the dQ buffer (Hq, rows, D) over the packed rows, sequences at the cu_seqlens offsets, a grid
+    the dQ buffer (Hq, T, D) over the packed rows, sequences at the cu_seqlens offsets, a grid
     sized by max_k; the row statistics (Hq, rows') with sequence b's rows from
     (cu_q[b] + b tile_m) // tile_m * tile_m (bwd_kernel._stat_row_offset)."""
     tile_m = kernel_tiles.tile_m
@@ -992,9 +992,10 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
         assert all(t is None for t in rest[:4]) and sem is None and dq_out is None
         assert split_ws is None and split_cnt is None and tuple(rest[13:15]) == (0, 1)
-        # every query tile a CTA adds to lies inside the dQ buffer
-        assert lse2.shape == dpsum.shape and lse2.shape[0] == dq_acc.shape[0] and lse2.shape[-1] % tile_m == 0
-        assert dq_acc.shape[1] >= -(-q.shape[0] // tile_m) * tile_m + tile_m
+        # the dQ buffer: a (Hq, T, D) view of zeroed (T, Hq, D) rows (TMA adds drop rows past T)
+        assert lse2.shape == dpsum.shape and lse2.shape[0] == q.shape[1] and lse2.shape[-1] % tile_m == 0
+        assert dq_acc.shape == (q.shape[1], q.shape[0], d) and dq_acc.transpose(0, 1).is_contiguous()
+        assert int(dq_acc.abs().sum()) == 0
         stats_end = 0  # every statistics tile a CTA reads lies inside the buffer, past the last sequence's
         for b in range(cu_q.shape[0] - 1):
             qa, qb, ka, kb = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])

@@ -745,7 +745,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None, jit: bool = True
     b, sq, sk, hq, hkv = sym(), sym(), sym(), sym(), sym()
     sq_pad = sym()
     if varlen:
-        tq, tk, tq_pad = sym(), sym(), sym()
+        tq, tk = sym(), sym()
         stat_rows = sym()  # the statistics' own rows (varlen_stat_layout), not the dQ buffer's
         q = fake(cdt, (tq, hq, d), (al(), al(), 1))
         k = fake(cdt, (tk, hkv, d), (al(), al(), 1))
@@ -753,7 +753,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None, jit: bool = True
         do = fake(cdt, (tq, hq, dv), (al(), al(), 1))
         lse = fake(Float32, (hq, stat_rows), (al(), 1))
         dps = fake(Float32, (hq, stat_rows), (al(), 1))
-        dqa = fake(Float32, (hq, tq_pad, d), (al(), d, 1))
+        dqa = fake(Float32, (hq, tq, d), (d, al(), 1))  # a (Hq, T, D) view of (T, Hq, D) rows
         dk = fake(cdt, (tk, hkv, d), (al(), d, 1))
         dvv = fake(cdt, (tk, hkv, dv), (al(), dv, 1))
         bp1 = sym()
@@ -975,8 +975,14 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         if split_ws is not None:
             split_cnt = counters[math.prod(shape):]
     if call.is_varlen:
-        lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m)
-        dq_acc = torch.zeros((call.num_heads, rows, call.head_dim), dtype=torch.float32, device=q.device)
+        # dq's (T, Hq, D) rows (as one dense batch of T rows: zeroed by the row-statistics pass,
+        # converted by the dense conversion pass), handed to the kernel as a (Hq, T, D) view; the
+        # TMA adds of a sequence's last query tile add zeros to the next sequence's first rows
+        # (rows past a sequence's end have P = dS = 0) and drop those past T
+        dq_acc_rows = torch.empty((1, q.shape[0], call.num_heads, call.head_dim), dtype=torch.float32,
+                                  device=q.device)
+        lse2, dpsum, _ = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
+        dq_acc = dq_acc_rows[0].transpose(0, 1)
     else:
         # dq's (B, Sq, Hq, D) layout, unpadded (the kernel's TMA adds drop rows past Sq), handed
         # to the kernel as a (B, Hq, Sq, D) view: the conversion below is one contiguous pass.
@@ -1035,16 +1041,13 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if fused:  # the kernel wrote dq
         return
     with torch.no_grad():
-        if call.is_varlen:
-            torch.mul(dq_acc[:, : q.shape[0]].transpose(0, 1), call.scale, out=dq)
-            return
         from . import bwd_dq_convert
 
         if bwd_dq_convert.takes(dq_acc_rows, dq):
             bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3].pdl,
                                          reversed_order=reversed_passes()[1])
         else:
-            torch.mul(dq_acc_rows, call.scale, out=dq)
+            torch.mul(dq_acc_rows.view(dq.shape), call.scale, out=dq)
 
 
 def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic):

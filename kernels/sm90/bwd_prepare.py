@@ -164,6 +164,8 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor,
 def dq_zeroing_takes(dq_acc: torch.Tensor, dout: torch.Tensor) -> bool:
     """Whether the pass can zero this dQ buffer: dense (B, S, H, D) fp32 rows matching dO's,
     contiguous, D a multiple of 16, 16-byte aligned."""
+    if dout.dim() == 3:  # varlen: the packed rows are one batch of T rows
+        dout = dout.unsqueeze(0)
     return (dout.dim() == 4 and dq_acc.dtype == torch.float32 and dq_acc.shape[:3] == dout.shape[:3]
             and dq_acc.is_contiguous() and dq_acc.shape[-1] % (ZERO_VEC * THREADS_PER_ROW) == 0
             and dq_acc.data_ptr() % 16 == 0)
