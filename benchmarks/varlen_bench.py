@@ -118,17 +118,19 @@ def host_times(label: str, d: int) -> None:
             host_ms = (time.perf_counter() - t) / 20 * 1e3
             torch.cuda.synchronize()
             print(f"host D{d} {label} {'bwd' if backward else 'fwd'} {name}: {host_ms:.3f} ms per call", flush=True)
-    fn = ours(q, k, v, cu, max_len, True)
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
+    for backward in (False, True):
+        fn = ours(q, k, v, cu, max_len, backward)
         fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"== cProfile, 20 {'backward' if backward else 'forward'} calls of ours")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 def main():

@@ -57,3 +57,16 @@ def test_offsets_formula():
     # (cu[b] + b * tile) // tile * tile: 17 -> 64 (17 + 64 = 81), 317 -> 384 (317 + 128 = 445)
     cu = torch.tensor([0, 17, 317, 446, 500], dtype=torch.int32)
     assert bwd.stat_row_offsets(cu, 64).tolist() == [0, 64, 384, 576]
+
+
+def test_destinations_are_kept_per_unmodified_offsets_tensor():
+    cu = torch.tensor([0, 17, 317, 446], dtype=torch.int32)
+    dest, rows = bwd.stat_destinations(cu, 446, 64)
+    again, _ = bwd.stat_destinations(cu, 446, 64)
+    assert again is dest  # the same live tensor, unmodified: no recomputation
+    assert bwd.stat_destinations(cu, 446, 128)[0] is not dest  # another tile: its own layout
+    cu[1] = 20  # in place: recomputed from the new offsets
+    moved, _ = bwd.stat_destinations(cu, 446, 64)
+    offsets = bwd.stat_row_offsets(cu, 64).tolist()
+    assert moved[20].item() == offsets[1] and moved[19].item() == 19
+    assert dest[17].item() == 64  # (the first result still describes the old offsets)

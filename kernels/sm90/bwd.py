@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -901,23 +902,45 @@ def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
     return (cu[:-1] + b * tile_m) // tile_m * tile_m
 
 
+# stat_destinations' results per live, unmodified cu_seqlens_q tensor (a model's layers share
+# one): id -> (weak reference, (version, data pointer, T, tile_m), (destinations, rows)).
+_STAT_DESTINATIONS: dict = {}
+
+
+def stat_destinations(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> tuple[torch.Tensor, int]:
+    """(row of each packed query row in the varlen statistics layout (int64, T), rows of the
+    layout). Six small kernels and ~0.3 ms of host time per backward on the H200's host before it
+    was kept per offsets tensor (NOTES Experiment 161)."""
+    cu = cu_seqlens_q
+    stamp = (cu._version, cu.data_ptr(), total, tile_m)
+    hit = _STAT_DESTINATIONS.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == stamp:
+        return hit[2]
+    cu64 = cu.to(torch.int64)
+    batch = cu64.numel() - 1
+    rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
+    dest = t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq]
+    if len(_STAT_DESTINATIONS) >= 16:
+        _STAT_DESTINATIONS.clear()
+    _STAT_DESTINATIONS[id(cu)] = (weakref.ref(cu), stamp, (dest, rows))
+    return dest, rows
+
+
 def varlen_stat_layout(call: "AttentionCall", lse2: torch.Tensor, dpsum: torch.Tensor, tile_m: int):
     """The packed rows' statistics (Hq, >= T) moved to the tile-aligned per-sequence offsets of
     stat_row_offsets, in (Hq, rows) buffers whose other rows hold +inf / 0 (as padding rows do).
     A TMA load whose first element is not 16-byte aligned faults (NOTES Experiment 160), and
     sequences start at any packed row."""
     total = call.q.shape[0]
-    cu = call.cu_seqlens_q.to(device=lse2.device, dtype=torch.int64)
-    batch = cu.numel() - 1
-    rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
-    t = torch.arange(total, device=lse2.device)
-    seq = torch.searchsorted(cu[1:], t, right=True)  # the sequence of each packed row
-    dest = t + (stat_row_offsets(cu, tile_m) - cu[:-1])[seq]
-    moved = []
-    for x, fill in ((lse2, math.inf), (dpsum, 0.0)):
-        y = torch.full((x.shape[0], rows), fill, dtype=torch.float32, device=x.device)
-        moved.append(y.index_copy_(1, dest, x[:, :total]))
-    return moved
+    dest, rows = stat_destinations(call.cu_seqlens_q, total, tile_m)
+    moved = torch.empty((2, lse2.shape[0], rows), dtype=torch.float32, device=lse2.device)
+    moved[0].fill_(math.inf)
+    moved[1].zero_()
+    moved[0].index_copy_(1, dest, lse2[:, :total])
+    moved[1].index_copy_(1, dest, dpsum[:, :total])
+    return moved[0], moved[1]
 
 
 def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
