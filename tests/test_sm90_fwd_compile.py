@@ -1034,3 +1034,16 @@ def test_d64_plain_calls_take_hand_built_descriptors(tmp_path):
     assert issued_when_ready(loops[True]) < issued_when_ready(loops[False])
     with pytest.raises(AssertionError, match="128-byte rows"):
         fwd_host.compile_fwd(replace(cfg(128, 4096), hand_descriptors=True), dump_dir=str(tmp_path / "d128"))
+
+
+def test_config_changes_copy_only_what_changes():
+    """default_config's late decisions (fwd_host._with) keep the config object where a decision
+    leaves its field as it is, and copy it like dataclasses.replace where it changes it."""
+    from dataclasses import replace
+
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    cfg = fwd_host.default_config(_call(D=128))
+    assert fwd_host._with(cfg, grid3d=cfg.grid3d, split_ways=cfg.split_ways) is cfg
+    changed = fwd_host._with(cfg, grid3d=not cfg.grid3d)
+    assert changed == replace(cfg, grid3d=not cfg.grid3d) and changed is not cfg
