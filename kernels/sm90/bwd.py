@@ -14,8 +14,8 @@ sizes or values never recompile, except that a plain D64 launch whose last round
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
 variant, see `tiles`), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned
 strides, deterministic dQ. Varlen (cu_seqlens) runs one launch of the packed-rows variant for the
-batch (one dense launch per sequence in deterministic mode, with one side packed or with
-TORCH_FA4_BWD_VARLEN_KERNEL=0; `runs_per_sequence`). score_mod/mask_mod are lowered into
+batch, deterministic mode and mods included (one dense launch per sequence with one side packed
+or with TORCH_FA4_BWD_VARLEN_KERNEL=0; `runs_per_sequence`). score_mod/mask_mod are lowered into
 the kernel (derivative from the traced graph; validated on an H200 by
 tests/gpu/test_sm90_bwd.py::test_mods). A block mask drives the walk when it can (bwd_sparse.py:
 dense batches, not deterministic, block-mask tiles multiples of the kernel's query rows per step
@@ -113,7 +113,8 @@ DQ_WARP_ENV = "TORCH_FA4_BWD_DQ_WARP"
 # Varlen batches (cu_seqlens_q and _k) in one launch of the kernel's packed-rows variant (per
 # sequence row offsets; the row statistics at tile-aligned offsets, varlen_stat_layout), the
 # default; TORCH_FA4_BWD_VARLEN_KERNEL=0 runs one dense launch per sequence instead (the way
-# deterministic varlen calls and calls with only one side packed always run).
+# calls with only one side packed always run; mods are then refused: each launch would see its
+# sequence as batch 0).
 VARLEN_KERNEL_ENV = "TORCH_FA4_BWD_VARLEN_KERNEL"
 _VARLEN_KERNEL = "1"
 # Phase tracing, a measuring tool (benchmarks/bwd_trace.py): TORCH_FA4_BWD_TRACE=N compiles a
