@@ -30,10 +30,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from torch_fa4.tensor_memo import TensorMemo
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
@@ -903,9 +904,8 @@ def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
     return (cu[:-1] + b * tile_m) // tile_m * tile_m
 
 
-# stat_destinations' results per live, unmodified cu_seqlens_q tensor (a model's layers share
-# one): id -> (weak reference, (version, data pointer, T, tile_m), (destinations, rows)).
-_STAT_DESTINATIONS: dict = {}
+# stat_destinations' results per live, unmodified cu_seqlens_q tensor (a model's layers share one)
+_STAT_DESTINATIONS = TensorMemo(capacity=16)
 
 
 def stat_destinations(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> tuple[torch.Tensor, int]:
@@ -913,19 +913,16 @@ def stat_destinations(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> tu
     layout). Six small kernels and ~0.3 ms of host time per backward on the H200's host before it
     was kept per offsets tensor (NOTES Experiment 161)."""
     cu = cu_seqlens_q
-    stamp = (cu._version, cu.data_ptr(), total, tile_m)
-    hit = _STAT_DESTINATIONS.get(id(cu))
-    if hit is not None and hit[0]() is cu and hit[1] == stamp:
-        return hit[2]
+    hit = _STAT_DESTINATIONS.get((cu,), (total, tile_m))
+    if hit is not None:
+        return hit
     cu64 = cu.to(torch.int64)
     batch = cu64.numel() - 1
     rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
     t = torch.arange(total, device=cu.device)
     seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
     dest = t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq]
-    if len(_STAT_DESTINATIONS) >= 16:
-        _STAT_DESTINATIONS.clear()
-    _STAT_DESTINATIONS[id(cu)] = (weakref.ref(cu), stamp, (dest, rows))
+    _STAT_DESTINATIONS.put((cu,), (total, tile_m), (dest, rows))
     return dest, rows
 
 
