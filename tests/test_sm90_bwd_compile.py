@@ -17,17 +17,17 @@ from sass import hinted_loads, sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
-def _call(d=128, dv=None, hq=2, hkv=2, dtype=torch.bfloat16, varlen=False, seqused=False, **kw):
+def _call(d=128, dv=None, hq=2, hkv=2, dtype=torch.bfloat16, varlen=False, seqused=False, sq=16, sk=16, **kw):
     # Shapes are symbolic in the compiled kernel: any small tensors describe the variant.
     dv = dv or d
-    lead = (16,) if varlen else (1, 16)
-    q = torch.empty(*lead, hq, d, dtype=dtype)
-    k = torch.empty(*lead, hkv, d, dtype=dtype)
-    v = torch.empty(*lead, hkv, dv, dtype=dtype)
-    cu = torch.tensor([0, 16], dtype=torch.int32) if varlen else None
-    used = torch.tensor([16], dtype=torch.int32) if seqused else None
+    assert not varlen or sq == sk
+    q = torch.empty(*((sq,) if varlen else (1, sq)), hq, d, dtype=dtype)
+    k = torch.empty(*((sk,) if varlen else (1, sk)), hkv, d, dtype=dtype)
+    v = torch.empty(*((sk,) if varlen else (1, sk)), hkv, dv, dtype=dtype)
+    cu = torch.tensor([0, sq], dtype=torch.int32) if varlen else None
+    used = torch.tensor([sk], dtype=torch.int32) if seqused else None
     return AttentionCall(q=q, k=k, v=v, scale=d**-0.5, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                         seqused_k=used, max_seqlen_q=16, max_seqlen_k=16, **kw)
+                         seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk, **kw)
 
 
 VARIANTS = {
@@ -322,6 +322,41 @@ def test_variant_key_memo_agrees(monkeypatch):
                 for _ in range(2):
                     assert bwd.variant_key(_call(**kw), det) == bwd._variant_key(_call(**kw), det), (kw, det, env)
     assert bwd.variant_key(_call(d=64), False) != bwd.variant_key(_call(d=64, causal=True), False)
+
+
+def test_launch_plan_memo_agrees(monkeypatch):
+    """launch_plan is memoized for dense calls on the variant key, the shapes and the launch-time
+    knobs: every call gets the plan a fresh derivation gives, after a knob changes too, and calls
+    of other shapes get their own."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    cases = [dict(d=64), dict(d=128, causal=True), dict(d=128, sq=384, sk=640, causal=True),
+             dict(d=128, hq=4, hkv=1, window_left=8), dict(d=96, softcap=5.0), dict(d=64, varlen=True)]
+    knobs = [(bwd.CTA_TAIL_ENV, "3"), (bwd.CTA_GROUP_ENV, "2"), (bwd.PERSISTENT_CTAS_ENV, "1"),
+             (bwd.SPLIT_TAIL_ENV, "0"), (bwd.PASS_ORDER_ENV, "natural")]
+    for name, _ in knobs:
+        monkeypatch.delenv(name, raising=False)
+    plans = set()
+    for kw in cases:
+        call = _call(**kw)
+        key = bwd.variant_key(call, False)
+        for name, value in [(None, None)] + knobs:
+            if name is not None:
+                monkeypatch.setenv(name, value)
+            for _ in range(2):
+                plan = bwd.launch_plan(call, key)
+                assert plan == bwd._launch_plan(call, key), (kw, name)
+                plans.add(plan)
+            if name is not None:
+                monkeypatch.delenv(name)
+    # the knobs reach the plan
+    wide = _call(d=128, hq=8, hkv=8, causal=True)  # 8 (kv head, batch) pairs: the tail can be 3
+    tail = bwd.launch_plan(wide, bwd.variant_key(wide, False))
+    monkeypatch.setenv(bwd.CTA_TAIL_ENV, "3")
+    assert bwd.launch_plan(wide, tail.key).cta_tail == 3 != tail.cta_tail
+    monkeypatch.setenv(bwd.PASS_ORDER_ENV, "natural")
+    assert bwd.launch_plan(wide, tail.key).reversed_passes == (False, False) != tail.reversed_passes
+    assert len({(p.max_q, p.max_k) for p in plans}) >= 2  # shapes keep plans apart
 
 
 def test_dq_writer_warp_selection(monkeypatch):

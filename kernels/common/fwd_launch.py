@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import replace
 from typing import Optional
 
 import torch
 
+from torch_fa4 import env_vars
 from torch_fa4.call import AttentionCall
 
 UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED, restated to stay free of cutlass
@@ -120,7 +120,7 @@ def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int
     """(batch, head) pairs whose K and V fit in about half of `l2_bytes` (see common.tile_scheduler)."""
     kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
     total = call.batch * call.num_heads
-    override = os.environ.get(L2_GROUP_ENV, "").strip()
+    override = env_vars.get(L2_GROUP_ENV, "").strip()
     if override:
         return max(1, min(total, int(override)))
     return max(1, min(total, (l2_bytes // 2) // kv_bytes))
@@ -141,7 +141,7 @@ def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, h
     """The last (batch, head) pairs that run as one group (0: none). Only causal walks without a
     left window differ enough in length to need it."""
     pairs = call.batch * call.num_heads
-    override = os.environ.get(TAIL_PAIRS_ENV, "").strip()
+    override = env_vars.get(TAIL_PAIRS_ENV, "").strip()
     if override:
         return max(0, min(int(override), pairs))
     if not call.causal or call.window_left >= 0 or seqlen_q <= 0:

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from torch_fa4 import env_vars
+from torch_fa4.kernels.sm90 import bwd_dq_convert
 from torch_fa4.tensor_memo import TensorMemo
 
 if TYPE_CHECKING:
@@ -257,7 +259,7 @@ class KernelTiles(NamedTuple):
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
-    value = os.environ.get(name, "").strip()
+    value = env_vars.get(name, "").strip()
     if not value:
         return default
     if value not in allowed:
@@ -535,6 +537,7 @@ _ENV_KNOBS = (TILE_M_ENV, PASSES_ENV, D128_TILE_M_ENV, D128_PASSES_ENV, DQ_FIRST
                EXP2_EMU_ENV, FOLD_DPSUM_ENV, PDL_ENV, SPLIT_RING_ENV, DV_AFTER_DS_ENV, PERSISTENT_ENV, L2_HINTS_ENV,
                DESCENDING_ENV, DQ_T_ENV, STATS_T_ENV, MOD_FRAGMENT_ENV, SPLIT_MASK_LOOPS_ENV,
                OWN_DV_STAGE_ENV, FUSED_DQ_ENV, PTXAS_ENV, SPLIT_TAIL_ENV)
+_env_knobs = env_vars.Snapshot(_ENV_KNOBS)
 _variant_memo: dict = {}
 
 
@@ -549,7 +552,7 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
             call.causal or call.window_right >= 0, call.window_left >= 0, call.softcap > 0,
             call.is_varlen, call.seqused_k is not None, bool(deterministic),
             call.mods.key if call.mods is not None else "",
-            _first_rows_reach(call), _long_queries(call), tuple(os.environ.get(name) for name in _ENV_KNOBS))
+            _first_rows_reach(call), _long_queries(call), _env_knobs())
     key = _variant_memo.get(memo)
     if key is None:
         key = _variant_memo[memo] = _variant_key(call, deterministic)
@@ -636,7 +639,7 @@ CTA_GROUP_ENV = "TORCH_FA4_BWD_CTA_GROUP"
 
 def _pairs_from_env(name: str, pairs: int) -> int | None:
     """A count of (kv head, batch) pairs set in the environment, within 1..pairs; None if unset."""
-    value = os.environ.get(name, "").strip()
+    value = env_vars.get(name, "").strip()
     return max(1, min(int(value), pairs)) if value else None
 
 
@@ -829,7 +832,7 @@ def _persistent_ctas(tiles: int, device) -> int:
         n = _SMS.get(device)
         if n is None:
             n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    cap = os.environ.get(PERSISTENT_CTAS_ENV)
+    cap = env_vars.get(PERSISTENT_CTAS_ENV)
     return max(1, min(tiles, n, int(cap) if cap else n))
 
 
@@ -951,17 +954,68 @@ def runs_per_sequence(call: "AttentionCall", deterministic: bool) -> bool:
     return not (packed and _env_choice(VARLEN_KERNEL_ENV, _VARLEN_KERNEL, ("0", "1")) == "1")
 
 
+class LaunchPlan(NamedTuple):
+    """What a launch of a variant takes besides its tensors: everything backward() derives from
+    the call's shape, the variant key and the launch-time knobs."""
+
+    key: tuple  # the variant to run (variant_key's, without the split tail where nothing splits)
+    split_items: int  # split tail: the tiles that run as pieces, and how many pieces each
+    ways: int
+    cta_group: int
+    cta_tail: int
+    ctas: int  # the persistent grid (1 otherwise)
+    max_q: int  # the longest sequences (varlen: given, or read from cu_seqlens)
+    max_k: int
+    reversed_passes: tuple  # (row statistics, dq conversion) in reversed order
+
+
+# The launch-time knobs launch_plan reads (with the variant key and the shapes: its memo key).
+_LAUNCH_ENV = env_vars.Snapshot((CTA_GROUP_ENV, CTA_TAIL_ENV, PERSISTENT_CTAS_ENV, SPLIT_TAIL_ENV, PASS_ORDER_ENV))
+_plan_memo: dict = {}
+_PLAN_MEMO_MAX = 4096  # entries (one per shape and variant); cleared past it (dynamic shapes)
+
+
+def launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
+    """The LaunchPlan of `call` on variant `key`. Memoized for dense calls without a block mask
+    (varlen maxima and block-mask walks depend on tensor contents): the split plan, CTA order and
+    grid took ~60 us of host time per backward call on the GPU machine (NOTES session 41)."""
+    if call.is_varlen or call.block_mask:
+        return _launch_plan(call, key)
+    memo = (key, call.q.shape, call.k.shape, call.q.device, _LAUNCH_ENV())
+    plan = _plan_memo.get(memo)
+    if plan is None:
+        if len(_plan_memo) >= _PLAN_MEMO_MAX:
+            _plan_memo.clear()
+        plan = _plan_memo[memo] = _launch_plan(call, key)
+    return plan
+
+
+def _launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
+    tiles = key[-3]
+    split_items, ways = 0, 1
+    if tiles.split_tail:
+        split_items, ways = _launch_split(call, tiles)
+        if not split_items and _split_mode() != "noop":  # no split: the variant without its code
+            key = (*key[:-3], tiles._replace(split_tail=False), *key[-2:])
+    if call.is_varlen:
+        from torch_fa4.kernels.common.fwd_launch import max_seqlens
+
+        max_q, max_k = max_seqlens(call)
+    else:
+        max_q, max_k = call.q.shape[1], call.k.shape[1]
+    pairs = call.k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
+    ctas = _persistent_ctas(math.ceil(max_k / tiles.tile_n) * pairs, call.q.device) if tiles.persistent else 1
+    return LaunchPlan(key, split_items, ways, cta_group(call, pairs), cta_tail(call, pairs), ctas,
+                      max_q, max_k, reversed_passes())
+
+
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
     if runs_per_sequence(call, deterministic):
         assert call.mods is None, "mods on per-sequence launches (unsupported_reason refuses them)"
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic)
         return
-    key = variant_key(call, deterministic)
-    split_items, ways = 0, 1
-    if key[-3].split_tail:
-        split_items, ways = _launch_split(call, key[-3])
-        if not split_items and _split_mode() != "noop":  # no split: the variant without its code
-            key = (*key[:-3], key[-3]._replace(split_tail=False), *key[-2:])
+    plan = launch_plan(call, variant_key(call, deterministic))
+    key, split_items, ways = plan.key, plan.split_items, plan.ways
     fn = compile_variant(key)
     tile_m = key[-3].tile_m  # queries per step: row statistics, dQ buffer, semaphores pad to it
     q, k, v = call.q, call.k, call.v
@@ -977,7 +1031,6 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         dout = dout.contiguous()
     counter = None
     fused = key[-3].fused_dq
-    pairs = k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     split_ws = split_cnt = None
     if key[-3].split_tail:
         # every piece's partial dK / dV, stored before it is read (bwd_kernel `split_tail`)
@@ -1013,12 +1066,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         lse2, dpsum, rows = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows,
                                            permuted=key[-3].permuted_stats)
         dq_acc = dq_acc_rows.transpose(1, 2)
-    if call.is_varlen:  # the grid covers the longest sequence (given, or read from cu_seqlens)
-        from torch_fa4.kernels.common.fwd_launch import max_seqlens
-
-        max_q, max_k = max_seqlens(call)
-    else:
-        max_q, max_k = q.shape[1], k.shape[1]
+    max_q, max_k = plan.max_q, plan.max_k
     sem = None
     if deterministic:
         sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
@@ -1031,6 +1079,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         # (+ 1: the persistent kernel's tile counter, the last element of the first row)
         n_tiles = math.ceil(k.shape[1] / key[-3].tile_n)
         width = max(key[-3].trace[0] * len(TRACE_EVENTS), 3) + int(key[-3].persistent)
+        pairs = k.shape[-2] * call.batch
         sem = torch.zeros((n_tiles, 2 + pairs, width), dtype=torch.int32, device=q.device)
         LAST_TRACE = sem
     elif key[-3].persistent:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
@@ -1039,7 +1088,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
     cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
 
-    q, k, v, dout, dk, dv = (_tma_view(t) for t in (q, k, v, dout, dk, dv))
+    q, k, v, dout, dk, dv = map(_tma_view, (q, k, v, dout, dk, dv))
     dq_out = None
     if fused:  # (dq is ours: contiguous, 16-byte aligned; the kernel stores 16-byte pieces)
         assert dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in dq.stride()[:-1])
@@ -1053,21 +1102,18 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, dq_out,
         cu_q, cu_k, seqused, sem, split_ws, split_cnt, *lists,
         float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-        int(left or 0), int(right or 0), int(max_k), cta_group(call, pairs), cta_tail(call, pairs),
-        _persistent_ctas(math.ceil(max_k / key[-3].tile_n) * pairs, q.device) if key[-3].persistent else 1,
+        int(left or 0), int(right or 0), int(max_k), plan.cta_group, plan.cta_tail, plan.ctas,
         split_items, ways, *aux,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)
     if fused:  # the kernel wrote dq
         return
-    with torch.no_grad():
-        from . import bwd_dq_convert
-
-        if bwd_dq_convert.takes(dq_acc_rows, dq):
-            bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3].pdl,
-                                         reversed_order=reversed_passes()[1])
-        else:
+    if bwd_dq_convert.takes(dq_acc_rows, dq):
+        bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, pdl=key[-3].pdl,
+                                     reversed_order=plan.reversed_passes[1])
+    else:
+        with torch.no_grad():
             torch.mul(dq_acc_rows.view(dq.shape), call.scale, out=dq)
 
 

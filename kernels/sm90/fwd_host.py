@@ -12,12 +12,12 @@ enters the variant.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Optional
 
 import torch
 
+from torch_fa4 import env_vars
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
 from torch_fa4.kernels.common import fwd_launch
@@ -250,7 +250,7 @@ def _grid3d_fits(cfg: FwdConfig, call: AttentionCall) -> bool:
     group with no tail group, which the launch gives every call without a causal or window mask
     (fwd_launch.l2_group_bytes, tail_pairs) unless their measuring overrides are set. NOTES
     "Experiment 154": +0.2 to +1.1% on the D64 one-shot rows (H100, GPU time)."""
-    overridden = any(os.environ.get(v, "").strip() for v in (fwd_launch.L2_GROUP_ENV, fwd_launch.TAIL_PAIRS_ENV))
+    overridden = any(env_vars.get(v, "").strip() for v in (fwd_launch.L2_GROUP_ENV, fwd_launch.TAIL_PAIRS_ENV))
     fits_grid = call.num_heads <= _GRID_YZ_MAX and call.batch <= _GRID_YZ_MAX
     return fits_grid and not (cfg.persistent or cfg.split_ways or cfg.kv_multicast or cfg.causal
                               or cfg.has_window or cfg.varlen_q or cfg.block_sparse or overridden)
@@ -491,7 +491,7 @@ def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
     whose items all walk the same key tiles."""
     if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:
         return 0, 1
-    mode = os.environ.get(SPLIT_TAIL_ENV, "").strip()
+    mode = env_vars.get(SPLIT_TAIL_ENV, "").strip()
     if mode == "0":
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
