@@ -20,19 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
-
-
-def _wrap(owner, name: str, label: str, acc: dict):
-    fn = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        t = time.perf_counter_ns()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[label] = acc.get(label, 0) + time.perf_counter_ns() - t
-
-    setattr(owner, name, timed)
+from timers import wrap_timed as _wrap  # noqa: E402
 
 
 def _install(acc: dict) -> None:
@@ -58,14 +46,9 @@ def _install(acc: dict) -> None:
     def compile_variant(*args, **kwargs):
         fn = original(*args, **kwargs)
 
-        def launch(*a):
-            t = time.perf_counter_ns()
-            try:
-                return fn(*a)
-            finally:
-                acc["    main kernel launch (TVM-FFI call)"] = \
-                    acc.get("    main kernel launch (TVM-FFI call)", 0) + time.perf_counter_ns() - t
-        return launch
+        holder = type("Launch", (), {"run": staticmethod(fn)})
+        _wrap(holder, "run", "    main kernel launch (TVM-FFI call)", acc)
+        return holder.run
 
     bwd.compile_variant = compile_variant
 
@@ -107,8 +90,8 @@ def main():
                 gc.disable()
             acc.clear()
             whole["torch_fa4"].append(_host_us(ours, args.calls))
-            for label, ns in acc.items():
-                best[label] = min(best.get(label, float("inf")), ns / args.calls / 1e3)
+            for label, seconds in acc.items():
+                best[label] = min(best.get(label, float("inf")), seconds / args.calls * 1e6)
             whole["flash-attn-4"].append(_host_us(fa4, args.calls))
             gc.enable()
         print(f"== bwd D{D} S{S}{' causal' if causal else ''}: host us per call, best of {args.rounds} rounds "

@@ -38,17 +38,10 @@ def _install_phase_timers(acc: dict) -> None:
     from cutlass.base_dsl import compiler, dsl
     from cutlass.cutlass_dsl import tvm_ffi_provider
 
+    from timers import wrap_timed
+
     def wrap(owner, name, phase):
-        fn = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc[phase] = acc.get(phase, 0.0) + time.perf_counter() - t
-
-        setattr(owner, name, timed)
+        wrap_timed(owner, name, phase, acc)
 
     wrap(dsl.BaseDSL, "run_preprocessor", "preprocess")
     wrap(compiler.Compiler, "compile", "mlir")
