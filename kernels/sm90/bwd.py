@@ -977,8 +977,9 @@ _PLAN_MEMO_MAX = 4096  # entries (one per shape and variant); cleared past it (d
 
 def launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
     """The LaunchPlan of `call` on variant `key`. Memoized for dense calls without a block mask
-    (varlen maxima and block-mask walks depend on tensor contents): the split plan, CTA order and
-    grid took ~60 us of host time per backward call on the GPU machine (NOTES session 41)."""
+    (varlen maxima and block-mask walks depend on tensor contents): every call of a shape gets the
+    same split plan, CTA order and grid, and deriving them was a large share of the Python that
+    ran per backward call (NOTES session 41, Experiment 162)."""
     if call.is_varlen or call.block_mask:
         return _launch_plan(call, key)
     memo = (key, call.q.shape, call.k.shape, call.q.device, _LAUNCH_ENV())
