@@ -1553,3 +1553,74 @@ def test_backward_kernels_load_from_disk_in_a_new_process(tmp_path, setting):
     else:
         assert results[1] == [checks, "0", "True"], results[1]
         assert not stored
+
+
+# ---- launch records (bwd_launch_record): repeated dense calls replayed, with emulated kernels
+@pytest.mark.parametrize("case", ["causal_gqa", "plain_split", "conversion_pass", "one_sequence_window"])
+def test_launch_record_replays_the_general_path(case, monkeypatch):
+    """A dense call's second and later backwards run from its launch record (the main kernel,
+    the row-statistics pass and the dq conversion emulated on the CPU): the same gradients as the
+    general path and float64 autograd, one record per shape and knob setting."""
+    import math
+
+    import test_sm90_bwd_prepare_compile as prepare_tests
+
+    from torch_fa4 import reference
+    from torch_fa4.kernels.sm90 import bwd, bwd_dq_convert, bwd_launch_record, bwd_prepare
+
+    monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda *a, **kw: prepare_tests._emulated)
+    monkeypatch.setattr(bwd_prepare, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(bwd_dq_convert, "compile_kernel",
+                        lambda *a, **kw: lambda src, dst, scale: dst.copy_(src * scale))
+    monkeypatch.setattr(bwd_launch_record, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(bwd_launch_record, "_records", {})
+    for name in bwd.RECORD_ENV_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    hq, hkv, d, kw = 4, 2, 64, {}
+    if case == "causal_gqa":
+        b, sq, sk, kw = 2, 70, 50, dict(causal=True)
+    elif case == "plain_split":  # 12 work tiles on 5 CTAs: the last round's 2 tiles split in 3
+        b, sq, sk = 2, 300, 290
+        monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")
+        monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "3")
+    elif case == "conversion_pass":
+        b, sq, sk, kw = 2, 130, 130, dict(causal=True)
+        monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
+    else:  # batch 1: size-one strides repacked for the compiled signatures
+        b, sq, sk, kw = 1, 90, 120, dict(window_left=20, window_right=3, softcap=5.0)
+    q, k, v, do = rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d), rnd(b, sq, hq, d)
+    call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out64, lse = reference.forward(AttentionCall(q=q64, k=k64, v=v64, scale=d**-0.5, **kw))
+    ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+    out, lse = out64.detach().to(torch.bfloat16), lse.detach().float()
+
+    def grads(record: bool):
+        if not record:
+            monkeypatch.setattr(bwd_launch_record, "run", lambda *a: False)
+        got = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
+        bwd.backward(call, do, out, lse, *got, False)
+        return got
+
+    real_run = bwd_launch_record.run
+    general = grads(record=False)
+    monkeypatch.setattr(bwd_launch_record, "run", real_run)
+    first, second = grads(record=True), grads(record=True)
+    records = list(bwd_launch_record._records.values())
+    assert len(records) == 1 and isinstance(records[0], bwd_launch_record.LaunchRecord)
+    for name, a, bb, c, r in zip(("dq", "dk", "dv"), general, first, second, ref):
+        assert not torch.isnan(bb).any(), f"{name}: rows left unwritten"
+        assert torch.equal(bb, c), f"{name}: the record's replays differ"
+        err = (bb.double() - r).norm() / r.norm()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+        assert (bb.double() - a.double()).abs().max() <= 0.02 * r.abs().max(), f"{name}: record and general path differ"
+    if case == "plain_split":
+        assert records[0].scalars[9:11] == (2, 3)  # (split tiles, ways)
+    monkeypatch.setenv(bwd.CTA_TAIL_ENV, "1")  # a knob: a record of its own
+    grads(record=True)
+    assert len(bwd_launch_record._records) == 2
+
+

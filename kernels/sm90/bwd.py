@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from torch_fa4 import env_vars
-from torch_fa4.kernels.sm90 import bwd_dq_convert
+from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record
 from torch_fa4.tensor_memo import TensorMemo
 
 if TYPE_CHECKING:
@@ -970,7 +970,10 @@ class LaunchPlan(NamedTuple):
 
 
 # The launch-time knobs launch_plan reads (with the variant key and the shapes: its memo key).
-_LAUNCH_ENV = env_vars.Snapshot((CTA_GROUP_ENV, CTA_TAIL_ENV, PERSISTENT_CTAS_ENV, SPLIT_TAIL_ENV, PASS_ORDER_ENV))
+_LAUNCH_ENV_KNOBS = (CTA_GROUP_ENV, CTA_TAIL_ENV, PERSISTENT_CTAS_ENV, SPLIT_TAIL_ENV, PASS_ORDER_ENV)
+_LAUNCH_ENV = env_vars.Snapshot(_LAUNCH_ENV_KNOBS)
+# Every knob a dense backward call's launch reads: bwd_launch_record's records are keyed on them.
+RECORD_ENV_KNOBS = _ENV_KNOBS + _LAUNCH_ENV_KNOBS
 _plan_memo: dict = {}
 _PLAN_MEMO_MAX = 4096  # entries (one per shape and variant); cleared past it (dynamic shapes)
 
@@ -1011,6 +1014,8 @@ def _launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+    if bwd_launch_record.run(call, dout, out, lse, dq, dk, dv, deterministic):
+        return  # a repeated dense call: replayed from its launch record
     if runs_per_sequence(call, deterministic):
         assert call.mods is None, "mods on per-sequence launches (unsupported_reason refuses them)"
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic)
