@@ -59,8 +59,9 @@ def run(call, dout, out, lse, dq, dk, dv, deterministic: bool) -> bool:
     if (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr() | lse.data_ptr()
             | dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) % 16:
         return False
-    memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(),
-            out.stride(), lse.shape, lse.stride(), dq.stride(), dk.stride(), dv.stride(), dout.dtype, dq.dtype,
+    memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape,
+            dout.stride(), out.shape, out.stride(), lse.shape, lse.stride(), dq.stride(), dk.stride(), dv.stride(),
+            dout.dtype, out.dtype, lse.dtype, dq.dtype,
             call.scale, call.causal, call.window_left, call.window_right, call.softcap,
             _env() if _env is not None else None)
     record = _records.get(memo)
