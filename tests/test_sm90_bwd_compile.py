@@ -1573,6 +1573,7 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
     monkeypatch.setattr(bwd_prepare, "unsupported_reason", lambda *a: None)
     monkeypatch.setattr(bwd_dq_convert, "compile_kernel",
                         lambda *a, **kw: lambda src, dst, scale: dst.copy_(src * scale))
+    monkeypatch.setattr(bwd_dq_convert, "takes", lambda src, dst: True)  # (it asks for CUDA tensors)
     monkeypatch.setattr(bwd_launch_record, "_on_gpu", lambda t: True)
     monkeypatch.setattr(bwd_launch_record, "_records", {})
     for name in bwd.RECORD_ENV_KNOBS:

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from torch_fa4 import env_vars
-from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record
+from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record, bwd_prepare
+from torch_fa4.kernels.sm90.bwd_buffers import (counter_shape, split_counters, split_workspace_shape,
+                                                writes_dq_directly, zeroed_counters)
 from torch_fa4.tensor_memo import TensorMemo
 
 if TYPE_CHECKING:
@@ -520,16 +522,10 @@ def _tma_compatible(t: torch.Tensor) -> bool:
     return True
 
 
-def _tma_view(t: torch.Tensor) -> torch.Tensor:
-    """The same view with size-1 dims given packed strides (their stride never addresses
-    anything, but the TMA descriptor and the compiled signature want 16-byte multiples)."""
-    if 1 not in t.shape[:-1]:  # the usual case, on every call's path: nothing to change
-        return t
-    strides = list(t.stride())
-    for i in range(t.dim() - 2, -1, -1):
-        if t.shape[i] == 1:
-            strides[i] = max(8, strides[i + 1] * t.shape[i + 1])
-    return t.as_strided(t.shape, strides) if strides != list(t.stride()) else t
+# The same view with size-1 dims given packed strides (their stride never addresses anything, but
+# the TMA descriptor and the compiled signature want 16-byte multiples): the row-statistics
+# pass's helper, whose compiled signature wants the same.
+_tma_view = bwd_prepare._packed_size_one_strides
 
 
 # The environment knobs above that variant_key reads: part of its memo key, read on every call.
@@ -974,6 +970,7 @@ _LAUNCH_ENV_KNOBS = (CTA_GROUP_ENV, CTA_TAIL_ENV, PERSISTENT_CTAS_ENV, SPLIT_TAI
 _LAUNCH_ENV = env_vars.Snapshot(_LAUNCH_ENV_KNOBS)
 # Every knob a dense backward call's launch reads: bwd_launch_record's records are keyed on them.
 RECORD_ENV_KNOBS = _ENV_KNOBS + _LAUNCH_ENV_KNOBS
+_RECORD_ENV = env_vars.Snapshot(RECORD_ENV_KNOBS)
 _plan_memo: dict = {}
 _PLAN_MEMO_MAX = 4096  # entries (one per shape and variant); cleared past it (dynamic shapes)
 
@@ -1014,7 +1011,7 @@ def _launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
-    if bwd_launch_record.run(call, dout, out, lse, dq, dk, dv, deterministic):
+    if bwd_launch_record.run(call, dout, out, lse, dq, dk, dv, deterministic, _RECORD_ENV):
         return  # a repeated dense call: replayed from its launch record
     if runs_per_sequence(call, deterministic):
         assert call.mods is None, "mods on per-sequence launches (unsupported_reason refuses them)"
@@ -1039,21 +1036,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     fused = key[-3].fused_dq
     split_ws = split_cnt = None
     if key[-3].split_tail:
-        # every piece's partial dK / dV, stored before it is read (bwd_kernel `split_tail`)
-        values = key[-3].tile_n * (call.head_dim + call.head_dim_v) // 256
-        split_ws = torch.empty((max(split_items * ways, 1), values, 256), dtype=torch.float32, device=q.device)
+        split_ws = torch.empty(split_workspace_shape(call, key[-3], split_items, ways), dtype=torch.float32,
+                               device=q.device)
     if key[-3].persistent and not key[-3].trace:
-        # the persistent kernel's tile counter (and with fused_dq, before it, one dQ counter per
-        # query tile; with the split tail, after it, one piece counter per split tile), zeroed
-        # before the row-statistics pass in one buffer: the main kernel launches as that pass's
-        # programmatic dependent, with nothing in between
-        # (bwd_dq_fused: per query tile a counter and a queue slot, then the queue's head and tail)
-        shape = (call.batch, call.num_heads, 2 * math.ceil(q.shape[1] / tile_m) + 3) if fused else (1, 1, 1)
-        extra = max(split_items, 1) if split_ws is not None else 0
-        counters = torch.zeros(math.prod(shape) + extra, dtype=torch.int32, device=q.device)
-        counter = counters[: math.prod(shape)].view(shape)
-        if split_ws is not None:
-            split_cnt = counters[math.prod(shape):]
+        counter, split_cnt = zeroed_counters(counter_shape(call, key[-3]), split_counters(key[-3], split_items),
+                                             q.device)
     if call.is_varlen:
         # dq's (T, Hq, D) rows (as one dense batch of T rows: zeroed by the row-statistics pass,
         # converted by the dense conversion pass), handed to the kernel as a (Hq, T, D) view; the
@@ -1096,8 +1083,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
 
     q, k, v, dout, dk, dv = map(_tma_view, (q, k, v, dout, dk, dv))
     dq_out = None
-    if fused:  # (dq is ours: contiguous, 16-byte aligned; the kernel stores 16-byte pieces)
-        assert dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in dq.stride()[:-1])
+    if fused:  # (dq is ours: contiguous, 16-byte aligned)
+        assert writes_dq_directly(dq) and dq.data_ptr() % 16 == 0
         dq_out = _tma_view(dq)
     aux = [None] * MAX_AUX
     if call.mods is not None:
