@@ -785,7 +785,7 @@ def test_split_tail_launch_arguments(monkeypatch):
     call = AttentionCall(q=q, k=q, v=q, scale=0.1)
     cfg = fwd_host.default_config(call)
     assert cfg.split_ways == 3
-    ws, counters, items = fwd_host._launch_split(cfg, call)
+    ws, counters, items = fwd_host.split_buffers(fwd_host.split_spec(cfg, call), call.q.device)
     assert items == 6 and ws.shape == (6 * 2 * 3, 128 // 2 + 4, 128) and counters.shape == (12,)
     assert not counters.any()
     assert fwd_host.default_config(call, split_ways=0).split_ways == 0  # overrides win

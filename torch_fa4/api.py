@@ -78,9 +78,10 @@ def attention(
     rest = (aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
             float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv,
             bool(deterministic))
-    if eager_autograd.use_function(q, k, v):  # the same op, without its generic autograd wrapper
+    route = eager_autograd.route(q, k, v, rest)
+    if route == "function":  # the same op, without its generic autograd wrapper
         out, lse = eager_autograd.AttentionFunction.apply(q, k, v, rest)
-    elif eager_autograd.direct(q, k, v, rest):  # eager, no autograd: the op's body, without its entry
+    elif route == "direct":  # eager, no autograd: the op's body, without its entry
         out, lse = ops.fwd_impl(q, k, v, *rest)
     else:
         out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)

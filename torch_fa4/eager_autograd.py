@@ -61,13 +61,13 @@ def _plain(*tensors) -> bool:
 
 
 def _tensors(rest) -> list:
-    """The tensors among the op arguments after v (captured tensors, varlen and block-mask ones)."""
-    found = []
-    for x in rest:
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, (list, tuple)):
-            found.extend(t for t in x if isinstance(t, torch.Tensor))
+    """The tensors among the op arguments after v: the captured tensors (rest[0]), the varlen
+    offsets and seqused_k (rest[1:4]) and the block mask's (rest[4]); the others are scalars."""
+    aux, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask = rest[:5]
+    found = [*aux, *block_mask]
+    for t in (cu_seqlens_q, cu_seqlens_k, seqused_k):
+        if t is not None:
+            found.append(t)
     return found
 
 
@@ -80,12 +80,7 @@ def direct(q, k, v, rest) -> bool:
     """Whether an eager call may run the fwd op's body without the op's entry (~40 us of host time
     on the CPU machine): no autograd to record (no input requires grad, or grad mode is off), not
     under torch.compile or functorch, and nothing that could intercept the op (`_plain`)."""
-    if _traced():
-        return False
-    tensors = (q, k, v, *_tensors(rest))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return _plain(*tensors)
+    return route(q, k, v, rest) == "direct"
 
 
 def use_function(q, k, v) -> bool:
@@ -94,3 +89,18 @@ def use_function(q, k, v) -> bool:
     if _traced():
         return False
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def route(q, k, v, rest) -> str:
+    """How an eager API call reaches the fwd op, deciding `use_function` and `direct` at once
+    (each asks the same questions; this sits on every call's path): "function" (AttentionFunction),
+    "direct" (the op's body) or "op" (the op itself)."""
+    if _traced():
+        return "op"
+    extra = _tensors(rest)
+    if torch.is_grad_enabled():
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            return "function"
+        if any(t.requires_grad for t in extra):
+            return "op"
+    return "direct" if _plain(q, k, v, *extra) else "op"

@@ -1,0 +1,84 @@
+"""The forward's repeated dense calls: a launch record per shape, so a repeated call only
+allocates its per-launch buffers and launches.
+
+fwd_host.forward derives the same things on every call of a shape: the variant (default_config's
+~20 decisions and four config copies), the compiled kernel's cache key, the L2 grouping, the tail
+group, the grid and the split plan. On the CPU machine that was ~70% of the forward's Python
+below dispatch; on the GPU machine's host the public forward took 0.16-0.29 ms per call against
+flash-attn-4's 0.11-0.17 (NOTES session 42), more than the D256 S1k kernel's 0.21 ms. `run`
+keeps one LaunchRecord per everything the derivation reads (shapes and strides of q, k, v, out and
+lse, dtypes, device, scale, causal / window / softcap, the forward's environment knobs) and
+replays it.
+
+Dense calls only: no varlen, mods, block mask, seqused_k, trace or config overrides (those take
+the general path every time), and no negative scale without softcap (that call runs on -q, a copy
+made per call: `fwd_launch.nonnegative_scale`). A record checks nothing the general path does not:
+dispatch has already asked `unsupported_reason` of this call, alignment included.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from torch_fa4 import env_vars
+from torch_fa4.kernels.common import fwd_launch
+
+
+class LaunchRecord(NamedTuple):
+    kernel: object  # the compiled kernel (TVM-FFI callable)
+    scalars: tuple  # leading_args after the tensors: scales, window, batch, max_q, groups, grid
+    tail: tuple  # the block-mask and captured-tensor slots (all None for a dense call)
+    cfg: object  # the variant (FwdConfig): its per-launch buffers come from fwd_host
+    split: Optional[tuple]  # (workspace shape, counter slots, split items); None: no split tail
+
+
+_NOT_RECORDED = object()  # a call shape whose forward takes the general path every time
+_records: dict = {}
+_RECORDS_MAX = 4096  # (one per shape; cleared past it, as the backward's records)
+
+
+def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) -> bool:
+    """Launch the forward of `call` from its record and return True, or return False for
+    fwd_host.forward's general path. `knobs`: every environment knob the derivation reads."""
+    if (call.is_varlen or call.cu_seqlens_k is not None or call.mods is not None or call.block_mask
+            or call.seqused_k is not None):
+        return False
+    q, k, v = call.q, call.k, call.v
+    memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype,
+            out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype,
+            call.scale, call.causal, call.window_left, call.window_right, call.softcap, knobs())
+    record = _records.get(memo)
+    if record is None:
+        record = _derive(call, out, lse)
+        if len(_records) >= _RECORDS_MAX:
+            _records.clear()
+        _records[memo] = record
+    if record is _NOT_RECORDED:
+        return False
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    device = q.device
+    record.kernel(q, k, v, out, lse, None, None, None, *record.scalars, *record.tail,
+                  fwd_host.item_counter(record.cfg, device), None,
+                  *fwd_host.split_buffers(record.split, device))
+    return True
+
+
+def _derive(call, out, lse):
+    """The LaunchRecord of this call's shape, or _NOT_RECORDED: what fwd_host.forward would
+    launch, derived once with its own functions."""
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    if fwd_launch.nonnegative_scale(call) is not call:  # (runs on -q, made per call)
+        return _NOT_RECORDED
+    cfg = fwd_host.default_config(call)
+    args = fwd_launch.leading_args(call, out, lse, fwd_host.L2_BYTES, fwd_host._grid_ctas(cfg, call), cfg.tile_m)
+    if args is None:  # no query rows: the general path returns without a launch
+        return _NOT_RECORDED
+    if any(a is not b for a, b in zip(args[:8], (call.q, call.k, call.v, out, lse, None, None, None))):
+        return _NOT_RECORDED  # (a launch that does not pass the call's own tensors)
+    tail = (*fwd_host._launch_block_mask(cfg, call), *fwd_host._launch_aux(cfg, call))
+    return LaunchRecord(fwd_host.compile_fwd(cfg), tuple(args[8:]), tail, cfg,
+                        fwd_host.split_spec(cfg, call))

@@ -1,0 +1,143 @@
+"""CPU: the forward's launch records (kernels/sm90/fwd_launch_record.py) launch what the general
+path launches.
+
+The compiled kernel is replaced by a recorder of its launch arguments, so these run without CuTe
+DSL or a GPU: for each call shape the general path's launch and the record's first and later
+launches must pass the same variant, the same tensors and scalars, and equal per-launch buffers
+(the dynamic scheduler's counter, the split tail's workspace and counters).
+"""
+
+import pytest
+import torch
+
+from torch_fa4 import env_vars
+from torch_fa4.call import AttentionCall
+from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.sm90 import fwd_host, fwd_launch_record
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch as (variant, arguments); the kernel itself a recorder."""
+    seen = []
+
+    def compile_stub(cfg, *args, **kwargs):
+        return lambda *launch_args: seen.append((cfg, launch_args))
+
+    monkeypatch.setattr(fwd_host, "compile_fwd", compile_stub)
+    for name in fwd_host.RECORD_ENV_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    return seen
+
+
+def _tensors(*shapes, strided=False):
+    made = []
+    for shape in shapes:
+        if strided:  # the SDPA layout: (B, H, S, D) storage seen as (B, S, H, D)
+            b, s, h, d = shape
+            made.append(torch.randn(b, h, s, d).bfloat16().transpose(1, 2))
+        else:
+            made.append(torch.randn(*shape).bfloat16())
+    return made
+
+
+CASES = {
+    # (q shape, k / v shape, call options, SM count)
+    "causal_gqa_d128": ((2, 300, 4, 128), (2, 500, 2, 128), dict(causal=True), 132),
+    "plain_d64_long": ((1, 4096, 2, 64), (1, 4096, 2, 64), {}, 132),
+    "d256_s1k": ((2, 1024, 2, 256), (2, 1024, 2, 256), {}, 132),
+    "window_softcap": ((1, 700, 2, 128), (1, 700, 2, 128), dict(window_left=64, window_right=0, softcap=20.0), 132),
+    "split_tail": ((1, 16384, 16, 128), (1, 16384, 16, 128), {}, 132),  # 2048 items on 132 SMs
+    "sdpa_layout": ((2, 333, 4, 96), (2, 333, 4, 96), dict(causal=True), 114),
+}
+
+
+def _same_launch(a, b):
+    (cfg_a, args_a), (cfg_b, args_b) = a, b
+    assert cfg_a == cfg_b
+    assert len(args_a) == len(args_b)
+    for i, (x, y) in enumerate(zip(args_a, args_b)):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), f"argument {i}"
+            if i < 5:  # q, k, v, out, lse: the call's own tensors
+                assert x is y, f"argument {i}"
+            else:  # per-launch buffers: fresh, same shape; counters start at zero
+                assert x is not y and x.shape == y.shape and x.dtype == y.dtype, f"argument {i}"
+                if x.dtype == torch.int32:
+                    assert not x.any() and not y.any(), f"argument {i}"
+        else:
+            assert x == y, f"argument {i}: {x!r} != {y!r}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_records_launch_what_the_general_path_launches(case, launches, monkeypatch):
+    q_shape, kv_shape, options, sms = CASES[case]
+    monkeypatch.setattr(fwd_launch, "_sm_count_of", lambda call: sms)
+    strided = case == "sdpa_layout"
+    q, = _tensors(q_shape, strided=strided)
+    k, v = _tensors(kv_shape, kv_shape, strided=strided)
+    call = AttentionCall(q=q, k=k, v=v, scale=q_shape[-1] ** -0.5, **options)
+    out = torch.empty(call.out_shape(), dtype=q.dtype)
+    lse = torch.empty(call.lse_shape())
+
+    real_run = fwd_launch_record.run
+    monkeypatch.setattr(fwd_launch_record, "run", lambda *a: False)
+    fwd_host.forward(call, out, lse)
+    monkeypatch.setattr(fwd_launch_record, "run", real_run)
+    fwd_host.forward(call, out, lse)  # derives the record, then launches from it
+    fwd_host.forward(call, out, lse)
+    assert len(launches) == 3
+    records = list(fwd_launch_record._records.values())
+    assert len(records) == 1 and isinstance(records[0], fwd_launch_record.LaunchRecord)
+    _same_launch(launches[0], launches[1])
+    _same_launch(launches[0], launches[2])
+    cfg = launches[0][0]
+    if case == "split_tail":
+        assert cfg.split_ways == 5 and launches[2][1][-1] == 68  # (the plan test_split_plan checks)
+    if case == "causal_gqa_d128":
+        assert cfg.dynamic_schedule  # (a counter per launch, zeroed)
+
+    # a knob the derivation reads: a record of its own, launching the knob's setting
+    monkeypatch.setenv(fwd_launch.TAIL_PAIRS_ENV, "1")
+    fwd_host.forward(call, out, lse)
+    assert len(fwd_launch_record._records) == 2
+    monkeypatch.setattr(fwd_launch_record, "run", lambda *a: False)
+    fwd_host.forward(call, out, lse)
+    _same_launch(launches[-2], launches[-1])
+
+
+def test_calls_the_record_does_not_take(launches):
+    """Negative scales (run on -q), varlen, mods and config overrides take the general path."""
+    q, k, v = _tensors((1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 2, 128))
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 256)
+    negative = AttentionCall(q=q, k=k, v=v, scale=-0.1)
+    for _ in range(2):
+        fwd_host.forward(negative, out, lse)
+    assert list(fwd_launch_record._records.values()) == [fwd_launch_record._NOT_RECORDED]
+    assert all(torch.equal(args[0], -q) and args[8] == pytest.approx(0.1) for _, args in launches)
+
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    packed = AttentionCall(q=q[0], k=k[0], v=v[0], scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           max_seqlen_q=156, max_seqlen_k=156)
+    assert not fwd_launch_record.run(packed, out[0], torch.empty(2, 256), fwd_host._RECORD_ENV)
+    plain = AttentionCall(q=q, k=k, v=v, scale=0.1)
+    fwd_host.forward(plain, out, lse, tile_n=64)  # an override: the general path, no record
+    assert launches[-1][0].tile_n == 64 and len(fwd_launch_record._records) == 1
+
+
+def test_the_record_key_holds_every_knob_the_derivation_reads(monkeypatch):
+    """Every environment variable that default_config, leading_args and the split plan read is a
+    key of the records (fwd_host.RECORD_ENV_KNOBS): a knob outside it would replay a stale launch."""
+    read = set()
+    real_get = env_vars.get
+    monkeypatch.setattr(env_vars, "get", lambda name, default=None: read.add(name) or real_get(name, default))
+    monkeypatch.setattr(fwd_launch, "_sm_count_of", lambda call: 132)
+    for q_shape, kv_shape, options, _ in CASES.values():
+        q, = _tensors(q_shape)
+        k, v = _tensors(kv_shape, kv_shape)
+        call = AttentionCall(q=q, k=k, v=v, scale=0.1, **options)
+        cfg = fwd_host.default_config(call)
+        fwd_launch.leading_args(call, torch.empty_like(q), torch.empty(call.lse_shape()), fwd_host.L2_BYTES,
+                                fwd_host._grid_ctas(cfg, call), cfg.tile_m)
+        fwd_host.split_spec(cfg, call)
+    assert read and read <= set(fwd_host.RECORD_ENV_KNOBS), read - set(fwd_host.RECORD_ENV_KNOBS)
