@@ -49,22 +49,58 @@ CASES = {
     "window_softcap": ((1, 700, 2, 128), (1, 700, 2, 128), dict(window_left=64, window_right=0, softcap=20.0), 132),
     "split_tail": ((1, 16384, 16, 128), (1, 16384, 16, 128), {}, 132),  # 2048 items on 132 SMs
     "sdpa_layout": ((2, 333, 4, 96), (2, 333, 4, 96), dict(causal=True), 114),
+    "alibi_causal": ((2, 256, 4, 128), (2, 256, 4, 128), dict(causal=True, mods="alibi"), 132),
+    "document_block_mask": ((1, 512, 2, 64), (1, 512, 2, 64), dict(mods="document"), 132),
+    "packed_varlen": ((700, 4, 128), (900, 2, 128), dict(causal=True, varlen=((0, 300, 700), (0, 500, 900))), 132),
 }
 
 
+def _make_call(q, k, v, options):
+    """An AttentionCall as the fwd op makes it: mods traced and resolved, a block mask built."""
+    from torch_fa4 import mods as M
+    from torch_fa4.mods import registry
+
+    options = dict(options)
+    kind = options.pop("mods", None)
+    varlen = options.pop("varlen", None)
+    extra = {}
+    if kind == "alibi":
+        key, aux = M.prepare(M.alibi(M.alibi_slopes(q.shape[-2])), None)
+        extra = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
+    elif kind == "document":
+        S = q.shape[1]
+        doc = torch.arange(S) // 200  # documents of 200 tokens, a captured tensor
+
+        def same_document(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+
+        key, aux = M.prepare(None, same_document)
+        bm = M.create_block_mask(same_document, None, None, S, S, device="cpu")
+        extra = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux),
+                     block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0], block_mask_kv=bm.BLOCK_SIZE[1])
+    elif varlen is not None:
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in varlen)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
+                     max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()))
+    return AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, **options, **extra)
+
+
 def _same_launch(a, b):
+    """Two launches pass the same variant and arguments: the call's own tensors and equal
+    per-launch buffers (counters zeroed; the split workspace, written before it is read, by shape)."""
     (cfg_a, args_a), (cfg_b, args_b) = a, b
     assert cfg_a == cfg_b
     assert len(args_a) == len(args_b)
+    workspace = len(args_a) - 3  # (the split tail's state: uninitialised)
     for i, (x, y) in enumerate(zip(args_a, args_b)):
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor), f"argument {i}"
             if i < 5:  # q, k, v, out, lse: the call's own tensors
                 assert x is y, f"argument {i}"
-            else:  # per-launch buffers: fresh, same shape; counters start at zero
-                assert x is not y and x.shape == y.shape and x.dtype == y.dtype, f"argument {i}"
-                if x.dtype == torch.int32:
-                    assert not x.any() and not y.any(), f"argument {i}"
+                continue
+            assert x.shape == y.shape and x.dtype == y.dtype and x.stride() == y.stride(), f"argument {i}"
+            if i != workspace:
+                assert torch.equal(x, y), f"argument {i}"
         else:
             assert x == y, f"argument {i}: {x!r} != {y!r}"
 
@@ -76,7 +112,7 @@ def test_records_launch_what_the_general_path_launches(case, launches, monkeypat
     strided = case == "sdpa_layout"
     q, = _tensors(q_shape, strided=strided)
     k, v = _tensors(kv_shape, kv_shape, strided=strided)
-    call = AttentionCall(q=q, k=k, v=v, scale=q_shape[-1] ** -0.5, **options)
+    call = _make_call(q, k, v, options)
     out = torch.empty(call.out_shape(), dtype=q.dtype)
     lse = torch.empty(call.lse_shape())
 
@@ -96,18 +132,34 @@ def test_records_launch_what_the_general_path_launches(case, launches, monkeypat
         assert cfg.split_ways == 5 and launches[2][1][-1] == 68  # (the plan test_split_plan checks)
     if case == "causal_gqa_d128":
         assert cfg.dynamic_schedule  # (a counter per launch, zeroed)
+    if case == "document_block_mask":
+        assert cfg.block_sparse
+    if options.get("mods"):
+        # new values of the captured tensors (and block mask): the same record, launched with them
+        call.aux_tensors = tuple(t + 1 if t.is_floating_point() else t.flip(0) for t in call.aux_tensors)
+        if call.block_mask:
+            call.block_mask = tuple(t.flip(0) for t in call.block_mask)
+        fwd_host.forward(call, out, lse)
+        assert len(fwd_launch_record._records) == 1
+        launched = launches[-1][1]
+        for t in (*call.block_mask, *call.aux_tensors):
+            assert any(isinstance(a, torch.Tensor) and a.shape == t.shape and torch.equal(a, t) for a in launched)
+    if call.is_varlen:
+        assert launches[-1][1][5] is call.cu_seqlens_q and launches[-1][1][6] is call.cu_seqlens_k
 
     # a knob the derivation reads: a record of its own, launching the knob's setting
+    records_before = len(fwd_launch_record._records)
     monkeypatch.setenv(fwd_launch.TAIL_PAIRS_ENV, "1")
     fwd_host.forward(call, out, lse)
-    assert len(fwd_launch_record._records) == 2
+    assert len(fwd_launch_record._records) == records_before + 1
     monkeypatch.setattr(fwd_launch_record, "run", lambda *a: False)
     fwd_host.forward(call, out, lse)
     _same_launch(launches[-2], launches[-1])
 
 
 def test_calls_the_record_does_not_take(launches):
-    """Negative scales (run on -q), varlen, mods and config overrides take the general path."""
+    """Negative scales (run on -q), packed varlen without its maxima and config overrides take
+    the general path."""
     q, k, v = _tensors((1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 2, 128))
     out, lse = torch.empty_like(q), torch.empty(1, 2, 256)
     negative = AttentionCall(q=q, k=k, v=v, scale=-0.1)
@@ -117,8 +169,7 @@ def test_calls_the_record_does_not_take(launches):
     assert all(torch.equal(args[0], -q) and args[8] == pytest.approx(0.1) for _, args in launches)
 
     cu = torch.tensor([0, 100, 256], dtype=torch.int32)
-    packed = AttentionCall(q=q[0], k=k[0], v=v[0], scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                           max_seqlen_q=156, max_seqlen_k=156)
+    packed = AttentionCall(q=q[0], k=k[0], v=v[0], scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert not fwd_launch_record.run(packed, out[0], torch.empty(2, 256), fwd_host._RECORD_ENV)
     plain = AttentionCall(q=q, k=k, v=v, scale=0.1)
     fwd_host.forward(plain, out, lse, tile_n=64)  # an override: the general path, no record
@@ -135,7 +186,7 @@ def test_the_record_key_holds_every_knob_the_derivation_reads(monkeypatch):
     for q_shape, kv_shape, options, _ in CASES.values():
         q, = _tensors(q_shape)
         k, v = _tensors(kv_shape, kv_shape)
-        call = AttentionCall(q=q, k=k, v=v, scale=0.1, **options)
+        call = _make_call(q, k, v, options)
         cfg = fwd_host.default_config(call)
         fwd_launch.leading_args(call, torch.empty_like(q), torch.empty(call.lse_shape()), fwd_host.L2_BYTES,
                                 fwd_host._grid_ctas(cfg, call), cfg.tile_m)

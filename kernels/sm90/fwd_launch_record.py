@@ -1,19 +1,23 @@
-"""The forward's repeated dense calls: a launch record per shape, so a repeated call only
+"""The forward's repeated calls: a launch record per shape, so a repeated call only
 allocates its per-launch buffers and launches.
 
 fwd_host.forward derives the same things on every call of a shape: the variant (default_config's
 ~20 decisions and four config copies), the compiled kernel's cache key, the L2 grouping, the tail
 group, the grid and the split plan. On the CPU machine that was ~70% of the forward's Python
-below dispatch; on the GPU machine's host the public forward took 0.16-0.29 ms per call against
+below dispatch; on the H100 machine's host the public forward took 0.16-0.29 ms per call against
 flash-attn-4's 0.11-0.17 (NOTES session 42), more than the D256 S1k kernel's 0.21 ms. `run`
 keeps one LaunchRecord per everything the derivation reads (shapes and strides of q, k, v, out and
-lse, dtypes, device, scale, causal / window / softcap, the forward's environment knobs) and
-replays it.
+lse, dtypes, device, scale, causal / window / softcap, the forward's environment knobs; for calls
+with mods, block masks or variable lengths also the mods' key, the captured tensors' dtypes and
+ranks, the block mask's tile sizes, the given maxima and the offsets' shapes) and replays it. The
+call's own tensors -- q, k, v, the offsets, the block mask, the captured tensors -- are launch
+arguments taken from each call.
 
-Dense calls only: no varlen, mods, block mask, seqused_k, trace or config overrides (those take
-the general path every time), and no negative scale without softcap (that call runs on -q, a copy
-made per call: `fwd_launch.nonnegative_scale`). A record checks nothing the general path does not:
-dispatch has already asked `unsupported_reason` of this call, alignment included.
+Not recorded (the general path every time): packed varlen calls without max_seqlen_q (its
+derivation reads the offsets on the device), trace or config overrides, and a negative scale
+without softcap (that call runs on -q, a copy made per call: `fwd_launch.nonnegative_scale`). A
+record checks nothing the general path does not: dispatch has already asked `unsupported_reason`
+of this call, alignment included.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from torch_fa4.kernels.common import fwd_launch
 class LaunchRecord(NamedTuple):
     kernel: object  # the compiled kernel (TVM-FFI callable)
     scalars: tuple  # leading_args after the tensors: scales, window, batch, max_q, groups, grid
-    tail: tuple  # the block-mask and captured-tensor slots (all None for a dense call)
     cfg: object  # the variant (FwdConfig): its per-launch buffers come from fwd_host
     split: Optional[tuple]  # (workspace shape, counter slots, split items); None: no split tail
 
@@ -42,13 +45,17 @@ _RECORDS_MAX = 4096  # (one per shape; cleared past it, as the backward's record
 def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) -> bool:
     """Launch the forward of `call` from its record and return True, or return False for
     fwd_host.forward's general path. `knobs`: every environment knob the derivation reads."""
-    if (call.is_varlen or call.cu_seqlens_k is not None or call.mods is not None or call.block_mask
-            or call.seqused_k is not None):
+    if call.is_varlen and not call.max_seqlen_q:  # (the derivation would read the offsets)
         return False
     q, k, v = call.q, call.k, call.v
+    mods = call.mods
     memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype,
             out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype,
             call.scale, call.causal, call.window_left, call.window_right, call.softcap, knobs())
+    if mods is not None or call.block_mask or call.is_varlen or call.cu_seqlens_k is not None or call.seqused_k is not None:
+        memo += (mods.key if mods is not None else None, tuple((t.dtype, t.dim()) for t in call.aux_tensors),
+                 bool(call.block_mask), call.block_mask_q, call.block_mask_kv, call.max_seqlen_q, call.max_seqlen_k,
+                 *(None if t is None else (t.shape, t.dtype) for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)))
     record = _records.get(memo)
     if record is None:
         record = _derive(call, out, lse)
@@ -59,10 +66,11 @@ def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) ->
         return False
     from torch_fa4.kernels.sm90 import fwd_host
 
-    device = q.device
-    record.kernel(q, k, v, out, lse, None, None, None, *record.scalars, *record.tail,
-                  fwd_host.item_counter(record.cfg, device), None,
-                  *fwd_host.split_buffers(record.split, device))
+    cfg, device = record.cfg, q.device
+    # the call's own block mask and captured tensors: launch arguments, new values every call
+    record.kernel(q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, *record.scalars,
+                  *fwd_host._launch_block_mask(cfg, call), *fwd_host._launch_aux(cfg, call),
+                  fwd_host.item_counter(cfg, device), None, *fwd_host.split_buffers(record.split, device))
     return True
 
 
@@ -77,8 +85,8 @@ def _derive(call, out, lse):
     args = fwd_launch.leading_args(call, out, lse, fwd_host.L2_BYTES, fwd_host._grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: the general path returns without a launch
         return _NOT_RECORDED
-    if any(a is not b for a, b in zip(args[:8], (call.q, call.k, call.v, out, lse, None, None, None))):
+    own = (call.q, call.k, call.v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)
+    if any(a is not b for a, b in zip(args[:8], own)):
         return _NOT_RECORDED  # (a launch that does not pass the call's own tensors)
-    tail = (*fwd_host._launch_block_mask(cfg, call), *fwd_host._launch_aux(cfg, call))
-    return LaunchRecord(fwd_host.compile_fwd(cfg), tuple(args[8:]), tail, cfg,
+    return LaunchRecord(fwd_host.compile_fwd(cfg), tuple(args[8:]), cfg,
                         fwd_host.split_spec(cfg, call))
