@@ -6,7 +6,7 @@ one forward's output, repeated). Each implementation is timed `--rounds` times i
 bench.py's timer (triton do_bench, median), the row keeping the upper median; TFLOP/s count the
 causal half of each sequence's S^2 (bench._flops per sequence).
 
-    python benchmarks/varlen_bench.py --rounds 3 --out results/varlen.json
+    python benchmarks/varlen_bench.py --rounds 3 --out results/varlen.json [--fwd-only]
 """
 
 import argparse
@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--profile", default=None, metavar="BATCH:D",
                     help="instead: the kernels one call of each implementation runs, e.g. 16x1024:128")
     ap.add_argument("--host", default=None, metavar="BATCH:D", help="instead: host time per call, e.g. 16x1024:128")
+    ap.add_argument("--fwd-only", action="store_true", help="forward rows only")
     args = ap.parse_args()
     if args.host:
         label, d = args.host.split(":")
@@ -156,7 +157,7 @@ def main():
         for label, lens in batches().items():
             q, k, v, cu, max_len = make_inputs(lens, d)
             heads = q.shape[1]
-            for backward in (False, True):
+            for backward in (False,) if args.fwd_only else (False, True):
                 flops = sum(bench._flops(1, heads, n, d, True, backward) for n in lens)
                 fns = {name: make(q, k, v, cu, max_len, backward) for name, make in peers.items()}
                 times = {name: [] for name in fns}

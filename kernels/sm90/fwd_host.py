@@ -290,7 +290,7 @@ _SPLIT_PIECE_COST_TILES = 8.0
 # possible; "noop" the split variant with no item split (its code's own cost); default automatic.
 SPLIT_TAIL_ENV = "TORCH_FA4_FWD_SPLIT_TAIL"
 
-# Every knob a dense forward call's launch reads (default_config, leading_args, the split plan):
+# Every knob a forward call's launch reads (default_config, leading_args, the split plan):
 # fwd_launch_record's records are keyed on them.
 RECORD_ENV_KNOBS = (fwd_launch.L2_GROUP_ENV, fwd_launch.TAIL_PAIRS_ENV, SPLIT_TAIL_ENV)
 _RECORD_ENV = env_vars.Snapshot(RECORD_ENV_KNOBS)
@@ -478,7 +478,7 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
     """trace: an int32 (work items, 7) tensor for the phase stamps of a traced variant
     (benchmarks/fwd_trace.py); compiles that variant."""
     if trace is None and not overrides and fwd_launch_record.run(call, out, lse, _RECORD_ENV):
-        return  # a repeated dense shape, launched from its record
+        return  # a repeated call shape, launched from its record (fwd_launch_record)
     cfg = default_config(call, **overrides)
     if trace is not None:
         cfg = replace(cfg, trace=True)  # (turn_trace=True among the overrides: per-step stamps)
