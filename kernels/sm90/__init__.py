@@ -1,12 +1,17 @@
 """Hopper (sm_90a) kernels: entry points per docs/INTERNALS.md.
 
 The forward lives in fwd.py (kernel), fwd_config.py (its variant key) and fwd_host.py (variant
-choice, compile cache, launch); the backward in bwd.py. Importing this package loads CuTe DSL; dispatch imports it on the first CUDA call.
+choice, compile cache, launch); the backward in bwd.py. dispatch imports this package on the
+first CUDA call. Neither it nor the host modules import CuTe DSL: the kernel modules (fwd.py,
+bwd_kernel.py, ...) load it when a variant compiles, and a kernel from the disk cache launches
+without it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
+
+from torch_fa4.kernels.sm90 import fwd_host  # (on every forward call's path: bound once)
 
 if TYPE_CHECKING:
     import torch
@@ -15,14 +20,10 @@ if TYPE_CHECKING:
 
 
 def unsupported_reason(call: "AttentionCall") -> Optional[str]:
-    from torch_fa4.kernels.sm90 import fwd_host
-
     return fwd_host.unsupported_reason(call)
 
 
 def forward(call: "AttentionCall", out: "torch.Tensor", lse: "torch.Tensor") -> None:
-    from torch_fa4.kernels.sm90 import fwd_host
-
     fwd_host.forward(call, out, lse)
 
 
