@@ -125,6 +125,8 @@ def test_records_launch_what_the_general_path_launches(case, launches, monkeypat
     assert len(launches) == 3
     records = list(fwd_launch_record._records.values())
     assert len(records) == 1 and isinstance(records[0], fwd_launch_record.LaunchRecord)
+    # a record keeps no tensor of the call alive (only scalars, the variant and buffer shapes)
+    assert not any(isinstance(x, torch.Tensor) for x in (*records[0].scalars, *(records[0].split or ())))
     _same_launch(launches[0], launches[1])
     _same_launch(launches[0], launches[2])
     cfg = launches[0][0]
