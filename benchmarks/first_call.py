@@ -7,10 +7,11 @@ one. torch_fa4 runs with its disk cache off (TORCH_FA4_KERNEL_CACHE=0) unless --
 process that compiles and stores, then one that loads. flash-attn-4 (a peer, from the GPU kit)
 keeps its own disk cache off, its default.
 
-    python benchmarks/first_call.py [--rows 128:4096:1,64:4096:0] [--runs 3] [--bwd] [--disk]
+    python benchmarks/first_call.py [--rows 128:4096:1,64:4096:0] [--runs 3] [--bwd] [--disk] [--preimport]
 
 A row D:S:causal is B = 16384 / S, H = 2048 / D as in bench.py; --bwd times the first backward
-after a forward (the forward's compile excluded).
+after a forward (the forward's compile excluded). Without --preimport our first call also imports
+CuTe DSL (torch_fa4's import does not), which flash-attn-4 pays in its import.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tempfile
 import time
 
 
-def child(impl: str, D: int, S: int, causal: bool, bwd: bool) -> None:
+def child(impl: str, D: int, S: int, causal: bool, bwd: bool, preimport: bool = False) -> None:
     t0 = time.perf_counter()
     import torch
 
@@ -33,6 +34,12 @@ def child(impl: str, D: int, S: int, causal: bool, bwd: bool) -> None:
     t0 = time.perf_counter()
     if impl == "torch_fa4":
         import torch_fa4
+
+        if preimport:  # CuTe DSL and our kernel modules now, so the first call times the compile
+            import cutlass.cute  # noqa: F401
+
+            import torch_fa4.kernels.sm90.bwd  # noqa: F401
+            import torch_fa4.kernels.sm90.fwd  # noqa: F401
 
         def attend(q, k, v):
             return torch_fa4.attention(q, k, v, causal=causal)
@@ -66,8 +73,9 @@ def child(impl: str, D: int, S: int, causal: bool, bwd: bool) -> None:
     print(json.dumps(dict(import_torch=t_torch, import_impl=t_import, first=times[0], second=times[1])))
 
 
-def run_child(impl, spec, bwd, env) -> dict:
-    cmd = [sys.executable, __file__, "--child", impl, spec] + (["--bwd"] if bwd else [])
+def run_child(impl, spec, bwd, env, preimport=False) -> dict:
+    cmd = [sys.executable, __file__, "--child", impl, spec] + (["--bwd"] if bwd else []) + \
+        (["--preimport"] if preimport else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{impl} {spec}: {out.stderr[-2000:]}")
@@ -85,12 +93,15 @@ def main():
     ap.add_argument("--bwd", action="store_true")
     ap.add_argument("--disk", action="store_true", help="torch_fa4 only: store in one process, load in the next")
     ap.add_argument("--impls", default="torch_fa4,flash-attn-4")
+    ap.add_argument("--preimport", action="store_true",
+                    help="torch_fa4 imports CuTe DSL and its kernel modules before the timed call "
+                         "(reported in its import time), as flash-attn-4's import does")
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "ROW"))
     args = ap.parse_args()
     if args.child:
         impl, spec = args.child
         D, S, causal = (int(x) for x in spec.split(":"))
-        child(impl, D, S, bool(causal), args.bwd)
+        child(impl, D, S, bool(causal), args.bwd, args.preimport)
         return
     base = dict(os.environ, TORCH_FA4_KERNEL_CACHE="0")
     base.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)
@@ -106,7 +117,7 @@ def main():
                           f"{r['second'] * 1e3:.1f} ms, import {r['import_impl']:.2f} s", flush=True)
             continue
         for impl in args.impls.split(","):
-            runs = [run_child(impl, spec, args.bwd, base) for _ in range(args.runs)]
+            runs = [run_child(impl, spec, args.bwd, base, args.preimport) for _ in range(args.runs)]
             first = [r["first"] - r["second"] for r in runs]
             print(f"{direction} {spec} {impl:12s} first call less a warm call {summary(first)} s; "
                   f"import {summary([r['import_impl'] for r in runs])} s; "
