@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from torch_fa4 import env_vars
+from torch_fa4.kernels.common import shape_memo
 from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record, bwd_prepare
 from torch_fa4.kernels.sm90.bwd_buffers import (counter_shape, split_counters, split_workspace_shape,
                                                 writes_dq_directly, zeroed_counters)
@@ -971,8 +972,7 @@ _LAUNCH_ENV = env_vars.Snapshot(_LAUNCH_ENV_KNOBS)
 # Every knob a dense backward call's launch reads: bwd_launch_record's records are keyed on them.
 RECORD_ENV_KNOBS = _ENV_KNOBS + _LAUNCH_ENV_KNOBS
 _RECORD_ENV = env_vars.Snapshot(RECORD_ENV_KNOBS)
-_plan_memo: dict = {}
-_PLAN_MEMO_MAX = 4096  # entries (one per shape and variant); cleared past it (dynamic shapes)
+_plan_memo = shape_memo.table()  # (one entry per shape and variant)
 
 
 def launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
@@ -983,12 +983,7 @@ def launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:
     if call.is_varlen or call.block_mask:
         return _launch_plan(call, key)
     memo = (key, call.q.shape, call.k.shape, call.q.device, _LAUNCH_ENV())
-    plan = _plan_memo.get(memo)
-    if plan is None:
-        if len(_plan_memo) >= _PLAN_MEMO_MAX:
-            _plan_memo.clear()
-        plan = _plan_memo[memo] = _launch_plan(call, key)
-    return plan
+    return shape_memo.lookup(_plan_memo, memo, lambda: _launch_plan(call, key))
 
 
 def _launch_plan(call: "AttentionCall", key: tuple) -> LaunchPlan:

@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from torch_fa4 import env_vars
+from torch_fa4.kernels.common import shape_memo
 from torch_fa4.kernels.sm90 import bwd_buffers, bwd_dq_convert, bwd_prepare
 
 _LOG2E = math.log2(math.e)
@@ -43,9 +44,8 @@ class LaunchRecord(NamedTuple):
     scale: float
 
 
-_NOT_RECORDED = object()  # a call shape whose backward takes the general path every time
-_records: dict = {}
-_RECORDS_MAX = 4096  # (one per shape; cleared past it, as bwd's other memos)
+_NOT_RECORDED = shape_memo.NOT_RECORDED  # a call shape whose backward takes the general path every time
+_records = shape_memo.table()
 _tma_view = bwd_prepare._packed_size_one_strides  # (bwd._tma_view)
 
 
@@ -62,12 +62,7 @@ def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, knobs: env_vars.S
             dout.stride(), out.shape, out.stride(), lse.shape, lse.stride(), dq.stride(), dk.stride(), dv.stride(),
             dout.dtype, out.dtype, lse.dtype, dq.dtype,
             call.scale, call.causal, call.window_left, call.window_right, call.softcap, knobs())
-    record = _records.get(memo)
-    if record is None:
-        record = _derive(call, dout, out, lse, dq, dk, dv)
-        if len(_records) >= _RECORDS_MAX:
-            _records.clear()
-        _records[memo] = record
+    record = shape_memo.lookup(_records, memo, lambda: _derive(call, dout, out, lse, dq, dk, dv))
     if record is _NOT_RECORDED:
         return False
     _launch(record, q, k, v, dout, out, lse, dq, dk, dv)

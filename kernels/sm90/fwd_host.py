@@ -13,7 +13,7 @@ enters the variant.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -486,8 +486,17 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Op
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: nothing to write
         return
-    kernel(*args, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), item_counter(cfg, call.q.device), trace,
-           *split_buffers(split_spec(cfg, call), call.q.device))
+    launch(kernel, cfg, call, args, trace, split_spec(cfg, call))
+
+
+def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, trace: Optional[torch.Tensor],
+           split: Optional[tuple]) -> None:
+    """The one launch of a forward kernel, for the general path and the launch records alike:
+    `leading` as fwd_launch.leading_args gives it, then the call's block mask and captured tensors
+    (new values every call), the per-launch buffers and the trace; `split` from `split_spec`."""
+    device = call.q.device
+    kernel(*leading, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), item_counter(cfg, device), trace,
+           *split_buffers(split, device))
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:

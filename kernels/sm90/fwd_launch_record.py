@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from torch_fa4 import env_vars
-from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.common import fwd_launch, shape_memo
 
 
 class LaunchRecord(NamedTuple):
@@ -37,9 +37,8 @@ class LaunchRecord(NamedTuple):
     split: Optional[tuple]  # (workspace shape, counter slots, split items); None: no split tail
 
 
-_NOT_RECORDED = object()  # a call shape whose forward takes the general path every time
-_records: dict = {}
-_RECORDS_MAX = 4096  # (one per shape; cleared past it, as the backward's records)
+_NOT_RECORDED = shape_memo.NOT_RECORDED  # a call shape whose forward takes the general path every time
+_records = shape_memo.table()
 
 
 def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) -> bool:
@@ -56,21 +55,14 @@ def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) ->
         memo += (mods.key if mods is not None else None, tuple((t.dtype, t.dim()) for t in call.aux_tensors),
                  bool(call.block_mask), call.block_mask_q, call.block_mask_kv, call.max_seqlen_q, call.max_seqlen_k,
                  *(None if t is None else (t.shape, t.dtype) for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)))
-    record = _records.get(memo)
-    if record is None:
-        record = _derive(call, out, lse)
-        if len(_records) >= _RECORDS_MAX:
-            _records.clear()
-        _records[memo] = record
+    record = shape_memo.lookup(_records, memo, lambda: _derive(call, out, lse))
     if record is _NOT_RECORDED:
         return False
     from torch_fa4.kernels.sm90 import fwd_host
 
-    cfg, device = record.cfg, q.device
-    # the call's own block mask and captured tensors: launch arguments, new values every call
-    record.kernel(q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, *record.scalars,
-                  *fwd_host._launch_block_mask(cfg, call), *fwd_host._launch_aux(cfg, call),
-                  fwd_host.item_counter(cfg, device), None, *fwd_host.split_buffers(record.split, device))
+    fwd_host.launch(record.kernel, record.cfg, call,
+                    (q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, *record.scalars),
+                    None, record.split)
     return True
 
 
