@@ -6,7 +6,7 @@ one forward's output, repeated). Each implementation is timed `--rounds` times i
 bench.py's timer (triton do_bench, median), the row keeping the upper median; TFLOP/s count the
 causal half of each sequence's S^2 (bench._flops per sequence).
 
-    python benchmarks/varlen_bench.py --rounds 3 --out results/varlen.json [--fwd-only]
+    python benchmarks/varlen_bench.py --rounds 3 --out results/varlen.json [--fwd-only] [--general]
 """
 
 import argparse
@@ -43,6 +43,24 @@ def ours(q, k, v, cu, max_len, backward):
     out = torch_fa4.attention(*leaves, **kw)
     g = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)
+
+
+def ours_general(q, k, v, cu, max_len, backward):
+    """ours with the backward's launch records bypassed (bwd.backward's general path every call):
+    the comparison for the packed batches' records (--general)."""
+    fn = ours(q, k, v, cu, max_len, backward)
+    if not backward:
+        return fn
+    from torch_fa4.kernels.sm90 import bwd_launch_record
+
+    def call():
+        real, bwd_launch_record.run = bwd_launch_record.run, lambda *a: False
+        try:
+            return fn()
+        finally:
+            bwd_launch_record.run = real
+
+    return call
 
 
 def fa4(q, k, v, cu, max_len, backward):
@@ -106,7 +124,7 @@ def host_times(label: str, d: int) -> None:
     lens = batches()[label]
     q, k, v, cu, max_len = make_inputs(lens, d)
     for backward in (False, True):
-        for name, make in (("ours", ours), ("flash-attn-4", fa4)):
+        for name, make in (("ours", ours), ("ours general path", ours_general), ("flash-attn-4", fa4)):
             fn = make(q, k, v, cu, max_len, backward)
             for _ in range(3):
                 fn()
@@ -141,6 +159,8 @@ def main():
                     help="instead: the kernels one call of each implementation runs, e.g. 16x1024:128")
     ap.add_argument("--host", default=None, metavar="BATCH:D", help="instead: host time per call, e.g. 16x1024:128")
     ap.add_argument("--fwd-only", action="store_true", help="forward rows only")
+    ap.add_argument("--general", action="store_true",
+                    help="also ours with the backward's launch records bypassed ('torch_fa4 general')")
     args = ap.parse_args()
     if args.host:
         label, d = args.host.split(":")
@@ -151,8 +171,11 @@ def main():
         profile(label, int(d))
         return
     peers = {"torch_fa4": ours, "flash-attn-4": fa4}
+    if args.general:
+        peers["torch_fa4 general"] = ours_general
     rows = []
-    print(f"{'row':<22} {'torch_fa4':>10} {'flash-attn-4':>13} {'ratio':>6}  (TFLOP/s)")
+    print(f"{'row':<22} {'torch_fa4':>10} {'flash-attn-4':>13} {'ratio':>6}  (TFLOP/s)"
+          + ("  general / ratio" if args.general else ""))
     for d in (64, 128):
         for label, lens in batches().items():
             q, k, v, cu, max_len = make_inputs(lens, d)
@@ -170,8 +193,11 @@ def main():
                 row = dict(row=f"D{d} {label} {'bwd' if backward else 'fwd'}", tflops=tflops,
                            ms=times, ratio=tflops["torch_fa4"] / tflops["flash-attn-4"])
                 rows.append(row)
+                extra = ""
+                if args.general:
+                    extra = f"  {tflops['torch_fa4 general']:.0f} / {tflops['torch_fa4 general'] / tflops['flash-attn-4']:.3f}"
                 print(f"{row['row']:<22} {tflops['torch_fa4']:>10.0f} {tflops['flash-attn-4']:>13.0f} "
-                      f"{row['ratio']:>6.3f}", flush=True)
+                      f"{row['ratio']:>6.3f}{extra}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rounds=args.rounds, rows=rows), f, indent=1)

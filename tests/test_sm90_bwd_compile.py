@@ -1556,11 +1556,13 @@ def test_backward_kernels_load_from_disk_in_a_new_process(tmp_path, setting):
 
 
 # ---- launch records (bwd_launch_record): repeated dense calls replayed, with emulated kernels
-@pytest.mark.parametrize("case", ["causal_gqa", "plain_split", "conversion_pass", "one_sequence_window"])
+@pytest.mark.parametrize("case", ["causal_gqa", "plain_split", "conversion_pass", "one_sequence_window",
+                                  "packed_causal_gqa", "packed_window"])
 def test_launch_record_replays_the_general_path(case, monkeypatch):
-    """A dense call's second and later backwards run from its launch record (the main kernel,
-    the row-statistics pass and the dq conversion emulated on the CPU): the same gradients as the
-    general path and float64 autograd, one record per shape and knob setting."""
+    """A dense call's or a packed batch's second and later backwards run from its launch record
+    (the main kernel, the row-statistics pass and the dq conversion emulated on the CPU): the
+    same gradients as the general path and float64 autograd, one record per shape and knob
+    setting; a packed batch with new offsets of the same count reuses its record."""
     import math
 
     import test_sm90_bwd_prepare_compile as prepare_tests
@@ -1590,9 +1592,16 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
     elif case == "conversion_pass":
         b, sq, sk, kw = 2, 130, 130, dict(causal=True)
         monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
-    else:  # batch 1: size-one strides repacked for the compiled signatures
+    elif case == "one_sequence_window":  # batch 1: size-one strides repacked for the compiled signatures
         b, sq, sk, kw = 1, 90, 120, dict(window_left=20, window_right=3, softcap=5.0)
-    q, k, v, do = rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d), rnd(b, sq, hq, d)
+    packed = case.startswith("packed")
+    if packed:  # sequences of 3, 147 and 21 queries starting at rows no tile aligns to
+        cu_q, cu_k = torch.tensor([0, 3, 150, 171], dtype=torch.int32), torch.tensor([0, 90, 95, 230], dtype=torch.int32)
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=147, max_seqlen_k=135,
+                  **(dict(causal=True) if case == "packed_causal_gqa" else dict(window_left=30, window_right=5)))
+        q, k, v, do = rnd(171, hq, d), rnd(230, hkv, d), rnd(230, hkv, d), rnd(171, hq, d)
+    else:
+        q, k, v, do = rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d), rnd(b, sq, hq, d)
     call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     out64, lse = reference.forward(AttentionCall(q=q64, k=k64, v=v64, scale=d**-0.5, **kw))
@@ -1620,8 +1629,31 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         assert (bb.double() - a.double()).abs().max() <= 0.02 * r.abs().max(), f"{name}: record and general path differ"
     if case == "plain_split":
         assert records[0].scalars[9:11] == (2, 3)  # (split tiles, ways)
+    assert bool(records[0].stat_tile) == packed
     monkeypatch.setenv(bwd.CTA_TAIL_ENV, "1")  # a knob: a record of its own
     grads(record=True)
     assert len(bwd_launch_record._records) == 2
+    if packed:
+        # other lengths in the same number of sequences (171 and 230 rows as before): the same
+        # record, and the statistics and gradients follow the new offsets
+        cu_q2, cu_k2 = torch.tensor([0, 100, 101, 171], dtype=torch.int32), torch.tensor([0, 40, 170, 230], dtype=torch.int32)
+        kw2 = dict(kw, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
+        call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw2)
+        out64, lse = reference.forward(AttentionCall(q=q64, k=k64, v=v64, scale=d**-0.5, **kw2))
+        ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+        out, lse = out64.detach().to(torch.bfloat16), lse.detach().float()
+        for name, got, r in zip(("dq", "dk", "dv"), grads(record=True), ref):
+            assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
+            err = (got.double() - r).norm() / r.norm()
+            assert err < 1e-2, f"{name}: relative error {err:.2e} with new offsets"
+        assert len(bwd_launch_record._records) == 2
+        call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **dict(kw2, max_seqlen_k=140))  # the grid's size
+        grads(record=True)
+        assert len(bwd_launch_record._records) == 3
+        assert sorted(r.scalars[5] for r in bwd_launch_record._records.values()) == [135, 135, 140]
+        monkeypatch.setattr(bwd_launch_record, "_records", {})  # without max_seqlen_q: the general path
+        call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **dict(kw2, max_seqlen_q=0))
+        grads(record=True)
+        assert not bwd_launch_record._records
 
 

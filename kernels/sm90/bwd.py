@@ -855,13 +855,9 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
     `zero_dq`: a dQ buffer to zero as well (inside the fused pass where it can).
     `permuted`: each tile of `tile_m` rows in bwd_stats_layout's order (dense only).
     """
-    q = call.q
     assert not (permuted and call.is_varlen), "packed rows keep the natural order"
-    if call.is_varlen:
-        rows = (math.ceil(q.shape[0] / tile_m) + 1) * tile_m  # TMA strides: 16-byte multiples
-    else:
-        rows = max(math.ceil(q.shape[1] / tile_m) * tile_m, min_rows)
-        assert not permuted or rows % tile_m == 0, (rows, tile_m)
+    rows = stat_rows(call, tile_m, min_rows)
+    assert not permuted or rows % tile_m == 0, (rows, tile_m)
     if dout.is_cuda:
         from . import bwd_prepare
 
@@ -891,6 +887,15 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
     if call.is_varlen:
         lse2, dpsum = varlen_stat_layout(call, lse2, dpsum, tile_m)
     return lse2, dpsum, rows
+
+
+def stat_rows(call: "AttentionCall", tile_m: int, min_rows: int = 0) -> int:
+    """The rows of row_statistics' buffers before any varlen layout: whole query tiles of tile_m
+    (at least min_rows) dense; the packed rows and a tile more varlen (TMA strides: 16-byte
+    multiples)."""
+    if call.is_varlen:
+        return (math.ceil(call.q.shape[0] / tile_m) + 1) * tile_m
+    return max(math.ceil(call.q.shape[1] / tile_m) * tile_m, min_rows)
 
 
 def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
@@ -969,8 +974,8 @@ class LaunchPlan(NamedTuple):
 # The launch-time knobs launch_plan reads (with the variant key and the shapes: its memo key).
 _LAUNCH_ENV_KNOBS = (CTA_GROUP_ENV, CTA_TAIL_ENV, PERSISTENT_CTAS_ENV, SPLIT_TAIL_ENV, PASS_ORDER_ENV)
 _LAUNCH_ENV = env_vars.Snapshot(_LAUNCH_ENV_KNOBS)
-# Every knob a dense backward call's launch reads: bwd_launch_record's records are keyed on them.
-RECORD_ENV_KNOBS = _ENV_KNOBS + _LAUNCH_ENV_KNOBS
+# Every knob a backward call's launch reads: bwd_launch_record's records are keyed on them.
+RECORD_ENV_KNOBS = _ENV_KNOBS + _LAUNCH_ENV_KNOBS + (VARLEN_KERNEL_ENV,)
 _RECORD_ENV = env_vars.Snapshot(RECORD_ENV_KNOBS)
 _plan_memo = shape_memo.table()  # (one entry per shape and variant)
 

@@ -1,5 +1,5 @@
-"""The backward's repeated dense calls: a launch record per shape, so a repeated call only
-allocates its buffers and launches its three kernels.
+"""The backward's repeated calls: a launch record per shape, so a repeated call only allocates
+its buffers and launches its kernels.
 
 A training loop calls the backward with the same shapes, strides, flags and knobs step after
 step, and bwd.backward derives the same things every time: the variant, the launch plan, which
@@ -10,11 +10,15 @@ GPU waiting. `run` keeps one LaunchRecord per everything the derivation reads (s
 of every tensor, dtype, device, mask flags, scale, softcap, every environment knob bwd reads) and
 replays it; only the 16-byte alignment of the tensors' addresses is checked per call.
 
-Dense calls only: no varlen, block mask, mods, seqused_k, deterministic mode or trace (those take
-bwd.backward's general path, as does any call the record's derivation finds unusual: a dO that is
-not TMA-ready, a row-statistics or conversion pass that would not take the tensors). The launch
-sequence is the general path's: zeroed counters, the row-statistics pass (which zeroes the dQ
-buffer), the main kernel, the conversion.
+Dense calls and packed varlen batches (both sides packed, one launch, max_seqlen_q given: a
+model's packed batches pass it, and without it the derivation reads the offsets); the record of a
+packed batch is keyed on the offsets' shapes and the given maxima, and each call moves its row
+statistics to its own sequences' offsets (bwd.varlen_stat_layout, kept per offsets tensor). Block
+masks, mods, seqused_k, deterministic mode, trace and per-sequence launches take bwd.backward's
+general path, as does any call the record's derivation finds unusual (a dO that is not TMA-ready,
+a row-statistics or conversion pass that would not take the tensors). The launch sequence is the
+general path's: zeroed counters, the row-statistics pass (which zeroes the dQ buffer), the main
+kernel, the conversion.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ class LaunchRecord(NamedTuple):
     main: object  # the compiled main kernel
     row_statistics: object  # the compiled row-statistics pass (zeroing the dQ buffer too)
     convert: Optional[object]  # the compiled dq conversion (None: the kernel writes dq itself)
-    stats_shape: tuple  # (2, B, Hq, rows): lse2 and dpsum in one buffer
-    dq_acc_shape: tuple  # (B, Sq, Hq, D) fp32
+    stats_shape: tuple  # (2, B, Hq, rows) / varlen (2, Hq, rows): lse2 and dpsum in one buffer
+    dq_acc_shape: tuple  # (B, Sq, Hq, D) / varlen (1, T, Hq, D) fp32
     counter_shape: Optional[tuple]  # the persistent kernel's counters (None: not persistent)
     split_shape: Optional[tuple]  # the split tail's partial dK / dV (None: no split)
     split_counters: int  # the split tail's piece counters, after the counter block
     scalars: tuple  # the main kernel's arguments after its tensors
     scale: float
+    stat_tile: int  # varlen: the query tile the statistics' per-sequence offsets align to (else 0)
 
 
 _NOT_RECORDED = shape_memo.NOT_RECORDED  # a call shape whose backward takes the general path every time
@@ -52,8 +57,15 @@ _tma_view = bwd_prepare._packed_size_one_strides  # (bwd._tma_view)
 def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, knobs: env_vars.Snapshot) -> bool:
     """Launch the backward of `call` from its record and return True, or return False for
     bwd.backward's general path. `knobs`: every environment knob the derivation reads."""
-    if call.is_varlen or call.block_mask or call.mods is not None or call.seqused_k is not None or deterministic:
+    if call.block_mask or call.mods is not None or call.seqused_k is not None or deterministic:
         return False
+    packed = None
+    if call.is_varlen:
+        cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
+        if cu_k is None or not call.max_seqlen_q:
+            return False  # per-sequence launches, or a longest sequence read from the offsets
+        packed = (cu_q.shape, cu_q.dtype, cu_q.stride(), cu_k.shape, cu_k.dtype, cu_k.stride(),
+                  call.max_seqlen_q, call.max_seqlen_k)
     q, k, v = call.q, call.k, call.v
     if (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr() | lse.data_ptr()
             | dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) % 16:
@@ -61,17 +73,17 @@ def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, knobs: env_vars.S
     memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape,
             dout.stride(), out.shape, out.stride(), lse.shape, lse.stride(), dq.stride(), dk.stride(), dv.stride(),
             dout.dtype, out.dtype, lse.dtype, dq.dtype,
-            call.scale, call.causal, call.window_left, call.window_right, call.softcap, knobs())
+            call.scale, call.causal, call.window_left, call.window_right, call.softcap, packed, knobs())
     record = shape_memo.lookup(_records, memo, lambda: _derive(call, dout, out, lse, dq, dk, dv))
     if record is _NOT_RECORDED:
         return False
-    _launch(record, q, k, v, dout, out, lse, dq, dk, dv)
+    _launch(record, call, dout, out, lse, dq, dk, dv)
     return True
 
 
-def _launch(record: LaunchRecord, q, k, v, dout, out, lse, dq, dk, dv) -> None:
-    device = q.device
-    split_ws = counter = split_cnt = None
+def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
+    device = call.q.device
+    split_ws = counter = split_cnt = cu_q = cu_k = None
     if record.split_shape is not None:
         split_ws = torch.empty(record.split_shape, dtype=torch.float32, device=device)
     if record.counter_shape is not None:
@@ -79,10 +91,18 @@ def _launch(record: LaunchRecord, q, k, v, dout, out, lse, dq, dk, dv) -> None:
     dq_acc_rows = torch.empty(record.dq_acc_shape, dtype=torch.float32, device=device)
     stats = torch.empty(record.stats_shape, dtype=torch.float32, device=device)
     lse2, dpsum = stats.unbind(0)
-    record.row_statistics(_tma_view(dout), _tma_view(out), lse, lse2, dpsum, dq_acc_rows)
+    bwd_prepare.launch(record.row_statistics, dout, out, lse, lse2, dpsum, dq_acc_rows)
+    if record.stat_tile:  # a packed batch: its statistics at its sequences' offsets, the dQ buffer (Hq, T, D)
+        from torch_fa4.kernels.sm90 import bwd
+
+        lse2, dpsum = bwd.varlen_stat_layout(call, lse2, dpsum, record.stat_tile)
+        dq_acc = dq_acc_rows[0].transpose(0, 1)
+        cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
+    else:
+        dq_acc = dq_acc_rows.transpose(1, 2)
     dq_out = _tma_view(dq) if record.convert is None else None
-    record.main(_tma_view(q), _tma_view(k), _tma_view(v), _tma_view(dout), lse2, dpsum, dq_acc_rows.transpose(1, 2),
-                _tma_view(dk), _tma_view(dv), dq_out, None, None, None, counter, split_ws, split_cnt,
+    record.main(_tma_view(call.q), _tma_view(call.k), _tma_view(call.v), _tma_view(dout), lse2, dpsum, dq_acc,
+                _tma_view(dk), _tma_view(dv), dq_out, cu_q, cu_k, None, counter, split_ws, split_cnt,
                 None, None, None, None, *record.scalars)
     if record.convert is not None:
         record.convert(dq_acc_rows.view(-1), dq.view(-1), record.scale)
@@ -93,14 +113,20 @@ def _derive(call, dout, out, lse, dq, dk, dv):
     what bwd.backward would do, derived once, with its own functions and checks."""
     from torch_fa4.kernels.sm90 import bwd
 
+    if bwd.runs_per_sequence(call, False):
+        return _NOT_RECORDED
     plan = bwd.launch_plan(call, bwd.variant_key(call, False))
     key, tiles = plan.key, plan.key[-3]
     q = call.q
     if (tiles.trace or key[-2] is not None or not _on_gpu(dout) or not bwd._tma_compatible(dout)
             or bwd_prepare.unsupported_reason(dout, out, lse) is not None):
         return _NOT_RECORDED
-    # the dQ buffer every call allocates (contiguous, aligned): once here, for the passes' checks
-    dq_acc_shape = (q.shape[0], q.shape[1], call.num_heads, call.head_dim)
+    if call.is_varlen and not all(cu.dtype == torch.int32 and cu.is_contiguous()
+                                  for cu in (call.cu_seqlens_q, call.cu_seqlens_k)):
+        return _NOT_RECORDED  # (the general path converts them per call)
+    # the dQ buffer every call allocates (contiguous, aligned): once here, for the passes' checks;
+    # a packed batch's is its (T, Hq, D) rows as one batch
+    dq_acc_shape = ((1, *q.shape[:2]) if call.is_varlen else q.shape[:3]) + (call.head_dim,)
     dq_acc = torch.empty(dq_acc_shape, dtype=torch.float32, device=q.device)
     if not bwd_prepare.dq_zeroing_takes(dq_acc, dout):
         return _NOT_RECORDED
@@ -123,10 +149,10 @@ def _derive(call, dout, out, lse, dq, dk, dv):
     scalars = (float(call.scale), float(call.scale * _LOG2E), float(call.softcap or 1.0), int(left or 0),
                int(right or 0), int(plan.max_k), plan.cta_group, plan.cta_tail, plan.ctas, plan.split_items,
                plan.ways, *[None] * bwd.MAX_AUX)
-    return LaunchRecord(bwd.compile_variant(key), row_statistics, convert,
-                        (2, q.shape[0], call.num_heads, math.ceil(q.shape[1] / tile_m) * tile_m),
-                        dq_acc_shape, counter_shape, split_shape, bwd_buffers.split_counters(tiles, plan.split_items),
-                        scalars, float(call.scale))
+    stats_shape = (2, *lse.shape[:-1], bwd.stat_rows(call, tile_m))
+    return LaunchRecord(bwd.compile_variant(key), row_statistics, convert, stats_shape, dq_acc_shape,
+                        counter_shape, split_shape, bwd_buffers.split_counters(tiles, plan.split_items),
+                        scalars, float(call.scale), tile_m if call.is_varlen else 0)
 
 
 def _on_gpu(t: torch.Tensor) -> bool:

@@ -153,11 +153,17 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor,
     for t in (lse2, dpsum):
         assert t.dtype == torch.float32 and t.shape[:-1] == lse.shape[:-1] and t.stride(-1) == 1, t.shape
         assert t.shape[-1] >= lse.shape[-1], "fewer rows than the sequence"
-    if dout.dim() == 3:  # varlen: the packed rows are one batch of T rows
-        dout, out, lse, lse2, dpsum = (t.unsqueeze(0) for t in (dout, out, lse, lse2, dpsum))
     assert not stat_tile or lse2.shape[-1] % stat_tile == 0, "permuted rows come in whole tiles"
     d_zero = 0 if dq_acc is None else dq_acc.shape[-1]
     fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero, stat_tile=stat_tile, reversed_order=reversed_order)
+    launch(fn, dout, out, lse, lse2, dpsum, dq_acc)
+
+
+def launch(fn, dout, out, lse, lse2, dpsum, dq_acc=None) -> None:
+    """One launch of a compiled pass `fn` (row_statistics_into's, or a backward launch record's):
+    the packed rows of a varlen call as one batch of T rows, size-1 dims given compiled strides."""
+    if dout.dim() == 3:
+        dout, out, lse, lse2, dpsum = (t.unsqueeze(0) for t in (dout, out, lse, lse2, dpsum))
     fn(_packed_size_one_strides(dout), _packed_size_one_strides(out), lse, lse2, dpsum, dq_acc)
 
 

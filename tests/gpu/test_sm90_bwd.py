@@ -317,6 +317,22 @@ def test_varlen_kernel_odd_offsets(monkeypatch):
     _case(BF, 5, 300, 260, 2, 2, 128, 128, varlen=True, lens=lens)
 
 
+def test_varlen_kernel_launch_record(monkeypatch):
+    """A packed batch with its maxima given runs from a launch record (bwd_launch_record); a second
+    batch of the same sizes with other offsets replays that record, with its statistics moved to
+    its own sequences' offsets."""
+    from torch_fa4.kernels.sm90 import bwd_launch_record
+
+    _refuse_per_sequence(monkeypatch)
+    monkeypatch.setattr(bwd_launch_record, "_records", {})
+    first = ([17, 300, 129, 256, 64], [40, 260, 129, 200, 64])
+    second = ([300, 17, 64, 129, 256], [200, 40, 260, 64, 129])  # the same totals, other offsets
+    for lens in (first, second):
+        _case(BF, 5, 300, 260, 4, 2, 128, 128, causal=True, varlen=True, lens=lens)
+    records = list(bwd_launch_record._records.values())
+    assert len(records) == 1 and records[0].stat_tile > 0, records
+
+
 def test_varlen_deterministic(monkeypatch):
     """Deterministic mode on the packed-rows variant: two runs equal bit for bit, and float64's
     gradients (each sequence's turns count the key tiles before its query tiles)."""
