@@ -9,6 +9,8 @@ empty; the disk cache is turned off). Needs no GPU (CUTE_DSL_ARCH=sm_90a on a CP
     python benchmarks/compile_time.py --runs 5     # 5 fresh processes: median [min-max] per line
     python benchmarks/compile_time.py --disk       # with the disk cache: a process that compiles
                                                    # and stores, then one that loads
+    python benchmarks/compile_time.py --row 128:4096:1 --variants '{"one_loop": {"split_mask_loops": false}}'
+                                                   # one process, each variant compiled --repeat times
 
 --phases splits each variant's time (by wrapping CuTe DSL internals, measurement only):
   preprocess  the DSL's AST rewrite of each @cute.jit function, once per function per process
@@ -89,6 +91,36 @@ def run_once(phases: bool) -> None:
         print(line, flush=True)
 
 
+def run_variants(row: str, variants: dict, repeat: int) -> None:
+    """One process: the row's default forward variant and FwdConfig overrides of it, each compiled
+    `repeat` times (the in-process cache cleared before each), after one warm-up compile that pays
+    the per-process costs (preprocess, first pass-manager setup). Wall and CPU seconds, min and
+    median: a variant's compile without the process-to-process noise."""
+    import dataclasses
+
+    import cutlass.cute  # noqa: F401
+
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels import compile_cache
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    D, S, causal = (int(x) for x in row.split(":"))
+    q = torch.empty(16384 // S, S, 2048 // D, D, dtype=torch.bfloat16)
+    base = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=bool(causal)))
+    fwd_host.compile_fwd(base)
+    times: dict = {}
+    for _ in range(repeat):
+        for name, overrides in {"default": {}, **variants}.items():
+            compile_cache.clear()
+            t, c = time.perf_counter(), time.process_time()
+            fwd_host.compile_fwd(dataclasses.replace(base, **overrides))
+            times.setdefault(name, []).append((time.perf_counter() - t, time.process_time() - c))
+    for name, ts in times.items():
+        wall, cpu = [x[0] for x in ts], [x[1] for x in ts]
+        print(f"fwd {row} {name}: wall min {min(wall):.2f} median {statistics.median(wall):.2f} s, "
+              f"cpu min {min(cpu):.2f} median {statistics.median(cpu):.2f} s", flush=True)
+
+
 def run_many(runs: int, phases: bool) -> None:
     """Each run in a fresh process; per line and number: median [min-max]."""
     outputs = []
@@ -124,8 +156,16 @@ def main():
     parser.add_argument("--phases", action="store_true", help="split each variant's time by phase")
     parser.add_argument("--runs", type=int, default=1, help="fresh processes; prints median [min-max]")
     parser.add_argument("--disk", action="store_true", help="compile and store, then load in a new process")
+    parser.add_argument("--row", default=None, metavar="D:S:CAUSAL",
+                        help="instead: this forward row's default and --variants, --repeat times each")
+    parser.add_argument("--variants", default="{}", help='JSON {name: FwdConfig overrides}')
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    if args.disk:
+    if args.row:
+        import json
+
+        run_variants(args.row, json.loads(args.variants), args.repeat)
+    elif args.disk:
         run_disk()
     elif args.runs > 1:
         run_many(args.runs, args.phases)

@@ -9,6 +9,9 @@ keeps its own disk cache off, its default.
 
     python benchmarks/first_call.py [--rows 128:4096:1,64:4096:0] [--runs 3] [--bwd] [--disk] [--preimport]
 
+With --preimport our lines also split the first call into compile phases (compile_time.py's:
+preprocess, mlir, host-jit; and the disk cache's store and load), medians over the runs.
+
 A row D:S:causal is B = 16384 / S, H = 2048 / D as in bench.py; --bwd times the first backward
 after a forward (the forward's compile excluded). Without --preimport our first call also imports
 CuTe DSL (torch_fa4's import does not), which flash-attn-4 pays in its import.
@@ -26,7 +29,21 @@ import tempfile
 import time
 
 
+def _phase_timers(acc: dict) -> None:
+    """compile_time.py's phase split of our compile, plus the disk cache's store and load."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compile_time
+    from timers import wrap_timed
+
+    from torch_fa4.kernels import disk_cache
+
+    compile_time._install_phase_timers(acc)
+    wrap_timed(disk_cache, "store", "store", acc)
+    wrap_timed(disk_cache, "load", "load", acc)
+
+
 def child(impl: str, D: int, S: int, causal: bool, bwd: bool, preimport: bool = False) -> None:
+    phases: dict = {}  # (torch_fa4 with --preimport: where the first call's seconds went)
     t0 = time.perf_counter()
     import torch
 
@@ -43,6 +60,9 @@ def child(impl: str, D: int, S: int, causal: bool, bwd: bool, preimport: bool = 
 
         def attend(q, k, v):
             return torch_fa4.attention(q, k, v, causal=causal)
+
+        if preimport:
+            _phase_timers(phases)
     else:
         from flash_attn.cute.interface import flash_attn_func
 
@@ -70,7 +90,8 @@ def child(impl: str, D: int, S: int, causal: bool, bwd: bool, preimport: bool = 
                 attend(q, k, v)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-    print(json.dumps(dict(import_torch=t_torch, import_impl=t_import, first=times[0], second=times[1])))
+    print(json.dumps(dict(import_torch=t_torch, import_impl=t_import, first=times[0], second=times[1],
+                          phases=phases)))
 
 
 def run_child(impl, spec, bwd, env, preimport=False) -> dict:
@@ -91,7 +112,8 @@ def main():
     ap.add_argument("--rows", default="128:4096:1,64:4096:0,256:4096:1")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--bwd", action="store_true")
-    ap.add_argument("--disk", action="store_true", help="torch_fa4 only: store in one process, load in the next")
+    ap.add_argument("--disk", action="store_true",
+                    help="torch_fa4 only, per run: store in one process, load in the next (cache on)")
     ap.add_argument("--impls", default="torch_fa4,flash-attn-4")
     ap.add_argument("--preimport", action="store_true",
                     help="torch_fa4 imports CuTe DSL and its kernel modules before the timed call "
@@ -108,20 +130,35 @@ def main():
     direction = "bwd" if args.bwd else "fwd"
     print(f"first call ({direction}), seconds, median [min-max] over {args.runs} fresh processes")
     for spec in args.rows.split(","):
-        if args.disk:
-            with tempfile.TemporaryDirectory() as cache:
-                env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=cache)
-                for label in ("compile and store", "load from disk"):
-                    r = run_child("torch_fa4", spec, args.bwd, env)
-                    print(f"{direction} {spec} torch_fa4 {label}: first {r['first']:.2f} s, second "
-                          f"{r['second'] * 1e3:.1f} ms, import {r['import_impl']:.2f} s", flush=True)
+        if args.disk:  # each run with an empty cache: the compiling process, then a loading one
+            for label in ("compile and store", "load from disk"):
+                results[label] = []
+            for _ in range(args.runs):
+                with tempfile.TemporaryDirectory() as cache:
+                    env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=cache)
+                    for label in ("compile and store", "load from disk"):
+                        results[label].append(run_child("torch_fa4", spec, args.bwd, env, args.preimport))
+            for label in ("compile and store", "load from disk"):
+                report(direction, spec, f"torch_fa4 {label}", results[label])
             continue
         for impl in args.impls.split(","):
-            runs = [run_child(impl, spec, args.bwd, base, args.preimport) for _ in range(args.runs)]
-            first = [r["first"] - r["second"] for r in runs]
-            print(f"{direction} {spec} {impl:12s} first call less a warm call {summary(first)} s; "
-                  f"import {summary([r['import_impl'] for r in runs])} s; "
-                  f"warm call {statistics.median(r['second'] for r in runs) * 1e3:.1f} ms", flush=True)
+            report(direction, spec, impl, [run_child(impl, spec, args.bwd, base, args.preimport)
+                                           for _ in range(args.runs)])
+
+
+results: dict = {}
+
+
+def report(direction: str, spec: str, impl: str, runs: list) -> None:
+    first = [r["first"] - r["second"] for r in runs]
+    line = (f"{direction} {spec} {impl:12s} first call less a warm call {summary(first)} s; "
+            f"import {summary([r['import_impl'] for r in runs])} s; "
+            f"warm call {statistics.median(r['second'] for r in runs) * 1e3:.1f} ms")
+    names = sorted({name for r in runs for name in r.get("phases", {})})
+    if names:  # medians; what the first call spent outside them is the trace and the launch
+        line += "; phases " + ", ".join(
+            f"{n} {statistics.median(r['phases'].get(n, 0.0) for r in runs):.2f}" for n in names)
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
