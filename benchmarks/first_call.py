@@ -131,22 +131,18 @@ def main():
     print(f"first call ({direction}), seconds, median [min-max] over {args.runs} fresh processes")
     for spec in args.rows.split(","):
         if args.disk:  # each run with an empty cache: the compiling process, then a loading one
-            for label in ("compile and store", "load from disk"):
-                results[label] = []
+            results: dict = {"compile and store": [], "load from disk": []}
             for _ in range(args.runs):
                 with tempfile.TemporaryDirectory() as cache:
                     env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=cache)
-                    for label in ("compile and store", "load from disk"):
+                    for label in results:
                         results[label].append(run_child("torch_fa4", spec, args.bwd, env, args.preimport))
-            for label in ("compile and store", "load from disk"):
-                report(direction, spec, f"torch_fa4 {label}", results[label])
+            for label, runs in results.items():
+                report(direction, spec, f"torch_fa4 {label}", runs)
             continue
         for impl in args.impls.split(","):
             report(direction, spec, impl, [run_child(impl, spec, args.bwd, base, args.preimport)
                                            for _ in range(args.runs)])
-
-
-results: dict = {}
 
 
 def report(direction: str, spec: str, impl: str, runs: list) -> None:

@@ -86,21 +86,22 @@ def direct(q, k, v, rest) -> bool:
 def use_function(q, k, v) -> bool:
     """Whether this call goes through AttentionFunction: eager, with autograd to record. Under
     torch.compile or functorch transforms the op's own autograd runs (they trace it)."""
-    if _traced():
-        return False
+    return not _traced() and _records_autograd(q, k, v)
+
+
+def _records_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def route(q, k, v, rest) -> str:
     """How an eager API call reaches the fwd op, deciding `use_function` and `direct` at once
-    (each asks the same questions; this sits on every call's path): "function" (AttentionFunction),
-    "direct" (the op's body) or "op" (the op itself)."""
+    (this sits on every call's path): "function" (AttentionFunction), "direct" (the op's body) or
+    "op" (the op itself)."""
     if _traced():
         return "op"
+    if _records_autograd(q, k, v):
+        return "function"
     extra = _tensors(rest)
-    if torch.is_grad_enabled():
-        if q.requires_grad or k.requires_grad or v.requires_grad:
-            return "function"
-        if any(t.requires_grad for t in extra):
-            return "op"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in extra):
+        return "op"
     return "direct" if _plain(q, k, v, *extra) else "op"
