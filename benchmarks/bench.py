@@ -98,6 +98,9 @@ _SWEEPS = {
                    [(256, S, c) for S in (1024, 4096, 16384) for c in (False, True)]),
     # the K release predicated on the row sums so ptxas keeps the P V wait after the softmax
     "pin-pv-wait": ({"default": {}, "pinned": dict(pin_pv_wait=True)}, _GRID),
+    # the softmax's exponentials and O's rescales as row vectors (a shorter compile; the
+    # exponentials lose their side-effect pin, so the schedule moves): NOTES "Experiment 166"
+    "vector-softmax": ({"default": {}, "vector": dict(vector_softmax=True)}, _GRID),
     "d256-turns-pinned": ({"pinned": dict(pin_pv_wait=True),
                            "pinned no-pp": dict(pin_pv_wait=True, pingpong=False),
                            "pinned no-pp+early": dict(pin_pv_wait=True, pingpong=False, rescale_threshold=None,

@@ -122,6 +122,9 @@ VARIANTS = {
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
     "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
+    # the softmax as row vectors (FwdConfig.vector_softmax), always and conditional rescale
+    "d128_causal_vector_softmax": (dict(D=128, causal=True), dict(vector_softmax=True)),
+    "d256_causal_vector_softmax": (dict(D=256, causal=True), dict(vector_softmax=True)),
     # the D128 default for plain and causal calls (fwd_host._d128_cond_rescale_pays), persistent and causal
     "d128_cond_rescale": (dict(D=128), dict(rescale_threshold=8.0)),
     "d128_causal_cond_rescale": (dict(D=128, causal=True), dict(rescale_threshold=8.0, persistent=False)),

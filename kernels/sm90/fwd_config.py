@@ -105,6 +105,10 @@ class FwdConfig:
     # 64-bit add (kernels/common/wgmma_desc.py), instead of cute.gemm's per-matmul lowering from
     # the shared-memory address; 16-bit operands with 128-byte rows only (head dims 64)
     hand_descriptors: bool = False
+    # the softmax's exponentials and O's row rescales as whole-row vector ops (one traced op per
+    # row, not per element: a shorter trace and MLIR pipeline); the exponentials then carry no
+    # side-effect pin, so ptxas may schedule them differently (NOTES "Experiment 166")
+    vector_softmax: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

@@ -85,7 +85,7 @@ class FwdConsumer:
         if const_expr(self.cfg.early_o_rescale):
             # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
             # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
-            scale_rows(acc_o, row_scale)
+            scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
         if const_expr(self.cfg.hand_descriptors):
             # this step's K and V descriptors, formed before the turn is taken
             k_desc, v_desc = self._hand_descs.stage(state.index, v_state.index)
@@ -122,7 +122,7 @@ class FwdConsumer:
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
             if moved:
-                scale_rows(acc_o, row_scale)
+                scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
         convert_pairs(a_operand(acc_s), tOrP)
         v_state = state.clone()
         state.advance()
@@ -134,7 +134,7 @@ class FwdConsumer:
         """O normalised by the row sums and written with the LSE (the epilogue)."""
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)
-        scale_rows(acc_o, row_scale)
+        scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
         self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
                       seqlen, m_block, head, batch_q, wg, tidx)
 
@@ -304,7 +304,7 @@ class FwdConsumer:
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every,
-                                cfg.max_chains)
+                                cfg.max_chains, cfg.vector_softmax)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
         wait_full(pipe_q, q_state, self.cfg.peek_waits)
@@ -365,7 +365,8 @@ class FwdConsumer:
                         state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
 
             if const_expr(cfg.early_o_rescale):
-                scale_rows(acc_o, row_scale)  # the last tile's factors, before its P V joins O
+                # the last tile's factors, before its P V joins O
+                scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
             wait_full(pipe_v, v_state, self.cfg.peek_waits)
             self._turn_wait(wg)
             wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)

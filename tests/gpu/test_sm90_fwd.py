@@ -197,10 +197,19 @@ def test_seqused_k_dense():
     dict(rescale_threshold=8.0, exp2_emulate_every=2, pingpong=False),
     dict(early_o_rescale=True),
     dict(pin_pv_wait=True),
+    dict(vector_softmax=True),
+    dict(vector_softmax=True, rescale_threshold=8.0),
 ])
 def test_softmax_options(opts):
     _check(_dense_call(2, 640, 640, 4, 4, 64, causal=True), **opts)
     _check(_dense_call(2, 300, 900, 4, 4, 128), **opts)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_vector_softmax_d256(causal):
+    """The row-vector softmax (FwdConfig.vector_softmax) on D256's tiles, where the exponentials
+    are no longer pinned by side effects: a ragged shape against float64."""
+    _check(_dense_call(2, 1100, 2300, 4, 2, 256, causal=causal), vector_softmax=True)
 
 
 @pytest.mark.parametrize("sk", [9000, 700])
