@@ -66,6 +66,7 @@ class OnlineSoftmax(DynamicState):
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold=None, emulate_every: int = 0,
                  max_chains: int = 1, vectorized: bool = False):
         self.scale_log2 = scale_log2
+        # (the FMA-pipe exponentials of emulate_every are per element: that path stays scalar)
         self.vectorized = vectorized and emulate_every == 0
         self.max_chains = max_chains
         self.num_rows = num_rows
