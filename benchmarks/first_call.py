@@ -10,7 +10,8 @@ keeps its own disk cache off, its default.
     python benchmarks/first_call.py [--rows 128:4096:1,64:4096:0] [--runs 3] [--bwd] [--disk] [--preimport]
 
 With --preimport our lines also split the first call into compile phases (compile_time.py's:
-preprocess, mlir, host-jit; and the disk cache's store and load), medians over the runs.
+preprocess, mlir, host-jit; and the disk cache's store and load) and count its MLIR pipelines
+(`compiles`: one per kernel compiled), medians over the runs.
 
 A row D:S:causal is B = 16384 / S, H = 2048 / D as in bench.py; --bwd times the first backward
 after a forward (the forward's compile excluded). Without --preimport our first call also imports
@@ -40,6 +41,16 @@ def _phase_timers(acc: dict) -> None:
     compile_time._install_phase_timers(acc)
     wrap_timed(disk_cache, "store", "store", acc)
     wrap_timed(disk_cache, "load", "load", acc)
+    # how many MLIR pipelines the first call ran (one per kernel it compiled)
+    from cutlass.base_dsl import compiler
+
+    run_pipeline = compiler.Compiler.compile
+
+    def counted(*args, **kwargs):
+        acc["compiles"] = acc.get("compiles", 0) + 1
+        return run_pipeline(*args, **kwargs)
+
+    compiler.Compiler.compile = counted
 
 
 def child(impl: str, D: int, S: int, causal: bool, bwd: bool, preimport: bool = False) -> None:
