@@ -59,14 +59,28 @@ def test_offsets_formula():
     assert bwd.stat_row_offsets(cu, 64).tolist() == [0, 64, 384, 576]
 
 
-def test_destinations_are_kept_per_unmodified_offsets_tensor():
+def test_sources_are_kept_per_unmodified_offsets_tensor():
     cu = torch.tensor([0, 17, 317, 446], dtype=torch.int32)
-    dest, rows = bwd.stat_destinations(cu, 446, 64)
-    again, _ = bwd.stat_destinations(cu, 446, 64)
-    assert again is dest  # the same live tensor, unmodified: no recomputation
-    assert bwd.stat_destinations(cu, 446, 128)[0] is not dest  # another tile: its own layout
+    src = bwd.stat_sources(cu, 446, 64)
+    assert bwd.stat_sources(cu, 446, 64) is src  # the same live tensor, unmodified: no recomputation
+    assert bwd.stat_sources(cu, 446, 128) is not src  # another tile: its own layout
+    assert bwd.stat_row_offsets(cu, 64).tolist() == [0, 64, 384]
+    # sequence 1 starts at row 64; rows 17-63 hold no packed row: they read padding row 446
+    assert src[64].item() == 17 and src[16].item() == 16 and src[17].item() == 446
     cu[1] = 20  # in place: recomputed from the new offsets
-    moved, _ = bwd.stat_destinations(cu, 446, 64)
+    moved = bwd.stat_sources(cu, 446, 64)
     offsets = bwd.stat_row_offsets(cu, 64).tolist()
-    assert moved[20].item() == offsets[1] and moved[19].item() == 19
-    assert dest[17].item() == 64  # (the first result still describes the old offsets)
+    assert moved[offsets[1]].item() == 20 and moved[19].item() == 19
+    assert src[64].item() == 17  # (the first result still describes the old offsets)
+
+
+def test_halves_of_one_buffer_are_gathered_without_a_copy():
+    """row_statistics allocates lse2 and dpsum as the halves of one buffer, so the layout's gather
+    reads them through a view; separate tensors are stacked."""
+    pair = torch.randn(2, 3, 200)
+    lse2, dpsum = pair.unbind(0)
+    view = bwd._stacked(lse2, dpsum)
+    assert view.data_ptr() == pair.data_ptr() and torch.equal(view, pair)
+    apart = bwd._stacked(lse2.clone(), dpsum.clone())
+    assert apart.data_ptr() != pair.data_ptr() and torch.equal(apart, pair)
+    assert torch.equal(bwd._stacked(dpsum, lse2), torch.stack((dpsum, lse2)))  # order kept

@@ -909,40 +909,58 @@ def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
     return (cu[:-1] + b * tile_m) // tile_m * tile_m
 
 
-# stat_destinations' results per live, unmodified cu_seqlens_q tensor (a model's layers share one)
-_STAT_DESTINATIONS = TensorMemo(capacity=16)
-
-
 def stat_destinations(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> tuple[torch.Tensor, int]:
     """(row of each packed query row in the varlen statistics layout (int64, T), rows of the
-    layout). Six small kernels and ~0.3 ms of host time per backward on the H200's host before it
-    was kept per offsets tensor (NOTES Experiment 161)."""
-    cu = cu_seqlens_q
-    hit = _STAT_DESTINATIONS.get((cu,), (total, tile_m))
-    if hit is not None:
-        return hit
-    cu64 = cu.to(torch.int64)
+    layout)."""
+    cu64 = cu_seqlens_q.to(torch.int64)
     batch = cu64.numel() - 1
     rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
-    t = torch.arange(total, device=cu.device)
+    t = torch.arange(total, device=cu64.device)
     seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
-    dest = t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq]
-    _STAT_DESTINATIONS.put((cu,), (total, tile_m), (dest, rows))
-    return dest, rows
+    return t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq], rows
+
+
+# stat_sources' results per live, unmodified cu_seqlens_q tensor (a model's layers share one)
+_STAT_SOURCES = TensorMemo(capacity=16)
+
+
+def stat_sources(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> torch.Tensor:
+    """For each row of the varlen statistics layout, the packed row it holds, or `total` where it
+    holds none (int64, rows). Row `total` of row_statistics' buffers is padding (+inf / 0: their
+    varlen rows run a tile past the packed rows), so one gather lays the statistics out, padding
+    included. Six small kernels and ~0.3 ms of host time per backward on the H200's host before
+    it was kept per offsets tensor (NOTES Experiment 161)."""
+    cu = cu_seqlens_q
+    hit = _STAT_SOURCES.get((cu,), (total, tile_m))
+    if hit is not None:
+        return hit
+    dest, rows = stat_destinations(cu, total, tile_m)
+    src = torch.full((rows,), total, dtype=torch.int64, device=cu.device)
+    src[dest] = torch.arange(total, device=cu.device)
+    _STAT_SOURCES.put((cu,), (total, tile_m), src)
+    return src
+
+
+def _stacked(lse2: torch.Tensor, dpsum: torch.Tensor) -> torch.Tensor:
+    """(2, *shape): a view when the two are consecutive halves of one buffer, as row_statistics
+    and the launch records allocate them; otherwise a stacked copy (the torch path)."""
+    if (lse2.shape == dpsum.shape and lse2.dtype == dpsum.dtype and lse2.device == dpsum.device
+            and lse2.is_contiguous() and dpsum.is_contiguous()
+            and dpsum.data_ptr() == lse2.data_ptr() + lse2.numel() * lse2.element_size()):
+        return lse2.as_strided((2, *lse2.shape), (lse2.numel(), *lse2.stride()))
+    return torch.stack((lse2, dpsum))
 
 
 def varlen_stat_layout(call: "AttentionCall", lse2: torch.Tensor, dpsum: torch.Tensor, tile_m: int):
-    """The packed rows' statistics (Hq, >= T) moved to the tile-aligned per-sequence offsets of
-    stat_row_offsets, in (Hq, rows) buffers whose other rows hold +inf / 0 (as padding rows do).
+    """The packed rows' statistics (Hq, > T: row T is padding) moved to the tile-aligned
+    per-sequence offsets of stat_row_offsets, in (Hq, rows) buffers whose other rows hold +inf / 0
+    (as padding rows do): one gather of both (it was a fill, a zeroing and two scatters).
     A TMA load whose first element is not 16-byte aligned faults (NOTES Experiment 160), and
     sequences start at any packed row."""
     total = call.q.shape[0]
-    dest, rows = stat_destinations(call.cu_seqlens_q, total, tile_m)
-    moved = torch.empty((2, lse2.shape[0], rows), dtype=torch.float32, device=lse2.device)
-    moved[0].fill_(math.inf)
-    moved[1].zero_()
-    moved[0].index_copy_(1, dest, lse2[:, :total])
-    moved[1].index_copy_(1, dest, dpsum[:, :total])
+    assert lse2.shape[-1] > total, "row_statistics' varlen buffers end with padding rows"
+    src = stat_sources(call.cu_seqlens_q, total, tile_m)
+    moved = _stacked(lse2, dpsum).index_select(2, src)
     return moved[0], moved[1]
 
 
