@@ -73,14 +73,3 @@ def test_sources_are_kept_per_unmodified_offsets_tensor():
     assert moved[offsets[1]].item() == 20 and moved[19].item() == 19
     assert src[64].item() == 17  # (the first result still describes the old offsets)
 
-
-def test_halves_of_one_buffer_are_gathered_without_a_copy():
-    """row_statistics allocates lse2 and dpsum as the halves of one buffer, so the layout's gather
-    reads them through a view; separate tensors are stacked."""
-    pair = torch.randn(2, 3, 200)
-    lse2, dpsum = pair.unbind(0)
-    view = bwd._stacked(lse2, dpsum)
-    assert view.data_ptr() == pair.data_ptr() and torch.equal(view, pair)
-    apart = bwd._stacked(lse2.clone(), dpsum.clone())
-    assert apart.data_ptr() != pair.data_ptr() and torch.equal(apart, pair)
-    assert torch.equal(bwd._stacked(dpsum, lse2), torch.stack((dpsum, lse2)))  # order kept

@@ -869,7 +869,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
             if zero_dq is not None and not fused_zero:
                 zero_dq.zero_()
             if call.is_varlen:
-                stats = varlen_stat_layout(call, *stats, tile_m)
+                stats = varlen_stat_layout(call, stats, tile_m)
             return (*stats, rows)
     if zero_dq is not None:
         zero_dq.zero_()
@@ -885,7 +885,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
 
         lse2, dpsum = permute_rows(lse2, tile_m), permute_rows(dpsum, tile_m)
     if call.is_varlen:
-        lse2, dpsum = varlen_stat_layout(call, lse2, dpsum, tile_m)
+        lse2, dpsum = varlen_stat_layout(call, torch.stack((lse2, dpsum)), tile_m)
     return lse2, dpsum, rows
 
 
@@ -941,26 +941,16 @@ def stat_sources(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> torch.T
     return src
 
 
-def _stacked(lse2: torch.Tensor, dpsum: torch.Tensor) -> torch.Tensor:
-    """(2, *shape): a view when the two are consecutive halves of one buffer, as row_statistics
-    and the launch records allocate them; otherwise a stacked copy (the torch path)."""
-    if (lse2.shape == dpsum.shape and lse2.dtype == dpsum.dtype and lse2.device == dpsum.device
-            and lse2.is_contiguous() and dpsum.is_contiguous()
-            and dpsum.data_ptr() == lse2.data_ptr() + lse2.numel() * lse2.element_size()):
-        return lse2.as_strided((2, *lse2.shape), (lse2.numel(), *lse2.stride()))
-    return torch.stack((lse2, dpsum))
-
-
-def varlen_stat_layout(call: "AttentionCall", lse2: torch.Tensor, dpsum: torch.Tensor, tile_m: int):
-    """The packed rows' statistics (Hq, > T: row T is padding) moved to the tile-aligned
-    per-sequence offsets of stat_row_offsets, in (Hq, rows) buffers whose other rows hold +inf / 0
-    (as padding rows do): one gather of both (it was a fill, a zeroing and two scatters).
+def varlen_stat_layout(call: "AttentionCall", stats: torch.Tensor, tile_m: int):
+    """The packed rows' statistics, lse2 and dpsum stacked (2, Hq, > T: row T is padding, as
+    row_statistics and the launch records allocate them), moved to the tile-aligned per-sequence
+    offsets of stat_row_offsets: (lse2, dpsum), (Hq, rows) each, whose other rows hold +inf / 0
+    (as padding rows do). One gather of both (it was a fill, a zeroing and two scatters).
     A TMA load whose first element is not 16-byte aligned faults (NOTES Experiment 160), and
     sequences start at any packed row."""
     total = call.q.shape[0]
-    assert lse2.shape[-1] > total, "row_statistics' varlen buffers end with padding rows"
-    src = stat_sources(call.cu_seqlens_q, total, tile_m)
-    moved = _stacked(lse2, dpsum).index_select(2, src)
+    assert stats.shape[-1] > total, "row_statistics' varlen buffers end with padding rows"
+    moved = stats.index_select(2, stat_sources(call.cu_seqlens_q, total, tile_m))
     return moved[0], moved[1]
 
 

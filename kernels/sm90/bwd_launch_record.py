@@ -95,7 +95,7 @@ def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
     if record.stat_tile:  # a packed batch: its statistics at its sequences' offsets, the dQ buffer (Hq, T, D)
         from torch_fa4.kernels.sm90 import bwd
 
-        lse2, dpsum = bwd.varlen_stat_layout(call, lse2, dpsum, record.stat_tile)
+        lse2, dpsum = bwd.varlen_stat_layout(call, stats, record.stat_tile)
         dq_acc = dq_acc_rows[0].transpose(0, 1)
         cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
     else:

@@ -135,14 +135,15 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
 
 def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None,
                    stat_tile: int = 0, reversed_order: bool = False):
-    """(lse2, dpsum), each (B, H, rows) dense or (H, rows) varlen, contiguous fp32, from dout/out
-    (B, S, H, Dv) or (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
+    """lse2 and dpsum stacked in one (2, B, H, rows) dense or (2, H, rows) varlen contiguous fp32
+    buffer (`lse2, dpsum = row_statistics(...)` unpacks it), from dout/out (B, S, H, Dv) or
+    (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
     dq_acc: a dense (B, S, H, D) fp32 buffer to zero in the same pass (see dq_zeroing_takes)."""
     # one allocation for both (each costs the host time per call); the second half starts B*H*rows
     # floats in, 16-byte aligned for the backward's TMA with bwd.row_statistics' rows (whole tiles)
-    lse2, dpsum = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
-    row_statistics_into(dout, out, lse, lse2, dpsum, dq_acc, stat_tile, reversed_order)
-    return lse2, dpsum
+    stats = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
+    row_statistics_into(dout, out, lse, stats[0], stats[1], dq_acc, stat_tile, reversed_order)
+    return stats
 
 
 def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None,
