@@ -108,6 +108,52 @@ def test_varlen_matches_per_sequence(causal):
         check(out[rows], lse[:, rows], ro[0], rl[0], 1e-7)
 
 
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+@pytest.mark.parametrize(
+    "lengths",
+    [([129, 0], [129, 0]), ([0, 7], [0, 7]), ([5, 0, 3], [6, 0, 3]), ([4, 3], [0, 5]), ([0, 0], [0, 0]),
+     ([1, 0, 1], [1, 2, 0])],
+    ids=["last-empty", "first-empty", "middle-empty", "no-keys", "all-empty", "one-token"],
+)
+def test_varlen_backward_with_empty_sequences(lengths, hkv):
+    """Sequences of length 0 at any position of a packed batch (with GQA) give zero gradients for
+    their rows and keys, and the others match float64 autograd sequence by sequence."""
+    lq, lk = lengths
+    H, D = 4, 32
+    qs, q, cu_q = _varlen_pack(lq, H, D)
+    ks, k, cu_k = _varlen_pack(lk, hkv, D)
+    vs, v, _ = _varlen_pack(lk, hkv, D)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = torch_fa4.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                              max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for i in range(len(lq)):
+        rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        qi, ki, vi = (x.detach().clone().requires_grad_() for x in (qs[i][None], ks[i][None], vs[i][None]))
+        ref = _naive_with_grad(qi, ki, vi)
+        if ref.numel() == 0:
+            ref_grads = (torch.zeros_like(qi), torch.zeros_like(ki), torch.zeros_like(vi))
+        else:
+            ref_grads = torch.autograd.grad(ref, (qi, ki, vi), dout[rows][None], allow_unused=True)
+            ref_grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(ref_grads, (qi, ki, vi)))
+        for got, want in zip((dq[rows], dk[keys], dv[keys]), ref_grads):
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, want[0], atol=1e-9, rtol=1e-7)
+
+
+def _naive_with_grad(q, k, v):
+    """Causal attention (bottom-right aligned) in float64 with autograd, for gradient checks."""
+    Sq, Sk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
+    s = s.masked_fill(j > i + Sk - Sq, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: all zero
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
 def test_seqused_k_limits_keys_per_batch():
     q, k, v = rand(3, 4, 2, 64, dtype=torch.float64), rand(3, 20, 2, 64, dtype=torch.float64), rand(3, 20, 2, 64, dtype=torch.float64)
     used = torch.tensor([20, 6, 0], dtype=torch.int32)

@@ -274,6 +274,7 @@ def _backward_segment(call: AttentionCall, seg: _Segment, dout, out, lse):
             dq[:, :, q0:q1] += torch.matmul(ds, k[:, :, k0:k1])
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q)
     if H != Hkv:  # GQA: sum the gradients of the query heads that share a KV head
-        dk = dk.view(B, Hkv, H // Hkv, sk, -1).sum(2)
-        dv = dv.view(B, Hkv, H // Hkv, sk, -1).sum(2)
+        # explicit sizes: a -1 cannot be inferred when the segment has no keys
+        dk = dk.view(B, Hkv, H // Hkv, sk, dk.shape[-1]).sum(2)
+        dv = dv.view(B, Hkv, H // Hkv, sk, dv.shape[-1]).sum(2)
     return dq, dk, dv
