@@ -11,18 +11,26 @@ such a variant without CuTe DSL's host JIT engines (0.4-0.9 s saved) and runs th
 too (compile_cache.get_or_compile). On by default; `TORCH_FA4_KERNEL_CACHE=0` turns it off (every
 process compiles).
 
-The file name is a digest of the variant key, the CuTe DSL and TVM-FFI versions and the text of
+Entry names are a digest of the variant key, the CuTe DSL and TVM-FFI versions and the text of
 every source file of the package (the kernels, and the mod tracing whose keys they are built
-from), so an edited kernel or an upgraded DSL never loads a stale binary. Everything is best
-effort: no compiler, a read-only directory, a damaged file or a library that no longer resolves
-all mean "compile as usual". The load path is checked on the GPU for the forward
-(tests/gpu/test_sm90_fwd.py::test_disk_cache_across_processes) and the backward's three kernels
-(tests/gpu/test_sm90_bwd.py::test_disk_cache_across_processes).
+from), so an edited kernel or an upgraded DSL never loads a stale binary. An entry is
+`<digest>.json`, naming its library `<digest>-<sha>.so` and recording the library's SHA-256; the
+library is written first and the JSON last, both atomically, so a reader that finds the JSON finds
+the whole library, and processes storing one variant at once never mix their files. Before a
+library is loaded, the folder, the JSON and the library must belong to this user and not be
+writable by group or others, and the library must hash to the recorded SHA-256
+(torch_fa4/private_cache.py); anything else is skipped with a warning and the kernel compiled as
+usual (the fresh build replaces a bad entry; a folder that is not private is neither read nor
+written). Folders are created 0700. Everything else is best effort too: no compiler, a read-only
+folder or a library that no longer resolves all mean "compile as usual". The load path is
+checked on the GPU for the forward (tests/gpu/test_sm90_fwd.py::test_disk_cache_across_processes)
+and the backward's three kernels (tests/gpu/test_sm90_bwd.py::test_disk_cache_across_processes).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +40,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Hashable, Optional
+
+from torch_fa4 import private_cache
 
 _FUNCTION = "torch_fa4_kernel"  # the exported TVM-FFI function's name inside each library
 _loaded_modules: list = []  # keep loaded libraries alive for the process
@@ -73,7 +83,9 @@ def _sources() -> str:
     return _source_digest[0]
 
 
+@functools.lru_cache(maxsize=None)
 def _version(dist: str) -> str:
+    # once per process (~0.5 ms a look-up): the modules already imported are the ones that count
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -85,24 +97,48 @@ def digest(key: Hashable) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def load(key: Hashable) -> Optional[Any]:
-    """The stored kernel for key as a TVM-FFI function, or None."""
-    base = cache_dir() / digest(key)
-    lib, meta = base.with_suffix(".so"), base.with_suffix(".json")
-    try:
-        if not lib.exists():
-            return None
-        json.loads(meta.read_text())  # written last: its presence marks a complete entry
-        # resolve every symbol now: a library that no longer links fails here, not inside a launch
-        ctypes.CDLL(str(lib), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        import tvm_ffi
+def _library_name(meta: dict) -> str:
+    name = meta["library"]
+    if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".so"):
+        raise ValueError(f"not a library file name: {name!r}")
+    return name
 
-        module = tvm_ffi.load_module(str(lib))
-        fn = module[_FUNCTION]
-    except Exception:  # noqa: BLE001  (any failure: compile instead)
-        return None
+
+def _open_library(lib: Path) -> Any:
+    """The kernel's TVM-FFI function from a checked library (raises if it does not load)."""
+    # resolve every symbol now: a library that no longer links fails here, not inside a launch
+    ctypes.CDLL(str(lib), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    import tvm_ffi
+
+    module = tvm_ffi.load_module(str(lib))
+    fn = module[_FUNCTION]
     _loaded_modules.append(module)
     return fn
+
+
+def load(key: Hashable) -> Optional[Any]:
+    """The stored kernel for key as a TVM-FFI function, or None (not stored, or refused: see the
+    module's docstring)."""
+    d = cache_dir()
+    meta_path = d / f"{digest(key)}.json"
+    if not meta_path.exists():
+        return None
+    if not (private_cache.trusted_dir(d) and private_cache.trusted_file(meta_path)):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        lib = d / _library_name(meta)
+        expected = meta["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        private_cache.warn_once(meta_path, f"is not a readable cache entry ({e})",
+                                f"It is ignored and rebuilt; `rm {meta_path}` clears it.")
+        return None
+    if not (private_cache.trusted_file(lib) and private_cache.matches_sha256(lib, expected, meta_path)):
+        return None
+    try:
+        return _open_library(lib)
+    except Exception:  # noqa: BLE001  (a library that no longer resolves: compile instead)
+        return None
 
 
 def _compiler() -> Optional[str]:
@@ -110,40 +146,48 @@ def _compiler() -> Optional[str]:
 
 
 def can_store() -> bool:
-    """Whether store() has a C compiler to link with and a cache folder it can write."""
+    """Whether store() has a C compiler to link with and a private cache folder it can write."""
     if _compiler() is None:
         return False
     try:
         d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        return os.access(d, os.W_OK)
+        return private_cache.make_private_dir(d) and os.access(d, os.W_OK)
     except OSError:
         return False
 
 
+def _link(compiled: Any, folder: str) -> tuple[str, list[str]]:
+    """Export compiled into folder and link it into a shared library; its path and the runtime
+    libraries it links against."""
+    from cutlass.runtime import find_runtime_libraries
+
+    libs = [p for p in find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
+    obj, so = os.path.join(folder, "k.o"), os.path.join(folder, "k.so")
+    compiled.export_to_c(obj, function_name=_FUNCTION)
+    rpaths = [f"-Wl,-rpath,{os.path.dirname(p)}" for p in libs]
+    subprocess.run([_compiler(), "-shared", "-o", so, obj, *libs, *rpaths], check=True, capture_output=True, timeout=60)
+    ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)  # every symbol resolves
+    return so, libs
+
+
 def store(key: Hashable, compiled: Any) -> bool:
     """Export, link and store a compiled kernel; whether it was stored (best effort: never raises)."""
-    cc = _compiler()
-    if cc is None:
+    if _compiler() is None:
         return False
     try:
-        from cutlass.runtime import find_runtime_libraries
-
-        libs = [p for p in find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
         d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        base = d / digest(key)
+        if not private_cache.make_private_dir(d):
+            return False
+        name = digest(key)
         with tempfile.TemporaryDirectory(dir=d) as tmp:
-            obj, so = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
-            compiled.export_to_c(obj, function_name=_FUNCTION)
-            rpaths = [f"-Wl,-rpath,{os.path.dirname(p)}" for p in libs]
-            subprocess.run([cc, "-shared", "-o", so, obj, *libs, *rpaths], check=True, capture_output=True, timeout=60)
-            ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)  # every symbol resolves
-            os.replace(so, base.with_suffix(".so"))
-        meta = {"key": repr(key), "libraries": libs}
-        tmp_meta = base.with_suffix(f".{os.getpid()}.tmp")
-        tmp_meta.write_text(json.dumps(meta))
-        os.replace(tmp_meta, base.with_suffix(".json"))
+            so, libs = _link(compiled, tmp)
+            sha = private_cache.sha256_file(Path(so))
+            # named by its content: a process storing a different build of this variant at the same
+            # time writes another file instead of replacing this one under a reader
+            library = f"{name}-{sha[:16]}.so"
+            private_cache.publish(Path(so), d / library, mode=0o700)
+        meta = {"key": repr(key), "library": library, "sha256": sha, "libraries": libs}
+        private_cache.atomic_write(d / f"{name}.json", json.dumps(meta).encode())  # last: marks it complete
     except Exception:  # noqa: BLE001
         return False
     return True

@@ -2,8 +2,13 @@
 (kernels/disk_cache.py) in the process that compiles a variant. Across processes:
 test_sm90_fwd_compile.py / test_sm90_bwd_compile.py here, tests/gpu/* on the GPU."""
 
+import json
+import stat
+
 import pytest
 import torch
+
+from torch_fa4 import private_cache
 
 cutlass = pytest.importorskip("cutlass")
 tvm_ffi = pytest.importorskip("tvm_ffi")
@@ -65,6 +70,10 @@ def test_new_variant_is_loaded_back_from_its_stored_library(tmp_path, monkeypatc
         stored = list((tmp_path / "cache" / "kernels").glob("*.so")) if (tmp_path / "cache").exists() else []
         if compiler:
             assert isinstance(fn, tvm_ffi.Function) and len(stored) == 1
+            # the real linker's output: private, and recorded by its hash (tests/test_cache_trust.py)
+            meta = json.loads(next(stored[0].parent.glob("*.json")).read_text())
+            assert meta["library"] == stored[0].name and meta["sha256"] == private_cache.sha256_file(stored[0])
+            assert stat.S_IMODE(stored[0].stat().st_mode) == 0o700
         else:
             assert not isinstance(fn, tvm_ffi.Function) and len(stored) == 1  # (the first one only)
         with pytest.raises(ValueError, match="device_type=cuda"):

@@ -7,7 +7,10 @@ never an object id, so it is the same in every process and can key the on-disk k
 A key can be looked up in a process that never traced the mod (a torch.compile'd graph loaded from a
 cache, a kernel cache warmed elsewhere): every registration also writes the graphs as JSON under
 `$TORCH_FA4_CACHE_DIR/mods` (default `~/.cache/torch_fa4/mods`), and `lookup` falls back to that
-file. Without it, lookup raises a KeyError that says how to fix it.
+file. Without it, lookup raises a KeyError that says how to fix it. A file is read only if it and
+its folder are private to this user and its graphs hash to its name (torch_fa4/private_cache.py;
+anything else is skipped with a warning), since a swapped graph would make a cached key compute
+something else.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from torch_fa4 import private_cache
 from torch_fa4.mods import lower_torch
 from torch_fa4.mods.graph import ModGraph
 
@@ -92,11 +96,10 @@ def _persist(mods: ModSet) -> None:
     try:  # best effort: a read-only home must not break attention calls
         d = _cache_dir()
         path = d / f"{mods.key}.json"
-        if not path.exists():
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(mods.to_json())
-            os.replace(tmp, path)
+        if path.exists() and private_cache.untrusted_reason(path) is None:
+            return  # the key is the graphs' hash: an existing private file holds the same graphs
+        if private_cache.make_private_dir(d):  # never write into a folder others can change
+            private_cache.atomic_write(path, mods.to_json().encode())
     except OSError:
         pass
 
@@ -113,16 +116,25 @@ def register(score_graph: Optional[ModGraph], mask_graph: Optional[ModGraph]) ->
 
 
 def _load(key: str) -> Optional[ModSet]:
-    path = _cache_dir() / f"{key}.json"
+    d = _cache_dir()
+    path = d / f"{key}.json"
+    if not path.exists():
+        return None
+    if not (private_cache.trusted_dir(d) and private_cache.trusted_file(path)):
+        return None
     try:
         doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    score = ModGraph.from_json(doc["score"]) if doc["score"] else None
-    mask = ModGraph.from_json(doc["mask"]) if doc["mask"] else None
-    if key_for(score, mask) != key:  # a damaged or foreign file is not trusted
-        return None
-    return ModSet(key, score, mask)
+        score = ModGraph.from_json(doc["score"]) if doc["score"] else None
+        mask = ModGraph.from_json(doc["mask"]) if doc["mask"] else None
+    except Exception as e:  # noqa: BLE001  (any malformed document)
+        problem = f"is not a readable mod graph file ({type(e).__name__}: {e})"
+    else:
+        if key_for(score, mask) == key:
+            return ModSet(key, score, mask)
+        problem = "holds graphs whose hash is not its name (damaged or replaced)"
+    private_cache.warn_once(path, problem, f"It is ignored; after `rm {path}` the next eager call with these "
+                            "mods writes it again.")
+    return None
 
 
 def lookup(mod_key: str) -> ModSet:
