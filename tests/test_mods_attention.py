@@ -189,6 +189,70 @@ def test_compile_module_with_buffers():
     _check_compiled(m, [(q, k, v, torch.randint(0, 3, (S,)).sort().values) for _ in range(2)])
 
 
+class _BiasedAttention(torch.nn.Module):
+    """FlexAttention's idiom: the mods are defined inside forward and read the module's buffers."""
+
+    def __init__(self, flex: bool):
+        super().__init__()
+        self.flex = flex
+        self.register_buffer("slopes", torch.rand(H))
+
+    def forward(self, q, k, v, doc):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + self.slopes[h] * (kv_idx - q_idx)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        if self.flex:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return torch_fa4.flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod).transpose(1, 2)
+        return torch_fa4.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["attention", "flex_attention"])
+def test_compile_mods_defined_in_forward_read_module_buffers(flex):
+    m = _BiasedAttention(flex)
+    q, k, v = qkv()
+    docs = [torch.randint(0, 3, (S,)).sort().values for _ in range(3)]
+    cnt = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(m, fullgraph=True, backend=cnt)
+    for doc in docs:
+        m.slopes.copy_(torch.rand(H))  # new buffer values: the same graph, the new values used
+        got = compiled(q, k, v, doc)
+        assert torch.equal(got, m(q, k, v, doc))  # eager agrees
+        i, j = idx()
+        bias = (m.slopes.double().view(H, 1, 1) * (j - i)).unsqueeze(0)
+        keep = ((doc.view(S, 1) == doc.view(1, S)) & (i >= j)).view(1, 1, S, S)
+        torch.testing.assert_close(got.double(), f64_attention(q, k, v, bias, keep), rtol=1e-5, atol=1e-5)
+    assert cnt.frame_count == 1, "new captured-tensor values recompiled"
+    assert torch._dynamo.explain(m)(q, k, v, docs[0]).graph_break_count == 0
+
+
+@pytest.mark.parametrize("builder", ["torch_fa4", "torch"])
+def test_compile_block_mask_created_inside(builder):
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    q, k, v = (t.transpose(1, 2) for t in qkv())
+
+    def fwd(q, k, v, doc):
+        def doc_mask(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+
+        if builder == "torch":
+            block_mask = torch_create_block_mask(doc_mask, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+        else:
+            block_mask = torch_fa4.create_block_mask(doc_mask, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+        return torch_fa4.flex_attention(q, k, v, block_mask=block_mask)
+
+    compiled = torch.compile(fwd, fullgraph=True, backend="eager")
+    for _ in range(2):
+        doc = torch.randint(0, 3, (S,)).sort().values
+        keep = (doc.view(S, 1) == doc.view(1, S)).view(1, 1, S, S)
+        want = f64_attention(*(t.transpose(1, 2) for t in (q, k, v)), keep=keep).transpose(1, 2)
+        torch.testing.assert_close(compiled(q, k, v, doc).double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_compile_changed_constant_recompiles_with_new_key():
     q, k, v = qkv()
 

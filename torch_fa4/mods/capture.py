@@ -61,10 +61,16 @@ def _walk(obj: Any, tensors: list, names: tuple, depth: int) -> tuple:
         return _walk_function(obj, tensors, depth)
     if isinstance(obj, (types.ModuleType, type, torch.dtype, types.BuiltinFunctionType)):
         return ("opaque", obj)  # modules (torch), classes, dtypes, builtins: fixed objects
+    if isinstance(obj, torch.nn.Module):
+        # A module a mod captures (`self` in `self.slopes[h]`) is where its data lives; calling a
+        # module inside a mod is not a supported op, so its __call__ machinery is not walked.
+        return ("object", _walk_attrs(obj, names, tensors, depth + 1))
     call = getattr(type(obj), "__call__", None)
-    if isinstance(call, types.FunctionType):  # a callable object: its __call__ plus the attributes it reads
+    if isinstance(call, types.FunctionType):
+        # a callable object: its __call__, plus the attributes that code and the enclosing code read
+        attr_names = tuple(dict.fromkeys(names + call.__code__.co_names))
         return ("callable", _walk_function(call, tensors, depth + 1),
-                _walk_attrs(obj, call.__code__.co_names, tensors, depth + 1))
+                _walk_attrs(obj, attr_names, tensors, depth + 1))
     # Any other object: the attributes the enclosing code names (e.g. `self.slopes`, `cfg.window`).
     return ("object", _walk_attrs(obj, names, tensors, depth + 1))
 
@@ -79,26 +85,18 @@ def _static(x):
 def _walk_function(fn: types.FunctionType, tensors: list, depth: int) -> tuple:
     code = fn.__code__
     names = code.co_names
-    if code.co_freevars:
-        try:
-            values = [c.cell_contents for c in fn.__closure__]
-        except AttributeError:
-            # Only under Dynamo, for a closure created inside the compiled function: its cells are
-            # not readable as attributes, so ask Dynamo for them (see _closure_cells_under_dynamo).
-            values = _closure_cells_under_dynamo(fn)
-            if values is None:
-                return ("function_object", fn)
-        cells = tuple(_walk(v, tensors, names, depth + 1) for v in values)
+    nested = _nested_function_under_dynamo(fn) if torch.compiler.is_compiling() else None
+    if nested is not None:
+        values, module = nested
+        fn_globals = sys.modules[module].__dict__
     else:
-        cells = ()
+        module, fn_globals = fn.__module__, fn.__globals__
+        values = [c.cell_contents for c in fn.__closure__] if code.co_freevars else []
+    cells = tuple(_walk(v, tensors, names, depth + 1) for v in values)
     defaults = fn.__defaults__
     defaults_desc = None
     if defaults is not None:
         defaults_desc = tuple(_walk(d, tensors, names, depth + 1) for d in defaults)
-    try:
-        fn_globals = fn.__globals__
-    except AttributeError:  # a function created inside a Dynamo-compiled region
-        fn_globals = sys.modules[fn.__module__].__dict__
     global_parts = []
     for name in names:
         if name in fn_globals:
@@ -107,30 +105,36 @@ def _walk_function(fn: types.FunctionType, tensors: list, depth: int) -> tuple:
             # share; anything else may hold tensors or constants the trace depends on
             if not isinstance(value, _SHARED_GLOBAL_TYPES):
                 global_parts.append((name, _walk(value, tensors, names, depth + 1)))
-    return ("function", code, fn.__module__, fn.__name__, cells, defaults_desc, tuple(global_parts))
+    return ("function", code, module, fn.__name__, cells, defaults_desc, tuple(global_parts))
 
 
-def _grab_closure_cells(ctx) -> None:
-    """Runs at Dynamo trace time (torch._dynamo.comptime): put the cell contents of the local `fn`
-    (a function created inside the compiled region) into the local `box` as a tuple, so the traced
-    code continues with the captured tensors as ordinary graph values. Uses Dynamo internals that
-    carry no compatibility promise, hence every failure just leaves `box` as None."""
+def _grab_nested_function(ctx) -> None:
+    """Runs at Dynamo trace time (torch._dynamo.comptime). If the local `fn` is a function created
+    inside the compiled region, put (its cell contents, its module's name) into the local `box`, so
+    the traced code continues with the captured tensors as ordinary graph values. Such a function's
+    `__closure__`, `__globals__` and `__module__` are values Dynamo models itself, and depending on
+    the torch version reading them raises AttributeError or an Unsupported graph break. Uses Dynamo
+    internals that carry no compatibility promise, hence every failure just leaves `box` as None
+    (a function made outside the compiled region has no Dynamo-side closure: also None)."""
     try:
-        from torch._dynamo.variables import TupleVariable
+        from torch._dynamo.variables import ConstantVariable, TupleVariable
 
         tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
         fn_vt = ctx.get_local("fn")._i_will_not_complain_if_bc_breaks_VariableTracker()
-        items = [tx.output.side_effects.load_cell(c) for c in fn_vt.closure.items]
-        tx.symbolic_locals["box"] = TupleVariable(items)
-    except Exception:  # noqa: BLE001 - fall back to handing Dynamo the function itself
+        f_globals = fn_vt.f_globals  # only functions created under Dynamo carry these two
+        closure = fn_vt.closure
+        items = [tx.output.side_effects.load_cell(c) for c in closure.items] if closure is not None else []
+        module = ConstantVariable.create(f_globals["__name__"])
+        tx.symbolic_locals["box"] = TupleVariable([TupleVariable(items), module])
+    except Exception:  # noqa: BLE001 - not a nested function, or Dynamo changed: ordinary reads
         pass
 
 
-def _closure_cells_under_dynamo(fn: types.FunctionType):
+def _nested_function_under_dynamo(fn: types.FunctionType):
     from torch._dynamo.comptime import comptime
 
     box = None
-    comptime(_grab_closure_cells)
+    comptime(_grab_nested_function)
     return box
 
 
@@ -194,10 +198,21 @@ def _rebuild(desc: tuple, ph: list) -> Any:
         return desc[1]
     if tag == "callable":
         _, call, attrs = desc
-        return types.MethodType(_rebuild(call, ph), _namespace(attrs, ph))
+        return _CallableNamespace(_rebuild(call, ph), {name: _rebuild(d, ph) for name, d in attrs})
     if tag == "object":
         return _namespace(desc[1], ph)
     raise ValueError(f"a mod captures values nested more than {_MAX_DEPTH} levels deep")
+
+
+class _CallableNamespace:
+    """A captured callable object rebuilt: its attributes, and its class's __call__ code bound to it."""
+
+    def __init__(self, call, attrs: dict):
+        self.__dict__.update(attrs)
+        self._call = call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(self, *args, **kwargs)
 
 
 def _namespace(attrs: tuple, ph: list) -> types.SimpleNamespace:
