@@ -86,7 +86,24 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
     return module
 
 
+def host_checks(call: AttentionCall) -> None:
+    """What every backend needs checked on the host before it runs: a mod's captured-tensor indices
+    in range (torch_fa4.mods.index_bounds; a kernel cannot raise, so both paths check here)."""
+    if call.mods is not None:
+        _index_bounds().check_call(call)
+
+
+@functools.lru_cache(maxsize=None)
+def _index_bounds():
+    """torch_fa4.mods.index_bounds, imported on first use (mods stay out of `import torch_fa4`) and
+    then found without the import statement's cost on every call."""
+    from torch_fa4.mods import index_bounds
+
+    return index_bounds
+
+
 def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    host_checks(call)
     kernel = kernel_for(call, "forward")
     if kernel is None:
         return reference.forward(call)
@@ -97,6 +114,7 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward(call: AttentionCall, dout, out, lse, deterministic: bool):
+    host_checks(call)
     kernel = kernel_for(call, "backward")
     if kernel is None:
         return reference.backward(call, dout, out, lse)

@@ -29,6 +29,7 @@ from torch_fa4.kernels.common.mod_hoisting import (COL, ROW, TILE, HoistPlan, an
 from torch_fa4.kernels.common.mod_lowering import (BOOL, FLOAT, MAX_AUX, ModProbeKernel, _as_kind, _emit_op,
                                                    _select, fake_aux_tensor)
 from torch_fa4.mods.graph import ModGraph
+from torch_fa4.mods.index_sign import index_wraps
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,13 +43,14 @@ def tile_values(graph: Optional[ModGraph], b, h, aux: Sequence) -> tuple:
     if graph is None:
         return ()
     plan = plan_for(graph)
+    wraps = index_wraps(graph)
     env: dict = {}
     for i in sorted(ancestors(graph, plan.tile_nodes)):  # all TILE: a TILE node has TILE arguments
         n = graph.nodes[i]
         if n.op == "input":
             env[i] = _as_kind({"b": b, "h": h}[n.attr], n.kind)
         else:
-            env[i] = _emit_op(n, [env[a] for a in n.args], aux)
+            env[i] = _emit_op(n, [env[a] for a in n.args], aux, wraps.get(i, ()))
     return tuple(env[i] for i in plan.tile_nodes)
 
 
@@ -141,6 +143,7 @@ class FragmentEmitter:
         self.signs = dict(signs or {})
         self.affine_fma = affine_fma
         self.plan = plan_for(graph, pos.row_offs is not None)
+        self.wraps = index_wraps(graph)  # negative indices of loads, wrapped as in PyTorch
         self.pos = pos
         self.b, self.h, self.aux = b, h, aux
         self.tile_vals = dict(zip(self.plan.tile_nodes, tile_vals)) if tile_vals is not None else {}
@@ -205,8 +208,9 @@ class FragmentEmitter:
             v = self._div_by_hoisted(n, r, j)
         else:
             args = [self.value(a, r, j) for a in n.args]
-            v = self._hashcons((n.op, n.kind, n.attr if n.op in ("const", "load") else None), args,
-                               lambda: _emit_op(n, args, self.aux))
+            wraps = self.wraps.get(i, ())
+            v = self._hashcons((n.op, n.kind, n.attr if n.op in ("const", "load") else None, wraps), args,
+                               lambda: _emit_op(n, args, self.aux, wraps))
         self._memo[key] = v
         return v
 

@@ -28,6 +28,11 @@ per row, per column, and only the rest per element, with exact fp32 rewrites of 
   (MAX_AUX of them, None when unused: TVM-FFI rejects one tuple of tensors of different ranks) and
   hand tuples to the @cute.kernel, as `ModProbeKernel` below does. An access `t[h, q_idx]` is
   one global load (cached by L1/L2; for large tables consider staging in shared memory).
+- Indices follow PyTorch: i in [-size, -1] reads element i + size. An index that may be negative
+  (torch_fa4.mods.index_sign) gets a compare and a select; provably non-negative ones (slopes[h],
+  doc[q_idx]) are emitted as they are. No index is checked here: the host refuses calls whose
+  indices may leave [-size, size - 1] before launching (torch_fa4.mods.index_bounds), and kernels
+  must keep q_idx / kv_idx inside the sequence (clamp padded rows and keys) for that to hold.
 - Include `mods.key` in the kernel's compile-cache key: it determines the inlined code.
 - Value kinds: "float" nodes are Float32 (bf16/fp16/fp64 tensors are converted on load), "int"
   nodes Int32 (int64 tensors are narrowed on load), "bool" nodes Boolean. `//` and `%` use Python's
@@ -49,6 +54,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
 from torch_fa4.mods.graph import BOOL, FLOAT, INT, ModGraph
+from torch_fa4.mods.index_sign import KEEP, SHIFT, index_wraps
 
 _AUX_DSL_DTYPES = {
     "torch.float32": "Float32", "torch.float16": "Float16", "torch.bfloat16": "BFloat16",
@@ -126,13 +132,24 @@ def _mod(a, b):
     return _floor_quotient_remainder(a, b)[1]
 
 
-def _emit_op(n, a: list, aux: Sequence):
-    """The DSL value of one non-input node `n` from its argument values `a`."""
+def _wrap_index(i, size, how: int):
+    """PyTorch's index rule: i in [-size, -1] reads element i + size (the host check keeps every
+    index in [-size, size - 1]; torch_fa4.mods.index_sign decides which indices need this)."""
+    if how == SHIFT:
+        return i + size
+    return _select(i < Int32(0), i + size, i, INT)
+
+
+def _emit_op(n, a: list, aux: Sequence, wraps: tuple = ()):
+    """The DSL value of one non-input node `n` from its argument values `a`. For a load, `wraps`
+    is `index_wraps(graph).get(node)`: how each index is wrapped (empty: none is negative)."""
     op = n.op
     if op == "const":
         return _as_kind(n.attr, n.kind)
     if op == "load":
         t = aux[n.attr]
+        if wraps:
+            a = [x if how == KEEP else _wrap_index(x, t.shape[d], how) for d, (x, how) in enumerate(zip(a, wraps))]
         coord = tuple(a) if len(a) > 1 else (a[0] if a else 0)
         v = t[coord] if a else t[0]
         if n.kind == FLOAT:
@@ -192,11 +209,12 @@ _COMPARE = {"eq": lambda x, y: x == y, "ne": lambda x, y: x != y, "lt": lambda x
 
 def _emit(graph: ModGraph, inputs: dict, aux: Sequence):
     env: list = []
-    for n in graph.nodes:
+    wraps = index_wraps(graph)
+    for i, n in enumerate(graph.nodes):
         if n.op == "input":
             env.append(_as_kind(inputs[n.attr], n.kind))
         else:
-            env.append(_emit_op(n, [env[i] for i in n.args], aux))
+            env.append(_emit_op(n, [env[a] for a in n.args], aux, wraps.get(i, ())))
     return env[graph.output]
 
 

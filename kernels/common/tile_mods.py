@@ -13,10 +13,11 @@ Clamping: the last query tile and the last key tile stick out past the sequence 
 keys >= seqlen_k). A mod indexing a captured tensor with such an index (doc_ids[kv_idx]) would read
 past the tensor, possibly into unmapped memory. Those elements never matter (keys past seqlen_k
 are masked to -inf by the kernel's length mask after the mods; rows past seqlen_q are never
-stored), so the indices that feed loads are clamped into [0, seqlen - 1]: every load stays inside a
-tensor sized for the sequence, and no visible element changes. Indices that feed no load are left
-as they are (cheaper, and it keeps them affine for exact int -> float rewrites). (`b` and `h` are
-always in range.)
+stored), so the indices that feed loads are clamped into [0, seqlen - 1]: the host check
+(torch_fa4.mods.index_bounds) proves every index in range for positions inside the sequence, and
+the clamp keeps the padded tail inside those positions, so no visible element changes. Indices
+that feed no load are left as they are (cheaper, and it keeps them affine for exact int -> float
+rewrites). (`b` and `h` are always in range.)
 """
 
 import cutlass

@@ -11,10 +11,13 @@ the reference path and the block-mask builder (lower_torch.py) and to CuTe DSL i
 
 Modules: graph (IR), trace (callable -> ModGraph), capture (what a mod captures), prepare (the API
 entry point, torch.compile friendly), registry (key -> ModSet), lower_torch, derivative
-(d score_mod / d score for backward), block_mask (tile classification), library (built-ins).
+(d score_mod / d score for backward), block_mask (tile classification), library (built-ins),
+index_bounds (the host check of captured-tensor indices), index_sign (which indices the kernels
+wrap), naming (names for messages).
 """
 
 from torch_fa4.mods.block_mask import BlockMask, as_block_mask, create_block_mask
+from torch_fa4.mods.index_bounds import ModIndexError
 from torch_fa4.mods.library import (
     alibi,
     alibi_slopes,
@@ -33,7 +36,8 @@ from torch_fa4.mods.prepare import prepare
 from torch_fa4.mods.trace import SUPPORTED_OPS_DOC, ModTraceError
 
 __all__ = [
-    "BlockMask", "create_block_mask", "as_block_mask", "prepare", "ModTraceError", "SUPPORTED_OPS_DOC",
+    "BlockMask", "create_block_mask", "as_block_mask", "prepare", "ModTraceError", "ModIndexError",
+    "SUPPORTED_OPS_DOC",
     "causal_mask", "sliding_window_mask", "document_mask", "document_ids_from_lengths", "prefix_lm_mask",
     "chunked_mask", "and_masks", "or_masks", "alibi", "alibi_slopes", "softcap_score", "relative_bias",
 ]

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_fa4.mods import library
+from torch_fa4.mods import index_bounds, library
 
 _GRID_BUDGET = 1 << 24  # mask elements evaluated at once (bool): ~16 MiB plus index temporaries
 
@@ -206,6 +206,7 @@ def create_block_mask(
     Bn, Hn = (1 if B is None else int(B)), (1 if H is None else int(H))
     device = torch.device(device)
     mods, aux = trace_graphs(None, mask_mod)  # validates the mask_mod (bool result, supported ops)
+    index_bounds.check(mods, aux, (Bn, Hn, int(Q_LEN), int(KV_LEN)))  # its tensor reads stay in range
     analytic = _analytic(mask_mod)
     if analytic is not None:
         q0, q1 = _tile_bounds(Q_LEN, bq, device)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from torch_fa4.mods import capture
+from torch_fa4.mods import capture, naming
 from torch_fa4.mods.trace import ModTraceError, trace_mod
 
 _LOCK = threading.Lock()
@@ -98,7 +98,11 @@ def _trace_and_register(score_desc: Any, mask_desc: Any) -> str:
                 "arguments, dicts with str keys, plain attributes obj.name of captured objects); properties "
                 "and methods of captured objects other than the mod itself are not captured"
             ) from e
-    return register(graphs[0], graphs[1]).key
+    key = register(graphs[0], graphs[1]).key
+    for desc, role, graph in ((score_desc, "score", graphs[0]), (mask_desc, "mask", graphs[1])):
+        if graph is not None:
+            naming.record(key, role, desc, len(graph.aux))
+    return key
 
 
 def trace_graphs(score_mod: Optional[Callable], mask_mod: Optional[Callable]):
