@@ -26,6 +26,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 _BASE_SEED = int(os.environ.get("TORCH_FA4_TEST_SEED", random.randrange(2**31)))
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("torch_fa4 fuzz", "the randomized differential tests (tests/fuzz_space.py)")
+    group.addoption("--fuzz-cases", type=int, default=None,
+                    help="run this many fuzz cases (default: each fuzz test's own budget)")
+    group.addoption("--fuzz-seed", type=int, default=None,
+                    help="the first fuzz case's seed (default: TORCH_FA4_TEST_SEED, else random)")
+
+
 def pytest_report_header(config):
     return f"torch_fa4 test seed: {_BASE_SEED} (replay with TORCH_FA4_TEST_SEED={_BASE_SEED})"
 
