@@ -64,16 +64,17 @@ def _table_rows():
     def head_bias(score, b, h, q_idx, kv_idx):
         return score + sl[h]
 
-    # name -> (score_mod, mask_mod, causal, the message's parts)
+    # name -> (score_mod, mask_mod, causal, the message's parts). Names: other mods with the same
+    # graph (a library document_mask, ...) may be listed beside them (test_error_names_...).
     return {
         "doc_short": (None, doc_mask, False,
-                      ["mask_mod 'doc_mask'", "captured tensor #0 'doc'", "shape (100,)", "dimension 0",
+                      ["mask_mod ", "'doc_mask'", "captured tensor #0 ", "'doc'", "shape (100,)", "dimension 0",
                        "[0, 999]", "outside [-100, 99]"]),
         "rel_bias_narrow": (rel_bias, None, True,
-                            ["score_mod 'rel_bias'", "captured tensor #0 'tab'", "shape (8, 50)", "dimension 1",
-                             "[-999, 999]", "outside [-50, 49]"]),
+                            ["score_mod ", "'rel_bias'", "captured tensor #0 ", "'tab'", "shape (8, 50)",
+                             "dimension 1", "[-999, 999]", "outside [-50, 49]"]),
         "heads_short": (head_bias, None, False,
-                        ["score_mod 'head_bias'", "captured tensor #0 'sl'", "shape (4,)", "dimension 0",
+                        ["score_mod ", "'head_bias'", "captured tensor #0 ", "'sl'", "shape (4,)", "dimension 0",
                          "[0, 7]", "outside [-4, 3]"]),
     }
 
@@ -215,6 +216,36 @@ def test_repeated_calls_reuse_the_verdict(monkeypatch):
     assert "outside [-40, 39]" in _raised(lambda: torch_fa4.attention(q2, k2, v2, score_mod=rel))
 
 
+def test_error_names_the_mod_and_tensor_as_written():
+    """The function and the captured variable as the user wrote them (a closure, a partial's
+    keyword, an nn.Module method's attribute); mods that trace to one graph share a key, and the
+    message then lists every name seen for it rather than guess."""
+    q, k, v = _qkv(1, 16, 6, 16, torch.float32)
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("per_head", torch.randn(3))
+
+        def mod(self, score, b, h, q_idx, kv_idx):
+            return score * 0.987654 + self.per_head[h]
+
+    def message(fn):
+        return _raised(lambda: torch_fa4.attention(q, k, v, score_mod=fn))
+
+    assert "score_mod 'Biased.mod' indexes captured tensor #0 'self.per_head' (shape (3,))" in message(Biased().mod)
+    weights = torch.randn(3)
+
+    def same_graph(score, b, h, q_idx, kv_idx):
+        return score * 0.987654 + weights[h]
+
+    got = message(same_graph)
+    assert "score_mod (one of 'Biased.mod', 'same_graph', which trace to the same graph)" in got
+    assert "captured tensor #0 (one of 'self.per_head', 'weights')" in got
+    got = message(M.alibi(torch.randn(3)))  # (a user's own ALiBi closure may share its graph)
+    assert "'_alibi'" in got and "'slopes'" in got
+
+
 # ---- what cannot be bounded -------------------------------------------------------------------------
 
 def test_unboundable_indices_are_refused():
@@ -272,7 +303,7 @@ def test_backward_and_block_mask_builder_check_too(stub_kernel):
         return doc[q_idx] == doc[kv_idx]
 
     message = _raised(lambda: M.create_block_mask(doc_mask, 1, 1, 64, 64, device="cpu"))
-    assert "mask_mod 'doc_mask'" in message and "[0, 63]" in message and "outside [-30, 29]" in message
+    assert "'doc_mask'" in message and "[0, 63]" in message and "outside [-30, 29]" in message
     q, k, v = _qkv(1, 64, 2, 16, torch.float32)
     key, aux = M.prepare(None, doc_mask)
     call = ops.make_call(q, k, v, aux, None, None, None, [], 64, 64, 0.25, False, -1, -1, 0.0, key, 128, 128)

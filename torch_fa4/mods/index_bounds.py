@@ -9,9 +9,10 @@ kv_idx in [0, Sk - 1] from the call's shapes (packed varlen batches: max_seqlen_
 and, for an integer tensor whose values are themselves used as indices, its [min, max] (read once
 per tensor version: a device read). Any index that may leave [-size, size - 1] raises
 ModIndexError naming the mod, the tensor, the dimension, the index range and the size. So does an
-index that cannot be bounded -- a // or % by a value whose range holds 0, or an intermediate that
-may leave int32, where the kernels' index arithmetic would differ from PyTorch's int64 --: the
-check must prove every read in bounds, never assume it.
+index that cannot be bounded: a // or % by a value whose range holds 0, or an intermediate that
+may leave int32 (where the kernels' index arithmetic would differ from PyTorch's int64). The check
+must prove every read in bounds, never assume it. Masks do not narrow the ranges: both lowerings
+evaluate the mods on masked elements too.
 
 A repeated call costs a dict lookup: a verdict is kept per (mod key, B, Hq, Sq, Sk, the captured
 tensors' shapes, the value ranges of those whose values are indices).
@@ -236,7 +237,7 @@ def _where(plan: _GraphPlan, load: int, t: torch.Tensor, dim: int) -> str:
     """"score_mod 'f' indexes captured tensor #0 'tab' (shape (8, 50)) at dimension 1"."""
     slot = plan.graph.nodes[load].attr
     name = naming.tensor_name(plan.key, plan.role, slot)
-    label = f"#{slot}" + (f" '{name}'" if name else "")
+    label = f"#{slot}" + (f" {name}" if name else "")
     return f"{_mod_label(plan)} indexes captured tensor {label} (shape {tuple(t.shape)}) at dimension {dim}"
 
 

@@ -45,14 +45,24 @@ def record(key: str, role: str, desc: Any, num_tensors: int) -> None:
 def mod_name(key: str, role: str) -> str:
     """e.g. "score_mod 'rel_bias'" (or just "score_mod")."""
     names = _MOD_NAMES.get((key, role))
-    return f"{role}_mod" + (" " + " / ".join(repr(n) for n in names) if names else "")
+    if not names:
+        return f"{role}_mod"
+    if len(names) == 1:
+        return f"{role}_mod {names[0]!r}"
+    return f"{role}_mod (one of {_listed(names)}, which trace to the same graph)"
 
 
 def tensor_name(key: str, role: str, slot: int) -> Optional[str]:
+    """e.g. "'tab'", "(one of 'tab', 'cfg.tab')", or None when unknown."""
     slots = _TENSOR_NAMES.get((key, role))
     if not slots or slot >= len(slots) or not slots[slot]:
         return None
-    return " / ".join(slots[slot])
+    names = slots[slot]
+    return repr(names[0]) if len(names) == 1 else f"(one of {_listed(names)})"
+
+
+def _listed(names: list) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def _mod_name(desc: Any) -> Optional[str]:

@@ -1,0 +1,142 @@
+"""GPU: captured-tensor indices of mods on the sm_90 kernels.
+
+- Mods that would read out of range (a document-id table shorter than the sequence, a bias table
+  too narrow for q_idx - kv_idx, a per-head table with too few heads) raise ModIndexError before
+  any kernel is picked or launched, with the same message as on the CPU.
+- Negative indices wrap as in PyTorch inside the kernels: tab[h, kv_idx - q_idx] (a score_mod) and
+  band[kv_idx - q_idx] (a mask_mod) against float64 attention, forward and backward.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import torch_fa4
+from torch_fa4 import dispatch
+from torch_fa4.mods import ModIndexError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def picked(monkeypatch):
+    seen = []
+    original = dispatch.kernel_for
+
+    def spy(call, direction, **kw):
+        module = original(call, direction, **kw)
+        seen.append((direction, None if module is None else module.__name__))
+        return module
+
+    monkeypatch.setattr(dispatch, "kernel_for", spy)
+    return seen
+
+
+def _table_rows(device):
+    doc = torch.zeros(100, dtype=torch.int32, device=device)
+    tab = torch.randn(8, 50, device=device)
+    sl = torch.randn(4, device=device)
+
+    def doc_mask(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + tab[h, q_idx - kv_idx]
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + sl[h]
+
+    return {
+        "doc_short": (None, doc_mask, False, "[0, 999], outside [-100, 99]"),
+        "rel_bias_narrow": (rel_bias, None, True, "[-999, 999], outside [-50, 49]"),
+        "heads_short": (head_bias, None, False, "[0, 7], outside [-4, 3]"),
+    }
+
+
+def _message(device, row):
+    score_mod, mask_mod, causal, _ = _table_rows(device)[row]
+    q, k, v = (torch.randn(2, 1000, 8, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ModIndexError) as info:
+        torch_fa4.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("row", ["doc_short", "rel_bias_narrow", "heads_short"])
+def test_out_of_range_mods_raise_before_launch(picked, row):
+    on_gpu = _message("cuda", row)
+    torch.cuda.synchronize()  # nothing was launched that could have faulted
+    assert picked == [], "a backend was picked after a failed index check"
+    assert _table_rows("cpu")[row][3] in on_gpu
+    assert on_gpu == _message("cpu", row)
+
+
+def _oracle(q, k, v, score_mod, mask_mod, causal):
+    """Attention in q's dtype with the mods applied by PyTorch indexing (negative indices wrap)."""
+    B, S, H, D = q.shape
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    dev = q.device
+    b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(H, device=dev).view(1, -1, 1, 1)
+    i = torch.arange(S, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(k.shape[1], device=dev).view(1, 1, 1, -1)
+    s = score_mod(s, b, h, i, j).to(q.dtype)
+    keep = mask_mod(b, h, i, j)
+    if causal:
+        keep = keep & (j <= i + k.shape[1] - S)
+    p = torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _rel(x, ref):
+    assert not torch.isnan(x).any()
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_indices_wrap_in_the_kernels(picked, causal):
+    B, S, H, D = 2, 333, 4, 128  # 333: the last query and key tiles stick out
+    tab = torch.randn(H, 2 * S, device="cuda")  # kv_idx - q_idx in [-332, 332]: negatives wrap
+    band = torch.rand(2 * S, device="cuda") > 0.3
+    band[0] = True  # every row keeps its diagonal
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + tab[h, kv_idx - q_idx]
+
+    def banded(b, h, q_idx, kv_idx):
+        return band[kv_idx - q_idx]
+
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qa, ka, va = _leaves(q, k, v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
+        out = torch_fa4.attention(qa, ka, va, causal=causal, score_mod=rel_bias, mask_mod=banded)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert ("forward", "torch_fa4.kernels.sm90") in picked
+    assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
+
+    def rel_bias64(score, b, h, q_idx, kv_idx):
+        return score + tab.double()[h, kv_idx - q_idx]
+
+    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
+    ref = _oracle(q64, k64, v64, rel_bias64, banded, causal)
+    ref.backward(grad.double())
+    qb, kb, vb = _leaves(q, k, v)  # the same in bf16 on the GPU: the error budget
+    base = _oracle(qb, kb, vb, rel_bias, banded, causal)
+    base.backward(grad)
+    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
+    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
+                              (va.grad, vb.grad, v64.grad)):
+        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
