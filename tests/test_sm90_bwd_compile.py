@@ -100,9 +100,10 @@ def _check_backward_sass(sass, key, d, dv, bodies=1):
     assert "ADD.F32" not in sass.replace("UTMAREDG", ""), "per-element dQ atomics are back"
     assert "USETMAXREG" in sass or "SETMAXNREG" in sass.upper(), "no register reallocation"
     spills = sass.count("LDL") + sass.count("STL")
-    # a few loop scalars spill (d128: ~20 instructions, varlen ~45); an accumulator spilling shows
-    # up as hundreds
-    assert spills <= 64, f"{spills} local-memory spill instructions"
+    # a few loop scalars spill (d128: ~20 instructions, varlen ~45; the 128-query one-pass causal
+    # variant 30 with CUDA 12's ptxas and 65 with CUDA 13's); an accumulator spilling shows up as
+    # hundreds
+    assert spills <= 80, f"{spills} local-memory spill instructions"
     # ptxas serializes the wgmmas when it cannot track them (advisories C7512 / C7514): a wait
     # then follows every HGMMA (28-40 waits instead of 3 with the next step's S^T overlapping the
     # dQ epilogue, when a group was left in flight across the loop's back edge)
