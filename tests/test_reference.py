@@ -204,3 +204,19 @@ def test_flex_attention_matches_torch_flex_on_cpu():
     ours = torch_fa4.flex_attention(q, k, v)
     theirs = torch_flex(q, k, v)
     assert rel_error(ours, theirs) < 1e-5
+
+
+def test_varlen_under_inference_mode_sees_every_write():
+    """Offsets made under torch.inference_mode have no version counter: each call reads them anew,
+    so one changed in place is never answered from a stale memo."""
+    H, D = 2, 32
+    q, k, v = rand(12, H, D, dtype=torch.float64), rand(12, H, D, dtype=torch.float64), rand(12, H, D, dtype=torch.float64)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        for split in (5, 9):
+            cu[1] = split
+            out = torch_fa4.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12,
+                                      max_seqlen_k=12, causal=True)
+            for rows in (slice(0, split), slice(split, 12)):
+                ref, _ = naive_attention(q[rows][None], k[rows][None], v[rows][None], causal=True)
+                torch.testing.assert_close(out[rows], ref[0])
