@@ -108,3 +108,14 @@ def test_device_mismatch_error():
     meta = torch.empty_like(k, device="meta")
     with pytest.raises(ValueError, match="one device"):
         torch_fa4.attention(q, meta, v)
+
+
+def test_max_seqlen_smaller_than_the_longest_sequence_is_refused():
+    q = torch.randn(12, 2, 32)
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q is 8 but the longest sequence in cu_seqlens_q has 9"):
+        torch_fa4.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=9)
+    with pytest.raises(ValueError, match="max_seqlen_k is 3 but the longest sequence in cu_seqlens_k has 9"):
+        torch_fa4.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9, max_seqlen_k=3)
+    out = torch_fa4.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9, max_seqlen_k=20)
+    assert torch.equal(out, torch_fa4.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu))

@@ -65,7 +65,7 @@ def attention(
     if causal:
         window_right = 0 if window_right < 0 else min(window_right, 0)
     if not torch.compiler.is_compiling():
-        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 

@@ -94,24 +94,25 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> int:
 _PASSED = TensorMemo(capacity=64)
 
 
-def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """Value checks that read the offsets; called in eager mode only (a device read, once per
-    unmodified set of tensors)."""
+    unmodified set of tensors). A given max_seqlen must cover the longest sequence: the kernels
+    size their grids by it, so a smaller one would leave rows unwritten."""
     tensors = (cu_seqlens_q, cu_seqlens_k, seqused_k)
     if all(t is None for t in tensors):
         return
-    sizes = (q.shape[0], k.shape[0], k.shape[-3])
+    sizes = (q.shape[0], k.shape[0], k.shape[-3], max_seqlen_q, max_seqlen_k)
     if _PASSED.get(tensors, sizes):
         return  # the same live tensors, unmodified since they passed
-    _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     _PASSED.put(tensors, sizes, True)
 
 
-def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
+def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k) -> None:
     if cu_seqlens_q is not None:
-        _check_cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        _check_cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     if cu_seqlens_k is not None:
-        _check_cumulative("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        _check_cumulative("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     if seqused_k is not None:
         if cu_seqlens_k is not None:
             cap = (cu_seqlens_k[1:] - cu_seqlens_k[:-1])
@@ -121,12 +122,16 @@ def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
             _fail(ValueError, "seqused_k entries must lie in [0, the number of keys of their batch]")
 
 
-def _check_cumulative(name, cu, total) -> None:
+def _check_cumulative(name, cu, total, max_name, max_seqlen) -> None:
     vals = cu.tolist()
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
         _fail(ValueError, f"{name} must start at 0 and never decrease, got {vals[:8]}{'...' if len(vals) > 8 else ''}")
     if vals[-1] != total:
         _fail(ValueError, f"{name}[-1] is {vals[-1]} but the tensor holds {total} tokens")
+    longest = max((b - a for a, b in zip(vals, vals[1:])), default=0)
+    if max_seqlen is not None and max_seqlen < longest:
+        _fail(ValueError, f"{max_name} is {max_seqlen} but the longest sequence in {name} has {longest} tokens "
+                          f"(pass at least {longest}, or None to have it computed)")
 
 
 def check_scalars(scale, softcap, window_size) -> tuple[int, int]:
