@@ -191,10 +191,14 @@ class BwdScores:
                         else:  # score * scale fused into the mod's first add (a bias: one fma)
                             x = em.score(c, r, S[r, c], scale) * LOG2_E
                     else:
-                        x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, i, j, score_aux) * LOG2_E
+                        x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, cutlass.min(i, seqlen_q - 1),
+                                                     cutlass.min(j, seqlen_k - 1), score_aux) * LOG2_E
                     if const_expr(self.grad_graph is not None):
+                        # Clamped like the mask_mod's below: a table read past the sequence could
+                        # give inf / NaN, and the factor multiplies dS even where P is 0.
                         grad_factor = grad_factor * mods_dsl.score_grad_value(
-                            self.grad_graph, s_in, b, h, i, j, score_aux)
+                            self.grad_graph, s_in, b, h, cutlass.min(i, seqlen_q - 1),
+                            cutlass.min(j, seqlen_k - 1), score_aux)
                 k_emu = self.exp2_emulate_every
                 if const_expr(k_emu > 0 and c % k_emu == k_emu - 1):
                     p = exp2_fma(x - lse2)  # exactly 0 at -inf (empty rows: lse2 = +inf)

@@ -140,3 +140,42 @@ def test_negative_indices_wrap_in_the_kernels(picked, causal):
     for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
                               (va.grad, vb.grad, v64.grad)):
         assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+
+
+@pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_padded_tile_reads_stay_inside_tables(picked, d):
+    """A score_mod whose derivative reads a table (score * scl[q_idx] * scl[kv_idx]) on sequences
+    that end inside a tile: the tables are views of buffers whose entries past the sequence are NaN,
+    so any read past them would poison dS (the factor multiplies dS even where P is 0)."""
+    B, S, H = 2, 333, 4
+    buf = torch.full((2 * S,), math.nan, device="cuda")
+    buf[:S] = torch.rand(S, device="cuda") + 0.5
+    scl = buf[:S]
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * scl[q_idx] * scl[kv_idx]
+
+    q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qa, ka, va = _leaves(q, k, v)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
+        out = torch_fa4.attention(qa, ka, va, causal=True, score_mod=scaled)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
+
+    def scaled64(score, b, h, q_idx, kv_idx):
+        return score * scl.double()[q_idx] * scl.double()[kv_idx]
+
+    true_mask = lambda b, h, i, j: torch.ones((), dtype=torch.bool, device="cuda")  # noqa: E731
+    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
+    ref = _oracle(q64, k64, v64, scaled64, true_mask, True)
+    ref.backward(grad.double())
+    qb, kb, vb = _leaves(q, k, v)
+    base = _oracle(qb, kb, vb, scaled, true_mask, True)
+    base.backward(grad)
+    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
+    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
+                              (va.grad, vb.grad, v64.grad)):
+        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
