@@ -31,7 +31,7 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-cases", type=int, default=None,
                     help="run this many fuzz cases (default: each fuzz test's own budget)")
     group.addoption("--fuzz-seed", type=int, default=None,
-                    help="the first fuzz case's seed (default: TORCH_FA4_TEST_SEED, else random)")
+                    help="the first fuzz case's seed (default: the run's test seed, printed in the header)")
 
 
 def pytest_report_header(config):
