@@ -29,7 +29,27 @@ OPCHECK_CASES = {
                                 cu_k=torch.tensor([0, 6, 11], dtype=torch.int32), max_q=5, max_k=6),
     "seqused": lambda: _fwd_args(_leaf(2, 3, 2, 16), _leaf(2, 8, 2, 16), _leaf(2, 8, 2, 16),
                                  seqused=torch.tensor([8, 2], dtype=torch.int32)),
+    # (B, S, H, D) views of (B, H, S, D) memory, SDPA's layout, with Dv != D
+    "bhsd_views": lambda: _fwd_args(*(_bhsd_leaf(2, h, s, d) for h, s, d in ((4, 7, 16), (2, 9, 16), (2, 9, 8))),
+                                    causal=True),
 }
+
+
+def _bhsd_leaf(b, h, s, d):
+    return torch.randn(b, h, s, d, dtype=torch.float64).transpose(1, 2).requires_grad_()
+
+
+def test_output_is_laid_out_like_q():
+    """SDPA's (B, H, S, D) memory in, an output of that memory order out: no copy for its callers."""
+    q, k, v = (_bhsd_leaf(2, h, s, d) for h, s, d in ((4, 7, 16), (2, 9, 16), (2, 9, 8)))
+    out = torch_fa4.attention(q, k, v, causal=True)
+    assert out.shape == (2, 7, 4, 8) and out.transpose(1, 2).is_contiguous()
+    args = _fwd_args(q.detach(), k.detach(), v.detach(), causal=True)
+    out, lse = torch.ops.torch_fa4.fwd(*args)
+    grads = torch.ops.torch_fa4.bwd(torch.randn_like(out), *args[:3], out, lse, *args[3:])
+    assert all(g.shape == t.shape and g.is_contiguous() for g, t in zip(grads, (q, k, v)))
+    dense = torch.randn(2, 7, 4, 16, dtype=torch.float64)
+    assert torch_fa4.attention(dense, dense, dense).is_contiguous()
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)

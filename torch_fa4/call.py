@@ -15,6 +15,19 @@ if TYPE_CHECKING:  # the registry imports torch.fx machinery; keep it out of imp
     from torch_fa4.mods.registry import ModSet
 
 
+def empty_laid_out_like(like: torch.Tensor, shape: Sequence[int], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An uninitialised dense tensor of `shape` whose leading dims lie in memory in the order of
+    `like`'s (larger stride outermost; the last dim innermost), as torch.empty_like lays out a dense
+    tensor, for a shape that may differ in the last dim (Dv). The forward's output takes q's
+    layout, so a (B, S, H, D) view of (B, H, S, D) memory -- SDPA's layout -- gets an output of
+    that layout, and SDPA's callers receive it without a copy. Every backend and the fwd op's fake
+    kernel allocate through here, so the strides are the same on every path."""
+    lead = like.dim() - 1
+    order = sorted(range(lead), key=lambda d: (-like.stride(d), d)) + [lead]  # outermost first
+    t = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
+    return t.permute([order.index(d) for d in range(like.dim())])
+
+
 @dataclass
 class AttentionCall:
     q: torch.Tensor

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from torch_fa4 import env_vars, reference
-from torch_fa4.call import AttentionCall
+from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 _ARCH_PACKAGES = {9: "torch_fa4.kernels.sm90", 10: "torch_fa4.kernels.sm100"}
 _warned: set[str] = set()
@@ -107,7 +107,7 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = kernel_for(call, "forward")
     if kernel is None:
         return reference.forward(call)
-    out = torch.empty(call.out_shape(), dtype=call.q.dtype, device=call.q.device)
+    out = empty_laid_out_like(call.q, call.out_shape())
     lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
     kernel.forward(call, out, lse)
     return out, lse

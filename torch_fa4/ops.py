@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from torch_fa4 import dispatch
-from torch_fa4.call import AttentionCall
+from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 
 def _resolve_mods(mod_key: str):
@@ -44,7 +44,8 @@ def fwd(
     window_right: int, softcap: float, mod_key: str, block_mask_q: int, block_mask_kv: int,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Attention forward: returns (out, lse). `deterministic` is kept for the backward."""
+    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like).
+    `deterministic` is kept for the backward."""
     return fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
                     mod_key, block_mask_q, block_mask_kv, deterministic)
@@ -64,7 +65,7 @@ def fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_
 def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
               max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
               block_mask_kv, deterministic):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    out = empty_laid_out_like(q, (*q.shape[:-1], v.shape[-1]))
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
@@ -81,7 +82,8 @@ def bwd(
     window_left: int, window_right: int, softcap: float, mod_key: str, block_mask_q: int,
     block_mask_kv: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention backward: returns (dq, dk, dv), contiguous, shaped like q, k, v."""
+    """Attention backward: returns (dq, dk, dv), contiguous, shaped like q, k, v (the sm_90 backward
+    is compiled for gradients with packed heads)."""
     return bwd_impl(dout, q, k, v, out, lse, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k,
                     block_mask, max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
                     softcap, mod_key, block_mask_q, block_mask_kv, deterministic)

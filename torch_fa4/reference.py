@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from torch_fa4.call import AttentionCall
+from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 # Elements of one score chunk (rows × keys × batch × heads). 2**24 fp32 scores = 64 MiB.
 _CHUNK_ELEMENTS = 1 << 24
@@ -160,7 +160,7 @@ class _ScoreBlock:
 
 def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (out, lse) with the shapes and dtypes of the torch_fa4::fwd op."""
-    out = torch.empty(call.out_shape(), dtype=call.q.dtype, device=call.q.device)
+    out = empty_laid_out_like(call.q, call.out_shape())
     lse = torch.empty(call.lse_shape(), dtype=call.lse_dtype, device=call.q.device)
     for seg, rows in _segments(call):
         o, l = _forward_segment(call, seg)  # (B, H, Sq, Dv), (B, H, Sq)

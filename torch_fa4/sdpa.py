@@ -189,8 +189,10 @@ def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=Fal
     """torch_fa4's half of `_scaled_dot_product_flash_attention_backward`: (dq, dk, dv) shaped and
     strided like query, key, value."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    dout = grad_out.transpose(1, 2).contiguous()  # no copy when grad_out is a view of (B, S, H, D)
-    o = out.transpose(1, 2).contiguous()
+    # (B, S, H, D) views of SDPA's tensors, whatever their memory order: the kernels read strided
+    # dO and O (the backward copies only a layout its loads cannot take)
+    dout = grad_out.transpose(1, 2)
+    o = out.transpose(1, 2)
     dq, dk, dv = torch.ops.torch_fa4.bwd(
         dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, v, scale, is_causal), bool(deterministic)
     )
