@@ -61,6 +61,7 @@ def attention(
     varlen_k = cu_seqlens_k is not None
     checks.check_qkv(q, k, v, varlen_q=varlen_q, varlen_k=varlen_k)
     checks.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    checks.check_max_seqlen(max_seqlen_q, max_seqlen_k)
     window_left, window_right = checks.check_scalars(scale, softcap, window_size)
     if causal:
         window_right = 0 if window_right < 0 else min(window_right, 0)

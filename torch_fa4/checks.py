@@ -8,6 +8,7 @@ in eager mode; see `check_varlen_values`.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -92,6 +93,16 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> int:
 # every layer, and reading them is a device sync that leaves the GPU idle (2-3x the time of a short
 # varlen call, NOTES Experiment 161), so each set of tensors is read once while it lives unmodified.
 _PASSED = TensorMemo(capacity=64)
+
+
+def check_max_seqlen(max_seqlen_q, max_seqlen_k) -> None:
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is None or isinstance(value, torch.SymInt):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            _fail(TypeError, f"{name} must be an int or None, got {type(value).__name__}")
+        if value < 0:
+            _fail(ValueError, f"{name} must be >= 0, got {value}")
 
 
 def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q=None, max_seqlen_k=None) -> None:

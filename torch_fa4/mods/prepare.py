@@ -27,6 +27,7 @@ or be created outside the compiled function.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from typing import Any, Callable, Optional
@@ -59,6 +60,9 @@ _KEYS: dict[tuple, str] = {}
 def prepare(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> tuple[str, list[torch.Tensor]]:
     if score_mod is None and mask_mod is None:
         return "", []
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
     score_desc, score_tensors = capture.collect(score_mod) if score_mod is not None else (None, [])
     mask_desc, mask_tensors = capture.collect(mask_mod) if mask_mod is not None else (None, [])
     key = _key_for_descs(score_desc, mask_desc)
@@ -80,6 +84,16 @@ def _key_for_descs(score_desc: Any, mask_desc: Any) -> str:
     return key
 
 
+def _check_arity(fn: Callable, role: str) -> None:
+    params = ("score, b, h, q_idx, kv_idx" if role == "score" else "b, h, q_idx, kv_idx").split(", ")
+    try:
+        inspect.signature(fn).bind(*params)
+    except TypeError as e:
+        raise ModTraceError(f"{role}_mod must take {len(params)} arguments ({', '.join(params)}): {e}") from None
+    except ValueError:  # no signature to read (a builtin): tracing will tell
+        pass
+
+
 def _trace_and_register(score_desc: Any, mask_desc: Any) -> str:
     from torch_fa4.mods.registry import register
 
@@ -89,6 +103,7 @@ def _trace_and_register(score_desc: Any, mask_desc: Any) -> str:
             graphs.append(None)
             continue
         fn, placeholders = capture.rebuild(desc)
+        _check_arity(fn, role)
         try:
             graphs.append(trace_mod(fn, role, placeholders))
         except (AttributeError, KeyError, NameError) as e:
