@@ -17,9 +17,11 @@ from sass import hinted_loads, sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
-def _call(d=128, dv=None, hq=2, hkv=2, dtype=torch.bfloat16, varlen=False, seqused=False, sq=16, sk=16, **kw):
-    # Shapes are symbolic in the compiled kernel: any small tensors describe the variant.
+def _call(d=128, dv=None, hq=2, hkv=2, dtype=torch.bfloat16, varlen=False, seqused=False, sq=16, sk=None, **kw):
+    # Shapes are symbolic in the compiled kernel: any small tensors describe the variant (keys a
+    # whole number of key tiles, as in the dense grid; key_tail_variant tests the other case).
     dv = dv or d
+    sk = (sq if varlen else 256) if sk is None else sk
     assert not varlen or sq == sk
     q = torch.empty(*((sq,) if varlen else (1, sq)), hq, d, dtype=dtype)
     k = torch.empty(*((sk,) if varlen else (1, sk)), hkv, d, dtype=dtype)
@@ -82,7 +84,7 @@ def _step_bodies(key, call) -> int:
     those a left-window or varlen row limit crosses (above them)."""
     right, left, varlen, seqused = key[4], key[5], key[7], key[8]
     mask_mod = call.mods is not None and call.mods.mask_graph is not None
-    low, high = right or varlen or seqused, left or varlen
+    low, high = right or varlen or seqused or key[-3].mask_key_tail, left or varlen
     if not key[-3].split_mask_loops or key[-2] is not None or mask_mod or not (low or high):
         return 1
     return 1 + int(low) + int(high)
@@ -1658,3 +1660,18 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         assert not bwd_launch_record._records
 
 
+
+
+@pytest.mark.parametrize("kw", [dict(d=128), dict(d=64, causal=True), dict(d=256)], ids=["d128", "d64_causal", "d256"])
+def test_key_tail_variant_masks_the_tail(kw, tmp_path):
+    """Dense keys ending inside a key tile compile the variant that masks the tail's keys (their
+    zero-filled K / V still give P = exp2(-lse2), which can overflow dS); whole tiles do not."""
+    from torch_fa4.kernels.sm90 import bwd
+
+    whole = bwd.variant_key(_call(sk=256, **kw), False)
+    tail = bwd.variant_key(_call(sk=257, **kw), False)
+    assert not whole[-3].mask_key_tail and tail[-3].mask_key_tail
+    assert tail[:-3] == whole[:-3] and tail[-3]._replace(mask_key_tail=False) == whole[-3]
+    assert not bwd.variant_key(_call(sk=255, seqused=True, **kw), False)[-3].mask_key_tail  # masked anyway
+    call = _call(sk=257, **kw)
+    _compiled_and_checked(tail, call, tmp_path)

@@ -259,6 +259,8 @@ class KernelTiles(NamedTuple):
     fused_dq: bool  # persistent: dq written by the kernel (no conversion pass)
     ptxas_options: str = ""  # extra ptxas flags (PTXAS_ENV)
     split_tail: bool = False  # persistent: the last round's tiles may run as pieces (SPLIT_TAIL_ENV)
+    # dense keys ending inside a key tile: mask the tail's keys (see bwd_kernel's mask_k)
+    mask_key_tail: bool = False
 
 
 def _env_choice(name: str, default: str, allowed: tuple) -> str:
@@ -549,11 +551,17 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
             call.causal or call.window_right >= 0, call.window_left >= 0, call.softcap > 0,
             call.is_varlen, call.seqused_k is not None, bool(deterministic),
             call.mods.key if call.mods is not None else "",
-            _first_rows_reach(call), _long_queries(call), _env_knobs())
+            _first_rows_reach(call), _long_queries(call), _env_knobs(),
+            None if call.is_varlen else call.k.shape[1] % 128)  # the key tail (_key_tail)
     key = _variant_memo.get(memo)
     if key is None:
         key = _variant_memo[memo] = _variant_key(call, deterministic)
     return key
+
+
+def _key_tail(call: "AttentionCall", tile_n: int) -> bool:
+    """Whether dense keys end inside a key tile (varlen and seqused_k calls mask their keys anyway)."""
+    return not call.is_varlen and call.seqused_k is None and call.k.shape[1] % tile_n != 0
 
 
 def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
@@ -609,6 +617,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> tuple:
         fused_dq=fused,
         ptxas_options=os.environ.get(PTXAS_ENV, _PTXAS).strip(),
         split_tail=persist and not trace and split_tail_applies(call, deterministic, sparse, tile_m),
+        mask_key_tail=_key_tail(call, tile_n),
     )
     return (
         call.q.dtype,
@@ -780,7 +789,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None, jit: bool = True
     used = fake(Int32, (nb,), (1,), 4) if seqused else None
     (tile_n, stages, dq_in_ring, tile_m, passes, dq_before_dk, dq_warp, trace, emulate, fold, use_pdl,
      split_ring, dv_after_ds, persist, hints, descending, dq_t, stats_t, mod_frag, split_loops, own_dv,
-     fused_dq, ptxas, split_tail) = kernel_tiles
+     fused_dq, ptxas, split_tail, mask_key_tail) = kernel_tiles
     dq_out = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1)) if fused_dq else None
     sem = None
     if deterministic or trace or persist:  # semaphores, the trace buffer or the tile counter
@@ -793,6 +802,7 @@ def _compile(key: tuple, mods, arch: str, dump_dir: str | None, jit: bool = True
         pdl=use_pdl, split_ring=split_ring, dv_after_ds=dv_after_ds, persistent=persist, l2_hints=hints,
         descending_walk=descending, dq_transposed=dq_t, permuted_stats=stats_t, mod_fragment=mod_frag,
         split_mask_loops=split_loops, own_dv_stage=own_dv, fused_dq=fused_dq, split_tail=split_tail,
+        mask_key_tail=mask_key_tail,
     )
     split_ws = split_cnt = None
     if split_tail:  # the pieces' partial dK / dV (slots, values, 256 threads) and their counters

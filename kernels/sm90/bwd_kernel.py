@@ -180,6 +180,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         own_dv_stage: bool = False,  # persistent: dV staged in a buffer of its own (see below)
         fused_dq: bool = False,  # persistent: dq written by this kernel (bwd_dq_fused.py)
         split_tail: bool = False,  # persistent: the last round's tiles split into pieces (see below)
+        mask_key_tail: bool = False,  # dense keys end inside a key tile (see mask_k)
     ):
         self.dtype = dtype
         # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
@@ -232,10 +233,12 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         self.has_left = has_left
         self.softcap = softcap
         self.varlen = varlen
-        # Keys past seqlen_k must be masked when the tensor holds more rows than the sequence
-        # uses (varlen: the next sequence; seqused_k: the unused cache). Dense tails are
-        # zero-filled by TMA and need no mask.
-        self.mask_k = varlen or seqused_k
+        # Keys past seqlen_k are masked when the tensor holds more rows than the sequence uses
+        # (varlen: the next sequence; seqused_k: the unused cache) and when dense keys end inside
+        # a key tile: TMA zero-fills that tail's K and V, but its P = exp2(0 - lse2) is unbounded
+        # for rows whose scores are all very negative, so its dS can overflow the 16-bit operand
+        # (inf) and dS K would give inf * 0 = NaN in dQ (fp16 from lse2 < -16).
+        self.mask_k = varlen or seqused_k or mask_key_tail
         self.deterministic = deterministic
         self.score_graph = mods.score_graph if mods is not None else None
         self.mask_graph = mods.mask_graph if mods is not None else None
