@@ -22,6 +22,8 @@ def empty_laid_out_like(like: torch.Tensor, shape: Sequence[int], dtype: Optiona
     layout, so a (B, S, H, D) view of (B, H, S, D) memory -- SDPA's layout -- gets an output of
     that layout, and SDPA's callers receive it without a copy. Every backend and the fwd op's fake
     kernel allocate through here, so the strides are the same on every path."""
+    if like.is_contiguous():  # the usual case, kept off the sort and the permute
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
     lead = like.dim() - 1
     order = sorted(range(lead), key=lambda d: (-like.stride(d), d)) + [lead]  # outermost first
     t = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
