@@ -120,3 +120,17 @@ def issued_when_ready(loop: list) -> int:
             prev = line
         i += 1
     return count
+
+
+def cuda_major() -> int:
+    """The CUDA major version of the toolkit CuTe DSL compiles with (its `_cutlass_ir` flavour: 12
+    or 13; the newest installed one when no driver is present)."""
+    import sys
+
+    import cutlass  # noqa: F401  (loads the flavour)
+
+    for name, module in list(sys.modules.items()):
+        found = re.search(r"\.cu(\d+)\.", getattr(module, "__file__", None) or "")
+        if "_cutlass_ir" in name and found:
+            return int(found.group(1))
+    return 12  # a build without flavour tags

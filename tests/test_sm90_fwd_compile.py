@@ -17,7 +17,7 @@ cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from _mod_cases import alibi_abs  # noqa: E402
-from sass import (exps_after_pv_wait, hinted_loads, issued_when_ready, key_loops, sass_of,  # noqa: E402
+from sass import (cuda_major, exps_after_pv_wait, hinted_loads, issued_when_ready, key_loops, sass_of,  # noqa: E402
                   spills_between_matmuls, without_addresses)
 from torch_fa4.call import AttentionCall  # noqa: E402
 
@@ -421,6 +421,10 @@ def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
     # ahead of all but at most 5 (62 and 66 of 66 measured; 61 causal since the two-chain row max,
     # NOTES "Experiment 148", which was timed on the GPU in that form)
     assert late_after >= late_exps - 5, counts
+    if cuda_major() >= 13:
+        # CUDA 13's ptxas hoists the wait ahead of every exponential in the early order too (66 of
+        # 66, NOTES "Experiment 170"): the orders differ in placement with CUDA 12's only
+        return
     assert 0 < early_after < early_exps - 2, counts  # among them (2 of the 66 are the rescale factors)
 
 
