@@ -5,7 +5,8 @@ torch.compile and direct op callers use. In eager mode that generic wrapper is c
 because the op takes `list[Tensor]` arguments, torch wraps its autograd.Function to flatten and
 rebuild all 19 arguments through pytree on every forward and backward, and the bwd op's own entry
 and exit add more. On the GPU host one `autograd.grad` through it took ~570 us, of which the
-backward op call was ~220 us (benchmarks/NOTES.md "Session 8"): at 1k tokens the host then fell
+backward op call was ~220 us (benchmarks/NOTES.md, "the backward's fixed costs", 2026-11-22): at 1k
+tokens the host then fell
 behind the kernels.
 
 This Function saves the same tensors and runs the same forward (below autograd, so its wrapper is
