@@ -6,8 +6,7 @@ because the op takes `list[Tensor]` arguments, torch wraps its autograd.Function
 rebuild all 19 arguments through pytree on every forward and backward, and the bwd op's own entry
 and exit add more. On the GPU host one `autograd.grad` through it took ~570 us, of which the
 backward op call was ~220 us (benchmarks/NOTES.md, "the backward's fixed costs", 2026-11-22): at 1k
-tokens the host then fell
-behind the kernels.
+tokens the host then fell behind the kernels.
 
 This Function saves the same tensors and runs the same forward (below autograd, so its wrapper is
 not entered); its backward runs the bwd op's implementation directly unless something could
