@@ -11,8 +11,7 @@ GHz (work per cycle, clock taken out).
     python benchmarks/clock_probe.py [--rows 64:16384:0,128:16384:0] [--turns 3] [--seconds 2]
         [--variant NAME='{"rescale_threshold": 8.0}' ...] [--backward]
 
-A variant's JSON takes FwdConfig overrides and optionally "env": {NAME: value} set around each of
-its calls (the launch-argument overrides, e.g. {"env": {"TORCH_FA4_FWD_TAIL_PAIRS": "0"}}).
+A variant's JSON takes FwdConfig overrides (forward only).
 
 --backward times dQ, dK, dV of one forward (bench.py's backward peers; `--rows grid` is then
 bench.py's 12 backward rows, D64 and D128) and counts 2.5 x the forward's FLOPs, as bench.py does.
@@ -119,8 +118,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=JSON: also torch_fa4 with these FwdConfig overrides and / or \"env\" settings "
-                         "(with --backward: \"env\" only)")
+                    help="NAME=JSON: also torch_fa4's forward with these FwdConfig overrides")
     args = ap.parse_args()
     impls = ({"torch_fa4": bench.ours_bwd, "flash-attn-4": bench.fa4_bwd} if args.backward
              else {"torch_fa4": bench.ours_fwd, "flash-attn-4": bench.fa4_fwd})

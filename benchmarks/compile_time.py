@@ -1,4 +1,4 @@
-"""First-call compile time of kernel variants in a fresh process (the issue's <= 3 s target).
+"""First-call compile time of kernel variants in a fresh process (the <= 3 s target, NOTES Experiment 27).
 
 Times the CuTe DSL import once, then `compile_fwd` / the backward's `compile_variant` for a few
 default variants, each compiled for the first time in this process (the in-process cache is

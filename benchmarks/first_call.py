@@ -1,5 +1,5 @@
 """First call of a kernel variant on the GPU machine, as a user meets it: a fresh process, the
-public entry point, compile included (the issue's "first call of a new variant <= 3 s").
+public entry point, compile included (the target: a new variant's first call within 3 s).
 
 Each line is one fresh process that imports torch and the implementation, makes bf16 inputs,
 warms the CUDA context with an unrelated op, then times its first call (synchronised) and a second

@@ -1,12 +1,12 @@
 """GPU time per call with the host kept ahead: implementations side by side, low noise.
 
     python benchmarks/gpu_time_probe.py --backward --rows 128:1024:1,64:4096:1 \
-        --variant 'pass={"env": {"TORCH_FA4_BWD_FUSED_DQ": "0"}}' [--rounds 5] [--out probe.json]
+        [--variant 'NAME={"FwdConfig field": value}'] [--rounds 5] [--out probe.json]
 
 bench.py times each call alone (triton's do_bench: an L2 flush, then events around one call), so
 whatever the host spends before the call's first kernel counts too; a backward at 1k tokens
 takes ~0.3-0.7 ms of Python against ~0.55 ms of GPU work, and a slow host moment then shows up as
-a slow kernel (NOTES "Session 28"). clock_probe.py runs seconds of back-to-back calls to read the
+a slow kernel (NOTES Experiment 162). clock_probe.py runs seconds of back-to-back calls to read the
 power-limited clock. This probe measures what the GPU itself takes: a sleep kernel is queued
 first, so the host enqueues N calls while the GPU is still busy, and events around the N calls
 then time the GPU work alone. Rounds rotate the implementations; each row prints the median
@@ -14,11 +14,10 @@ TFLOP/s of the rounds, its ratio to flash-attn-4 (else to torch_fa4's defaults) 
 [min-max] spread (0.1-0.5% here, against 2-5% for bench.py's rows).
 
 Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid), or D:S:causal:MOD with a
-score_mod named as bench.py's sweep rows name them ("alibi", "alibi-kv-q") or "document" (the
+score_mod named as in bench._named_score_mods ("alibi", "alibi-kv-q") or "document" (the
 grid's block-sparse document mask, causal rows, FlexAttention compiled as a peer); forward only,
-and implementations that take no mods, flash-attn-4 here, sit such rows out. Variants: torch_fa4
-with "env" settings (read per call: the backward's TORCH_FA4_BWD_* knobs) and, forward only,
-FwdConfig overrides.
+and implementations that take no mods, flash-attn-4 here, sit such rows out. Variants (forward
+only): torch_fa4 with FwdConfig overrides.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def main():
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=JSON: torch_fa4 with \"env\" settings and (forward) FwdConfig overrides")
+                    help="NAME=JSON: torch_fa4's forward with these FwdConfig overrides")
     ap.add_argument("--no-peer", action="store_true", help="leave flash-attn-4 out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

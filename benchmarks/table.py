@@ -1,6 +1,6 @@
 """A bench.py results.json as the README's markdown table (ratio = torch_fa4 / flash-attn-4).
 
-    python benchmarks/table.py benchmarks/results/h100_session4_final.json
+    python benchmarks/table.py benchmarks/results/2026-11-28_h100_grid.json
 """
 
 import json

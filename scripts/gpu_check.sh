@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (see README: Development): the GPU test suite, then the quick
-# benchmark, everything logged under $OUT so it comes back even if the call runs out of time.
-#   run(command="bash scripts/gpu_check.sh", carry=[".gpu-kit"])
+# On a CUDA sm_90 machine: the GPU test suite, then the quick benchmark, everything logged under
+# $OUT (so a run that is cut short still leaves its logs).
+#   bash scripts/gpu_check.sh
 # TESTS: test files or node ids (default tests/gpu); PYTEST_ARGS: more pytest arguments, parsed
 # with shell quoting (e.g. PYTEST_ARGS="-k 'alibi or mod'");
 # JOBS: parallel pytest processes sharing the GPU (default 3). The suite is bound by kernel
 # compiles on the host's CPUs, not by the GPU, so the collected tests are dealt out round-robin
-# to JOBS processes (session 18, one H100: two processes ran 196 backward tests in 6.5 min,
-# another pair 205 tests in 4.8 min; one process took ~8 min for the backward file's 250).
+# to JOBS processes (on one H100, two processes ran 196 backward tests in 6.5 min, another pair
+# 205 tests in 4.8 min; one process took ~8 min for the backward file's 250).
 # Compiled kernels are cached with atomic renames, so the processes may share the cache.
 # SKIP_BENCH=1 leaves the benchmark out.
 set -u
 OUT=${OUT:-gpu_out}
 JOBS=${JOBS:-3}
 mkdir -p "$OUT"
-source .gpu-kit/setup.sh >/dev/null || exit 1
+# an optional local environment set-up (CUDA toolkit paths, peers), kept outside git
+if [ -f .gpu-kit/setup.sh ]; then source .gpu-kit/setup.sh >/dev/null || exit 1; fi
 pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 # Run from the checkout whatever the editable install did (torch_fa4 imports kernels/ itself).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
