@@ -4,8 +4,8 @@
   (tile / row / col / elem), which indices are clamped, integer ranges, and when an int -> float
   conversion is rewritten in fp32 -- with the exactness of each rewrite checked numerically in
   numpy float32 at the extremes of the assumed position range.
-- The lowered code compiles (sm_90a cubins, no GPU needed): per element (mod_lowering probe) and
-  per fragment (mod_fragment tile probe), reading each captured tensor as often as the plan says,
+- The lowered code compiles (sm_90a cubins, no GPU needed): per element and per fragment (the
+  probes of tests/_mod_probes.py), reading each captured tensor as often as the plan says,
   with the int -> float conversions gone where the plan rewrites them; and in the sm90 forward
   kernel, ALiBi adds no per-element I2F and no spills.
 """
@@ -291,16 +291,24 @@ def _needs_dsl():
 @pytest.mark.parametrize("name", ["alibi_doc_causal", "bias_bf16_doc2d", "transcendental_bool_table"])
 def test_probe_kernel_compiles(name, tmp_path):
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_lowering
+    from _mod_probes import compile_probe
 
     score_mod, mask_mod = cases()[name]
     mods, aux = trace_graphs(score_mod, mask_mod)
-    mod_lowering.compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path))
+    compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path))
     assert glob.glob(str(tmp_path / "*.cubin")), "no cubin written"
     ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
     loads = len(re.findall(r"\bld\.global", ptx))
     graph_loads = sum(1 for g in (mods.score_graph, mods.mask_graph) for n in g.nodes if n.op == "load")
     assert loads == 1 + graph_loads, "expected the score load plus one load per captured-tensor access"
+
+
+def test_cute_lowering_covers_the_op_set():
+    _needs_dsl()
+    from torch_fa4.kernels.common import mod_lowering
+    from torch_fa4.mods.graph import OPS
+
+    assert set(mod_lowering.CUTE_OPS) == set(OPS)
 
 
 def test_identity_grad_detected():
@@ -327,13 +335,13 @@ def test_tile_probe_hoists_loads_and_conversions(name, tmp_path):
     """Through mod_fragment: a (2, 8) fragment reads slope[h] once, doc[q] per row, doc[kv] per
     column, and converts ALiBi's kv_idx - q_idx once (the fragment base), not per element."""
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_fragment
+    from _mod_probes import ModTileProbeKernel, compile_probe
 
     score_mod, mask_mod = cases()[name]
     mods, _ = trace_graphs(score_mod, mask_mod)
-    mod_fragment.compile_tile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path))
+    compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path), tile=True)
     ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
-    rows, cols = mod_fragment.ModTileProbeKernel.rows, mod_fragment.ModTileProbeKernel.cols
+    rows, cols = ModTileProbeKernel.rows, ModTileProbeKernel.cols
     want = rows * cols + _fragment_loads(mods.score_graph, rows, cols) + _fragment_loads(mods.mask_graph, rows, cols)
     assert len(re.findall(r"\bld\.global", ptx)) == want
     if name == "alibi_doc_causal":
@@ -349,14 +357,14 @@ def test_tile_probe_alibi_bias_is_one_fma_per_offset(tmp_path):
     slope * base (no fp32 add and multiply per offset); with abs, the run-time sign branch leaves
     abs only on the mixed-sign side (once per offset), the one-signed sides being fmas."""
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_fragment
+    from _mod_probes import compile_probe
 
     slopes = torch.rand(3)
     for name, mod in (("lib", M.alibi(slopes)), ("abs", alibi_abs(slopes))):
         mods, _ = trace_graphs(mod, None)
         d = tmp_path / name
         d.mkdir()
-        mod_fragment.compile_tile_probe(mods.score_graph, None, arch="sm_90a", dump_dir=str(d))
+        compile_probe(mods.score_graph, None, arch="sm_90a", dump_dir=str(d), tile=True)
         ptx = open(glob.glob(str(d / "*.ptx"))[0]).read()
         if name == "lib":
             assert _ptx_ops(ptx, "add.f32", "sub.f32", "mul.f32") <= 3, ptx.count("\n")
@@ -367,12 +375,12 @@ def test_tile_probe_alibi_bias_is_one_fma_per_offset(tmp_path):
 
 def test_tile_probe_compiles_every_case():
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_fragment
+    from _mod_probes import compile_probe
 
     for name in ("softcap_window", "bucketed_chunked", "transcendental_bool_table"):
         score_mod, mask_mod = cases()[name]
         mods, _ = trace_graphs(score_mod, mask_mod)
-        assert mod_fragment.compile_tile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a") is not None
+        assert compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", tile=True) is not None
 
 
 def _sm90_fwd_sass(tmp_path, score_mod, name):
@@ -399,7 +407,7 @@ def _count(sass, *opcodes):
 
 def test_sm90_forward_alibi_has_no_per_element_conversion(tmp_path):
     """ALiBi in the real forward kernel: the int -> float conversions of kv_idx - q_idx are gone
-    (they were 64 per key tile, on the MUFU pipe) and nothing spills."""
+    (per element they would sit on the MUFU pipe) and nothing spills."""
     _needs_dsl()
     plain = _sm90_fwd_sass(tmp_path, None, "plain")
     alibi = _sm90_fwd_sass(tmp_path, M.alibi(M.alibi_slopes(4)), "alibi")

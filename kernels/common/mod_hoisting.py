@@ -75,18 +75,8 @@ def node_levels(graph: ModGraph) -> tuple[int, ...]:
     return tuple(levels)
 
 
-def live_nodes(graph: ModGraph) -> frozenset[int]:
-    """Nodes the output depends on (the tracer may leave dead inputs and constants)."""
-    live, stack = set(), [graph.output]
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(graph.nodes[i].args)
-    return frozenset(live)
-
-
 def ancestors(graph: ModGraph, roots) -> set[int]:
+    """The roots and every node they depend on."""
     seen, stack = set(), list(roots)
     while stack:
         i = stack.pop()
@@ -94,6 +84,11 @@ def ancestors(graph: ModGraph, roots) -> set[int]:
             seen.add(i)
             stack.extend(graph.nodes[i].args)
     return seen
+
+
+def live_nodes(graph: ModGraph) -> frozenset[int]:
+    """Nodes the output depends on (the tracer keeps unused inputs)."""
+    return frozenset(ancestors(graph, [graph.output]))
 
 
 def clamped_inputs(graph: ModGraph) -> frozenset[str]:
