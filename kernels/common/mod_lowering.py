@@ -65,9 +65,7 @@ _AUX_DSL_DTYPES = {
 }
 
 
-def aux_dsl_dtype(torch_dtype_name: str):
-    """The CuTe DSL element type for a captured tensor's torch dtype (e.g. for fake tensors)."""
-    return getattr(cutlass, _AUX_DSL_DTYPES[torch_dtype_name])
+MAX_AUX = 8  # captured tensors per call the kernels take
 
 
 def kernel_aux_tensors(aux: Sequence, max_aux: int | None = None) -> list:
@@ -94,7 +92,7 @@ def fake_aux_tensor(dtype_name: str, ndim: int):
     """A fake (symbolic-shape) cute tensor standing for a captured tensor, for cute.compile.
     0-d captured tensors are passed as shape-(1,) views."""
     rank = max(ndim, 1)
-    dtype = aux_dsl_dtype(dtype_name)
+    dtype = getattr(cutlass, _AUX_DSL_DTYPES[dtype_name])
     # element alignment holds for any view of a torch tensor; less would split loads into bytes
     align = max(1, dtype.width // 8)
     return cute.runtime.make_fake_tensor(
@@ -238,6 +236,3 @@ def score_grad_value(grad_graph: ModGraph, score, b, h, q_idx, kv_idx, score_aux
 def mask_mod_value(graph: ModGraph, b, h, q_idx, kv_idx, mask_aux: Sequence) -> Boolean:
     env = emit_nodes(graph, {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}, mask_aux)
     return as_kind(env[graph.output], BOOL)
-
-
-MAX_AUX = 8  # captured tensors per call the kernels take
