@@ -10,13 +10,18 @@ import torch
 
 
 def naive_attention(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                    score_mod=None, mask_mod=None, seqlen_k=None):
+                    score_mod=None, mask_mod=None, seqlen_k=None, differentiable=False):
     """q (B, Sq, H, D), k/v (B, Sk, Hkv, D); returns out (B, Sq, H, Dv) and lse (B, H, Sq), float64.
 
-    score_mod(s, b, h, i, j) / mask_mod(b, h, i, j) receive broadcast index grids.
+    score_mod(s, b, h, i, j) / mask_mod(b, h, i, j) receive broadcast index grids (a mod may also
+    return a precomputed bias / keep tensor that broadcasts to (B, H, Sq, Sk)).
     seqlen_k: optional list of per-batch key counts (seqused_k).
+    differentiable: q, k, v are used as given (CPU tensors, float64 for a float64 oracle), so that
+    torch.autograd.grad reaches them; otherwise they are detached and converted.
+    Rows without a visible key give out 0 and lse -inf.
     """
-    q, k, v = (x.detach().double().cpu() for x in (q, k, v))
+    if not differentiable:
+        q, k, v = (x.detach().double().cpu() for x in (q, k, v))
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
