@@ -42,6 +42,21 @@ def _node(graph, op, attr=None):
     return hits[0]
 
 
+def _describe(graph, plan) -> str:
+    """The graph listing annotated with each node's level and float form (for failure messages)."""
+    lines = graph.text().splitlines()
+    out = [lines[0]]
+    for i, line in enumerate(lines[1:-1]):
+        extra = f"  [{H.LEVEL_NAMES[plan.levels[i]]}]"
+        if i in plan.float_forms:
+            extra += f" float:{plan.float_forms[i][0]}"
+        if i in plan.rewritten:
+            extra += " (exact fp32)"
+        out.append(line + extra)
+    out.append(lines[-1])
+    return "\n".join(out) + "\n"
+
+
 # ---- hoisting plan (pure Python) -------------------------------------------------------------------
 
 def test_levels_of_each_class():
@@ -138,12 +153,12 @@ def test_rewrites_where_exact_and_only_there():
         g, plan = _rewritten(fn)
         to_float = [i for i, n in enumerate(g.nodes) if n.op == "to_float" and plan.levels[n.args[0]] != H.TILE
                     and g.nodes[n.args[0]].kind == "int"]
-        assert to_float and all(i in plan.rewritten for i in to_float), (name, H.describe(g, plan))
+        assert to_float and all(i in plan.rewritten for i in to_float), (name, _describe(g, plan))
         x = g.nodes[to_float[0]].args[0]
-        assert plan.float_forms[x][0] == form, (name, H.describe(g, plan))
+        assert plan.float_forms[x][0] == form, (name, _describe(g, plan))
     for name, fn in no.items():
         g, plan = _rewritten(fn)
-        assert not plan.rewritten, (name, H.describe(g, plan))
+        assert not plan.rewritten, (name, _describe(g, plan))
 
 
 def test_scaled_affine_products_and_the_sign_split():
@@ -224,7 +239,7 @@ def test_rewritten_conversions_are_exact_at_the_range_limits():
     extremes = [0, 1, 2, P - 200, P - 1, P, 2 ** 23, 2 ** 23 + 1] + [rng.randrange(P + 1) for _ in range(20)]
     for fn in fns:
         g, plan = _rewritten(fn)
-        assert plan.rewritten, H.describe(g, plan)
+        assert plan.rewritten, _describe(g, plan)
         for t in plan.rewritten:
             x = g.nodes[t].args[0]
             for qb in extremes:
@@ -238,7 +253,7 @@ def test_rewritten_conversions_are_exact_at_the_range_limits():
                             base_env = dict(env, q_idx=qb, kv_idx=kb)
                             got = _float_value(g, plan, x, env, base_env)
                             want = np.float32(_int_value(g, x, env))
-                            assert got == want, (H.describe(g, plan), q, k, got, want)
+                            assert got == want, (_describe(g, plan), q, k, got, want)
 
 
 def _rn32(value):
