@@ -433,7 +433,7 @@ def test_cute_lowering_wraps_negative_indices_only(tmp_path):
     and a conditional add of the size), a sum of positions does not."""
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
-    from torch_fa4.kernels.common import mod_lowering
+    from _mod_probes import compile_probe
 
     tab = torch.randn(3, 200)
 
@@ -447,7 +447,7 @@ def test_cute_lowering_wraps_negative_indices_only(tmp_path):
         g, _ = _graph(fn)
         d = tmp_path / name
         d.mkdir()
-        mod_lowering.compile_probe(g, None, arch="sm_90a", dump_dir=str(d))
+        compile_probe(g, None, arch="sm_90a", dump_dir=str(d))
         ptx = open(glob.glob(str(d / "*.ptx"))[0]).read()
         assert len(re.findall(r"\bld\.global", ptx)) == 3  # the score and two table reads
         # i < 0 ? i + size : i as emitted: a select, or the sign mask (i >> 31) & size added

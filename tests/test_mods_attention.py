@@ -1,5 +1,6 @@
 """Mods end to end through torch_fa4.attention / flex_attention (CPU: the reference path) against
-hand-written float64 attention, and torch.compile(fullgraph=True) with mods capturing tensors."""
+the float64 oracle (tests/naive.py) with the mods written out by hand, and
+torch.compile(fullgraph=True) with mods capturing tensors."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import torch_fa4
+from naive import naive_attention
 from torch_fa4 import mods as M
 
 B, S, H, D = 2, 45, 4, 16
@@ -22,15 +24,10 @@ def qkv(dtype=torch.float32, requires_grad=False):
 
 
 def f64_attention(q, k, v, bias=None, keep=None):
-    """softmax((q k^T) / sqrt(D) + bias, masked) v in float64 on (B, S, H, D); bias/keep (B|1, H|1, S, S)."""
-    qd, kd, vd = (t.detach().double().transpose(1, 2) for t in (q, k, v))
-    s = qd @ kd.transpose(-1, -2) / D ** 0.5
-    if bias is not None:
-        s = s + bias
-    if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
-    p = torch.nan_to_num(torch.softmax(s, -1))  # fully masked rows: 0
-    return (p @ vd).transpose(1, 2)
+    """The float64 oracle on (B, S, H, D) with the mods written out by hand: a bias and a keep mask
+    that broadcast to (B, H, S, S)."""
+    return naive_attention(q, k, v, score_mod=None if bias is None else (lambda s, *_: s + bias),
+                           mask_mod=None if keep is None else (lambda *_: keep))[0]
 
 
 def idx():
@@ -73,8 +70,7 @@ def test_per_head_bias_table_and_grad():
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = (q64.transpose(1, 2) @ k64.transpose(1, 2).transpose(-1, -2)) / D ** 0.5 + bias
-    ref = (torch.softmax(s, -1) @ v64.transpose(1, 2)).transpose(1, 2)
+    ref, _ = naive_attention(q64, k64, v64, score_mod=lambda s, *_: s + bias, differentiable=True)
     rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     for got, want in ((dq, rq), (dk, rk), (dv, rv)):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
@@ -87,11 +83,9 @@ def test_builtins_through_flex_attention_and_block_mask():
     block_mask = M.create_block_mask(mask, None, None, S, S, device="cpu", BLOCK_SIZE=16)
     out = torch_fa4.flex_attention(q, k, v, score_mod=M.softcap_score(5.0), block_mask=block_mask)
     qi, ki = idx()
-    s64 = q.double() @ k.double().transpose(-1, -2) / D ** 0.5
-    s64 = 5.0 * torch.tanh(s64 / 5.0)
     keep = (doc.view(S, 1) == doc.view(1, S)) & (qi - ki <= 10) & (ki <= qi)
-    want = torch.softmax(s64.masked_fill(~keep, float("-inf")), -1) @ v.double()
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    want, _ = naive_attention(*(t.transpose(1, 2) for t in (q, k, v)), softcap=5.0, mask_mod=lambda *_: keep)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_flex_block_mask_accepted():
@@ -106,8 +100,8 @@ def test_torch_flex_block_mask_accepted():
     tbm = torch_create_block_mask(doc_mask, None, None, S, S, device="cpu", BLOCK_SIZE=16)
     out = torch_fa4.flex_attention(q, k, v, block_mask=tbm)
     keep = doc.view(S, 1) == doc.view(1, S)
-    want = torch.softmax((q.double() @ k.double().transpose(-1, -2) / D ** 0.5).masked_fill(~keep, float("-inf")), -1) @ v.double()
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    want = f64_attention(*(t.transpose(1, 2) for t in (q, k, v)), keep=keep)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
 # ---- torch.compile -----------------------------------------------------------------------------------

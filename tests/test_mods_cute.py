@@ -4,8 +4,8 @@
   (tile / row / col / elem), which indices are clamped, integer ranges, and when an int -> float
   conversion is rewritten in fp32 -- with the exactness of each rewrite checked numerically in
   numpy float32 at the extremes of the assumed position range.
-- The lowered code compiles (sm_90a cubins, no GPU needed): per element (mod_lowering probe) and
-  per fragment (mod_fragment tile probe), reading each captured tensor as often as the plan says,
+- The lowered code compiles (sm_90a cubins, no GPU needed): per element and per fragment (the
+  probes of tests/_mod_probes.py), reading each captured tensor as often as the plan says,
   with the int -> float conversions gone where the plan rewrites them; and in the sm90 forward
   kernel, ALiBi adds no per-element I2F and no spills.
 """
@@ -40,6 +40,21 @@ def _node(graph, op, attr=None):
     hits = [i for i, n in enumerate(graph.nodes) if n.op == op and (attr is None or n.attr == attr)]
     assert len(hits) == 1, (op, hits, graph.text())
     return hits[0]
+
+
+def _describe(graph, plan) -> str:
+    """The graph listing annotated with each node's level and float form (for failure messages)."""
+    lines = graph.text().splitlines()
+    out = [lines[0]]
+    for i, line in enumerate(lines[1:-1]):
+        extra = f"  [{H.LEVEL_NAMES[plan.levels[i]]}]"
+        if i in plan.float_forms:
+            extra += f" float:{plan.float_forms[i][0]}"
+        if i in plan.rewritten:
+            extra += " (exact fp32)"
+        out.append(line + extra)
+    out.append(lines[-1])
+    return "\n".join(out) + "\n"
 
 
 # ---- hoisting plan (pure Python) -------------------------------------------------------------------
@@ -138,12 +153,12 @@ def test_rewrites_where_exact_and_only_there():
         g, plan = _rewritten(fn)
         to_float = [i for i, n in enumerate(g.nodes) if n.op == "to_float" and plan.levels[n.args[0]] != H.TILE
                     and g.nodes[n.args[0]].kind == "int"]
-        assert to_float and all(i in plan.rewritten for i in to_float), (name, H.describe(g, plan))
+        assert to_float and all(i in plan.rewritten for i in to_float), (name, _describe(g, plan))
         x = g.nodes[to_float[0]].args[0]
-        assert plan.float_forms[x][0] == form, (name, H.describe(g, plan))
+        assert plan.float_forms[x][0] == form, (name, _describe(g, plan))
     for name, fn in no.items():
         g, plan = _rewritten(fn)
-        assert not plan.rewritten, (name, H.describe(g, plan))
+        assert not plan.rewritten, (name, _describe(g, plan))
 
 
 def test_scaled_affine_products_and_the_sign_split():
@@ -224,7 +239,7 @@ def test_rewritten_conversions_are_exact_at_the_range_limits():
     extremes = [0, 1, 2, P - 200, P - 1, P, 2 ** 23, 2 ** 23 + 1] + [rng.randrange(P + 1) for _ in range(20)]
     for fn in fns:
         g, plan = _rewritten(fn)
-        assert plan.rewritten, H.describe(g, plan)
+        assert plan.rewritten, _describe(g, plan)
         for t in plan.rewritten:
             x = g.nodes[t].args[0]
             for qb in extremes:
@@ -238,7 +253,7 @@ def test_rewritten_conversions_are_exact_at_the_range_limits():
                             base_env = dict(env, q_idx=qb, kv_idx=kb)
                             got = _float_value(g, plan, x, env, base_env)
                             want = np.float32(_int_value(g, x, env))
-                            assert got == want, (H.describe(g, plan), q, k, got, want)
+                            assert got == want, (_describe(g, plan), q, k, got, want)
 
 
 def _rn32(value):
@@ -291,16 +306,24 @@ def _needs_dsl():
 @pytest.mark.parametrize("name", ["alibi_doc_causal", "bias_bf16_doc2d", "transcendental_bool_table"])
 def test_probe_kernel_compiles(name, tmp_path):
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_lowering
+    from _mod_probes import compile_probe
 
     score_mod, mask_mod = cases()[name]
     mods, aux = trace_graphs(score_mod, mask_mod)
-    mod_lowering.compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path))
+    compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path))
     assert glob.glob(str(tmp_path / "*.cubin")), "no cubin written"
     ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
     loads = len(re.findall(r"\bld\.global", ptx))
     graph_loads = sum(1 for g in (mods.score_graph, mods.mask_graph) for n in g.nodes if n.op == "load")
     assert loads == 1 + graph_loads, "expected the score load plus one load per captured-tensor access"
+
+
+def test_cute_lowering_covers_the_op_set():
+    _needs_dsl()
+    from torch_fa4.kernels.common import mod_lowering
+    from torch_fa4.mods.graph import OPS
+
+    assert set(mod_lowering.CUTE_OPS) == set(OPS)
 
 
 def test_identity_grad_detected():
@@ -327,13 +350,13 @@ def test_tile_probe_hoists_loads_and_conversions(name, tmp_path):
     """Through mod_fragment: a (2, 8) fragment reads slope[h] once, doc[q] per row, doc[kv] per
     column, and converts ALiBi's kv_idx - q_idx once (the fragment base), not per element."""
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_fragment
+    from _mod_probes import ModTileProbeKernel, compile_probe
 
     score_mod, mask_mod = cases()[name]
     mods, _ = trace_graphs(score_mod, mask_mod)
-    mod_fragment.compile_tile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path))
+    compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", dump_dir=str(tmp_path), tile=True)
     ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
-    rows, cols = mod_fragment.ModTileProbeKernel.rows, mod_fragment.ModTileProbeKernel.cols
+    rows, cols = ModTileProbeKernel.rows, ModTileProbeKernel.cols
     want = rows * cols + _fragment_loads(mods.score_graph, rows, cols) + _fragment_loads(mods.mask_graph, rows, cols)
     assert len(re.findall(r"\bld\.global", ptx)) == want
     if name == "alibi_doc_causal":
@@ -349,14 +372,14 @@ def test_tile_probe_alibi_bias_is_one_fma_per_offset(tmp_path):
     slope * base (no fp32 add and multiply per offset); with abs, the run-time sign branch leaves
     abs only on the mixed-sign side (once per offset), the one-signed sides being fmas."""
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_fragment
+    from _mod_probes import compile_probe
 
     slopes = torch.rand(3)
     for name, mod in (("lib", M.alibi(slopes)), ("abs", alibi_abs(slopes))):
         mods, _ = trace_graphs(mod, None)
         d = tmp_path / name
         d.mkdir()
-        mod_fragment.compile_tile_probe(mods.score_graph, None, arch="sm_90a", dump_dir=str(d))
+        compile_probe(mods.score_graph, None, arch="sm_90a", dump_dir=str(d), tile=True)
         ptx = open(glob.glob(str(d / "*.ptx"))[0]).read()
         if name == "lib":
             assert _ptx_ops(ptx, "add.f32", "sub.f32", "mul.f32") <= 3, ptx.count("\n")
@@ -367,12 +390,12 @@ def test_tile_probe_alibi_bias_is_one_fma_per_offset(tmp_path):
 
 def test_tile_probe_compiles_every_case():
     _needs_dsl()
-    from torch_fa4.kernels.common import mod_fragment
+    from _mod_probes import compile_probe
 
     for name in ("softcap_window", "bucketed_chunked", "transcendental_bool_table"):
         score_mod, mask_mod = cases()[name]
         mods, _ = trace_graphs(score_mod, mask_mod)
-        assert mod_fragment.compile_tile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a") is not None
+        assert compile_probe(mods.score_graph, mods.mask_graph, arch="sm_90a", tile=True) is not None
 
 
 def _sm90_fwd_sass(tmp_path, score_mod, name):
@@ -399,7 +422,7 @@ def _count(sass, *opcodes):
 
 def test_sm90_forward_alibi_has_no_per_element_conversion(tmp_path):
     """ALiBi in the real forward kernel: the int -> float conversions of kv_idx - q_idx are gone
-    (they were 64 per key tile, on the MUFU pipe) and nothing spills."""
+    (per element they would sit on the MUFU pipe) and nothing spills."""
     _needs_dsl()
     plain = _sm90_fwd_sass(tmp_path, None, "plain")
     alibi = _sm90_fwd_sass(tmp_path, M.alibi(M.alibi_slopes(4)), "alibi")

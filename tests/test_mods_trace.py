@@ -348,6 +348,13 @@ def test_full_op_set_matches_f64():
     torch.testing.assert_close(eval_score(everything, score).double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_lowering_covers_the_op_set():
+    from torch_fa4.mods import lower_torch
+    from torch_fa4.mods.graph import OPS
+
+    assert set(lower_torch._OPS) == set(OPS)
+
+
 def test_score_derivative_matches_autograd_f64():
     bias = torch.randn(H)
 

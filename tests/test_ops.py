@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_fa4
-from naive import rel_error
+from naive import naive_attention, rel_error
 
 
 def _fwd_args(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, cu_q=None, cu_k=None, seqused=None,
@@ -76,36 +76,12 @@ def test_gradients_match_float64_autograd(kw):
     out = torch_fa4.attention(q, k, v, **kw)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
-    ref_out, _ = _naive_differentiable(q, k, v, kw)
+    ref_out, _ = naive_attention(q, k, v, scale=kw.get("scale"), causal=kw.get("causal", False),
+                                 window=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0),
+                                 differentiable=True)
     want = torch.autograd.grad(ref_out, (q, k, v), grad)
     for g, w in zip(got, want):
         assert rel_error(g, w) < 1e-10
-
-
-def _naive_differentiable(q, k, v, kw):
-    # naive_attention detaches; recompute it differentiably for autograd's reference gradients.
-    import math
-
-    B, Sq, H, D = q.shape
-    Sk = k.shape[1]
-    scale = kw.get("scale", 1 / math.sqrt(D))
-    kk = k.repeat_interleave(H // k.shape[2], 2)
-    vv = v.repeat_interleave(H // v.shape[2], 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if kw.get("softcap"):
-        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
-    i = torch.arange(Sq).view(-1, 1) + Sk - Sq
-    j = torch.arange(Sk).view(1, -1)
-    vis = torch.ones(Sq, Sk, dtype=torch.bool)
-    left, right = kw.get("window_size", (-1, -1))
-    if kw.get("causal"):
-        right = 0
-    if right >= 0:
-        vis &= j <= i + right
-    if left >= 0:
-        vis &= j >= i - left
-    s = s.masked_fill(~vis, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv), None
 
 
 def test_gradcheck_varlen_and_seqused():

@@ -131,7 +131,7 @@ def test_varlen_backward_with_empty_sequences(lengths, hkv):
     for i in range(len(lq)):
         rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
         qi, ki, vi = (x.detach().clone().requires_grad_() for x in (qs[i][None], ks[i][None], vs[i][None]))
-        ref = _naive_with_grad(qi, ki, vi)
+        ref, _ = naive_attention(qi, ki, vi, causal=True, differentiable=True)
         if ref.numel() == 0:
             ref_grads = (torch.zeros_like(qi), torch.zeros_like(ki), torch.zeros_like(vi))
         else:
@@ -140,18 +140,6 @@ def test_varlen_backward_with_empty_sequences(lengths, hkv):
         for got, want in zip((dq[rows], dk[keys], dv[keys]), ref_grads):
             assert not got.isnan().any()
             torch.testing.assert_close(got, want[0], atol=1e-9, rtol=1e-7)
-
-
-def _naive_with_grad(q, k, v):
-    """Causal attention (bottom-right aligned) in float64 with autograd, for gradient checks."""
-    Sq, Sk = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
-    s = s.masked_fill(j > i + Sk - Sq, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: all zero
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def test_seqused_k_limits_keys_per_batch():

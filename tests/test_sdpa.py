@@ -3,7 +3,6 @@ kernels wired into aten's SDPA flash op (installed on the CPU dispatch key for t
 real dispatcher, autograd formula and torch.compile."""
 
 import contextlib
-import math
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from naive import naive_attention
 from torch_fa4 import sdpa
 
 
@@ -198,23 +198,9 @@ def _fa4_on_cpu_key():
 def _math_reference(q, k, v, grad, *, causal, scale):
     """float64 out and grads via the naive oracle and autograd."""
     q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    out, lse = _naive_differentiable(q64, k64, v64, causal=causal, scale=scale)
+    out, lse = naive_attention(q64, k64, v64, causal=causal, scale=scale, differentiable=True)
     out.backward(grad.double().transpose(1, 2))
     return out.detach().transpose(1, 2), lse, q64.grad.transpose(1, 2), k64.grad.transpose(1, 2), v64.grad.transpose(1, 2)
-
-
-def _naive_differentiable(q, k, v, *, causal, scale):
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    kk, vv = (t.repeat_interleave(h // hkv, dim=2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        i = torch.arange(sq).view(sq, 1)
-        j = torch.arange(sk).view(1, sk)
-        s = s.masked_fill(j > i + (sk - sq), -math.inf)
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", p, vv), torch.logsumexp(s, dim=-1)
 
 
 LAYOUTS = {

@@ -1,8 +1,9 @@
 """Emit a traced score_mod / mask_mod over a thread's whole score fragment, hoisted by dependence.
 
-`mod_lowering` inlines a graph for one element; here the same ops are emitted for a (rows, cols)
-fragment following `mod_hoisting.hoist_plan`: TILE values come precomputed (or are emitted once),
-ROW values once per fragment row, COL values once per column, and only ELEM values per element.
+`mod_lowering` inlines a graph for one element; here the same ops (its op table, through
+`emit_op`) are emitted for a (rows, cols) fragment following `mod_hoisting.hoist_plan`: TILE
+values come precomputed (or are emitted once), ROW values once per fragment row, COL values once
+per column, and only ELEM values per element.
 Exact int -> float rewrites replace per-element conversions (I2F shares the quarter-rate pipe with
 the softmax's MUFU.EX2 on Hopper), and identical element values are emitted once: emission is
 hash-consed, so e.g. kv_idx - q_idx, which repeats along the fragment's diagonals, is computed once
@@ -26,9 +27,8 @@ from cutlass import Float32, Int32
 
 from torch_fa4.kernels.common.mod_hoisting import (COL, ROW, TILE, HoistPlan, ancestors, hoist_plan,
                                                    scaled_affine_operands, sign_split_form)
-from torch_fa4.kernels.common.mod_lowering import (BOOL, FLOAT, MAX_AUX, ModProbeKernel, _as_kind, _emit_op,
-                                                   _select, fake_aux_tensor)
-from torch_fa4.mods.graph import ModGraph
+from torch_fa4.kernels.common.mod_lowering import CUTE_OPS, as_kind, emit_nodes, emit_op, select, select_min_max
+from torch_fa4.mods.graph import BOOL, FLOAT, ModGraph
 from torch_fa4.mods.index_sign import index_wraps
 
 
@@ -43,14 +43,8 @@ def tile_values(graph: Optional[ModGraph], b, h, aux: Sequence) -> tuple:
     if graph is None:
         return ()
     plan = plan_for(graph)
-    wraps = index_wraps(graph)
-    env: dict = {}
-    for i in sorted(ancestors(graph, plan.tile_nodes)):  # all TILE: a TILE node has TILE arguments
-        n = graph.nodes[i]
-        if n.op == "input":
-            env[i] = _as_kind({"b": b, "h": h}[n.attr], n.kind)
-        else:
-            env[i] = _emit_op(n, [env[a] for a in n.args], aux, wraps.get(i, ()))
+    # all TILE: a TILE node has TILE arguments
+    env = emit_nodes(graph, {"b": b, "h": h}, aux, ancestors(graph, plan.tile_nodes))
     return tuple(env[i] for i in plan.tile_nodes)
 
 
@@ -133,14 +127,15 @@ class FragmentEmitter:
     emitted once per distinct (row, col) it depends on, and ops with identical arguments once."""
 
     def __init__(self, graph: ModGraph, pos: FragmentPositions, b, h, aux: Sequence, tile_vals=None,
-                 last_q=None, last_k=None, signs=None, affine_fma: bool = True):
+                 last_q=None, last_k=None, affine_fma: bool = True):
         """tile_vals: from tile_values() (None: emit TILE nodes here); last_q / last_k: the largest
-        valid positions, to clamp indices that feed loads (None: no clamping); signs: {Affine: +1 or
-        -1}, affine forms known to be >= 0 (+1) or <= 0 (-1) on every element of this fragment
-        (`fork`, `emit_score_mod` set them); affine_fma: tile value * affine expression as one fma
-        per distinct offset (`_scaled_affine`), else an add and a multiply."""
+        valid positions, to clamp indices that feed loads (None: no clamping); affine_fma: tile
+        value * affine expression as one fma per distinct offset (`_scaled_affine`), else an add and
+        a multiply."""
         self.graph = graph
-        self.signs = dict(signs or {})
+        # {Affine: +1 or -1}: affine forms known to be >= 0 (+1) or <= 0 (-1) on every element of
+        # this fragment (set by `fork` on one side of emit_score_mod's sign branch)
+        self.signs: dict = {}
         self.affine_fma = affine_fma
         self.plan = plan_for(graph, pos.row_offs is not None)
         self.wraps = index_wraps(graph)  # negative indices of loads, wrapped as in PyTorch
@@ -165,10 +160,10 @@ class FragmentEmitter:
         (ALiBi, tables) then costs no separate multiply per element, and the bias itself, shared
         by elements, stays a value of its own rather than being fused per element."""
         self._score[r, j] = (raw, scale)
-        return _as_kind(self.value(self.graph.output, r, j), FLOAT)
+        return as_kind(self.value(self.graph.output, r, j), FLOAT)
 
     def keep(self, r: int, j: int):
-        return _as_kind(self.value(self.graph.output, r, j), BOOL)
+        return as_kind(self.value(self.graph.output, r, j), BOOL)
 
     # ---- emission ----------------------------------------------------------------------------
     def _key(self, i: int, r: int, j: int):
@@ -194,12 +189,12 @@ class FragmentEmitter:
             v = {"score": lambda: self._scaled_score(r, j), "b": lambda: self.b, "h": lambda: self.h,
                  "q_idx": lambda: self.pos.q_rows[r], "kv_idx": lambda: self.pos.kv_cols[j]}[n.attr]()
             last = self._last.get(n.attr)
-            v = _as_kind(v if last is None else cutlass.min(v, last), n.kind)
+            v = as_kind(v if last is None else cutlass.min(v, last), n.kind)
         elif i in self.plan.rewritten:
             v = self._float(n.args[0], r, j)
         elif self._affine_int(i):
             v = self._affine_value(i, r, j)
-        elif self._fusable_score_add(n):
+        elif self._fusable_score_add(n, r, j):
             v = self._score_fma(n, r, j)
         elif self._scaled_affine_mul(i) is not None:
             v = self._scaled_affine(i, r, j)
@@ -210,7 +205,7 @@ class FragmentEmitter:
             args = [self.value(a, r, j) for a in n.args]
             wraps = self.wraps.get(i, ())
             v = self._hashcons((n.op, n.kind, n.attr if n.op in ("const", "load") else None, wraps), args,
-                               lambda: _emit_op(n, args, self.aux, wraps))
+                               lambda: emit_op(n, args, self.aux, wraps))
         self._memo[key] = v
         return v
 
@@ -218,18 +213,16 @@ class FragmentEmitter:
         raw, scale = self._score[r, j]
         return raw if scale is None else raw * scale
 
-    def _fusable_score_add(self, n) -> bool:
+    def _fusable_score_add(self, n, r: int, j: int) -> bool:
+        """score + other or a difference of the two, for a scaled score (else nothing to fuse)."""
         if n.op not in ("add", "sub") or n.kind != FLOAT or self.score_input is None:
             return False
-        return self.score_input in n.args and n.args[0] != n.args[1]
+        return self.score_input in n.args and n.args[0] != n.args[1] and self._score[r, j][1] is not None
 
     def _score_fma(self, n, r: int, j: int):
         raw, scale = self._score[r, j]
-        if scale is None:  # nothing to fuse: a plain add / sub
-            args = [self.value(a, r, j) for a in n.args]
-            return _emit_op(n, args, self.aux)
         first = n.args[0] == self.score_input
-        other = _as_kind(self.value(n.args[1] if first else n.args[0], r, j), FLOAT)
+        other = as_kind(self.value(n.args[1] if first else n.args[0], r, j), FLOAT)
         if n.op == "add":
             return cute.math.fma(raw, scale, other)
         if first:  # score - other
@@ -241,8 +234,8 @@ class FragmentEmitter:
         score / cap: the reciprocal once, then per element a multiply and two fmas, branch-free.
         An IEEE division per element costs a range check and a slow-path branch each, which also
         stops the scheduler from interleaving elements."""
-        x = _as_kind(self.value(n.args[0], r, j), FLOAT)
-        y = _as_kind(self.value(n.args[1], r, j), FLOAT)
+        x = as_kind(self.value(n.args[0], r, j), FLOAT)
+        y = as_kind(self.value(n.args[1], r, j), FLOAT)
         rcp = self._hashcons(("rcp",), [y], lambda: Float32(1.0) / y)
         return _div_with_reciprocal(x, y, rcp)
 
@@ -260,12 +253,9 @@ class FragmentEmitter:
             return self._affine_float(f, r, j)
         op = form[1]
         n = self.graph.nodes[i]
-        if op == "where":
-            cond = self.value(n.args[0], r, j)
-            a, b = self._float(n.args[1], r, j), self._float(n.args[2], r, j)
-            return self._hashcons(("fwhere",), [cond, a, b], lambda: _select(cond, a, b, FLOAT))
-        a = [self._float(x, r, j) for x in n.args]
-        return self._hashcons(("f" + op,), a, lambda: _float_op(op, a))
+        a = [self.value(n.args[0], r, j)] if op == "where" else []  # the condition stays bool
+        a += [self._float(x, r, j) for x in n.args[len(a):]]
+        return self._hashcons(("f" + op,), a, lambda: _exact_float_op(op, a))
 
     def _affine_int(self, i: int) -> bool:
         """An int node of the fragment (not TILE) that is affine in the positions, with static offsets:
@@ -279,15 +269,10 @@ class FragmentEmitter:
     def _affine_value(self, i: int, r: int, j: int):
         f = self.plan.affine[i]
         off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
-        base = self._affine_int_base(i)
+        base = self.form_base(f)
         if off == 0:
             return base
         return self._hashcons(("iadd_imm", off), [base], lambda: base + off)
-
-    def _affine_int_base(self, i: int):
-        """The affine node's fragment-wide part (its value at offsets (0, 0)), once per call and per
-        distinct affine form."""
-        return self.form_base(self.plan.affine[i])
 
     def form_base(self, f):
         """An affine form's value at the fragment's offsets (0, 0), once per call and per form."""
@@ -305,7 +290,7 @@ class FragmentEmitter:
                 acc = Int32(f.const)
             elif f.const:
                 acc = acc + f.const
-            self._fdyn[key] = _as_kind(acc, "int")
+            self._fdyn[key] = as_kind(acc, "int")
         return self._fdyn[key]
 
     def _form_base_float(self, f) -> Float32:
@@ -357,7 +342,7 @@ class FragmentEmitter:
         in fp32, so this differs from the plain product by one rounding of t * base (~1 ulp)."""
         t_node, x_node = self._scaled_affine_mul(i)
         f = self.resolved_affine(x_node)
-        t = _as_kind(self.value(t_node, r, j), FLOAT)
+        t = as_kind(self.value(t_node, r, j), FLOAT)
         base = self._form_base_float(f)
         tb = self._hashcons(("fmul",), [t, base], lambda: t * base)
         off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
@@ -395,6 +380,13 @@ def emit_score_mod(em: FragmentEmitter, s: cute.Tensor, scale=None):
                     lambda sign: _emit_scores(em.fork({form: sign} if sign else {}), s, scale))
 
 
+def emit_mask_mod(em: FragmentEmitter, s: cute.Tensor):
+    """s[r, j] = -inf where mask_mod is False, over the (rows, cols) fragment s."""
+    for r in range(cute.size(s, mode=[0])):
+        for j in range(cute.size(s, mode=[1])):
+            s[r, j] = cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf)
+
+
 def _emit_scores(em: FragmentEmitter, s: cute.Tensor, scale):
     for r in range(cute.size(s, mode=[0])):
         for j in range(cute.size(s, mode=[1])):
@@ -422,104 +414,12 @@ def _div_with_reciprocal(x, y, rcp):
     q0 = x * rcp
     rem = cute.math.fma(-q0, y, x)
     q1 = cute.math.fma(rem, rcp, q0)
-    return _select(cute.math.abs(q0) < Float32.inf, q1, q0, FLOAT)
+    return select(cute.math.abs(q0) < Float32.inf, q1, q0, FLOAT)
 
 
-def _float_op(op: str, a: list):
-    # operands are exact integers in fp32 (never NaN), so plain compares give min / max
-    if op == "neg":
-        return -a[0]
-    if op == "abs":
-        return cute.math.abs(a[0])
-    if op == "add":
-        return a[0] + a[1]
-    if op == "sub":
-        return a[0] - a[1]
-    if op == "mul":
-        return a[0] * a[1]
-    if op == "minimum":
-        return _select(a[0] < a[1], a[0], a[1], FLOAT)
-    if op == "maximum":
-        return _select(a[0] > a[1], a[0], a[1], FLOAT)
-    raise NotImplementedError(op)
-
-
-def apply_mods_to_tile(s: cute.Tensor, coords: cute.Tensor, row0, col0, b, h, score_aux, mask_aux,
-                       score_graph, mask_graph, scale=None, last_q=None, last_k=None):
-    """For a (rows, cols) fragment `s` of fp32 scores and the identity-coordinate tensor `coords`
-    partitioned alike (coords[r, j] = (row, col) in the tile): s = score_mod(s * scale, ...), then
-    -inf where mask_mod is False, with q_idx = row0 + row and kv_idx = col0 + col; indices that feed
-    loads are clamped to last_q / last_k when given. Call from @cute.jit / @cute.kernel code."""
-    pos = FragmentPositions(coords, row0, col0)
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if score_graph is not None:
-        em = FragmentEmitter(score_graph, pos, b, h, score_aux, tile_values(score_graph, b, h, score_aux),
-                             last_q, last_k)
-        emit_score_mod(em, s, scale)
-    if mask_graph is not None:
-        em = FragmentEmitter(mask_graph, pos, b, h, mask_aux, tile_values(mask_graph, b, h, mask_aux),
-                             last_q, last_k)
-        for r in range(rows):
-            for j in range(cols):
-                s[r, j] = _as_kind(cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf), FLOAT)
-
-
-class ModTileProbeKernel(ModProbeKernel):
-    """Like mod_lowering.ModProbeKernel, but through `apply_mods_to_tile`: each thread holds a
-    (2, 8) register fragment (two query rows, eight keys), applies both mods to the scores scaled by
-    PROBE_SCALE (masked entries become -inf) and writes them back: out = mods(score * PROBE_SCALE).
-    Exercises every hoisting level (tile values, rows, columns, elements) and the fused score fma."""
-
-    rows, cols = 2, 8
-
-    @cute.jit
-    def __call__(self, score: cute.Tensor, out: cute.Tensor, keep: cute.Tensor,
-                 aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7, stream):
-        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
-        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
-        B, H, M, N = score.shape
-        segments = ((M + self.rows - 1) // self.rows) * ((N + self.cols - 1) // self.cols)
-        grid = ((segments + self.threads - 1) // self.threads, H, B)
-        self.tile_kernel(score, out, score_aux, mask_aux).launch(grid=grid, block=(self.threads, 1, 1),
-                                                                  stream=stream)
-
-    @cute.kernel
-    def tile_kernel(self, score: cute.Tensor, out: cute.Tensor, score_aux, mask_aux):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, h, b = cute.arch.block_idx()
-        M, N = score.shape[2], score.shape[3]
-        per_row = (N + self.cols - 1) // self.cols
-        seg = bx * self.threads + tidx
-        if seg < ((M + self.rows - 1) // self.rows) * per_row:
-            row0 = (seg // per_row) * self.rows
-            col0 = (seg - (seg // per_row) * per_row) * self.cols
-            frag = cute.make_rmem_tensor((self.rows, self.cols), Float32)
-            coords = cute.make_identity_tensor((self.rows, self.cols))
-            for r in cutlass.range_constexpr(self.rows):
-                for j in cutlass.range_constexpr(self.cols):
-                    frag[r, j] = score[b, h, cutlass.min(row0 + r, M - 1), cutlass.min(col0 + j, N - 1)]
-            apply_mods_to_tile(frag, coords, row0, col0, b, h, score_aux, mask_aux, self.score_graph,
-                               self.mask_graph, Float32(PROBE_SCALE), M - 1, N - 1)
-            for r in cutlass.range_constexpr(self.rows):
-                for j in cutlass.range_constexpr(self.cols):
-                    if row0 + r < M and col0 + j < N:
-                        out[b, h, row0 + r, col0 + j] = frag[r, j]
-
-
-PROBE_SCALE = 0.5  # a power of two: score * PROBE_SCALE is exact, so references can form it too
-
-
-def compile_tile_probe(score_graph, mask_graph, arch: str = "sm_90a", dump_dir: Optional[str] = None):
-    """cute.compile ModTileProbeKernel; call as fn(score, out, keep_unused, *aux padded to MAX_AUX)."""
-    def fake(dt):
-        return cute.runtime.make_fake_tensor(dt, tuple(cute.sym_int() for _ in range(4)),
-                                             tuple(cute.sym_int64() for _ in range(3)) + (1,), assumed_align=4)
-
-    specs = [a for g in (score_graph, mask_graph) if g is not None for a in g.aux]
-    aux = [fake_aux_tensor(a.dtype, a.ndim) for a in specs] + [None] * (MAX_AUX - len(specs))
-    from torch_fa4.kernels.common.fwd_launch import compile_options
-
-    options = compile_options(arch, dump_dir)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(ModTileProbeKernel(score_graph, mask_graph), fake(Float32), fake(Float32), fake(Int32),
-                        *aux, stream, options=options)
+def _exact_float_op(op: str, a: list):
+    """An op of the exact fp32 path (mod_hoisting float_forms): the operands are integers in fp32,
+    never NaN, so min / max need one compare."""
+    if op in ("minimum", "maximum"):
+        return select_min_max(a[0], a[1], FLOAT, op == "minimum")
+    return CUTE_OPS[op](FLOAT, *a)

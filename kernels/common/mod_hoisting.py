@@ -75,18 +75,8 @@ def node_levels(graph: ModGraph) -> tuple[int, ...]:
     return tuple(levels)
 
 
-def live_nodes(graph: ModGraph) -> frozenset[int]:
-    """Nodes the output depends on (the tracer may leave dead inputs and constants)."""
-    live, stack = set(), [graph.output]
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(graph.nodes[i].args)
-    return frozenset(live)
-
-
 def ancestors(graph: ModGraph, roots) -> set[int]:
+    """The roots and every node they depend on."""
     seen, stack = set(), list(roots)
     while stack:
         i = stack.pop()
@@ -94,6 +84,11 @@ def ancestors(graph: ModGraph, roots) -> set[int]:
             seen.add(i)
             stack.extend(graph.nodes[i].args)
     return seen
+
+
+def live_nodes(graph: ModGraph) -> frozenset[int]:
+    """Nodes the output depends on (the tracer keeps unused inputs)."""
+    return frozenset(ancestors(graph, [graph.output]))
 
 
 def clamped_inputs(graph: ModGraph) -> frozenset[str]:
@@ -261,9 +256,6 @@ class HoistPlan:
     rewritten: frozenset[int]  # to_float nodes computed through float_forms instead of an I2F
     tile_nodes: tuple[int, ...]  # tile_frontier
 
-    def level_name(self, i: int) -> str:
-        return LEVEL_NAMES[self.levels[i]]
-
 
 def _float_form(graph: ModGraph, i: int, plan: dict, levels, ranges, affine, allow_affine: bool):
     """Record in `plan` how to compute node i exactly in fp32; False when that is not possible."""
@@ -354,24 +346,3 @@ def sign_split_form(graph: ModGraph, plan: HoistPlan) -> Optional[Affine]:
         if hit is not None:
             return abs_of_affine(hit[1])
     return None
-
-
-def describe(graph: ModGraph, plan: Optional[HoistPlan] = None) -> str:
-    """The graph listing annotated with each node's level and float form (for debugging and docs)."""
-    plan = plan or hoist_plan(graph)
-    lines = graph.text().splitlines()
-    out = [lines[0]]
-    for i, line in enumerate(lines[1:-1]):
-        extra = f"  [{plan.level_name(i)}]"
-        if i in plan.float_forms:
-            extra += f" float:{plan.float_forms[i][0]}"
-        if i in plan.rewritten:
-            extra += " (exact fp32)"
-        out.append(line + extra)
-    out.append(lines[-1])
-    return "\n".join(out) + "\n"
-
-
-__all__ = ["TILE", "ROW", "COL", "ELEM", "node_levels", "live_nodes", "ancestors", "clamped_inputs",
-           "tile_frontier", "int_ranges", "Affine", "affine_forms", "hoist_plan", "HoistPlan", "describe",
-           "MAX_SEQLEN", "EXACT_INT", "scaled_affine_operands", "sign_split_form"]

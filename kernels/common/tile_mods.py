@@ -26,7 +26,8 @@ from cutlass import Float32, Int32
 
 from torch_fa4.kernels.common.acc_layout import rows_cols
 from torch_fa4.kernels.common.dsl_state import DynamicState
-from torch_fa4.kernels.common.mod_fragment import FragmentEmitter, FragmentPositions, emit_score_mod, tile_values
+from torch_fa4.kernels.common.mod_fragment import (FragmentEmitter, FragmentPositions, emit_mask_mod, emit_score_mod,
+                                                   tile_values)
 
 
 class TileMods(DynamicState):
@@ -71,15 +72,4 @@ class TileMods(DynamicState):
     def mask_mod(self, acc_s: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32):
         """-inf where mask_mod(b, h, q_idx, kv_idx) is False."""
         s = rows_cols(acc_s)
-        em = self._emitter(self.mask_graph, self.mask_aux, self.mask_tile, coords, row0, col0)
-        for r in range(cute.size(s, mode=[0])):
-            for j in range(cute.size(s, mode=[1])):
-                s[r, j] = cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf)
-
-    @property
-    def has_score_mod(self) -> bool:
-        return self.score_graph is not None
-
-    @property
-    def has_mask_mod(self) -> bool:
-        return self.mask_graph is not None
+        emit_mask_mod(self._emitter(self.mask_graph, self.mask_aux, self.mask_tile, coords, row0, col0), s)

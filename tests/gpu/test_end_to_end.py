@@ -5,13 +5,13 @@ Every call runs with fallback warnings turned into errors, and the dispatcher is
 module it picked, so a silent fallback to the reference cannot pass.
 """
 
-import math
 import warnings
 
 import pytest
 import torch
 
 import torch_fa4
+from naive import naive_attention
 from torch_fa4 import dispatch
 
 pytestmark = [
@@ -35,23 +35,6 @@ def picked(monkeypatch):
 
     monkeypatch.setattr(dispatch, "kernel_for", spy)
     return seen
-
-
-def _float64_attention(q, k, v, *, causal, score_mod=None):
-    B, S, H, D = q.shape
-    kk = k.repeat_interleave(H // k.shape[2], 2)
-    vv = v.repeat_interleave(H // v.shape[2], 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(D)
-    dev = q.device
-    b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(H, device=dev).view(1, -1, 1, 1)
-    i = torch.arange(S, device=dev).view(1, 1, -1, 1)
-    j = torch.arange(k.shape[1], device=dev).view(1, 1, 1, -1)
-    if score_mod is not None:
-        s = score_mod(s, b, h, i, j).to(q.dtype)  # captured float32 slopes must not promote bf16
-    if causal:
-        s = s.masked_fill(j > i + k.shape[1] - S, -math.inf)
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
 
 
 def _rel(x, ref):
@@ -84,10 +67,10 @@ def test_training_step_with_alibi_gqa_runs_on_kernels(picked, d):
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
 
     q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = _float64_attention(q64, k64, v64, causal=True, score_mod=alibi)
+    ref, _ = naive_attention(q64, k64, v64, causal=True, score_mod=alibi, differentiable=True)
     ref.backward(grad.double())
     qb, kb, vb = _leaves(q, k, v)  # eager bf16 attention: the error budget
-    base = _float64_attention(qb, kb, vb, causal=True, score_mod=alibi)
+    base, _ = naive_attention(qb, kb, vb, causal=True, score_mod=alibi, differentiable=True)
     base.backward(grad)
     assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
     for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad), (va.grad, vb.grad, v64.grad)):
@@ -120,7 +103,8 @@ def test_varlen_training_step_with_a_score_mod_runs_on_kernels(picked):
         outs = []
         for n, (a, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
             mod = lambda s, b, h, i, j, n=n: alibi_by_sequence(s, b + n, h, i, j)  # noqa: E731
-            outs.append(_float64_attention(*(t[a:e][None] for t in leaves), causal=True, score_mod=mod)[0])
+            outs.append(naive_attention(*(t[a:e][None] for t in leaves), causal=True, score_mod=mod,
+                                        differentiable=True)[0][0])
         o = torch.cat(outs)
         o.backward(grad.to(dtype))
         return o, leaves
@@ -180,10 +164,7 @@ def test_negative_scale_with_large_logits(picked, causal):
     q, k = q * 4, k * 4  # q.k * scale: a spread of ~90 natural units per row
 
     def reference(q, k, v):
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        if causal:
-            s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device="cuda").triu(1), -math.inf)
-        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+        return naive_attention(q, k, v, causal=causal, scale=scale, differentiable=True)
 
     qa, ka, va = _leaves(q, k, v)
     with warnings.catch_warnings():

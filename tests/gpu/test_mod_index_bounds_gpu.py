@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import torch_fa4
+from naive import naive_attention
 from torch_fa4 import dispatch
 from torch_fa4.mods import ModIndexError
 
@@ -77,23 +78,6 @@ def test_out_of_range_mods_raise_before_launch(picked, row):
     assert on_gpu == _message("cpu", row)
 
 
-def _oracle(q, k, v, score_mod, mask_mod, causal):
-    """Attention in q's dtype with the mods applied by PyTorch indexing (negative indices wrap)."""
-    B, S, H, D = q.shape
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
-    dev = q.device
-    b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(H, device=dev).view(1, -1, 1, 1)
-    i = torch.arange(S, device=dev).view(1, 1, -1, 1)
-    j = torch.arange(k.shape[1], device=dev).view(1, 1, 1, -1)
-    s = score_mod(s, b, h, i, j).to(q.dtype)
-    keep = mask_mod(b, h, i, j)
-    if causal:
-        keep = keep & (j <= i + k.shape[1] - S)
-    p = torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
-
-
 def _rel(x, ref):
     assert not torch.isnan(x).any()
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -131,10 +115,10 @@ def test_negative_indices_wrap_in_the_kernels(picked, causal):
         return score + tab.double()[h, kv_idx - q_idx]
 
     q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = _oracle(q64, k64, v64, rel_bias64, banded, causal)
+    ref = naive_attention(q64, k64, v64, score_mod=rel_bias64, mask_mod=banded, causal=causal, differentiable=True)[0]
     ref.backward(grad.double())
     qb, kb, vb = _leaves(q, k, v)  # the same in bf16 on the GPU: the error budget
-    base = _oracle(qb, kb, vb, rel_bias, banded, causal)
+    base = naive_attention(qb, kb, vb, score_mod=rel_bias, mask_mod=banded, causal=causal, differentiable=True)[0]
     base.backward(grad)
     assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
     for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
@@ -170,10 +154,10 @@ def test_padded_tile_reads_stay_inside_tables(picked, d):
 
     true_mask = lambda b, h, i, j: torch.ones((), dtype=torch.bool, device="cuda")  # noqa: E731
     q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = _oracle(q64, k64, v64, scaled64, true_mask, True)
+    ref = naive_attention(q64, k64, v64, score_mod=scaled64, mask_mod=true_mask, causal=True, differentiable=True)[0]
     ref.backward(grad.double())
     qb, kb, vb = _leaves(q, k, v)
-    base = _oracle(qb, kb, vb, scaled, true_mask, True)
+    base = naive_attention(qb, kb, vb, score_mod=scaled, mask_mod=true_mask, causal=True, differentiable=True)[0]
     base.backward(grad)
     assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
     for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),

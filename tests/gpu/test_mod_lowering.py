@@ -1,6 +1,6 @@
 """GPU: the CuTe DSL lowering of mods against float64, on fresh random inputs with poisoned outputs.
 
-- per element (mod_lowering's probe) and per fragment (mod_fragment's tile probe, the hoisted
+- per element and per fragment (tests/_mod_probes.py: the tile probe runs the hoisted
   emission the attention kernels use): exactly for masks, to fp32 rounding for scores;
 - the sm90 forward kernel with mods built to exercise each hoisting level -- tile-constant,
   row-only, column-only, element -- plus exact int -> float rewrites and floor division of
@@ -23,6 +23,7 @@ pytestmark = [
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from _mod_cases import cases  # noqa: E402
+from _mod_probes import PROBE_SCALE, compile_probe  # noqa: E402
 from naive import naive_attention  # noqa: E402
 
 from torch_fa4.mods.prepare import trace_graphs  # noqa: E402
@@ -109,11 +110,9 @@ def _assert_scores_close(out, want, keep=None):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_probe_matches_float64(name):
-    from torch_fa4.kernels.common import mod_lowering
-
     score_mod, mask_mod = _all_cases("cuda")[name]
     mods, aux = trace_graphs(score_mod, mask_mod)
-    fn = mod_lowering.compile_probe(mods.score_graph, mods.mask_graph, arch=_arch())
+    fn = compile_probe(mods.score_graph, mods.mask_graph, arch=_arch())
     B, H, M, N = 2, 3, 70, 70
     score = torch.randn(B, H, M, N, device="cuda") * 4
     out = torch.full_like(score, float("nan"))
@@ -129,17 +128,15 @@ def test_probe_matches_float64(name):
 def test_tile_probe_matches_float64(name):
     """The hoisted fragment emission: every element of a (B, H, 70, 67) grid, fragments of two rows
     and eight keys sticking out past both ends, scores scaled by PROBE_SCALE on the way in."""
-    from torch_fa4.kernels.common import mod_fragment
-
     score_mod, mask_mod = _all_cases("cuda")[name]
     mods, aux = trace_graphs(score_mod, mask_mod)
-    fn = mod_fragment.compile_tile_probe(mods.score_graph, mods.mask_graph, arch=_arch())
+    fn = compile_probe(mods.score_graph, mods.mask_graph, arch=_arch(), tile=True)
     B, H, M, N = 2, 3, 70, 67
     score = torch.randn(B, H, M, N, device="cuda") * 4
     out = torch.full_like(score, float("nan"))
     fn(score, out, torch.empty(1, 1, 1, 1, dtype=torch.int32, device="cuda"), *_padded(aux))
     torch.cuda.synchronize()
-    want_s, want_keep = _reference64(mods, aux, score * mod_fragment.PROBE_SCALE)
+    want_s, want_keep = _reference64(mods, aux, score * PROBE_SCALE)
     assert torch.equal(out == float("-inf"), ~want_keep | (want_s == float("-inf"))), "masked positions differ"
     _assert_scores_close(out, want_s, want_keep)
 

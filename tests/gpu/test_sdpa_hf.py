@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from naive import naive_attention
 from torch_fa4 import dispatch, sdpa
 
 served = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in sdpa.SUPPORTED_MAJORS
@@ -48,16 +49,11 @@ def test_enable_puts_flash_first_and_disable_restores_priority():
 
 
 def _ref_attention(q, k, v, *, causal, scale, dtype=torch.float64):
-    """(B, H, S, D) attention written out in `dtype` (float64: the oracle; the input dtype: the error
-    budget), GQA by repetition; differentiable."""
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    h, hkv = q.shape[1], k.shape[1]
-    k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
-    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-    if causal:
-        sq, sk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq).logical_not(), -math.inf)
-    return torch.softmax(s, dim=-1) @ v
+    """tests/naive.py on (B, H, S, D) tensors, in `dtype` (float64: the oracle; the input dtype: the
+    error budget); differentiable."""
+    out, _ = naive_attention(*(t.to(dtype).transpose(1, 2) for t in (q, k, v)), causal=causal, scale=scale,
+                             differentiable=True)
+    return out.transpose(1, 2)
 
 
 def _rel(x, ref):

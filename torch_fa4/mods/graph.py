@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,21 @@ SCORE_INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_INPUTS = ("b", "h", "q_idx", "kv_idx")
 INPUT_KINDS = {"score": FLOAT, "b": INT, "h": INT, "q_idx": INT, "kv_idx": INT}
 
-# op name -> arity. "input", "const" and "load" are leaves / special.
-UNARY_OPS = ("neg", "abs", "exp", "log", "tanh", "sigmoid", "not", "to_float")
-ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "minimum", "maximum")
-COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
-LOGIC_OPS = ("and", "or")
-TERNARY_OPS = ("where",)
+# The closed op set, op name -> arity ("input", "const" and "load" are the leaves). Each lowering
+# (lower_torch._OPS, kernels/common/mod_lowering.CUTE_OPS) covers exactly these; the tests check it.
+OPS = {
+    "neg": 1, "abs": 1, "exp": 1, "log": 1, "tanh": 1, "sigmoid": 1, "not": 1, "to_float": 1,
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "floordiv": 2, "mod": 2, "minimum": 2, "maximum": 2,
+    "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2,
+    "where": 3,
+}
+# The ops that mean the Python operator on the values of either lowering (torch tensors and
+# numbers, CuTe DSL values): both take them from here.
+PYTHON_OPERATORS = {
+    "neg": operator.neg, "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+    "div": operator.truediv, "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+    "gt": operator.gt, "ge": operator.ge,
+}
 
 # The torch dtypes a captured tensor may have, by the kind a load of it yields.
 AUX_DTYPE_KINDS = {

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torch_fa4.mods.graph import FLOAT, ModGraph
+from torch_fa4.mods.graph import FLOAT, PYTHON_OPERATORS, ModGraph
 
 Value = Any  # a torch.Tensor or a Python number (constants stay Python numbers: weak dtype promotion)
 
@@ -73,7 +73,7 @@ def _where(c: Value, a: Value, b: Value) -> Value:
 
 
 _OPS: dict[str, Callable] = {
-    "neg": operator.neg,
+    **PYTHON_OPERATORS,
     "abs": abs,
     "exp": _unary_float(torch.exp, _py_exp),
     "log": _unary_float(torch.log, _py_log),
@@ -81,20 +81,10 @@ _OPS: dict[str, Callable] = {
     "sigmoid": _unary_float(torch.sigmoid, _py_sigmoid),
     "not": _not,
     "to_float": _float,
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "div": operator.truediv,
     "floordiv": operator.floordiv,  # floor semantics in both Python and torch, as the kernels do
     "mod": operator.mod,  # sign of the divisor, as Python
     "minimum": _minmax(min, torch.minimum),
     "maximum": _minmax(max, torch.maximum),
-    "eq": operator.eq,
-    "ne": operator.ne,
-    "lt": operator.lt,
-    "le": operator.le,
-    "gt": operator.gt,
-    "ge": operator.ge,
     "and": operator.and_,
     "or": operator.or_,
     "where": _where,
