@@ -35,7 +35,7 @@ class BwdDq:
 
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
-                wg, diag, window_left, is_leader, stamp=None):
+                wg, diag, window_left, is_leader):
         """A finished dQ (unscaled: bwd.py applies the scale) -> this warpgroup's slab -> TMA add
         into the fp32 buffer (the separate-slab paths; with dq_writer_warp the writer warp issues
         the add)."""
@@ -43,8 +43,6 @@ class BwdDq:
             # The writer's previous add has read the slab; store, then hand it over without
             # waiting (the async-proxy fence orders the stores before the TMA read).
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
-            if const_expr(stamp is not None):
-                stamp(10)  # the slab is free: the wait ends here, the stores begin
             L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
@@ -79,7 +77,7 @@ class BwdDq:
         gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
         tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
                                        cute.group_modes(gdQ, 0, 2))
-        cute.copy(tma_dQ, tS, tG, cache_policy=l2_hints.policy(self.evict_last_dq, l2_hints.EVICT_LAST))
+        cute.copy(tma_dQ, tS, tG, cache_policy=l2_hints.policy(True, l2_hints.EVICT_LAST))
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
