@@ -36,7 +36,7 @@ class BwdDq:
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
                 wg, diag, window_left, is_leader):
-        """A finished dQ (unscaled: bwd.py applies the scale) -> this warpgroup's slab -> TMA add
+        """A finished dQ (unscaled: the dq conversion applies the scale) -> this warpgroup's slab -> TMA add
         into the fp32 buffer (the separate-slab paths; with dq_writer_warp the writer warp issues
         the add)."""
         if const_expr(self.dq_writer_warp):
@@ -87,8 +87,7 @@ class BwdDq:
         for the slab to be full, adds it into the fp32 buffer, and hands it back once read.
 
         Every consumer warpgroup syncs on its "empty" barrier once per step and arrives on "full"
-        once per step (the overlap path emits the last step's dQ after its loop: still `steps`
-        of each), so the writer arrives on "empty" exactly `steps` times too: once before the
+        once per step, so the writer arrives on "empty" exactly `steps` times too: once before the
         first step, then after every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
         semaphore wait overlapping the consumers' work on the step.

@@ -12,7 +12,7 @@ of every tensor, dtype, device, mask flags, scale, softcap) and replays it; only
 Dense calls and packed varlen batches (both sides packed, one launch, max_seqlen_q given: a
 model's packed batches pass it, and without it the derivation reads the offsets); the record of a
 packed batch is keyed on the offsets' shapes and the given maxima, and each call moves its row
-statistics to its own sequences' offsets (bwd.varlen_stat_layout, kept per offsets tensor). Block
+statistics to its own sequences' offsets (bwd_row_stats.varlen_stat_layout, kept per offsets tensor). Block
 masks, mods, seqused_k, deterministic mode and per-sequence launches take bwd.backward's
 general path, as does any call the record's derivation finds unusual (a dO that is not TMA-ready,
 a row-statistics or conversion pass that would not take the tensors). The launch sequence is the
