@@ -10,6 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
+from ..common import masking
 from ..common import mod_lowering as mods_dsl
 from ..common.mod_fragment import FragmentEmitter, FragmentPositions
 
@@ -165,15 +166,11 @@ class BwdScores:
                             self.grad_graph, s_in, b, h, cutlass.min(i, seqlen_q - 1),
                             cutlass.min(j, seqlen_k - 1), score_aux)
                 p = cute.math.exp2(x - lse2, fastmath=True)
-                visible = Boolean(True)
-                if const_expr(self.varlen):
-                    visible = visible & (dc < lim_q)  # i < seqlen_q
-                if const_expr(self.mask_k):
-                    visible = visible & (dr < lim_k)  # j < seqlen_k
-                if const_expr(self.has_right):
-                    visible = visible & (dr - dc <= lim_right)  # j <= i + diag + window_right
-                if const_expr(self.has_left):
-                    visible = visible & (dr - dc >= lim_left)  # j >= i + diag - window_left
+                # i < seqlen_q, j < seqlen_k, i + diag - window_left <= j <= i + diag + window_right
+                visible = masking.visible(dc, dr, lim_q if const_expr(self.varlen) else None,
+                                          lim_k if const_expr(self.mask_k) else None,
+                                          lim_right if const_expr(self.has_right) else None,
+                                          lim_left if const_expr(self.has_left) else None)
                 if const_expr(use_mask_mod):
                     b, h, mask_aux = mod_ctx[0], mod_ctx[1], mod_ctx[3]
                     # Rows / keys past the sequence (the padded tail of the last tile, a block-mask
