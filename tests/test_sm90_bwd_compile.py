@@ -372,11 +372,11 @@ def test_persistent_grid_size(monkeypatch):
 
 
 @pytest.mark.parametrize("kw,det,persistent", [(dict(d=64, causal=True), False, True), (dict(d=128), False, True),
-                                               (dict(d=128, causal=True), True, False)],
-                         ids=["d64_causal", "d128", "d128_causal_deterministic"])
+                                               (dict(d=128, causal=True, varlen=True), False, False)],
+                         ids=["d64_causal", "d128", "d128_varlen_causal"])
 def test_persistent_variant_compiles(kw, det, persistent, tmp_path):
     # the persistent form takes tiles from the counter (an atomic add) and hands them over
-    # through its mailbox barriers; one CTA per tile (deterministic mode) has no atomics
+    # through its mailbox barriers; one CTA per tile (varlen) has no atomics
     from torch_fa4.kernels.sm90 import bwd
 
     call = _call(**kw)
