@@ -25,7 +25,7 @@ from timers import wrap_timed as _wrap  # noqa: E402
 
 def _install(acc: dict) -> None:
     from torch_fa4 import dispatch, ops
-    from torch_fa4.kernels.sm90 import bwd, bwd_dq_convert, bwd_prepare
+    from torch_fa4.kernels.sm90 import bwd, bwd_dq_convert, bwd_prepare, bwd_variant
 
     _wrap(ops, "bwd_impl", "ops.bwd_impl (our whole backward below autograd)", acc)
     _wrap(ops, "make_call", "  ops.make_call", acc)
@@ -34,10 +34,11 @@ def _install(acc: dict) -> None:
     _wrap(bwd, "backward", "  bwd.backward", acc)
     _wrap(bwd, "variant_key", "    bwd.variant_key", acc)
     _wrap(bwd, "compile_variant", "    bwd.compile_variant (cache lookup)", acc)
-    _wrap(bwd, "row_statistics", "    bwd.row_statistics", acc)
+    _wrap(bwd, "row_statistics", "    bwd_row_stats.row_statistics", acc)
     _wrap(bwd_prepare, "row_statistics", "      bwd_prepare.row_statistics", acc)
     _wrap(bwd_prepare, "row_statistics_into", "        row_statistics_into", acc)
-    _wrap(bwd, "_persistent_ctas", "    bwd._persistent_ctas", acc)
+    _wrap(bwd, "launch_plan", "    bwd_variant.launch_plan", acc)
+    _wrap(bwd_variant, "persistent_ctas", "      bwd_variant.persistent_ctas", acc)
     _wrap(bwd, "_tma_view", "    bwd._tma_view", acc)
     _wrap(bwd_dq_convert, "scaled_narrow", "    bwd_dq_convert.scaled_narrow", acc)
     # the main kernel's launch: the callable compile_variant returns

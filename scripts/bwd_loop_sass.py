@@ -3,7 +3,7 @@ consumer loop (the backward branch whose body holds the 32 / N HGMMAs).
 
     PYTHONPATH=$PWD python scripts/bwd_loop_sass.py D CAUSAL OUTDIR [DETERMINISTIC]   (from the repository root)
 
-The TORCH_FA4_BWD_* environment overrides (kernels/sm90/bwd.py) pick the variant as in a call.
+The variant is the one a call of that head dim picks (kernels/sm90/bwd_variant.py).
 """
 import collections
 import os

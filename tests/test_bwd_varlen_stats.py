@@ -1,9 +1,9 @@
-"""CPU: the varlen backward's row-statistics layout (bwd.varlen_stat_layout).
+"""CPU: the varlen backward's row-statistics layout (bwd_row_stats.varlen_stat_layout).
 
 The packed-rows backward loads each query tile's LSE / dPsum by TMA from the sequence's own
 offset. Those offsets are whole query tiles (a load whose first fp32 element is not 16-byte
 aligned stops the kernel, NOTES Experiment 160), and the tiles a sequence loads must not reach
-into the next sequence's rows. The torch path of bwd.row_statistics builds the same layout the
+into the next sequence's rows. The torch path of bwd_row_stats.row_statistics builds the same layout the
 GPU path does, so these checks run on the CPU.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torch_fa4.call import AttentionCall
-from torch_fa4.kernels.sm90 import bwd
+from torch_fa4.kernels.sm90 import bwd_row_stats as bwd
 
 
 def _varlen_call(lens, heads, d=64):

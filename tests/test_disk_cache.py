@@ -18,7 +18,7 @@ def _convert_builder(reversed_order: bool):
     """A persist builder for the dq conversion kernel (the cheapest to compile)."""
     from torch_fa4.kernels.sm90 import bwd_dq_convert
 
-    return lambda jit=True: bwd_dq_convert._compile(torch.bfloat16, "sm_90a", None, True, reversed_order, jit)
+    return lambda jit=True: bwd_dq_convert._compile(torch.bfloat16, "sm_90a", None, jit)
 
 
 def test_export_without_the_jit_engines_is_the_same_object(tmp_path, monkeypatch):
@@ -38,7 +38,7 @@ def test_export_without_the_jit_engines_is_the_same_object(tmp_path, monkeypatch
         return objects
 
     builds = [_convert_builder(False),
-              lambda jit=True: bwd_prepare._compile(torch.bfloat16, 64, "sm_90a", None, 64, 0, True, jit)]
+              lambda jit=True: bwd_prepare._compile(torch.bfloat16, 64, "sm_90a", None, 64, jit)]
     # the forward's and the main backward kernel's own builders, taken from the cache's call
     monkeypatch.setattr(compile_cache, "get_or_compile", lambda key, build, persist=False: builds.append(build))
     q = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16)

@@ -40,7 +40,7 @@ VARIANTS = {
     "d128_dv64": (dict(d=128, dv=64), False),
     "d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
     "d128_softcap_causal": (dict(d=128, softcap=10.0, causal=True), False),
-    # the packed-rows varlen variants (bwd.VARLEN_KERNEL_ENV: one launch for the batch)
+    # the packed-rows varlen variants (one launch for the batch)
     "d128_varlen_causal_gqa": (dict(d=128, hq=4, hkv=2, varlen=True, causal=True), False),
     "d64_varlen_window": (dict(d=64, varlen=True, window_left=64, window_right=16), False),
     "d256_varlen_causal": (dict(d=256, varlen=True, causal=True), False),
@@ -57,23 +57,13 @@ VARIANTS = {
 }
 
 
-# 128 queries per step (D = Dv = 64, 128-key CTAs; bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M), in
-# the three ways of forming dS (bwd._D64_PASSES / TORCH_FA4_BWD_PASSES): name -> (call, deterministic)
+# 128 queries per step (D = Dv = 64 on 128-key CTAs, bwd_variant.query_tile), besides VARIANTS'
+# D64 entries: name -> (call, deterministic)
 VARIANTS_TM128 = {
-    "tm128_d64": (dict(d=64), False),
     "tm128_d64_causal": (dict(d=64, causal=True), False),
-    "tm128_d64_gqa_window": (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
     "tm128_d64_softcap": (dict(d=64, softcap=10.0, causal=True), False),
     "tm128_d64_causal_deterministic": (dict(d=64, causal=True), True),
     "tm128_d64_fp16_seqused_gqa": (dict(d=64, dtype=torch.float16, hq=6, hkv=2, seqused=True), False),
-}
-
-
-# 80 queries per step (D = Dv = 128 without masks; bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
-# dQ as dQ^T, dS stored keys-contiguous by a transposing stmatrix, in both ways of forming dS
-VARIANTS_TM80 = {
-    "tm80_d128": (dict(d=128), False),
-    "tm80_d128_fp16_gqa_seqused": (dict(d=128, dtype=torch.float16, hq=6, hkv=2, seqused=True), False),
 }
 
 
@@ -82,10 +72,10 @@ def _step_bodies(key, call) -> int:
     limit and no block mask or mask_mod) one unmasked loop, plus a masked loop for the tiles a
     causal / right-window or partial-key-tile limit crosses (below the unmasked ones) and one for
     those a left-window or varlen row limit crosses (above them)."""
-    right, left, varlen, seqused = key[4], key[5], key[7], key[8]
     mask_mod = call.mods is not None and call.mods.mask_graph is not None
-    low, high = right or varlen or seqused or key[-3].mask_key_tail, left or varlen
-    if not key[-3].split_mask_loops or key[-2] is not None or mask_mod or not (low or high):
+    low = key.has_right or key.varlen or key.seqused_k or key.mask_key_tail
+    high = key.has_left or key.varlen
+    if key.sparse is not None or mask_mod or not (low or high):
         return 1
     return 1 + int(low) + int(high)
 
@@ -95,7 +85,7 @@ def _check_backward_sass(sass, key, d, dv, bodies=1):
     # S, dP and dQ: (K extent / 16) each (dQ's is the key tile: with the head dim split between
     # the warpgroups (64 queries) or the query rows (128 queries), one 64-row tile each);
     # dK, dV: tile_m / 16 each; per copy of the step body (`bodies`, _step_bodies).
-    tile_n, tile_m = key[-3].tile_n, key[-3].tile_m
+    tile_n, tile_m = key.tile_n, key.tile_m
     per_step = d // 16 + dv // 16 + tile_n // 16 + 2 * (tile_m // 16)
     assert hgmma == bodies * per_step, f"{hgmma} HGMMA instructions, {bodies} x {per_step} expected"
     assert "UTMAREDG" in sass, "dQ is not reduced through TMA"
@@ -112,32 +102,27 @@ def _check_backward_sass(sass, key, d, dv, bodies=1):
     waits = sass.count("WARPGROUP.DEPBAR")
     assert waits <= 8 * bodies, f"{waits} wgmma waits: ptxas serialized the matmuls"
     # programmatic dependent launch: launch_dependents (PREEXIT) and the grid wait (ACQBULK)
-    assert ("PREEXIT" in sass) == ("ACQBULK" in sass) == key[-3].pdl, "programmatic dependent launch"
+    assert "PREEXIT" in sass and "ACQBULK" in sass, "programmatic dependent launch"
     # the dQ writer warp's slab hand-off is the kernel's only non-blocking named-barrier arrive
-    assert ("BAR.ARV" in sass) == key[-3].dq_writer_warp, "dQ writer warp hand-off"
+    assert ("BAR.ARV" in sass) == key.separate_dq_slabs, "dQ writer warp hand-off"
     # dK / dV leave through shared memory and TMA stores (128-key CTAs, dense), else directly
-    varlen = key[7]
-    if tile_n == 128 and not varlen:
+    if tile_n == 128 and not key.varlen:
         assert "UTMASTG" in sass, "dK / dV are not stored through TMA"
-        if not key[-3].trace:  # (the trace variant stores its clock stamps)
-            # (fused_dq: dq's rows, 16-byte stores of the converter warps)
-            other = sass.replace("STG.E.128", "") if key[-3].fused_dq else sass
-            if key[-3].split_tail:  # a piece's partial dK / dV: one 32-bit store per value
-                values = tile_n * (d + dv) // 256
-                assert other.count("STG.E ") == values, f"{other.count('STG.E ')} workspace stores, {values} expected"
-                other = other.replace("STG.E ", "")
-            assert "STG.E" not in other, "direct global stores besides the TMA stores"
+        # (fused_dq: dq's rows, 16-byte stores of the converter warps)
+        other = sass.replace("STG.E.128", "") if key.fused_dq else sass
+        if key.split_tail:  # a piece's partial dK / dV: one 32-bit store per value
+            values = tile_n * (d + dv) // 256
+            assert other.count("STG.E ") == values, f"{other.count('STG.E ')} workspace stores, {values} expected"
+            other = other.replace("STG.E ", "")
+        assert "STG.E" not in other, "direct global stores besides the TMA stores"
     else:
         assert "UTMASTG" not in sass and "STG.E" in sass
 
 
-def _variant(monkeypatch, table, name, env=()):
-    """(call, deterministic, variant key) of VARIANTS-style table entry `name`, with the
-    (variable, value) pairs of `env` set first."""
+def _variant(table, name):
+    """(call, deterministic, variant key) of VARIANTS-style table entry `name`."""
     from torch_fa4.kernels.sm90 import bwd
 
-    for var, value in env:
-        monkeypatch.setenv(var, value)
     call_kw, deterministic = table[name]
     call = _call(**call_kw)
     return call, deterministic, bwd.variant_key(call, deterministic)
@@ -161,332 +146,159 @@ def test_backward_variant_compiles_to_hgmma(name, tmp_path):
     call = _call(**call_kw)
     assert bwd.unsupported_reason(call) is None
     key = bwd.variant_key(call, deterministic)
-    assert key[-3].tile_n == (128 if max(call.head_dim, call.head_dim_v) <= 128 else 64)
+    assert key.tile_n == (128 if max(call.head_dim, call.head_dim_v) <= 128 else 64)
     _compiled_and_checked(key, call, tmp_path)
 
 
-def test_backward_without_programmatic_dependent_launch_compiles(tmp_path, monkeypatch):
+def test_backward_l2_hints_reach_every_load(tmp_path):
+    # Q / dO / statistics and the dQ adds evict-last, K / V evict-first: every TMA load and add
+    # carries a policy (a policy-less one reads desc[URZ]; kernels/common/l2_hints.py)
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.PDL_ENV, "0")
-    call = _call(d=128)
-    key = bwd.variant_key(call, False)
-    assert key[-3].pdl is False
-    _compiled_and_checked(key, call, tmp_path)
-
-
-def test_backward_ptxas_flags_reach_ptxas(tmp_path, monkeypatch):
-    """TORCH_FA4_BWD_PTXAS (measuring, off by default) enters the variant and goes to ptxas through
-    cute.compile's --ptxas-options: the D64 causal kernel compiles to different machine code with
-    it, so a flag dropped on the way fails here. Default: no flags."""
-    from sass import without_addresses
-
-    from torch_fa4.kernels.sm90 import bwd
-
-    call = _call(d=64, causal=True)
-    assert bwd.variant_key(call, False)[-3].ptxas_options == ""
-    codes = {}
-    for flags in ("", "--register-usage-level=10"):
-        monkeypatch.setenv(bwd.PTXAS_ENV, flags)
-        key = bwd.variant_key(call, False)
-        assert key[-3].ptxas_options == flags
-        (tmp_path / str(bool(flags))).mkdir()
-        sass = _compiled_and_checked(key, call, tmp_path / str(bool(flags)))
-        codes[flags] = without_addresses(sass.splitlines())
-    assert codes[""] != codes["--register-usage-level=10"], "the ptxas flag did not change the code"
-
-
-@pytest.mark.parametrize("hints", ["0", "1", "loads", "last"])
-def test_backward_l2_hints_reach_every_load(hints, tmp_path, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.L2_HINTS_ENV, hints)
     call = _call(d=128, causal=True)
-    key = bwd.variant_key(call, False)
-    assert key[-3].l2_hints == hints
-    sass = _compiled_and_checked(key, call, tmp_path)
+    sass = _compiled_and_checked(bwd.variant_key(call, False), call, tmp_path)
     hinted, loads = hinted_loads(sass)
-    assert loads >= 6
-    if hints == "last":  # Q / dO / statistics hinted, K and V (loaded at each key tile's start) not
-        assert 0 < hinted < loads
-    else:
-        assert hinted == (0 if hints == "0" else loads)
+    assert loads >= 6 and hinted == loads
     adds = [line for line in sass.splitlines() if "UTMAREDG" in line]
     assert adds, "no dQ TMA adds"
-    # the dQ adds carry the evict-last policy under "1" only (a policy-less one reads desc[URZ])
-    assert all(("desc[URZ]" not in line) == (hints == "1") for line in adds)
+    assert all("desc[URZ]" not in line for line in adds)
 
 
-# the leader-warp dQ adds (TORCH_FA4_BWD_DQ_WARP=0) on the paths the writer warp takes by default
-@pytest.mark.parametrize("name", ["d64", "d128", "d96_causal", "d64_gqa_window", "d128_softcap_causal",
-                                  "d128_causal_deterministic"])
-def test_backward_leader_warp_dq_adds_compile(name, tmp_path, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.DQ_WARP_ENV, "0")])
-    assert not key[-3].dq_writer_warp
-    _compiled_and_checked(key, call, tmp_path)
-
-
-# one step loop that tests every step (TORCH_FA4_BWD_SPLIT_MASK_LOOPS=0) against the default's
-# separate masked / unmasked loops: one step body against two (causal) or three (window, varlen)
-@pytest.mark.parametrize("split", ["0", "1"])
+# walks with a limit run separate masked / unmasked loops: one step body, or two (causal) or three
+# (window, varlen)
 @pytest.mark.parametrize("name,bodies", [("d96_causal", 2), ("d64_gqa_window", 3),
                                          ("d64_varlen_window", 3), ("d128_causal_deterministic", 2),
                                          ("d192_causal", 2), ("d64", 1)])
-def test_backward_split_mask_loops_compile(name, bodies, split, tmp_path, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.SPLIT_MASK_LOOPS_ENV, split)])
-    assert key[-3].split_mask_loops == (split == "1")
-    assert _step_bodies(key, call) == (bodies if split == "1" else 1)
+def test_backward_split_mask_loops_compile(name, bodies, tmp_path):
+    call, deterministic, key = _variant(VARIANTS, name)
+    assert _step_bodies(key, call) == bodies
     _compiled_and_checked(key, call, tmp_path)
 
 
-# dK issued before dQ, dQ's epilogue in the next step (TORCH_FA4_BWD_DQ_FIRST=0), with either dQ adds
-@pytest.mark.parametrize("dq_warp", ["1", "0"])
-@pytest.mark.parametrize("name", ["d64", "d128", "d128_causal_deterministic", "d128_softcap_causal"])
-def test_backward_dk_first_order_compiles(name, dq_warp, tmp_path, monkeypatch):
+def test_dq_first_selection():
     from torch_fa4.kernels.sm90 import bwd
 
-    call, deterministic, key = _variant(monkeypatch, VARIANTS, name,
-                                        [(bwd.DQ_FIRST_ENV, "0"), (bwd.DQ_WARP_ENV, dq_warp)])
-    assert not key[-3].dq_first and key[-3].dq_writer_warp == (dq_warp == "1")
-    _compiled_and_checked(key, call, tmp_path)
-
-
-def test_dq_first_selection(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.delenv(bwd.DQ_FIRST_ENV, raising=False)
-    dq_first = lambda call, det=False: bwd.variant_key(call, det)[-3].dq_first
-    for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, softcap=10.0)):
+    # dQ issued before dK, by the dQ writer warp: the 128-key variants (separate dQ slabs)
+    dq_first = lambda call, det=False: bwd.variant_key(call, det).separate_dq_slabs  # noqa: E731
+    for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, softcap=10.0), dict(d=128, dv=64),
+               dict(d=64, hq=4, hkv=1, window_left=64, window_right=16)):
         assert dq_first(_call(**kw)), kw
     assert dq_first(_call(d=128, causal=True), det=True)
-    # 64-key variants keep their order (the narrow path stages P^T and dS^T differently)
+    # 64-key variants keep their order and the leader-warp adds (dQ staged in the ring (D256)
+    # hands the stage back to the producer from them; D192 has slabs but is not converted)
+    assert bwd.variant_key(_call(d=256), False).dq_in_ring
     assert not dq_first(_call(d=192)) and not dq_first(_call(d=256))
-    on = bwd.variant_key(_call(d=128), False)
-    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "0")
-    assert not dq_first(_call(d=128)) and bwd.variant_key(_call(d=128), False) != on
-    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "later")
-    with pytest.raises(ValueError, match=bwd.DQ_FIRST_ENV):
-        bwd.variant_key(_call(d=128), False)
 
 
-def test_descending_walk_selection(monkeypatch):
+def test_descending_walk_selection():
     """Causal and right-window walks run from the last query tile down (bwd_q_walk.DenseQWalk);
-    unmasked, left-window-only and deterministic ones keep the ascending order, and the
-    environment switch turns it off."""
+    unmasked, left-window-only and deterministic ones keep the ascending order."""
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.delenv(bwd.DESCENDING_ENV, raising=False)
-    descending = lambda call, det=False: bwd.variant_key(call, det)[-3].descending
+    descending = lambda call, det=False: bwd.variant_key(call, det).descending_walk  # noqa: E731
     for kw in (dict(d=64, causal=True), dict(d=128, causal=True), dict(d=128, window_right=8),
                dict(d=256, causal=True), dict(d=64, causal=True, varlen=True)):
         assert descending(_call(**kw)), kw
     for kw in (dict(d=64), dict(d=128), dict(d=128, window_left=8)):
         assert not descending(_call(**kw)), kw
     assert not descending(_call(d=128, causal=True), det=True)
-    monkeypatch.setenv(bwd.DESCENDING_ENV, "0")
-    assert not descending(_call(d=128, causal=True))
 
 
-def test_varlen_kernel_selection(monkeypatch):
+def test_varlen_kernel_selection():
     """Packed varlen batches run the kernel's packed-rows variant in one launch, deterministic
-    mode included, unless one dense launch per sequence is asked for (bwd.VARLEN_KERNEL_ENV=0);
-    one-sided cu_seqlens always run per sequence, dense batches never."""
+    mode included, unless BwdTuning asks for one dense launch per sequence; one-sided cu_seqlens
+    always run per sequence, dense batches never."""
     import dataclasses
 
     from torch_fa4.kernels.sm90 import bwd
 
     packed = _call(d=128, varlen=True, causal=True)
-    monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV, raising=False)
     assert not bwd.runs_per_sequence(packed, False)
-    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
-    assert bwd.runs_per_sequence(packed, False)
-    monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV)
+    assert bwd.runs_per_sequence(packed, False, bwd.BwdTuning(varlen_kernel=False))
     assert not bwd.runs_per_sequence(packed, True)
     assert bwd.runs_per_sequence(dataclasses.replace(packed, cu_seqlens_k=None), False)
     assert not bwd.runs_per_sequence(_call(d=128, causal=True), False)
 
 
-def test_variant_key_memo_agrees(monkeypatch):
-    """variant_key is memoized on what it reads: every call gets the key a fresh derivation gives,
-    including after an environment knob changes between calls."""
-    from torch_fa4.kernels.sm90 import bwd
+def test_variant_key_memo_agrees():
+    """variant_key is memoized on what it reads: every call gets the key a fresh derivation gives."""
+    from torch_fa4.kernels.sm90 import bwd_variant
 
     cases = [dict(d=64), dict(d=128), dict(d=128, causal=True), dict(d=128, window_right=8),
              dict(d=128, window_left=8), dict(d=96, softcap=5.0), dict(d=128, hq=4, hkv=1),
              dict(d=256, dtype=torch.float16), dict(d=128, seqused=True), dict(d=64, varlen=True)]
     for det in (False, True):
         for kw in cases:
-            for env in ("", "64"):
-                monkeypatch.setenv(bwd.TILE_M_ENV, env)
-                for _ in range(2):
-                    assert bwd.variant_key(_call(**kw), det) == bwd._variant_key(_call(**kw), det), (kw, det, env)
-    assert bwd.variant_key(_call(d=64), False) != bwd.variant_key(_call(d=64, causal=True), False)
+            for _ in range(2):
+                assert bwd_variant.variant_key(_call(**kw), det) == bwd_variant._variant_key(_call(**kw), det), (kw, det)
+    assert bwd_variant.variant_key(_call(d=64), False) != bwd_variant.variant_key(_call(d=64, causal=True), False)
 
 
-def test_launch_plan_memo_agrees(monkeypatch):
-    """launch_plan is memoized for dense calls on the variant key, the shapes and the launch-time
-    knobs: every call gets the plan a fresh derivation gives, after a knob changes too, and calls
-    of other shapes get their own."""
-    from torch_fa4.kernels.sm90 import bwd
+def test_launch_plan_memo_agrees():
+    """launch_plan is memoized for dense calls on the variant key, the shapes and the tuning:
+    every call gets the plan a fresh derivation gives, and calls of other shapes get their own."""
+    from torch_fa4.kernels.sm90 import bwd, bwd_variant
 
     cases = [dict(d=64), dict(d=128, causal=True), dict(d=128, sq=384, sk=640, causal=True),
              dict(d=128, hq=4, hkv=1, window_left=8), dict(d=96, softcap=5.0), dict(d=64, varlen=True)]
-    knobs = [(bwd.CTA_TAIL_ENV, "3"), (bwd.CTA_GROUP_ENV, "2"), (bwd.PERSISTENT_CTAS_ENV, "1"),
-             (bwd.SPLIT_TAIL_ENV, "0"), (bwd.PASS_ORDER_ENV, "natural")]
-    for name, _ in knobs:
-        monkeypatch.delenv(name, raising=False)
     plans = set()
     for kw in cases:
         call = _call(**kw)
         key = bwd.variant_key(call, False)
-        for name, value in [(None, None)] + knobs:
-            if name is not None:
-                monkeypatch.setenv(name, value)
+        for tuning in (bwd_variant.DEFAULT_TUNING, bwd.BwdTuning(persistent_ctas=1)):
             for _ in range(2):
-                plan = bwd.launch_plan(call, key)
-                assert plan == bwd._launch_plan(call, key), (kw, name)
+                plan = bwd.launch_plan(call, key, tuning)
+                assert plan == bwd_variant._launch_plan(call, key, tuning), (kw, tuning)
                 plans.add(plan)
-            if name is not None:
-                monkeypatch.delenv(name)
-    # the knobs reach the plan
-    wide = _call(d=128, hq=8, hkv=8, causal=True)  # 8 (kv head, batch) pairs: the tail can be 3
-    tail = bwd.launch_plan(wide, bwd.variant_key(wide, False))
-    monkeypatch.setenv(bwd.CTA_TAIL_ENV, "3")
-    assert bwd.launch_plan(wide, tail.key).cta_tail == 3 != tail.cta_tail
-    monkeypatch.setenv(bwd.PASS_ORDER_ENV, "natural")
-    assert bwd.launch_plan(wide, tail.key).reversed_passes == (False, False) != tail.reversed_passes
+    wide = _call(d=128, hq=8, hkv=8, sq=512, sk=512)
+    key = bwd.variant_key(wide, False)
+    assert bwd.launch_plan(wide, key, bwd.BwdTuning(persistent_ctas=3)).ctas == 3
+    assert bwd.launch_plan(wide, key).ctas == 32  # (off CUDA: one CTA per work tile)
     assert len({(p.max_q, p.max_k) for p in plans}) >= 2  # shapes keep plans apart
 
 
-def test_dq_writer_warp_selection(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.delenv(bwd.DQ_WARP_ENV, raising=False)
-    dq_warp = lambda call, det=False: bwd.variant_key(call, det)[-3].dq_writer_warp
-    # on by default wherever the CTA holds 128 keys (separate dQ slabs), whatever the rest
-    for kw in (dict(d=64), dict(d=128), dict(d=96, causal=True), dict(d=128, dv=64),
-               dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), dict(d=128, softcap=10.0)):
-        assert dq_warp(_call(**kw)), kw
-    assert dq_warp(_call(d=128, causal=True), det=True)
-    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
-    assert dq_warp(_call(d=64))
-    monkeypatch.delenv(bwd.TILE_M_ENV)
-    # 64-key variants keep the leader-warp adds: dQ staged in the ring (D256) hands the stage
-    # back to the producer from them; D192 (separate slabs) is not converted
-    assert bwd.variant_key(_call(d=256), False)[-3].dq_in_ring and not dq_warp(_call(d=256))
-    assert not dq_warp(_call(d=192))
-    # the override enters the variant key (the compile cache is keyed on it)
-    on = bwd.variant_key(_call(d=128), False)
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, "0")
-    assert not dq_warp(_call(d=128)) and not dq_warp(_call(d=64))
-    assert bwd.variant_key(_call(d=128), False) != on
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, "1")
-    assert bwd.variant_key(_call(d=128), False) == on
-    assert not dq_warp(_call(d=256)) and not dq_warp(_call(d=192))
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, "on")
-    with pytest.raises(ValueError, match=bwd.DQ_WARP_ENV):
-        bwd.variant_key(_call(d=128), False)
-
-
-@pytest.mark.parametrize("passes", ["two", "one", "split"])
 @pytest.mark.parametrize("name", list(VARIANTS_TM128))
-def test_backward_128_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
+def test_backward_128_query_variant_compiles_to_hgmma(name, tmp_path):
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    monkeypatch.setenv(bwd.PASSES_ENV, passes)
-    call_kw, deterministic = VARIANTS_TM128[name]
-    call = _call(**call_kw)
+    call, deterministic, key = _variant(VARIANTS_TM128, name)
     assert bwd.unsupported_reason(call) is None
-    key = bwd.variant_key(call, deterministic)
-    assert key[-3][:5] == (128, 2, False, 128, passes), key[-3]
+    assert (key.tile_n, key.stages, key.dq_in_ring, key.tile_m) == (128, 2, False, 128), key
     _compiled_and_checked(key, call, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["d128", "d128_softcap_causal", "d128_causal_deterministic",
                                   "d128_fp16_causal", "d128_dv64"])
-def test_backward_transposed_dq_compiles(name, tmp_path, monkeypatch):
-    # dQ^T at 64 queries (bwd.DQ_T_ENV): dS^T stored keys-contiguous by a transposing stmatrix,
-    # and the dQ slab written by 32-bit stores (the 64-bit pairs of dQ = dS K conflict in banks)
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.DQ_T_ENV, "1")])
-    assert key[-3].tile_m == 64 and key[-3].dq_transposed, key[-3]
+def test_backward_transposed_dq_compiles(name, tmp_path):
+    # dQ^T at 64 queries: dS^T stored keys-contiguous by a transposing stmatrix, and the dQ slab
+    # written by 32-bit stores (the 64-bit pairs of dQ = dS K conflict in banks)
+    call, deterministic, key = _variant(VARIANTS, name)
+    assert key.tile_m == 64 and key.dq_transposed, key
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
     assert "STS.64" not in sass, "dQ is still stored in 64-bit pairs"
-    monkeypatch.setenv(bwd.DQ_T_ENV, "0")
-    assert not bwd.variant_key(call, deterministic)[-3].dq_transposed
 
 
-@pytest.mark.parametrize("passes", ["two", "one", "split"])
-@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_softcap"])
-def test_backward_128_query_transposed_dq_compiles(name, passes, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["d64", "tm128_d64_causal", "tm128_d64_softcap"])
+def test_backward_128_query_transposed_dq_compiles(name, tmp_path):
     # D64 at 128 queries: each warpgroup's dQ^T is the whole head dim by its 64 queries
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS_TM128, name,
-                                        [(bwd.DQ_T_ENV, "1"), (bwd.TILE_M_ENV, "128"), (bwd.PASSES_ENV, passes)])
-    assert key[-3].tile_m == 128 and key[-3].dq_transposed, key[-3]
+    call, deterministic, key = _variant(VARIANTS if name in VARIANTS else VARIANTS_TM128, name)
+    assert key.tile_m == 128 and key.dq_transposed, key
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "STSM.16.MT88" in sass and "STS.64" not in sass
-    monkeypatch.delenv(bwd.DQ_T_ENV)  # the default at D64 too
-    assert bwd.variant_key(call, deterministic)[-3].dq_transposed
-    monkeypatch.setenv(bwd.DQ_T_ENV, "0")
-    assert not bwd.variant_key(call, deterministic)[-3].dq_transposed
 
 
-@pytest.mark.parametrize("name", ["d64", "d128", "d96_causal", "d128_softcap_causal", "d64_gqa_window",
-                                  "d128_causal_deterministic"])
-def test_backward_permuted_stats_compile(name, tmp_path, monkeypatch):
-    # the row statistics read as 16-byte vectors (bwd.STATS_T_ENV, bwd_stats_layout.py)
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS, name, [(bwd.STATS_T_ENV, "1")])
-    assert key[-3].permuted_stats, key[-3]
-    # packed varlen rows start tiles at any row: they keep the natural order
-    assert not bwd.variant_key(_call(**VARIANTS[name][0], varlen=True), deterministic)[-3].permuted_stats
-    sass = _compiled_and_checked(key, call, tmp_path)
-    assert "LDS.128" in sass and "LDS.64" not in sass, "statistics not read as vectors"
-    monkeypatch.setenv(bwd.STATS_T_ENV, "0")
-    assert not bwd.variant_key(call, deterministic)[-3].permuted_stats
-
-
-@pytest.mark.parametrize("passes", ["one", "two"])
-@pytest.mark.parametrize("name", list(VARIANTS_TM80))
-def test_backward_80_query_variant_compiles_to_hgmma(name, passes, tmp_path, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS_TM80, name,
-                                        [(bwd.D128_TILE_M_ENV, "80"), (bwd.D128_PASSES_ENV, passes)])
-    assert key[-3][:5] == (128, 2, False, 80, passes), key[-3]
-    sass = _compiled_and_checked(key, call, tmp_path)
-    assert "STSM.16.MT88" in sass, "dS is not stored by a transposing stmatrix"
-
-
-@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_gqa_window",
-                                  "tm128_d64_causal_deterministic"])
-def test_backward_ring_barrier_choice_compiles(name, tmp_path, monkeypatch):
+def test_ring_barrier_choice():
     # At 128 queries per step walks without a right limit split the ring barrier (Q + LSE, dO +
-    # dPsum) and causal / right-window walks keep one (NOTES Experiment 157);
-    # TORCH_FA4_BWD_SPLIT_RING forces either, and the form a call does not take by default is the
-    # one compiled here (the other is in the variant tests above)
+    # dPsum) and causal / right-window walks keep one (NOTES Experiment 157); the variant tests
+    # compile both
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.delenv(bwd.SPLIT_RING_ENV, raising=False)
-    call_kw, deterministic = VARIANTS_TM128[name]
-    call = _call(**call_kw)
-    right_limit = call_kw.get("causal", False) or call_kw.get("window_right", -1) >= 0
-    assert bwd.variant_key(call, deterministic)[-3].split_ring is (not right_limit)
-    monkeypatch.setenv(bwd.SPLIT_RING_ENV, "1" if right_limit else "0")
-    key = bwd.variant_key(call, deterministic)
-    assert key[-3].split_ring is right_limit and key[-3].tile_m == 128
-    assert bwd.variant_key(_call(d=128), False)[-3].split_ring is False  # 64-query variants keep one barrier
-    _compiled_and_checked(key, call, tmp_path)
+    for kw, split in ((dict(d=64), True), (dict(d=64, hq=4, hkv=1, window_left=64, window_right=16), False),
+                      (dict(d=64, causal=True), False), (dict(d=64, window_left=64), True)):
+        key = bwd.variant_key(_call(**kw), False)
+        assert key.tile_m == 128 and key.split_ring is split, kw
+    assert bwd.variant_key(_call(d=128), False).split_ring is False  # 64-query variants keep one barrier
 
 
 def _hgmma_between_ds_stores_and_fence(sass: str) -> int:
@@ -497,63 +309,43 @@ def _hgmma_between_ds_stores_and_fence(sass: str) -> int:
     return sum("HGMMA." in ln for ln in lines[last_stsm:fence])
 
 
-@pytest.mark.parametrize("dv_after", ["0", "1"])
-@pytest.mark.parametrize("name", ["tm128_d64", "tm128_d64_causal", "tm128_d64_softcap"])
-def test_backward_dv_after_ds_stores(name, dv_after, tmp_path, monkeypatch):
-    # on (the default): dV's 8 HGMMAs (128 queries / 16) issue after the dS^T stmatrix, before
-    # the fence that orders those stores for the tensor cores; off: dV is issued before them
-    from torch_fa4.kernels.sm90 import bwd
-
-    call, deterministic, key = _variant(monkeypatch, VARIANTS_TM128, name, [(bwd.DV_AFTER_DS_ENV, dv_after)])
-    assert key[-3].tile_m == 128 and key[-3].dv_after_ds is (dv_after == "1")
+@pytest.mark.parametrize("name", ["tm128_d64_causal", "tm128_d64_softcap"])
+def test_backward_dv_after_ds_stores(name, tmp_path):
+    # dV's 8 HGMMAs (128 queries / 16) issue after the dS^T stmatrix, before the fence that
+    # orders those stores for the tensor cores
+    call, deterministic, key = _variant(VARIANTS_TM128, name)
     sass = _compiled_and_checked(key, call, tmp_path)
-    assert _hgmma_between_ds_stores_and_fence(sass) == (8 if dv_after == "1" else 0)
+    assert _hgmma_between_ds_stores_and_fence(sass) == 8
 
 
-def test_persistent_selection(monkeypatch):
-    # on by default for the dense 128-key variants (the dQ writer warp's); never with
-    # deterministic mode, varlen or the 64-key (D > 128) variants; TORCH_FA4_BWD_PERSISTENT=0 off
+def test_persistent_selection():
+    # the dense 128-key variants (the dQ writer warp's); never with deterministic mode, varlen or
+    # the 64-key (D > 128) variants
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
-    on = lambda call, det=False: bwd.variant_key(call, det)[-3].persistent  # noqa: E731
+    on = lambda call, det=False: bwd.variant_key(call, det).persistent  # noqa: E731
     assert on(_call(d=64)) and on(_call(d=64, causal=True)) and on(_call(d=128, window_left=64, window_right=0))
     assert not on(_call(d=64), True) and not on(_call(d=256)) and not on(_call(d=128, varlen=True))
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
-    assert not on(_call(d=64)) and not on(_call(d=128, causal=True))
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "yes")
-    with pytest.raises(ValueError, match=bwd.PERSISTENT_ENV):
-        bwd.variant_key(_call(d=64), False)
 
 
-def test_split_tail_selection(monkeypatch):
-    """The split tail's code goes into dense persistent variants without causal / window limits,
-    softcap, mods, seqused_k, determinism or tracing: by default the 128-query (D64) variant
-    only; the measuring modes (k pieces, noop) at any head dim; none with
-    TORCH_FA4_BWD_SPLIT_TAIL=0."""
+def test_split_tail_selection():
+    """The split tail's code goes into the dense persistent 128-query (D64) variant without
+    causal / window limits, softcap, mods, seqused_k or determinism."""
     from torch_fa4.kernels.sm90 import bwd
 
     def split(deterministic=False, **kw):
-        return bwd.variant_key(_call(**kw), deterministic)[-3].split_tail
+        return bwd.variant_key(_call(**kw), deterministic).split_tail
 
     assert split(d=64) and not split(d=128) and not split(d=96)
     for kw in (dict(causal=True), dict(window_left=100), dict(softcap=5.0), dict(seqused=True)):
         assert not split(d=64, **kw), kw
     assert not split(d=64, deterministic=True)
-    monkeypatch.setenv(bwd.TRACE_ENV, "4")  # the trace buffer takes the counters' place
-    assert not split(d=64)
-    monkeypatch.delenv(bwd.TRACE_ENV)
-    for mode in ("3", "noop"):
-        monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, mode)
-        assert split(d=64) and split(d=128) and split(d=96) and not split(d=128, causal=True)
-    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "0")
-    assert not split(d=64)
 
 
 def test_split_plan():
     """The last round's tiles and their pieces (common.split_plan.choose with the backward's
     costs): the grid's D64 rows have 4096 tiles, 4 of them in a last round on 132 SMs."""
-    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90 import bwd_variant as bwd
 
     assert bwd.split_plan(4096, 132, 128) == (4, 8)  # S16k: 128 steps per tile
     assert bwd.split_plan(4096, 132, 32) == (4, 8)  # S4k: pieces of 4 steps
@@ -567,101 +359,79 @@ def test_split_plan():
 
 def test_persistent_grid_size(monkeypatch):
     # one CTA per multiprocessor (off CUDA: per tile), at most one per tile, capped by
-    # TORCH_FA4_BWD_PERSISTENT_CTAS, never zero
-    from torch_fa4.kernels.sm90 import bwd
+    # BwdTuning.persistent_ctas, never zero
+    from torch_fa4.kernels.sm90 import bwd_variant
 
     cpu = torch.device("cpu")
-    monkeypatch.delenv(bwd.PERSISTENT_CTAS_ENV, raising=False)
-    assert bwd._persistent_ctas(7, cpu) == 7 and bwd._persistent_ctas(500, cpu) == 500
-    assert bwd._persistent_ctas(0, cpu) == 1
-    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "3")
-    assert bwd._persistent_ctas(500, cpu) == 3 and bwd._persistent_ctas(2, cpu) == 2
-    monkeypatch.setitem(bwd._SMS, torch.device("cuda", 0), 132)  # a device seen before
-    monkeypatch.delenv(bwd.PERSISTENT_CTAS_ENV)
-    assert bwd._persistent_ctas(4096, torch.device("cuda", 0)) == 132
-    assert bwd._persistent_ctas(40, torch.device("cuda", 0)) == 40
+    assert bwd_variant.persistent_ctas(7, cpu) == 7 and bwd_variant.persistent_ctas(500, cpu) == 500
+    assert bwd_variant.persistent_ctas(0, cpu) == 1
+    assert bwd_variant.persistent_ctas(500, cpu, 3) == 3 and bwd_variant.persistent_ctas(2, cpu, 3) == 2
+    monkeypatch.setitem(bwd_variant._SMS, torch.device("cuda", 0), 132)  # a device seen before
+    assert bwd_variant.persistent_ctas(4096, torch.device("cuda", 0)) == 132
+    assert bwd_variant.persistent_ctas(40, torch.device("cuda", 0)) == 40
 
 
-@pytest.mark.parametrize("persistent", ["0", "1"])
-@pytest.mark.parametrize("kw", [dict(d=64, causal=True), dict(d=128)], ids=["d64_causal", "d128"])
-def test_persistent_variant_compiles(kw, persistent, tmp_path, monkeypatch):
-    # both forms compile to the checked SASS; the persistent one takes tiles from the counter
-    # (an atomic add) and hands them over through its mailbox barriers
+@pytest.mark.parametrize("kw,det,persistent", [(dict(d=64, causal=True), False, True), (dict(d=128), False, True),
+                                               (dict(d=128, causal=True, varlen=True), False, False)],
+                         ids=["d64_causal", "d128", "d128_varlen_causal"])
+def test_persistent_variant_compiles(kw, det, persistent, tmp_path):
+    # the persistent form takes tiles from the counter (an atomic add) and hands them over
+    # through its mailbox barriers; one CTA per tile (varlen) has no atomics
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, persistent)
     call = _call(**kw)
-    key = bwd.variant_key(call, False)
-    assert key[-3].persistent is (persistent == "1")
+    key = bwd.variant_key(call, det)
+    assert key.persistent is persistent
     sass = _compiled_and_checked(key, call, tmp_path)
-    assert ("ATOMG" in sass) is (persistent == "1")
+    assert ("ATOMG" in sass) is persistent
 
 
-@pytest.mark.parametrize("d,mode", [(64, "1"), (96, "3"), (128, "3")])
-def test_split_tail_variant_compiles(d, mode, tmp_path, monkeypatch):
-    # the split tail's code: D64's default, and the measuring mode's D96 / D128 variants (GQA);
-    # the SASS check counts the pieces' 32-bit workspace stores
+def test_split_tail_variant_compiles(tmp_path):
+    # the split tail's code (D64, GQA); the SASS check counts the pieces' 32-bit workspace stores
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, mode)
-    call = _call(d=d, hq=4, hkv=2)
+    call = _call(d=64, hq=4, hkv=2)
     key = bwd.variant_key(call, False)
-    assert key[-3].split_tail and key[-3].persistent
+    assert key.split_tail and key.persistent
     sass = _compiled_and_checked(key, call, tmp_path)
     assert "ATOMG" in sass
 
 
-def test_own_dv_stage_selection(monkeypatch):
+def test_own_dv_stage_selection():
     # the persistent 64-query variants (D96, D128) stage dV in a buffer of its own, which fits
     # shared memory; the 128-query D64 variant already stages dK and dV together in its dS^T
-    # slots; one CTA per tile never; TORCH_FA4_BWD_OWN_DV_STAGE=0 off
-    from torch_fa4.kernels.sm90 import bwd
+    # slots; one CTA per tile never
+    from torch_fa4.kernels.sm90 import bwd, bwd_config
 
-    monkeypatch.delenv(bwd.OWN_DV_STAGE_ENV, raising=False)
-    monkeypatch.delenv(bwd.PERSISTENT_ENV, raising=False)
-    tiles = lambda call, det=False: bwd.variant_key(call, det)[-3]  # noqa: E731
     for kw in (dict(d=128), dict(d=128, causal=True), dict(d=96, causal=True)):
-        t = tiles(_call(**kw))
+        t = bwd.variant_key(_call(**kw), False)
         assert t.persistent and t.tile_m == 64 and t.own_dv_stage and not t.fused_dq, kw
         d = kw["d"]
-        need = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m, own_dv_stage=True)
-        without = bwd._smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m)
-        assert without + t.tile_n * d * 2 <= need <= bwd._SMEM_LIMIT
-    t = tiles(_call(d=64, causal=True))
-    assert t.tile_m == 128 and bwd.dkdv_share_slots(64, 64, t.tile_n, t.tile_m) and not t.own_dv_stage
-    assert not tiles(_call(d=128), True).own_dv_stage  # deterministic: one CTA per tile
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
-    assert not tiles(_call(d=128, causal=True)).own_dv_stage
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "1")
-    monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, "0")
-    assert not tiles(_call(d=128, causal=True)).own_dv_stage
-    monkeypatch.setenv(bwd.OWN_DV_STAGE_ENV, "on")
-    with pytest.raises(ValueError, match=bwd.OWN_DV_STAGE_ENV):
-        bwd.variant_key(_call(d=128), False)
+        need = bwd_config.smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m, own_dv_stage=True)
+        without = bwd_config.smem_bytes(d, d, t.tile_n, t.stages, t.dq_in_ring, t.tile_m)
+        assert without + t.tile_n * d * 2 <= need <= bwd_config.SMEM_LIMIT
+    t = bwd.variant_key(_call(d=64, causal=True), False)
+    assert t.tile_m == 128 and t.dkdv_share_slots and not t.own_dv_stage
+    assert not bwd.variant_key(_call(d=128), True).own_dv_stage  # deterministic: one CTA per tile
 
 
-def test_fused_dq_selection(monkeypatch):
+def test_fused_dq_selection():
     # the persistent 128-query variants (D64) write dq themselves wherever every query tile sees a
-    # key (their staging tile fills shared memory to the byte); the 64-query ones (D96, D128)
-    # keep the conversion pass; never with seqused_k, varlen, deterministic mode or one CTA per
-    # tile; by default (TORCH_FA4_BWD_FUSED_DQ=auto) not past 4096 queries; =1 at any length, =0 off
-    from torch_fa4.kernels.sm90 import bwd
+    # key (their staging tile fills shared memory to the byte), up to 4096 queries; the 64-query
+    # ones (D96, D128) keep the conversion pass; never with seqused_k, varlen, deterministic mode
+    # or one CTA per tile
+    from torch_fa4.kernels.sm90 import bwd, bwd_config
 
-    for name in (bwd.FUSED_DQ_ENV, bwd.PERSISTENT_ENV, bwd.TILE_M_ENV):
-        monkeypatch.delenv(name, raising=False)
-    fused = lambda call, det=False: bwd.variant_key(call, det)[-3].fused_dq  # noqa: E731
+    fused = lambda call, det=False: bwd.variant_key(call, det).fused_dq  # noqa: E731
     for kw in (dict(d=64), dict(d=64, causal=True), dict(d=64, window_left=64, window_right=0),
                dict(d=64, hq=4, hkv=1)):
-        t = bwd.variant_key(_call(**kw), False)[-3]
+        t = bwd.variant_key(_call(**kw), False)
         assert t.fused_dq and t.persistent and t.tile_m == 128, kw
-        assert bwd._smem_bytes(64, 64, t.tile_n, t.stages, False, t.tile_m, fused_dq=True) <= bwd._SMEM_LIMIT
+        assert bwd_config.smem_bytes(64, 64, t.tile_n, t.stages, False, t.tile_m, fused_dq=True) <= bwd_config.SMEM_LIMIT
     for kw in (dict(d=128), dict(d=128, causal=True), dict(d=96)):
         assert not fused(_call(**kw)), kw
     assert not fused(_call(d=64), True)
     assert not fused(_call(d=64, seqused=True)) and not fused(_call(d=64, varlen=True))
-    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
-    assert not fused(_call(d=64, causal=True))
-    monkeypatch.delenv(bwd.TILE_M_ENV)
 
     def shaped(sq, sk, **kw):
         q = torch.empty(1, sq, 2, 64, dtype=torch.bfloat16)
@@ -672,24 +442,10 @@ def test_fused_dq_selection(monkeypatch):
     assert fused(shaped(164, 37, causal=True)) and not fused(shaped(165, 37, causal=True))
     assert fused(shaped(165, 37)) and fused(shaped(165, 37, window_left=5))
     assert not fused(shaped(300, 100, window_right=10, window_left=0))  # rows 0-189 see no key
-    # the default ("auto") leaves calls of more than 4096 queries to the conversion pass;
-    # TORCH_FA4_BWD_FUSED_DQ=1 fuses at any length
+    # calls of more than 4096 queries take the conversion pass
     assert fused(shaped(4096, 4096)) and fused(shaped(4096, 4096, causal=True))
     assert not fused(shaped(4097, 4097)) and not fused(shaped(16384, 16384, causal=True))
-    assert not fused(shaped(4097, 64)) and fused(shaped(1024, 1024))
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "auto")
-    assert not fused(shaped(8192, 8192)) and fused(shaped(2048, 8192))
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "1")
-    assert fused(shaped(8192, 8192)) and fused(shaped(16384, 16384, causal=True))
-    monkeypatch.delenv(bwd.FUSED_DQ_ENV)
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
-    assert not fused(_call(d=64, causal=True))
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "1")
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
-    assert not fused(_call(d=64, causal=True))
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "yes")
-    with pytest.raises(ValueError, match=bwd.FUSED_DQ_ENV):
-        bwd.variant_key(_call(d=64), False)
+    assert not fused(shaped(4097, 64)) and fused(shaped(1024, 1024)) and fused(shaped(2048, 8192))
 
 
 def _contributors_closed_form(m, tile_m, tile_n, sq, sk, has_right, has_left, right, left):
@@ -709,7 +465,7 @@ def test_dq_contributors_match_the_walks():
     # over random shapes and limits
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     for _ in range(400):
-        tile_m = (64, 80, 128)[int(torch.randint(3, (1,), generator=g))]
+        tile_m = (64, 128)[int(torch.randint(2, (1,), generator=g))]
         sq, sk = (int(x) for x in torch.randint(1, 700, (2,), generator=g))
         has_right, has_left = (bool(x) for x in torch.randint(2, (2,), generator=g))
         right, left = (int(x) for x in torch.randint(0, 300, (2,), generator=g))
@@ -719,27 +475,19 @@ def test_dq_contributors_match_the_walks():
             assert got == want, (m, tile_m, sq, sk, has_right, has_left, right, left)
 
 
-def _sass_off_and_on(call, env, field, tmp_path, monkeypatch) -> dict:
-    """The variant of `call` compiled (and checked) with the switch `env` at "0" and "1", whose
-    KernelTiles `field` must follow it: {"0": SASS, "1": SASS}."""
+def test_fused_dq_compiles(tmp_path):
+    # fused_dq (up to 4096 queries) adds the converter: one more TMA load (the finished fp32
+    # tile), the dQ counters' atomics, and dq's 16-byte stores (none without it, past 4096
+    # queries: the conversion pass writes dq)
     from torch_fa4.kernels.sm90 import bwd
 
     sass = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv(env, on)
+    for on, sq in (("1", 1024), ("0", 8192)):
+        call = _call(d=64, causal=True, sq=sq, sk=sq)
         key = bwd.variant_key(call, False)
-        assert getattr(key[-3], field) is (on == "1")
+        assert key.fused_dq is (on == "1")
         (tmp_path / on).mkdir()
         sass[on] = _compiled_and_checked(key, call, tmp_path / on)
-    return sass
-
-
-def test_fused_dq_compiles(tmp_path, monkeypatch):
-    # fused_dq adds the converter: one more TMA load (the finished fp32 tile), the dQ counters'
-    # atomics, and dq's 16-byte stores (none without it: the conversion pass writes dq)
-    from torch_fa4.kernels.sm90 import bwd
-
-    sass = _sass_off_and_on(_call(d=64, causal=True), bwd.FUSED_DQ_ENV, "fused_dq", tmp_path, monkeypatch)
     count = lambda on, op: sass[on].count(op)  # noqa: E731
     assert count("1", "UTMALDG") == count("0", "UTMALDG") + 1
     assert count("1", "ATOMG") > count("0", "ATOMG") >= 1
@@ -748,70 +496,32 @@ def test_fused_dq_compiles(tmp_path, monkeypatch):
     assert sass["1"].count("LDL") + sass["1"].count("STL") <= 4
 
 
-def test_own_dv_stage_drops_one_store_wait(tmp_path, monkeypatch):
-    # both stores leave together: the epilogue waits once for the TMA to read its staging, not
-    # twice (the bulk-group read waits are DEPBAR.LE SB0, 0x0 in the SASS)
-    from torch_fa4.kernels.sm90 import bwd
+def test_128_query_variant_selection():
+    from torch_fa4.kernels.sm90 import bwd, bwd_config
 
-    sass = _sass_off_and_on(_call(d=128, causal=True), bwd.OWN_DV_STAGE_ENV, "own_dv_stage", tmp_path, monkeypatch)
-    waits = {on: text.count("DEPBAR.LE SB0, 0x0") for on, text in sass.items()}
-    assert waits["1"] == waits["0"] - 1 >= 1, waits
-
-
-def test_80_query_variant_selection(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.delenv(bwd.D128_PASSES_ENV, raising=False)
-    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
-    assert bwd.variant_key(_call(d=128), False)[-3][3:5] == (80, bwd._D128_PASSES)
-    # masks, softcap, mods-free deterministic mode and other head dims keep 64 queries per step
-    for kw, det in ((dict(d=128, causal=True), False), (dict(d=128, window_left=64, window_right=0), False),
-                    (dict(d=128, softcap=5.0), False), (dict(d=128), True), (dict(d=96), False),
-                    (dict(d=128, dv=64), False)):
-        assert bwd.variant_key(_call(**kw), det)[-3][3:5] == (64, None), kw
-    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "64")
-    assert bwd.variant_key(_call(d=128), False)[-3][3:5] == (64, None)
-    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
-    monkeypatch.setenv(bwd.D128_PASSES_ENV, "split")
-    with pytest.raises(ValueError, match=bwd.D128_PASSES_ENV):
-        bwd.variant_key(_call(d=128), False)
-    assert bwd.tiles(128, 128, tile_m=80) == (128, 2, False)
-
-
-def test_128_query_variant_selection(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.delenv(bwd.TILE_M_ENV, raising=False)
-    monkeypatch.delenv(bwd.PASSES_ENV, raising=False)
-    assert bwd.variant_key(_call(d=64), False)[-3].tile_m == bwd._D64_TILE_M
-    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    assert bwd.variant_key(_call(d=64), False)[-3][:5] == (128, 2, False, 128, bwd._D64_PASSES)
+    assert bwd.variant_key(_call(d=64), False).tile_m == 128
     # head dims above 64 keep 64 queries per step
     for d, dv in ((96, 96), (128, 128), (128, 64), (256, 256)):
-        assert bwd.variant_key(_call(d=d, dv=dv), False)[-3].tile_m == 64
-    monkeypatch.setenv(bwd.TILE_M_ENV, "64")
-    assert bwd.variant_key(_call(d=64), False)[-3].tile_m == 64
-    monkeypatch.setenv(bwd.TILE_M_ENV, "96")
-    with pytest.raises(ValueError):
-        bwd.variant_key(_call(d=64), False)
-    assert bwd._smem_bytes(64, 64, 128, 2, False, 128) <= bwd._SMEM_LIMIT
+        assert bwd.variant_key(_call(d=d, dv=dv), False).tile_m == 64
+    assert bwd_config.smem_bytes(64, 64, 128, 2, False, 128) <= bwd_config.SMEM_LIMIT
 
 
 def test_tiles_fit_shared_memory_and_registers():
-    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90 import bwd, bwd_config, bwd_variant
 
     dims = bwd.SUPPORTED_HEAD_DIMS
     for d in dims:
         for dv in dims:
-            tile_n, stages, dq_in_ring = bwd.tiles(d, dv)
-            assert bwd._smem_bytes(d, dv, tile_n, stages, dq_in_ring) <= 227 * 1024
+            tile_n = bwd_variant.key_tile(d, dv)
+            stages, dq_in_ring = bwd_config.ring(d, dv, tile_n)
+            assert bwd_config.smem_bytes(d, dv, tile_n, stages, dq_in_ring) <= 227 * 1024
             assert not dq_in_ring or dv >= d
             # fp32 accumulators per consumer thread that live through the walk (dK + dV) plus dQ:
             # 2 warpgroups x 128 threads share them
             assert (tile_n * (d + dv) + 64 * d) // 256 <= 192, (d, dv, tile_n)
-    assert bwd.tiles(128, 128) == (128, 2, False)
-    assert bwd.tiles(192, 192) == (64, 2, False)
-    assert bwd.tiles(256, 256) == (64, 2, True)  # dQ staged in the consumed Q / dO stage
+    assert bwd_config.ring(128, 128, 128) == (2, False)
+    assert bwd_variant.key_tile(192, 192) == 64 and bwd_config.ring(192, 192, 64) == (2, False)
+    assert bwd_config.ring(256, 256, 64) == (2, True)  # dQ staged in the consumed Q / dO stage
 
 
 def test_unsupported_calls_are_rejected():
@@ -828,7 +538,7 @@ def test_unsupported_calls_are_rejected():
 
 @pytest.mark.parametrize("s,tile_m,want_rows", [(70, 64, 128), (130, 128, 256), (128, 128, 128)])
 def test_row_statistics_match_float64(s, tile_m, want_rows):
-    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90 import bwd_row_stats
 
     b, h, d = 2, 3, 64
     call = _call(d=d, hq=h, hkv=h)
@@ -837,7 +547,7 @@ def test_row_statistics_match_float64(s, tile_m, want_rows):
     out = torch.randn(b, s, h, d).to(torch.bfloat16)
     lse = torch.randn(b, h, s)
     lse[0, 1, 5] = -float("inf")  # a row that sees no key
-    lse2, dpsum, rows = bwd.row_statistics(call, dout, out, lse, tile_m=tile_m)
+    lse2, dpsum, rows = bwd_row_stats.row_statistics(call, dout, out, lse, tile_m=tile_m)
     assert rows == want_rows and lse2.shape == (b, h, rows) and dpsum.shape == (b, h, rows)
     assert lse2.is_contiguous() and dpsum.is_contiguous()
     ref_d = (dout.double() * out.double()).sum(-1).transpose(1, 2)
@@ -852,10 +562,10 @@ def test_size_one_dims_get_tma_strides():
     from torch_fa4.kernels.sm90 import bwd
 
     t = torch.empty(1, 16, 1, 64, dtype=torch.bfloat16).as_strided((1, 16, 1, 64), (3, 64, 5, 1))
-    assert bwd._tma_compatible(t)
+    assert bwd.tma_compatible(t)
     v = bwd._tma_view(t)
     assert v.stride() == (1024, 64, 64, 1) and v.data_ptr() == t.data_ptr()
-    assert not bwd._tma_compatible(torch.ones(1, dtype=torch.bfloat16).expand(2, 16, 3, 64))
+    assert not bwd.tma_compatible(torch.ones(1, dtype=torch.bfloat16).expand(2, 16, 3, 64))
 
 
 def test_variants_differ_only_where_code_differs():
@@ -910,11 +620,12 @@ def _emulated_kernel(key):
     Mask_mods are evaluated with the ModSet's PyTorch lowering; under a block-sparse walk only the
     (64-query, 128-key) tiles the transposed lists name contribute, with the mask_mod applied on
     partial ones only, each as many times as it is listed (as the kernel would add it)."""
-    dtype, d, dv, group, has_right, has_left, softcap, varlen, seqused, deterministic, kernel_tiles, sparse, mod_key = key
-    tile_n, tile_m = kernel_tiles.tile_n, kernel_tiles.tile_m
-    if varlen:  # the packed-rows variant (bwd.VARLEN_KERNEL_ENV)
+    d, dv, group, has_right, has_left = key.head_dim, key.head_dim_v, key.group, key.has_right, key.has_left
+    softcap, deterministic, sparse, mod_key = key.softcap, key.deterministic, key.sparse, key.mods_key
+    tile_n, tile_m = key.tile_n, key.tile_m
+    if key.varlen:  # the packed-rows variant
         assert not mod_key and sparse is None and not deterministic
-        return _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_tiles)
+        return _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, key)
     mods = None
     if mod_key:
         from torch_fa4.mods.registry import lookup
@@ -929,7 +640,7 @@ def _emulated_kernel(key):
         # the CTA order, the persistent grid and the split tail change nothing the emulation
         # computes; the split's plan and buffers are checked against the launch
         assert cta_group >= 1 and cta_tail >= 1 and num_ctas >= 1
-        _check_split_launch(kernel_tiles, d, dv, k, sem, split_ws, split_cnt, num_ctas, split_items, split_ways)
+        _check_split_launch(key, d, dv, k, sem, split_ws, split_cnt, num_ctas, split_items, split_ways)
         if split_items:
             _LAST_SPLIT.append((split_items, split_ways))
         mask_aux = [t for t in rest[15:] if t is not None][mods.num_score_aux if mods else 0:]
@@ -941,11 +652,11 @@ def _emulated_kernel(key):
         n_m = -(-q.shape[1] // tile_m)
         if deterministic:  # one semaphore per query tile (else: the persistent tile counter)
             assert sem.shape[-1] == n_m
-        elif kernel_tiles.fused_dq:  # per query tile a counter and a queue slot; 3 counters
+        elif key.fused_dq:  # per query tile a counter and a queue slot; 3 counters
             assert sem.shape == (q.shape[0], q.shape[2], 2 * n_m + 3) and int(sem.abs().sum()) == 0
-        elif kernel_tiles.persistent:
+        elif key.persistent:
             assert sem.shape == (1, 1, 1) and int(sem.sum()) == 0
-        assert (dq_out is not None) == kernel_tiles.fused_dq
+        assert (dq_out is not None) == key.fused_dq
         for b in range(q.shape[0]):
             sq, sk_rows = q.shape[1], k.shape[1]
             sk = int(used[b]) if used is not None else sk_rows
@@ -991,15 +702,10 @@ def _check_split_launch(kernel_tiles, d, dv, k, sem, split_ws, split_cnt, num_ct
     if not kernel_tiles.split_tail:
         assert split_ws is None and split_cnt is None and (split_items, split_ways) == (0, 1)
         return
-    import os
-
-    from torch_fa4.kernels.sm90 import bwd
-
     tiles = -(-k.shape[1] // kernel_tiles.tile_n) * k.shape[0] * k.shape[2]
-    assert split_items in (0, tiles % num_ctas) and split_items < num_ctas
-    # a launch that does not split runs the variant without the split code (but for "noop")
-    assert split_items or os.environ.get(bwd.SPLIT_TAIL_ENV) == "noop"
-    assert split_items == 0 or (split_ways >= 2 and tiles > num_ctas)
+    assert split_items == tiles % num_ctas and split_items < num_ctas
+    # (a launch that does not split runs the variant without the split code)
+    assert split_items and split_ways >= 2 and tiles > num_ctas
     values = kernel_tiles.tile_n * (d + dv) // 256
     assert split_ws.dtype == torch.float32 and split_ws.shape == (max(split_items * split_ways, 1), values, 256)
     assert split_cnt.dtype == torch.int32 and split_cnt.shape == (max(split_items, 1),)
@@ -1083,38 +789,31 @@ def _visits(q_num, q_idx, full_num, full_idx, ratios, b, h, hk, group, sk_rows, 
     return expand(wp), expand(wf)
 
 
-@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", ["dense_causal_gqa", "varlen_window", "varlen_window_packed", "varlen_causal_packed",
-                                  "varlen_q_only_seqused", "softcap", "deterministic_window", "plain_split_gqa",
-                                  "dense_causal_gqa_pass", "plain_split_gqa_pass"])
-def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
-    """varlen_*_packed: one launch of the packed-rows variant (bwd.VARLEN_KERNEL_ENV), max_seqlen_k
-    left for the host to read from cu_seqlens; varlen_window: one dense launch per sequence;
-    plain_split_gqa: 12 work tiles on 5 persistent CTAs, the last round's 2 tiles split in 3;
-    *_pass: the dense persistent calls with the dq conversion pass after the kernel instead of the
-    fused dq (the default's choice past 4096 queries, forced here on short calls)."""
+                                  "varlen_q_only_seqused", "softcap", "deterministic_window", "plain_split_gqa"])
+def test_host_wrapper_with_emulated_kernel(case, d, monkeypatch):
+    """d: D64 runs the 128-query variant (dq written by the kernel, `fused_dq`), D128 the
+    64-query one (the dq conversion pass after the kernel). varlen_*_packed: one launch of the
+    packed-rows variant, max_seqlen_k left for the host to read from cu_seqlens; varlen_window:
+    one dense launch per sequence; plain_split_gqa: 12 work tiles on 5 persistent CTAs, at D64
+    the last round's 2 tiles split in 2."""
     import math
 
     from torch_fa4.kernels.sm90 import bwd
 
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
-    conversion_pass = case.endswith("_pass")
-    if conversion_pass:
-        monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
-        case = case[: -len("_pass")]
-    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "1" if case.endswith("_packed") else "0")
-    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))  # D64: the 64- or the 128-query variant
+    tuning = bwd.BwdTuning(varlen_kernel=case.endswith("_packed") or not case.startswith("varlen"))
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
-    hq, hkv, d = 4, 2, 64
+    hq, hkv = 4, 2
     kw = {}
     if case == "dense_causal_gqa":
         q, k, v, do = rnd(2, 70, hq, d), rnd(2, 50, hkv, d), rnd(2, 50, hkv, d), rnd(2, 70, hq, d)
         kw = dict(causal=True)  # 70 queries over 50 keys: the first 20 rows see nothing
-    elif case == "plain_split_gqa":
-        q, k, v, do = rnd(2, 300, hq, d), rnd(2, 290, hkv, d), rnd(2, 290, hkv, d), rnd(2, 300, hq, d)
-        monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")
-        monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "3")
+    elif case == "plain_split_gqa":  # 16 steps per work tile at D64: splitting pays
+        q, k, v, do = rnd(2, 1024, hq, d), rnd(2, 290, hkv, d), rnd(2, 290, hkv, d), rnd(2, 1024, hq, d)
+        tuning = bwd.BwdTuning(persistent_ctas=5)
     elif case == "softcap":
         q, k, v, do = rnd(1, 33, hq, d), rnd(1, 90, hkv, d), rnd(1, 90, hkv, d), rnd(1, 33, hq, d)
         kw = dict(softcap=5.0, window_left=20, window_right=3)
@@ -1136,10 +835,10 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
         kw = dict(cu_seqlens_q=cu_q, seqused_k=torch.tensor([17, 64], dtype=torch.int32), max_seqlen_q=24,
                   max_seqlen_k=64, causal=True)
     call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
-    assert bwd.runs_per_sequence(call, case.startswith("deterministic")) == (
+    assert bwd.runs_per_sequence(call, case.startswith("deterministic"), tuning) == (
         call.cu_seqlens_q is not None and not case.endswith("_packed"))
-    if tile_m == 128 and case in ("dense_causal_gqa", "plain_split_gqa"):
-        assert bwd.variant_key(call, False)[-3].fused_dq is not conversion_pass
+    if case in ("dense_causal_gqa", "plain_split_gqa"):
+        assert bwd.variant_key(call, False).fused_dq is (d == 64)
 
     # float64 reference, one sequence at a time (dense or packed)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -1177,9 +876,9 @@ def test_host_wrapper_with_emulated_kernel(case, tile_m, monkeypatch):
 
     grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
     _LAST_SPLIT.clear()
-    bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, case.startswith("deterministic"))
+    bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, case.startswith("deterministic"), tuning)
     if case == "plain_split_gqa":
-        assert _LAST_SPLIT == [(2, 3)]  # (split tiles, ways) the launch passed
+        assert _LAST_SPLIT == ([(2, 2)] if d == 64 else [])  # (split tiles, ways) the launch passed
     for name, got, r in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(got).any(), f"{name}: rows left unwritten"
         err = (got.double() - r).norm() / r.norm()
@@ -1203,32 +902,21 @@ def _per_head_tail_mask(doc, cut):  # keys past `cut` are seen by no query (thei
 
 
 SPARSE_CASES = {
-    # name: (mask kind, causal, BLOCK_SIZE, block mask per head?, expected ratios or None = dense)
-    "doc_128x128_causal": ("doc", True, (128, 128), False, (2, 1)),
-    "doc_64x128": ("doc", False, (64, 128), False, (1, 1)),
-    "tail_per_head_128x256": ("tail", False, (128, 256), True, (2, 2)),
-    "doc_96_falls_back_dense": ("doc", True, (96, 96), False, None),
+    # name: (mask kind, causal, BLOCK_SIZE, block mask per head?, expected ratios or None = dense,
+    # queries per step); D64 steps 128 queries where the block-mask rows allow
+    "doc_128x128_causal": ("doc", True, (128, 128), False, (1, 1), 128),
+    "doc_64x128": ("doc", False, (64, 128), False, (1, 1), 64),  # 64-row tiles: the 64-query variant
+    "tail_per_head_128x256": ("tail", False, (128, 256), True, (1, 2), 128),
+    "doc_96_falls_back_dense": ("doc", True, (96, 96), False, None, 128),
     # D=256 runs the narrow variant: 64-key CTAs, two per 128-key block-mask column
-    "doc_128x128_d256": ("doc", False, (128, 128), False, (2, 2)),
+    "doc_128x128_d256": ("doc", False, (128, 128), False, (2, 2), 64),
     # 64-key block-mask columns at D=64: the 64-key variant takes them instead of the dense walk
-    "doc_64x64_narrow": ("doc", True, (64, 64), False, (1, 1)),
+    "doc_64x64_narrow": ("doc", True, (64, 64), False, (1, 1), 64),
 }
 
 
-# with 128 queries per step asked for (D64): case -> (ratios, queries per step) the walk must take
-SPARSE_CASES_TM128 = {
-    "doc_128x128_causal": ((1, 1), 128),
-    "doc_64x128": ((1, 1), 64),  # 64-row block-mask tiles: the 64-query variant walks them
-    "tail_per_head_128x256": ((1, 2), 128),
-    "doc_96_falls_back_dense": (None, 128),
-    "doc_128x128_d256": ((2, 2), 64),
-    "doc_64x64_narrow": ((1, 1), 64),
-}
-
-
-@pytest.mark.parametrize("tile_m", [64, 128])
 @pytest.mark.parametrize("case", list(SPARSE_CASES))
-def test_sparse_host_path_with_emulated_kernel(case, tile_m, monkeypatch):
+def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
     import math
 
     from torch_fa4.kernels.sm90 import bwd
@@ -1236,12 +924,8 @@ def test_sparse_host_path_with_emulated_kernel(case, tile_m, monkeypatch):
     from torch_fa4.mods.prepare import prepare
     from torch_fa4.mods.registry import lookup
 
-    kind, causal, block, per_head, expect = SPARSE_CASES[case]
+    kind, causal, block, per_head, expect, want_tile_m = SPARSE_CASES[case]
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
-    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
-    want_tile_m = 64
-    if tile_m == 128:
-        expect, want_tile_m = SPARSE_CASES_TM128[case]
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
     b, sq, sk, hq, hkv = 2, 130, 300, 4, 2  # 130: the last 128-row block reaches past Sq
@@ -1255,9 +939,9 @@ def test_sparse_host_path_with_emulated_kernel(case, tile_m, monkeypatch):
                          aux_tensors=aux, block_mask=tuple(bm.as_tensors()), block_mask_q=block[0],
                          block_mask_kv=block[1], max_seqlen_q=sq, max_seqlen_k=sk)
     assert bwd.unsupported_reason(call) is None
-    assert bwd.variant_key(call, False)[-2] == expect
-    assert bwd.variant_key(call, False)[-3].tile_m == want_tile_m
-    assert bwd.variant_key(call, True)[-2] is None  # deterministic: dense walk
+    assert bwd.variant_key(call, False).sparse == expect
+    assert bwd.variant_key(call, False).tile_m == want_tile_m
+    assert bwd.variant_key(call, True).sparse is None  # deterministic: dense walk
 
     # float64 reference
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -1287,7 +971,7 @@ def test_sparse_host_path_with_emulated_kernel(case, tile_m, monkeypatch):
 
 @pytest.mark.parametrize("d,hq,hkv,block,per_head,causal,tile_m", [
     (128, 4, 2, (128, 128), False, True, 64),  # 2 query steps per block-mask row
-    (64, 2, 2, (128, 256), True, False, 64),  # and 2 CTAs per block-mask column, per-head lists
+    (64, 2, 2, (128, 256), True, False, 128),  # 2 CTAs per block-mask column, per-head lists
     (96, 6, 1, (64, 128), False, False, 64),  # one step per row, MQA (6 heads share the lists walk)
     (256, 4, 2, (128, 128), False, True, 64),  # narrow: 64-key CTAs, 2 per block-mask column
     (64, 4, 2, (64, 64), False, False, 64),  # 64-key block-mask columns: the narrow variant at D=64
@@ -1300,8 +984,6 @@ def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, t
     from torch_fa4.mods.prepare import prepare
     from torch_fa4.mods.registry import lookup
 
-    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
-
     mask_mod = _document_mask(torch.zeros(256, dtype=torch.int32))
     bm = create_block_mask(mask_mod, None, hq if per_head else None, 256, 256, device="cpu", BLOCK_SIZE=block)
     key, aux = prepare(None, mask_mod)
@@ -1311,10 +993,10 @@ def test_sparse_variant_compiles_to_hgmma(d, hq, hkv, block, per_head, causal, t
     call.k = call.v = torch.empty(1, 256, hkv, d, dtype=torch.bfloat16)
     assert bwd.unsupported_reason(call) is None
     vk = bwd.variant_key(call, False)
-    tile_n = vk[-3].tile_n
+    tile_n = vk.tile_n
     assert tile_n == (64 if d > 128 or block[1] == 64 else 128)
-    assert vk[-3].tile_m == tile_m
-    assert vk[-2] == (block[0] // tile_m, block[1] // tile_n)
+    assert vk.tile_m == tile_m
+    assert vk.sparse == (block[0] // tile_m, block[1] // tile_n)
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     assert sass.count("HGMMA.") == 2 * (d // 16) + tile_n // 16 + 2 * (tile_m // 16)  # S, dP, dQ, dK, dV as above
@@ -1399,17 +1081,16 @@ def _tanh_bias_document_mods():
 
 @pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("make_mods", [_alibi_mods, _tanh_bias_document_mods])
-def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypatch):
+def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path):
     from torch_fa4.kernels.sm90 import bwd
     from torch_fa4.mods.prepare import prepare
     from torch_fa4.mods.registry import lookup
 
-    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
     key, aux = prepare(*make_mods())
     call = _call(d=d, hq=4, hkv=2, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
     assert bwd.unsupported_reason(call) is None
     vk = bwd.variant_key(call, False)
-    assert vk[-3].tile_m == tile_m
+    assert vk.tile_m == tile_m
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     bodies = _step_bodies(vk, call)  # a score_mod alone keeps the split loops
@@ -1417,15 +1098,14 @@ def test_mods_variant_compiles_to_hgmma(make_mods, d, tile_m, tmp_path, monkeypa
     assert sass.count("LDL") + sass.count("STL") <= 64
     assert sass.count("WARPGROUP.DEPBAR") <= 8 * bodies
     if make_mods is _alibi_mods:
-        # the score_mod through the fragment emitter (TORCH_FA4_BWD_MOD_FRAGMENT, the default):
-        # kv_idx - q_idx in exact fp32 from one conversion per step, not an I2F per element (the
-        # per-element lowering had 64 / 128 at D128 / D64, plus ~9 elsewhere in the kernel, and
-        # the D64 variant's fused dq conversion ~10 more in its integer divisions)
-        assert vk[-3].mod_fragment
+        # the score_mod through the fragment emitter: kv_idx - q_idx in exact fp32 from one
+        # conversion per step, not an I2F per element (a per-element lowering has 64 / 128 at
+        # D128 / D64, plus ~9 elsewhere in the kernel, and the D64 variant's fused dq conversion
+        # ~10 more in its integer divisions)
         assert sass.count("I2F") <= 32, sass.count("I2F")
 
 
-def test_varlen_mods_variant_compiles_to_hgmma(tmp_path, monkeypatch):
+def test_varlen_mods_variant_compiles_to_hgmma(tmp_path):
     """score_mod and mask_mod on packed varlen batches: the packed-rows variant, whose mods see
     each sequence's own positions and its index as b; refused where the batch would run one
     dense launch per sequence (each launch would see its sequence as batch 0)."""
@@ -1439,11 +1119,9 @@ def test_varlen_mods_variant_compiles_to_hgmma(tmp_path, monkeypatch):
     call = _call(d=128, hq=4, hkv=2, varlen=True, causal=True, mod_key=key, mods=lookup(key), aux_tensors=aux)
     assert bwd.unsupported_reason(call) is None
     assert "both sides" in bwd.unsupported_reason(dataclasses.replace(call, cu_seqlens_k=None))
-    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
-    assert "packed-rows" in bwd.unsupported_reason(call)
-    monkeypatch.delenv(bwd.VARLEN_KERNEL_ENV)
+    assert "packed-rows" in bwd.unsupported_reason(call, bwd.BwdTuning(varlen_kernel=False))
     vk = bwd.variant_key(call, False)
-    assert vk[7] and vk[-1] == key  # varlen, the mods
+    assert vk.varlen and vk.mods_key == key
     bwd.compile_variant(vk, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     bodies = _step_bodies(vk, call)
@@ -1466,32 +1144,9 @@ def test_score_mod_capturing_trainable_tensors_is_refused(monkeypatch):
     assert "not supported" in bwd.unsupported_reason(call)
 
 
-# The measuring tool (TORCH_FA4_BWD_TRACE, benchmarks/bwd_trace.py): the traced D128 variant reads
-# the SM clock once per TRACE_EVENTS entry of a step (the default path stamps all of them), the
-# untraced one never.
-@pytest.mark.parametrize("trace,pair", [("0", ""), ("4", ""), ("4", "1:2")])
-def test_backward_trace_stamps(trace, pair, tmp_path, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-    from torch_fa4.kernels.sm90.bwd_kernel import TRACE_EVENTS
-
-    monkeypatch.setenv(bwd.TRACE_ENV, trace)
-    monkeypatch.setenv(bwd.TRACE_PAIR_ENV, pair)
-    call = _call(d=128)
-    key = bwd.variant_key(call, False)
-    # (steps, batch, kv head) of the traced pair; batch 0, head 0 unless TRACE_PAIR_ENV names one
-    assert key[-3].trace == (0 if trace == "0" else (4, 1, 2) if pair else (4, 0, 0))
-    bwd.compile_variant(key, dump_dir=str(tmp_path))
-    sass = sass_of(tmp_path)
-    clocks = sass.count("SR_CLOCKLO")
-    assert clocks == (len(TRACE_EVENTS) if trace != "0" else 0), clocks
-    _check_backward_sass(sass, key, 128, 128)
-
-
-def test_cta_tail_groups_the_last_pairs_only_under_masks(monkeypatch):
-    # bwd.cta_tail: how many (kv head, batch) pairs start as one group at the end of the grid
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.delenv(bwd.CTA_TAIL_ENV, raising=False)
+def test_cta_tail_groups_the_last_pairs_only_under_masks():
+    # cta_tail: how many (kv head, batch) pairs start as one group at the end of the grid
+    from torch_fa4.kernels.sm90 import bwd_variant as bwd
 
     def call(s, d, hq=2, hkv=2, **kw):
         q = torch.empty(1, s, hq, d, dtype=torch.bfloat16, device="meta")
@@ -1506,9 +1161,6 @@ def test_cta_tail_groups_the_last_pairs_only_under_masks(monkeypatch):
     assert bwd.cta_tail(call(4096, 128, hq=8, hkv=2, causal=True), pairs=64) == 1  # GQA: 4 heads a pair
     assert bwd.cta_tail(call(1024, 64, window_left=128, window_right=0), pairs=512) == 16
     assert bwd.cta_tail(call(1024, 64, causal=True), pairs=3) == 3  # never more than the grid has
-    monkeypatch.setenv(bwd.CTA_TAIL_ENV, "5")
-    assert bwd.cta_tail(call(16384, 128, causal=True), pairs=16) == 5
-    assert bwd.cta_tail(call(1024, 64), pairs=4) == 4
 
 
 _DISK_CACHE_SCRIPT = r"""
@@ -1581,20 +1233,17 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
     monkeypatch.setattr(bwd_dq_convert, "takes", lambda src, dst: True)  # (it asks for CUDA tensors)
     monkeypatch.setattr(bwd_launch_record, "_on_gpu", lambda t: True)
     monkeypatch.setattr(bwd_launch_record, "_records", {})
-    for name in bwd.RECORD_ENV_KNOBS:
-        monkeypatch.delenv(name, raising=False)
+    tuning = bwd.BwdTuning()
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(torch.bfloat16)
     hq, hkv, d, kw = 4, 2, 64, {}
     if case == "causal_gqa":
         b, sq, sk, kw = 2, 70, 50, dict(causal=True)
-    elif case == "plain_split":  # 12 work tiles on 5 CTAs: the last round's 2 tiles split in 3
-        b, sq, sk = 2, 300, 290
-        monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")
-        monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "3")
-    elif case == "conversion_pass":
-        b, sq, sk, kw = 2, 130, 130, dict(causal=True)
-        monkeypatch.setenv(bwd.FUSED_DQ_ENV, "0")
+    elif case == "plain_split":  # 12 work tiles on 5 CTAs: the last round's 2 tiles split in 2
+        b, sq, sk = 2, 1024, 290
+        tuning = bwd.BwdTuning(persistent_ctas=5)
+    elif case == "conversion_pass":  # (the 64-query D128 variant)
+        b, sq, sk, kw, d = 2, 130, 130, dict(causal=True), 128
     elif case == "one_sequence_window":  # batch 1: size-one strides repacked for the compiled signatures
         b, sq, sk, kw = 1, 90, 120, dict(window_left=20, window_right=3, softcap=5.0)
     packed = case.startswith("packed")
@@ -1615,7 +1264,7 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         if not record:
             monkeypatch.setattr(bwd_launch_record, "run", lambda *a: False)
         got = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
-        bwd.backward(call, do, out, lse, *got, False)
+        bwd.backward(call, do, out, lse, *got, False, tuning)
         return got
 
     real_run = bwd_launch_record.run
@@ -1631,9 +1280,9 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
         assert (bb.double() - a.double()).abs().max() <= 0.02 * r.abs().max(), f"{name}: record and general path differ"
     if case == "plain_split":
-        assert records[0].scalars[9:11] == (2, 3)  # (split tiles, ways)
+        assert records[0].scalars[9:11] == (2, 2)  # (split tiles, ways)
     assert bool(records[0].stat_tile) == packed
-    monkeypatch.setenv(bwd.CTA_TAIL_ENV, "1")  # a knob: a record of its own
+    tuning = bwd.BwdTuning(persistent_ctas=3)  # another tuning: a record of its own
     grads(record=True)
     assert len(bwd_launch_record._records) == 2
     if packed:
@@ -1666,12 +1315,14 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
 def test_key_tail_variant_masks_the_tail(kw, tmp_path):
     """Dense keys ending inside a key tile compile the variant that masks the tail's keys (their
     zero-filled K / V still give P = exp2(-lse2), which can overflow dS); whole tiles do not."""
+    import dataclasses
+
     from torch_fa4.kernels.sm90 import bwd
 
     whole = bwd.variant_key(_call(sk=256, **kw), False)
     tail = bwd.variant_key(_call(sk=257, **kw), False)
-    assert not whole[-3].mask_key_tail and tail[-3].mask_key_tail
-    assert tail[:-3] == whole[:-3] and tail[-3]._replace(mask_key_tail=False) == whole[-3]
-    assert not bwd.variant_key(_call(sk=255, seqused=True, **kw), False)[-3].mask_key_tail  # masked anyway
+    assert not whole.mask_key_tail and tail.mask_key_tail
+    assert dataclasses.replace(tail, mask_key_tail=False) == whole
+    assert not bwd.variant_key(_call(sk=255, seqused=True, **kw), False).mask_key_tail  # masked anyway
     call = _call(sk=257, **kw)
     _compiled_and_checked(tail, call, tmp_path)

@@ -36,41 +36,13 @@ def test_kernel_compiles_to_vector_loads(dv, dtype, tmp_path):
     assert sass.count("FFMA ") == dv // bwd_prepare.THREADS_PER_ROW
 
 
-@pytest.mark.parametrize("tm", [64, 80, 128])
-def test_permuted_variant_compiles(tm, tmp_path):
-    # the rows stored in bwd_stats_layout's order: the same loads and stores, moved
-    from torch_fa4.kernels.sm90 import bwd_prepare
-
-    bwd_prepare.compile_kernel(torch.bfloat16, 128, dump_dir=str(tmp_path), stat_tile=tm)
-    sass = sass_of(tmp_path)
-    assert sass.count("LDG.E.128") == 2 * 128 // (bwd_prepare.VEC * bwd_prepare.THREADS_PER_ROW)
-    assert sass.count("STG.E ") == 4 and "LDL" not in sass and "STL" not in sass
-
-
-def test_torch_path_permutes_whole_tiles():
-    from torch_fa4.call import AttentionCall
-    from torch_fa4.kernels.sm90 import bwd
-    from torch_fa4.kernels.sm90.bwd_stats_layout import permute_rows
-
-    q = torch.empty(2, 150, 3, 64, dtype=torch.bfloat16)
-    call = AttentionCall(q=q, k=q, v=q, scale=1.0)
-    dout, out = torch.randn(2, 150, 3, 64).bfloat16(), torch.randn(2, 150, 3, 64).bfloat16()
-    lse = torch.randn(2, 3, 150)
-    natural = bwd.row_statistics(call, dout, out, lse, 0, 64)
-    permuted = bwd.row_statistics(call, dout, out, lse, 0, 64, permuted=True)
-    assert natural[2] == permuted[2] == 192
-    for got, nat in zip(permuted[:2], natural[:2]):
-        assert torch.equal(got, permute_rows(nat, 64))
-        assert not torch.equal(got, nat)
-
-
 def test_varlen_and_dense_share_one_compiled_kernel(monkeypatch):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
     fn = bwd_prepare.compile_kernel(torch.bfloat16, 64)
     assert bwd_prepare.compile_kernel(torch.bfloat16, 64) is fn  # cached: no second compile
     keys = []
-    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0, reversed_order=False: keys.append((dtype, dv)) or _emulated)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0: keys.append((dtype, dv)) or _emulated)
     for lead, lse_shape in (((2, 10), (2, 3, 10)), ((17,), (3, 17))):
         dout = torch.randn(*lead, 3, 64).to(torch.bfloat16)
         bwd_prepare.row_statistics(dout, dout.clone(), torch.randn(lse_shape), 64)
@@ -96,14 +68,12 @@ def _emulated(dout, out, lse, lse2, dpsum, dq_acc=None):
     dpsum[..., s:] = 0.0
 
 
-@pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
-def test_kernel_zeroing_the_dq_buffer_adds_only_vector_stores(dv, d, dtype, reversed_order, tmp_path):
-    # reversed_order (bwd.PASS_ORDER_ENV) changes which slab a CTA takes, not its accesses
+def test_kernel_zeroing_the_dq_buffer_adds_only_vector_stores(dv, d, dtype, tmp_path):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
-    bwd_prepare.compile_kernel(dtype, dv, dump_dir=str(tmp_path), d_zero=d, reversed_order=reversed_order)
+    bwd_prepare.compile_kernel(dtype, dv, dump_dir=str(tmp_path), d_zero=d)
     sass = sass_of(tmp_path)
     per_thread = d // (bwd_prepare.ZERO_VEC * bwd_prepare.THREADS_PER_ROW)
     assert sass.count("STG.E.128") == per_thread, "the dQ row is not zeroed in 16-byte stores"
@@ -112,15 +82,15 @@ def test_kernel_zeroing_the_dq_buffer_adds_only_vector_stores(dv, d, dtype, reve
 
 
 def test_backward_host_zeroes_the_dq_buffer_in_either_path(monkeypatch):
-    """bwd.row_statistics zeroes the dQ buffer it is handed: inside the fused pass on CUDA, by
+    """bwd_row_stats.row_statistics zeroes the dQ buffer it is handed: inside the fused pass on CUDA, by
     torch on the CPU path (here)."""
     from torch_fa4.call import AttentionCall
-    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90 import bwd_row_stats
 
     dout = torch.randn(2, 70, 3, 64).to(torch.bfloat16)
     call = AttentionCall(q=dout, k=dout, v=dout, scale=1.0)
     dq_acc = torch.full((2, 70, 3, 64), math.nan)
-    bwd.row_statistics(call, dout, dout.clone(), torch.randn(2, 3, 70), zero_dq=dq_acc)
+    bwd_row_stats.row_statistics(call, dout, dout.clone(), torch.randn(2, 3, 70), zero_dq=dq_acc)
     assert (dq_acc == 0).all()
     # what the fused pass would be handed: dense fp32 rows matching dO, D a multiple of 16
     from torch_fa4.kernels.sm90 import bwd_prepare
@@ -135,7 +105,7 @@ def test_backward_host_zeroes_the_dq_buffer_in_either_path(monkeypatch):
 def test_host_wrapper_fills_the_padded_layout(varlen, monkeypatch):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
-    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0, stat_tile=0, reversed_order=False: _emulated)
+    monkeypatch.setattr(bwd_prepare, "compile_kernel", lambda dtype, dv, d_zero=0: _emulated)
     h, dv = 3, 96
     if varlen:  # a (T, H, Dv) slice of a wider buffer: non-contiguous rows
         dout = torch.randn(37, h, dv + 8).to(torch.float16)[..., :dv]
@@ -166,7 +136,7 @@ def test_fused_path_refuses_what_it_cannot_read():
 
     t = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 16)
-    # CPU tensors: the torch path runs (bwd.row_statistics' CPU tests cover it)
+    # CPU tensors: the torch path runs (bwd_row_stats.row_statistics' CPU tests cover it)
     assert "CUDA" in bwd_prepare.unsupported_reason(t(2, 16, 4, 64), t(2, 16, 4, 64), lse)
     # the layout checks themselves need no device
     assert bwd_prepare._vector_ready(t(2, 16, 4, 64))

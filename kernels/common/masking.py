@@ -10,7 +10,7 @@ loop and then spills.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32
 
 from torch_fa4.kernels.common.acc_layout import rows_cols, rows_cols_layout
 from torch_fa4.kernels.common.block_range import BlockRange
@@ -46,3 +46,22 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, block_range: BlockRange,
                 s[r, j] = Float32(cutlass.select_(masked, -Float32.inf, s[r, j]))
             elif masked:
                 s[r, j] = -Float32.inf
+
+
+def visible(q_off: int, k_off: int, q_end=None, k_end=None, right=None, left=None) -> Boolean:
+    """Whether the key at static offset `k_off` is visible from the query at static offset
+    `q_off` (offsets from the thread's origin, as static_offsets gives them), against limits
+    already shifted by that origin: q_off < q_end (the query inside its sequence), k_off < k_end
+    (the key inside its sequence), k_off - q_off <= right (causal / right window), k_off - q_off
+    >= left (left window). A limit given as None is not tested. The sm90 backward's masks (keys
+    along its S^T tile's rows, queries along its columns)."""
+    ok = Boolean(True)
+    if cutlass.const_expr(q_end is not None):
+        ok = ok & (q_off < q_end)
+    if cutlass.const_expr(k_end is not None):
+        ok = ok & (k_off < k_end)
+    if cutlass.const_expr(right is not None):
+        ok = ok & (k_off - q_off <= right)
+    if cutlass.const_expr(left is not None):
+        ok = ok & (k_off - q_off >= left)
+    return ok

@@ -13,16 +13,16 @@ import torch
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
-    from torch_fa4.kernels.sm90.bwd import KernelTiles
+    from torch_fa4.kernels.sm90.bwd_config import BwdConfig
 
 
-def split_workspace_shape(call: "AttentionCall", tiles: KernelTiles, split_items: int, ways: int) -> tuple:
+def split_workspace_shape(call: "AttentionCall", tiles: BwdConfig, split_items: int, ways: int) -> tuple:
     """Every split piece's partial dK / dV, stored before it is read (bwd_kernel `split_tail`)."""
     values = tiles.tile_n * (call.head_dim + call.head_dim_v) // 256
     return (max(split_items * ways, 1), values, 256)
 
 
-def counter_shape(call: "AttentionCall", tiles: KernelTiles) -> tuple:
+def counter_shape(call: "AttentionCall", tiles: BwdConfig) -> tuple:
     """The persistent kernel's tile counter, and with fused_dq before it one dQ counter and one
     queue slot per query tile, then the queue's head and tail (bwd_dq_fused)."""
     if not tiles.fused_dq:
@@ -30,7 +30,7 @@ def counter_shape(call: "AttentionCall", tiles: KernelTiles) -> tuple:
     return (call.batch, call.num_heads, 2 * math.ceil(call.q.shape[1] / tiles.tile_m) + 3)
 
 
-def split_counters(tiles: KernelTiles, split_items: int) -> int:
+def split_counters(tiles: BwdConfig, split_items: int) -> int:
     """The split tail's piece counters, one per split tile, after counter_shape's block."""
     return max(split_items, 1) if tiles.split_tail else 0
 

@@ -74,7 +74,7 @@ class BwdConsumer:
             tdQrK = ops_dQ.make_fragment_B(ops_dQ.partition_B(L.transposed(sK)))
         tdSsdS = thr_SdP.partition_C(sdS)  # where this thread's dS^T goes
         st_atom = thr_st_dS = tdSsdS_st = dS_slot_stride = dS_thread_offsets = None
-        if const_expr(self.dS_stmatrix):
+        if const_expr(not self.narrow):
             # stmatrix: one shared-memory address per four 8x8 tiles instead of one per 32-bit
             # store (ptxas hoists the swizzled addresses out of the loop and spills them otherwise)
             st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.dq_transposed, 4), self.dtype)
@@ -146,38 +146,23 @@ class BwdConsumer:
             cute.arch.mbarrier_wait(bar_kv, kv_iter % 2 if const_expr(self.persistent) else 0)
         if const_expr(state is None):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        ovl = self.overlap_next_s
-        rdQ_prev = None
-        prev_h = Int32(0)
-        prev_m = Int32(0)
-        if const_expr(ovl):
-            # dQ of the previous step (unscaled), and the head / query tile it belongs to; added to
-            # the fp32 buffer during the next step (or after the loop). A copy made after the
-            # wait: registers defined by a wgmma and read in the next iteration make ptxas wait
-            # for all groups before that read (C7517), which would cover the next S^T.
-            rdQ_prev = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
         cur_h, cur_m = walk.start()
         # What every step reads and no step changes (_step unpacks it in this order).
         ops = (
             acc_dK, acc_dV, b, cS, ctid, dS_slot_stride, dS_thread_offsets, diag, hkv, is_leader,
-            mSem, mask_aux, mdQacc, mma_SdP, mma_dK, mma_dQ, mma_dV, n_block, ovl, pipe, pipe_do,
-            q_off, rdQ_prev, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k,
+            mSem, mask_aux, mdQacc, mma_SdP, mma_dK, mma_dQ, mma_dV, n_block, pipe, pipe_do,
+            q_off, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k,
             seqlen_q, softcap_val, st_atom, tPrV, tPrdO, tSrK, tSrQ, tdKrQ, tdKrdS, tdQrK, tdQrdS,
             tdQsdQ, tdQsdQ_do, tdQsdQ_q, tdSsdS, tdSsdS_st, tdVrP, tdVrdO, thr_SdP, thr_dQ,
             thr_st_dS, tm, tma_dQ, tn, walk, wg, window_left, window_right,)
         if const_expr(not self.split_mask_loops):
             for step in cutlass.range(steps, unroll=1):
-                state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
-                    step, None, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+                state, cur_h, cur_m, prev_stage = self._step(
+                    step, None, (state, cur_h, cur_m, prev_stage), ops)
         else:
-            state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._masked_and_unmasked_steps(
+            state, cur_h, cur_m, prev_stage = self._masked_and_unmasked_steps(
                 walk, n_block, seqlen_q, seqlen_k, diag, window_left, window_right,
-                (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
-
-        if const_expr(ovl):
-            if steps > 0:  # the last step's dQ
-                self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
-                             prev_m, n_block, wg, diag, window_left, is_leader)
+                (state, cur_h, cur_m, prev_stage), ops)
         if const_expr(not self.dq_writer_warp):
             if is_leader:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
@@ -253,19 +238,19 @@ class BwdConsumer:
         high = self.has_left or self.varlen  # tiles from hi up can cross
         low = self.has_right or self.mask_k  # tiles below lo can cross
         first_masked, last_masked = (high, low) if self.descending_walk else (low, high)
-        state, cur_h, cur_m, prev_h, prev_m, prev_stage = carry
+        state, cur_h, cur_m, prev_stage = carry
         if const_expr(first_masked):
             for step in cutlass.range(base, base + bounds[0], unroll=1):
-                state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
-                    step, True, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+                state, cur_h, cur_m, prev_stage = self._step(
+                    step, True, (state, cur_h, cur_m, prev_stage), ops)
         for step in cutlass.range(base + bounds[0], base + bounds[1], unroll=1):
-            state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
-                step, False, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
+            state, cur_h, cur_m, prev_stage = self._step(
+                step, False, (state, cur_h, cur_m, prev_stage), ops)
         if const_expr(last_masked):
             for step in cutlass.range(base + bounds[1], base + bounds[2], unroll=1):
-                state, cur_h, cur_m, prev_h, prev_m, prev_stage = self._step(
-                    step, True, (state, cur_h, cur_m, prev_h, prev_m, prev_stage), ops)
-        return state, cur_h, cur_m, prev_h, prev_m, prev_stage
+                state, cur_h, cur_m, prev_stage = self._step(
+                    step, True, (state, cur_h, cur_m, prev_stage), ops)
+        return state, cur_h, cur_m, prev_stage
 
     @cute.jit
     def _step(self, step, limits: cutlass.Constexpr, carry, ops):
@@ -273,10 +258,10 @@ class BwdConsumer:
         None tests per step whether the tile crosses a length / causal / window limit, True masks
         without testing, False never masks (_masked_and_unmasked_steps knows which steps those
         are). `carry`: what passes from step to step, returned updated."""
-        state, cur_h, cur_m, prev_h, prev_m, prev_stage = carry
+        state, cur_h, cur_m, prev_stage = carry
         (acc_dK, acc_dV, b, cS, ctid, dS_slot_stride, dS_thread_offsets, diag, hkv, is_leader,
-         mSem, mask_aux, mdQacc, mma_SdP, mma_dK, mma_dQ, mma_dV, n_block, ovl, pipe, pipe_do,
-         q_off, rdQ_prev, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k, seqlen_q,
+         mSem, mask_aux, mdQacc, mma_SdP, mma_dK, mma_dQ, mma_dV, n_block, pipe, pipe_do,
+         q_off, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k, seqlen_q,
          softcap_val, st_atom, tPrV, tPrdO, tSrK, tSrQ, tdKrQ, tdKrdS, tdQrK, tdQrdS, tdQsdQ,
          tdQsdQ_do, tdQsdQ_q, tdSsdS, tdSsdS_st, tdVrP, tdVrdO, thr_SdP, thr_dQ, thr_st_dS, tm,
          tma_dQ, tn, walk, wg, window_left, window_right,) = ops
@@ -284,10 +269,7 @@ class BwdConsumer:
         cur_h, cur_m = walk.advance(cur_h, cur_m)
         h = hkv * self.group + h_local
         stage = state.index
-        stamp = lambda event: self._stamp(mSem, n_block, hkv, b, ctid, step, event)
-        stamp(0)
         pipe.consumer_wait(state)
-        stamp(1)
 
         acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
         acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
@@ -305,19 +287,7 @@ class BwdConsumer:
         wgmma.issue(mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], True)
         if const_expr(self.split_ring):
             pipe_do.consumer_wait(state)  # dO, dPsum of this stage
-        if const_expr(not ovl or self.OVERLAP_DP):
-            wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
-        stamp(2)
-        if const_expr(ovl):
-            # The previous step's dQ epilogue while S^T (dP^T) run on the tensor cores
-            # (rdQ_prev: plain registers, written after that step's wait_group(0)). The
-            # wait_group(1) below still leaves exactly dP^T outstanding (S^T, dP^T are the
-            # only groups since that wait_group(0)).
-            if step > 0:
-                self._dq_out(rdQ_prev, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, prev_h, b, q_off,
-                             prev_m, n_block, wg, diag, window_left, is_leader)
-            if const_expr(not self.OVERLAP_DP):
-                wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
+        wgmma.issue(mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, stage], not self.fold_dpsum)
         if const_expr(self.dq_in_ring):
             # The previous step's dQ add has read its stage by now (it ran while these
             # products were issued): hand that stage back, so the producer loads the next
@@ -356,11 +326,9 @@ class BwdConsumer:
                 # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T,
                 # dP^T and dK, dV are live (and the dPsum values are loaded after it landed).
                 warpgroup.wait_group(1)
-                stamp(3)
                 self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
                 warpgroup.wait_group(0)
-                stamp(5)
                 dpsum_vals = self._column_stats(sDp, cS, stage, S)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -374,54 +342,31 @@ class BwdConsumer:
             rdS.store(acc_dP.load().to(self.dtype))
             if const_expr(not self.dv_after_ds):
                 wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-            if const_expr(not self.dq_under_dk):
-                wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
         else:
             # P while dP^T is still on the tensor cores; dS while dV is.
             warpgroup.wait_group(1)
-            stamp(3)
             self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
                            window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
                            lse_vals, limits=limits)
             rP.store(acc_S.load().to(self.dtype))
             # dV += P^T dO  (P^T straight from registers)
             wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
-            stamp(4)
             warpgroup.wait_group(1)
-            stamp(5)
-            if const_expr(not self.prefetch_stats):
-                dpsum_vals = self._column_stats(sDp, cS, stage, S)
-            Pb = L.rows_cols_view(rP)
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                dpsum = dpsum_vals[c]
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    if const_expr(self.fold_dpsum):
-                        dP[r, c] = S[r, c] * dP[r, c]  # dP^T started at -dPsum
-                    elif const_expr(self.p_from_bf16):
-                        dP[r, c] = Float32(Pb[r, c]) * (dP[r, c] - dpsum)
-                    else:
-                        dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
+                    dP[r, c] = S[r, c] * dP[r, c]  # dP^T started at -dPsum (fold_dpsum)
             rdS.store(acc_dP.load().to(self.dtype))
-            if const_expr(not self.dq_under_dk):
-                # dK += dS^T Q
-                wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
 
         if const_expr(not self.narrow):
             # dS^T -> shared memory (buffer step % 2), visible to the tensor cores of both WGs.
             buf = step % 2
-            if const_expr(self.dS_stmatrix):
-                L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS),
-                                        tdSsdS_st[None, None, None, 0], dS_thread_offsets,
-                                        (buf, dS_slot_stride))
-            else:
-                cute.autovec_copy(rdS, tdSsdS[None, None, None, buf])
+            L.copy_atom_to_swizzled(st_atom, 8, thr_st_dS.retile(rdS), tdSsdS_st[None, None, None, 0],
+                                    dS_thread_offsets, (buf, dS_slot_stride))
             if const_expr(self.dv_after_ds):
                 # dV += P^T dO while the stmatrix stores drain
                 wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
             cute.arch.fence_proxy("async.shared", space="cta")
-            stamp(6)
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            stamp(7)
 
         acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
         if const_expr(self.dq_transposed):
@@ -431,63 +376,47 @@ class BwdConsumer:
         if const_expr(self.dq_under_dk):
             # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
             wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
-            stamp(8)
             warpgroup.wait_group(1)
-            stamp(9)
             rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
             rdQ.store(acc_dQ.load())
             self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                         n_block, wg, diag, window_left, is_leader, stamp)
-            stamp(11)
+                         n_block, wg, diag, window_left, is_leader)
             warpgroup.wait_group(0)
-            stamp(12)
             self._release_stage(pipe, pipe_do, state)
             state.advance()
-            if const_expr(not self.dq_writer_warp):
-                cute.arch.sync_warp()  # reconverge before the back edge (see below)
         else:
             warpgroup.wait_group(0)
             if const_expr(not self.dq_in_ring):
                 self._release_stage(pipe, pipe_do, state)  # Q, dO, LSE, dPsum are consumed
             state.advance()
-            if const_expr(ovl):
-                # A real copy: an unmodified one ptxas folds into the wgmma's registers,
-                # which then count as read in the next iteration (C7517, every wgmma
-                # serialized). softcap_val is 1.0 on this path (softcap runs one pass), and
-                # ptxas cannot see that at compile time.
-                rdQ_prev.store(acc_dQ.load() * softcap_val)
-                prev_h = h
-                prev_m = m_block
-            else:
-                # dQ -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
-                # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
-                # the whole tile is harmless.
-                rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
-                rdQ.store(acc_dQ.load())
-                dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
-                if const_expr(self.dq_in_ring):
-                    # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
-                    # warpgroups' dK and dV have read them.
-                    cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                    if wg == 0:
-                        self._stage_and_add_dq(rdQ, tdQsdQ_q[None, None, None, stage],
-                                               sdQ[0][None, None, 0, stage], *dq_args)
-                    else:
-                        self._stage_and_add_dq(rdQ, tdQsdQ_do[None, None, None, stage],
-                                               sdQ[1][None, None, 0, stage], *dq_args)
-                    if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
-                        pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
-                    prev_stage = stage
-                    cute.arch.sync_warp()  # reconverge before the back edge (see below)
+            # dQ -> this warpgroup's smem slab -> one TMA add into the fp32 buffer. Rows
+            # past seqlen_q (varlen: the next sequence) hold exact zeros (P = 0 there), so adding
+            # the whole tile is harmless.
+            rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
+            rdQ.store(acc_dQ.load())
+            dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
+            if const_expr(self.dq_in_ring):
+                # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
+                # warpgroups' dK and dV have read them.
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                if wg == 0:
+                    self._stage_and_add_dq(rdQ, tdQsdQ_q[None, None, None, stage],
+                                           sdQ[0][None, None, 0, stage], *dq_args)
                 else:
-                    self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
-                    if const_expr(not self.dq_writer_warp):
-                        # Reconverge the warp before the back edge: with the leader-only TMA region
-                        # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
-                        # cursor) in vector registers and rebuilds every stage-indexed descriptor
-                        # with vector math + R2UR (D64 128-query loop: 700 -> 645 SASS).
-                        cute.arch.sync_warp()
-        return state, cur_h, cur_m, prev_h, prev_m, prev_stage
+                    self._stage_and_add_dq(rdQ, tdQsdQ_do[None, None, None, stage],
+                                           sdQ[1][None, None, 0, stage], *dq_args)
+                if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
+                    pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
+                prev_stage = stage
+                cute.arch.sync_warp()  # reconverge before the back edge (see below)
+            else:
+                self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                # Reconverge the warp before the back edge: with the leader-only TMA region
+                # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
+                # cursor) in vector registers and rebuilds every stage-indexed descriptor
+                # with vector math + R2UR.
+                cute.arch.sync_warp()
+        return state, cur_h, cur_m, prev_stage
 
     @cute.jit
     def _store_via_smem(self, acc, thr, s_tile, tma_store, g_tile, factor, ctid):

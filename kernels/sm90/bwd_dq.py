@@ -35,16 +35,14 @@ class BwdDq:
 
     @cute.jit
     def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
-                wg, diag, window_left, is_leader, stamp=None):
-        """A finished dQ (unscaled: bwd.py applies the scale) -> this warpgroup's slab -> TMA add
+                wg, diag, window_left, is_leader):
+        """A finished dQ (unscaled: the dq conversion applies the scale) -> this warpgroup's slab -> TMA add
         into the fp32 buffer (the separate-slab paths; with dq_writer_warp the writer warp issues
         the add)."""
         if const_expr(self.dq_writer_warp):
             # The writer's previous add has read the slab; store, then hand it over without
             # waiting (the async-proxy fence orders the stores before the TMA read).
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
-            if const_expr(stamp is not None):
-                stamp(10)  # the slab is free: the wait ends here, the stores begin
             L.copy_to_swizzled(rdQ, tdQsdQ, self._dq_thread_offsets)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
@@ -79,7 +77,7 @@ class BwdDq:
         gdQ = cute.local_tile(self._head_slice(mdQacc, h, b, q_off), slab, coord)
         tS, tG = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2),
                                        cute.group_modes(gdQ, 0, 2))
-        cute.copy(tma_dQ, tS, tG, cache_policy=l2_hints.policy(self.evict_last_dq, l2_hints.EVICT_LAST))
+        cute.copy(tma_dQ, tS, tG, cache_policy=l2_hints.policy(True, l2_hints.EVICT_LAST))
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -89,8 +87,7 @@ class BwdDq:
         for the slab to be full, adds it into the fp32 buffer, and hands it back once read.
 
         Every consumer warpgroup syncs on its "empty" barrier once per step and arrives on "full"
-        once per step (the overlap path emits the last step's dQ after its loop: still `steps`
-        of each), so the writer arrives on "empty" exactly `steps` times too: once before the
+        once per step, so the writer arrives on "empty" exactly `steps` times too: once before the
         first step, then after every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
         semaphore wait overlapping the consumers' work on the step.

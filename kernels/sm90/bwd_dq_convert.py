@@ -10,6 +10,10 @@ output dtype that differs from the input's, torch runs its unrolled (not vectori
 kernel. Here each thread reads 8 floats as two 16-byte loads and writes 8 16-bit values as one
 16-byte store, so the pass moves its 3 x 67 MB at close to DRAM bandwidth.
 
+Launched as a programmatic dependent of the main backward kernel (scheduled under its last
+wave); CTAs take the buffer last chunk first: the main kernel's last pairs added their dQ last,
+so their lines are the ones still in L2 (NOTES Experiment 128).
+
 Compiled once per output dtype; N is symbolic (a multiple of 8: head dims are).
 The kernel itself is in bwd_dq_convert_kernel.py, imported only to compile it: this module's
 host side loads no CuTe DSL, so a kernel loaded from the disk cache (kernels/disk_cache.py) runs
@@ -25,32 +29,28 @@ THREADS = 256
 MAX_ELEMENTS = 2**31 - VEC * THREADS  # 32-bit element indices
 
 
-def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None, pdl: bool = True,
-                   reversed_order: bool = False):
+def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None):
     """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
-    cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there. pdl:
-    launched as a programmatic dependent of the main backward kernel (bwd.PDL_ENV)."""
+    cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there."""
     if dump_dir is not None:
-        return _compile(dtype, arch, dump_dir, pdl, reversed_order)
-    from .bwd import cached_compile
+        return _compile(dtype, arch, dump_dir)
+    from .bwd_compile import cached_compile
 
-    return cached_compile(("sm90_bwd_dq_convert", arch, dtype, pdl, reversed_order),
-                          lambda jit=True: _compile(dtype, arch, None, pdl, reversed_order, jit))
+    return cached_compile(("sm90_bwd_dq_convert", arch, dtype), lambda jit=True: _compile(dtype, arch, None, jit))
 
 
-def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, pdl: bool = True, reversed_order: bool = False,
-             jit: bool = True):
+def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, jit: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32
 
-    from .bwd import _cute_dtype, compile_stream_and_options
+    from .bwd_compile import compile_stream_and_options, cute_dtype
     from .bwd_dq_convert_kernel import ScaledNarrowKernel
 
     n = cute.sym_int(divisibility=VEC)
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
-    dst = cute.runtime.make_fake_tensor(_cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
+    dst = cute.runtime.make_fake_tensor(cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(ScaledNarrowKernel(_cute_dtype(dtype), pdl, reversed_order), src, dst, Float32(1.0), stream, options=options,
+    return cute.compile(ScaledNarrowKernel(cute_dtype(dtype)), src, dst, Float32(1.0), stream, options=options,
                        no_jit_engine=not jit)
 
 
@@ -63,7 +63,6 @@ def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0)
 
 
-def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float, pdl: bool = True,
-                  reversed_order: bool = False) -> None:
+def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
     """dst = src * scale in dst's dtype (call when `takes(src, dst)`)."""
-    compile_kernel(dst.dtype, pdl=pdl, reversed_order=reversed_order)(src.view(-1), dst.view(-1), float(scale))
+    compile_kernel(dst.dtype)(src.view(-1), dst.view(-1), float(scale))

@@ -12,28 +12,22 @@ from .bwd_dq_convert import THREADS, VEC
 class ScaledNarrowKernel:
     """fn(src, dst, scale): dst[i] = src[i] * scale for i < N, src fp32 (N,), dst 16-bit (N,)."""
 
-    def __init__(self, dtype, pdl: bool = True, reversed_order: bool = False):
+    def __init__(self, dtype):
         self.dtype = dtype
-        self.pdl = pdl  # programmatic dependent launch after the main backward kernel
-        # CTAs take the buffer last chunk first: the main kernel's last pairs (the last batch)
-        # added their dQ last, so their lines are the ones still in L2 (bwd.PASS_ORDER_ENV)
-        self.reversed_order = reversed_order
 
     @cute.jit
     def __call__(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32, stream):
         per_cta = VEC * THREADS
         grid = ((cute.size(src) + per_cta - 1) // per_cta, 1, 1)
         # programmatic dependent launch: scheduled while the main kernel's last CTAs run
-        self.kernel(src, dst, scale).launch(grid=grid, block=(THREADS, 1, 1), stream=stream, use_pdl=self.pdl)
+        self.kernel(src, dst, scale).launch(grid=grid, block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, src: cute.Tensor, dst: cute.Tensor, scale: Float32):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the main kernel's dQ adds have all landed
+        cute.arch.griddepcontrol_wait()  # the main kernel's dQ adds have all landed
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.reversed_order):
-            bidx = cute.arch.grid_dim()[0] - 1 - bidx
+        bidx = cute.arch.grid_dim()[0] - 1 - bidx  # last chunk first (bwd_dq_convert's docstring)
         chunk = bidx * THREADS + tidx  # this thread's 8 elements: column `chunk` below
         src_v = cute.logical_divide(src, cute.make_layout(VEC))  # (VEC, N / VEC)
         dst_v = cute.logical_divide(dst, cute.make_layout(VEC))

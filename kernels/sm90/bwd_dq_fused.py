@@ -16,12 +16,10 @@ for at every step, only adds one hand-off per step:
 - every CTA's converter warp (warp 3) takes the queue's slots in order from a head counter, waits
   for its slot to be filled, loads the finished fp32 tile by TMA into a staging tile, scales and
   narrows it and stores dq's rows from registers (16-byte stores: nothing to wait for).
-Measured on the way (H100, D128): the writer waiting for its adds one step behind and bumping the
-counters itself cost 10-15% (each atomic is a round trip to L2 the consumers then wait behind); a
-queue per CTA instead of the global one made the writer wait for its own converter: the key tiles
-of one head walk the query tiles in lockstep, so one CTA may complete a tile at every step while
-the others complete none. Through the global queue each conversion goes to whichever SM's
-converter is free.
+The counting is not the writer's own (each atomic is a round trip to L2 the consumers would wait
+behind), and the queue is global, not per CTA: the key tiles of one head walk the query tiles in
+lockstep, so one CTA may complete a tile at every step while the others complete none; through
+the global queue each conversion goes to whichever SM's converter is free (NOTES Experiment 127).
 
 The queue, its counters and the per-tile counters live in the semaphore argument, zeroed by the
 host: (B, Hq, 2 * n_m + 3) int32, n_m query tiles per head. Columns [0, n_m): the tiles' counters;
@@ -29,14 +27,13 @@ host: (B, Hq, 2 * n_m + 3) int32, n_m query tiles per head. Columns [0, n_m): th
 n_m + e % n_m, holding 1 + the tile's index (0: not yet filled); row (0, 0) ends with the queue's
 head and tail counters and the persistent tile counter (its last element, as without fused_dq).
 
-What this saves is the separate pass: at 16k tokens x 2048 it reads 134 MB of fp32 and writes
-67 MB of dq after the main kernel, ~70 us on an H100, 12% of a D128 S1k causal backward. Each
+What this saves is the separate pass over the whole fp32 buffer after the main kernel. Each
 query tile is read back once from L2 (it was just reduced there) while the key tiles still run,
 by warps that issue nothing else.
 
 Every query tile needs at least one contributor, or nobody would fill its queue slot and the
-converters would wait forever: bwd.py takes this path only for calls where every query tile sees
-a key (`fused_dq_applies`).
+converters would wait forever: bwd_variant takes this path only for calls where every query tile
+sees a key (`_fused_dq_applies`).
 """
 
 from __future__ import annotations

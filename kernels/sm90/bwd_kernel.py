@@ -28,12 +28,10 @@ Warp roles (384 threads):
   P is computed while dP^T is still on the tensor cores, dS while dV is. Each warpgroup stages
   its dQ half in shared memory and adds it to the fp32 buffer with one TMA reduce-add (in
   KV-tile order under a per-query-tile semaphore when deterministic); dK, dV are written once at
-  the end. Order of a step's last products (`dq_under_dk`, the default on the 128-key variants):
-  after the dS^T barrier dQ is issued, then dK; once dQ lands it is scaled and staged while dK
-  runs (NOTES Experiments 24, 26). The alternative, `overlap_next_s` (wide two-pass path): dK
-  first, and the dQ of step i is staged and added during step i + 1, after that step's S^T and
-  dP^T are issued (NOTES Experiment 13).
-  `dq_writer_warp` (separate dQ slabs only): the consumers only store their dQ half into the slab
+  the end. Order of a step's last products on the 128-key variants (`dq_under_dk`): after the
+  dS^T barrier dQ is issued, then dK; once dQ lands it is scaled and staged while dK runs (NOTES
+  Experiments 24, 26).
+  `dq_writer_warp` (the 128-key variants): the consumers only store their dQ half into the slab
   and signal it; producer warp 1 issues the TMA add (and takes the deterministic turns) and hands
   the slab back once the add has read it, through two named barriers per warpgroup ("slab
   empty": writer arrives, consumers sync; "slab full": consumers arrive, writer syncs). The
@@ -49,50 +47,37 @@ that is dK + dV + dQ = 3 * 64 * 256 / 256 = 192 fp32 registers at D=256. Shared 
 two ring stages and the dQ slabs (~210 KB); at D=256 (~274 KB that way) the dQ halves are staged
 instead in the Q and dO buffers of the step just consumed (`dq_in_ring`: each is exactly one fp32
 dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer once the TMA add
-has read it, early in the next step. bwd.tiles picks the configuration.
+has read it, early in the next step. bwd_config.ring picks the configuration.
 
-128 queries per step (`tile_m = 128`; head dims <= 64 on the wide path, selected by bwd.query_tile,
-the default there): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
+128 queries per step (`tile_m = 128`; head dims <= 64 on the wide path, bwd_variant.query_tile): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
 registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
 warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
 per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix (as at
 64 queries). Keeping the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at
-once and ptxas would serialize the wgmmas (C7512), so dS is formed either from the bf16 P
-registers (two passes, overlap_next_s on), in one fp32 pass after both products
-(`passes="one"`, no overlap), or from the fp32 P kept while dP^T lands, with dV issued only
-after dS (`"split"`: no wgmma is in flight while S^T, dP^T and P are all live).
+once and ptxas would serialize the wgmmas (C7512), so P is formed in fp32 while dP^T lands, dS
+from it once dP^T landed, and dV issued only after dS (`p_under_dp`: no wgmma is in flight while
+S^T, dP^T and P are all live; NOTES Experiments 41, 54).
 
-80 queries per step (`tile_m = 80`, D = Dv = 128 without masks, softcap or mods; selected by
-bwd._takes_80_queries, off by default: not faster yet, NOTES Experiment 42): flash-attn-4's D128
-tile. S^T, dP^T are m64n80 per warpgroup, dV and dK take five k-blocks of 16 queries, and dQ, whose
-M would be 80, is computed transposed: dQ^T = K^T dS^T, each warpgroup half of the head dim by all
-80 queries, stored transposed into its (80, d/2) slab. dS goes to shared memory as (queries, keys),
-keys contiguous, through a transposing stmatrix, so that dQ^T reads it K-major with a 128-byte
-swizzle (queries contiguous would allow only 32 bytes: ~3% slower). The LSE / dPsum ring stages
-are padded to 96 values (TMA destinations are 128-byte aligned).
-
-dQ transposed (`dq_transposed`, bwd.dq_transposed: the default at D128 with 64 queries and at D64
-with 128): dQ^T = K^T dS^T, M = the warpgroup's 64 head-dim columns, N = its queries, dS
-stored (queries, keys) by the 80-query path's transposing stmatrix. What it buys is the slab
+dQ transposed (`dq_transposed`, BwdConfig.dq_transposed: D128 with 64 queries and D64 with 128):
+dQ^T = K^T dS^T, M = the warpgroup's 64 head-dim columns, N = its queries, dS stored (queries,
+keys), keys contiguous, by a transposing stmatrix, so that dQ^T reads it K-major with a 128-byte
+swizzle. What it buys is the slab
 stores: dQ = dS K leaves each thread 64-bit pairs along a row, and under the slab's 128-byte
 swizzle rows r and r ^ 1 of a warp share banks (Nsight: 8 wavefronts per store); dQ^T's values
 go out as 32-bit stores whose 32 lanes hit 32 banks (NOTES Experiment 79).
-
-Row statistics (`permuted_stats`, opt-in): LSE / dPsum tiles in bwd_stats_layout's order, read as
-16-byte vectors instead of 64-bit pairs (measured level, NOTES Experiment 81).
 
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
 Variable length: the `varlen` variant (packed rows, per-sequence row offsets, dK / dV stored from
 registers with a row predicate). Its LSE / dPsum rows start each sequence at a tile-aligned
-offset (`_stat_row_offset`, bwd.varlen_stat_layout): a TMA load of fp32 rows from an offset that
+offset (`_stat_row_offset`, bwd_row_stats.varlen_stat_layout): a TMA load of fp32 rows from an offset that
 is not a multiple of 4 stopped the kernel with an illegal instruction (NOTES Experiment 160).
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
 where ds' = ds * ds/d(scale*qk) (1 without softcap, 1 - tanh^2 with it).
-The kernel adds ds' k to the dQ buffer unscaled: bwd.py applies `scale` in the conversion to the
+The kernel adds ds' k to the dQ buffer unscaled: the dQ conversion applies `scale` in the conversion to the
 output dtype it makes anyway (32 multiplies per step off the dQ epilogue, which runs under dK).
 
 Where the code is: this module holds the class (its configuration, the launch, shared memory and
@@ -114,6 +99,7 @@ from ..common import mod_lowering as mods_dsl
 from ..common.tile_mailbox import init_mailbox, next_item, publish_item, read_item
 from ..common.tile_scheduler import grouped_order, split_unit
 from . import bwd_layouts as L
+from .bwd_config import BwdConfig
 from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
 from .bwd_dq_fused import COUNT_WARP, CVT_WARP, BwdDqFused
@@ -127,119 +113,53 @@ from .bwd_scores import BwdScores
 # Persistent: the warps that read each work tile from the mailbox (8 consumer warps, the dQ writer)
 _TILE_READERS = 9
 
-# Phase tracing (trace_steps > 0): the points of a step where a clock is stamped, in order.
-TRACE_EVENTS = (
-    "top", "ring_ready", "products_issued", "S_landed", "dV_issued", "dP_landed", "dS_stored",
-    "dS_barrier", "dQ_dK_issued", "dQ_landed", "dQ_slab_free", "dQ_handed", "step_end",
-)
-
-
 class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFused):
     threads = 384
     producer_regs = 24
     consumer_regs = 240
-    # overlap_next_s: dP^T joins S^T before the previous step's dQ epilogue (else issued after it)
-    OVERLAP_DP = True
 
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        head_dim_v: int,
-        group: int,
-        causal_or_right: bool,
-        has_left: bool,
-        softcap: bool,
-        varlen: bool,
-        seqused_k: bool,
-        deterministic: bool,
-        mods=None,  # torch_fa4.mods.registry.ModSet or None; its graphs are inlined per element
-        sparse=None,  # (ratio_m, ratio_n): walk the block mask's query tiles (bwd_q_walk.py)
-        tile_n: int = 128,  # keys per CTA: 128 (two warpgroups of 64 keys) or 64 (narrow, D > 128)
-        stages: int = 2,  # Q / dO / LSE / dPsum ring depth
-        dq_in_ring: bool = False,  # stage dQ in the consumed Q / dO buffers (no dQ slabs)
-        overlap_next_s: bool = True,  # dQ epilogue of step i under step i + 1's S^T, dP^T
-        tile_m: int = 64,  # queries per step: 64; 128 (wide path, head dims <= 64); 80 (wide, dQ^T)
-        passes: str | None = None,  # 128 / 80 queries: "two", "one" or "split" (module docstring)
-        dq_under_dk: bool = False,  # dQ issued before dK, its epilogue under dK (wide paths)
-        dq_writer_warp: bool = False,  # producer warp 1 issues the dQ TMA adds (separate slabs)
-        trace=0,  # (steps, batch, kv head): clock stamps of that pair's first steps into mSem (bwd_trace.py)
-        exp2_emulate_every: int = 0,  # every k-th column of P on the FMA pipe (0: all MUFU ex2)
-        fold_dpsum: bool = False,  # dP^T's accumulator starts at -dPsum (statistics in registers)
-        pdl: bool = True,  # programmatic dependent launch after the row-statistics pass (kernel)
-        split_ring: bool = False,  # separate ring barriers for Q + LSE and dO + dPsum (128 queries)
-        dv_after_ds: bool = False,  # one pass / split: dV issued after the dS^T stmatrix (see below)
-        persistent: bool = False,  # one CTA per SM walks the key tiles from a counter (see below)
-        l2_hints: str = "0",  # "1": Q / dO / statistics / dQ adds evict-last, K / V evict-first;
-        # "loads": the same without the dQ adds'; "last": the loads' evict-last ones only
-        descending_walk: bool = False,  # causal / right-window dense walks from the last query tile down (bwd_q_walk)
-        dq_transposed: bool = False,  # 64 queries: dQ^T = K^T dS^T (as at 80), for conflict-free dQ stores
-        permuted_stats: bool = False,  # LSE / dPsum tiles in bwd_stats_layout's order: vector loads
-        mod_fragment: bool = False,  # the score_mod through mod_fragment's emitter (bwd_scores.py)
-        split_mask_loops: bool = False,  # masked and unmasked steps in loops of their own (see below)
-        own_dv_stage: bool = False,  # persistent: dV staged in a buffer of its own (see below)
-        fused_dq: bool = False,  # persistent: dq written by this kernel (bwd_dq_fused.py)
-        split_tail: bool = False,  # persistent: the last round's tiles split into pieces (see below)
-        mask_key_tail: bool = False,  # dense keys end inside a key tile (see mask_k)
-    ):
+    def __init__(self, dtype, config: BwdConfig, mods=None):
+        """dtype: the cutlass input dtype; config: the variant (bwd_config.py); mods: the
+        torch_fa4.mods.registry.ModSet of config.mods_key (None without mods), its graphs inlined."""
+        c = config
         self.dtype = dtype
-        # bwd.variant_key decides it (causal / right-window walks only: the deterministic turns
-        # need the key tiles to reach a query tile in key-tile order)
-        assert not descending_walk or (causal_or_right and not deterministic), "descending walk: causal, not deterministic"
-        self.descending_walk = descending_walk
-        assert l2_hints in ("0", "1", "loads", "last")
-        self.evict_last_q_do = l2_hints != "0"  # read by every key tile of a head
-        self.evict_first_kv = l2_hints in ("1", "loads")  # read by this CTA only
-        self.evict_last_dq = l2_hints == "1"  # added to by every key tile, read by the conversion last
-        assert tile_n in (64, 128)
-        self.tile_n = tile_n
-        assert tile_m in (64, 80, 128)
+        # causal / right-window walks only: the deterministic turns need the key tiles to reach a
+        # query tile in key-tile order
+        self.descending_walk = c.descending_walk
+        self.tile_n = c.tile_n
         # 128 queries per step (wide path, D = Dv <= 64): per consumer thread S^T and dP^T are
         # 64 + 64 fp32, dK + dV 32 + 32, dQ 32. dQ splits the query rows between the warpgroups
         # (each 64 rows x the full head dim: m64nDk16, no N=32 wgmmas) instead of the head dim.
-        assert tile_m != 128 or (tile_n == 128 and max(head_dim, head_dim_v) <= 64 and not dq_in_ring)
-        self.tile_m = tile_m
-        self.dq_split_rows = tile_m == 128
-        # 80 queries per step (wide path, flash-attn-4's D128 tile: the same fixed cost per step
-        # spread over 25% more queries; module docstring). dQ = dS K would need an M of 80, so
-        # each warpgroup computes dQ^T = K^T dS^T for half of the head dim (M = 64, N = 80).
-        # Elsewhere dQ^T is chosen (`dq_transposed`) for its conflict-free slab stores (module
-        # docstring, "dQ transposed").
-        self.dq_transposed = tile_m == 80 or bool(dq_transposed)
-        # (the wgmma's M, the head dim of one warpgroup, must be 64: half of D128, or all of D64
-        # where the warpgroups split the 128 queries)
-        assert not self.dq_transposed or (tile_n == 128 and not dq_in_ring and head_dim_v <= 128 and (
-            head_dim == 128 and tile_m in (64, 80) or head_dim == 64 and tile_m == 128))
-        # The row statistics in bwd_stats_layout's permuted order (the row-statistics pass writes
-        # them so): each thread reads its values as 16-byte vectors. Not with packed varlen rows,
-        # whose tiles start at any row.
-        assert not permuted_stats or (not varlen and tile_m in (64, 80, 128))
-        self.permuted_stats = permuted_stats
-        self.mod_fragment = mod_fragment
+        assert c.tile_m in (64, 128)
+        assert c.tile_m == 64 or (c.tile_n == 128 and max(c.head_dim, c.head_dim_v) <= 64 and not c.dq_in_ring)
+        self.tile_m = c.tile_m
+        self.dq_split_rows = c.tile_m == 128
+        # dQ^T = K^T dS^T for its conflict-free slab stores (module docstring, "dQ transposed")
+        self.dq_transposed = c.dq_transposed
         # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
-        self.narrow = tile_n == 64
-        self.stages = stages
+        self.narrow = c.narrow
+        self.stages = c.stages
         # dQ staging in the ring: once a step's dK, dV are done, its Q and dO buffers are dead,
         # and they are exactly as large as the two fp32 dQ halves when Dv >= D. The stage is
         # handed back to the producer once the TMA add has read it (next step). Saves the 64 KB
         # of dQ slabs at D=256, which buys the second ring stage.
-        self.dq_in_ring = dq_in_ring
-        assert not dq_in_ring or (head_dim_v >= head_dim and stages == 2)
-        self.d = head_dim
-        self.dv = head_dim_v
-        self.group = group  # query heads per KV head
-        self.has_right = causal_or_right  # mask keys right of the diagonal (+ window_right)
-        self.has_left = has_left
-        self.softcap = softcap
-        self.varlen = varlen
+        self.dq_in_ring = c.dq_in_ring
+        assert not c.dq_in_ring or (c.head_dim_v >= c.head_dim and c.stages == 2)
+        self.d = c.head_dim
+        self.dv = c.head_dim_v
+        self.group = c.group  # query heads per KV head
+        self.has_right = c.has_right  # mask keys right of the diagonal (+ window_right)
+        self.has_left = c.has_left
+        self.softcap = c.softcap
+        self.varlen = c.varlen
         # Keys past seqlen_k are masked when the tensor holds more rows than the sequence uses
         # (varlen: the next sequence; seqused_k: the unused cache) and when dense keys end inside
         # a key tile: TMA zero-fills that tail's K and V, but its P = exp2(0 - lse2) is unbounded
         # for rows whose scores are all very negative, so its dS can overflow the 16-bit operand
         # (inf) and dS K would give inf * 0 = NaN in dQ (fp16 from lse2 < -16).
-        self.mask_k = varlen or seqused_k or mask_key_tail
-        self.deterministic = deterministic
+        self.mask_k = c.varlen or c.seqused_k or c.mask_key_tail
+        self.deterministic = c.deterministic
         self.score_graph = mods.score_graph if mods is not None else None
         self.mask_graph = mods.mask_graph if mods is not None else None
         # d score_mod / d score, traced from the score graph (None when it is 1 everywhere)
@@ -250,98 +170,59 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
         # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P:
         # tanh' (softcap) or score_mod' at the unmodified score.
-        self.one_pass = softcap or self.score_graph is not None
-        # 128 queries per step, two-pass path: the 64-query order (fp32 P kept for dS while dP^T
-        # lands and dV runs) needs S^T + dP^T + P (bf16, dV's A) + dK + dV = 224 registers at
-        # once and ptxas serializes every wgmma (C7512). Two ways that fit:
-        #   two passes, dS from the bf16 P registers (p_from_bf16): the fp32 P dies at its
-        #     conversion, before dP^T lands; dS carries one extra bf16 rounding of P (the
-        #     rounding dV already sees); overlap_next_s stays on;
-        #   one pass ("one"): P and dS in fp32 once both products landed, as softcap
-        #     does; no overlap_next_s (one_pass paths never pipeline the dQ epilogue);
-        #   split ("split", flash-attn-4's order): P in fp32 while dP^T is in flight, dS from it
-        #     once dP^T landed, and only then the bf16 P and dV, so no wgmma is outstanding
-        #     while S^T, dP^T and P are all live. Softcap and score_mod (dS needs the unmodified
-        #     score) keep "one".
-        #   80 queries (D128) take "one" or "two"; "split" (and the 64-query order) make ptxas
-        #   serialize the wgmmas there (C7512).
-        assert tile_m == 64 or passes in ("two", "one", "split"), passes
-        assert tile_m != 80 or passes != "split", "80 queries: split does not fit (C7512)"
-        self.p_from_bf16 = False
-        self.p_under_dp = False
-        if tile_m != 64 and not self.one_pass:
-            self.one_pass = passes != "two"
-            self.p_from_bf16 = passes == "two"
-            self.p_under_dp = passes == "split"
+        self.one_pass = c.softcap or self.score_graph is not None
+        # 128 queries per step: the 64-query order (fp32 P kept for dS while dP^T lands and dV
+        # runs) needs S^T + dP^T + P (bf16, dV's A) + dK + dV = 224 registers at once and ptxas
+        # serializes every wgmma (C7512). Instead (flash-attn-4's order) P is formed in fp32 while
+        # dP^T is in flight (`p_under_dp`), dS from it once dP^T landed, and only then the bf16 P
+        # and dV, so no wgmma is outstanding while S^T, dP^T and P are all live. Softcap and
+        # score_mod (dS needs the unmodified score) form both after both products (one pass).
+        self.p_under_dp = c.tile_m == 128 and not self.one_pass
+        self.one_pass = self.one_pass or c.tile_m == 128
         # dS^T to shared memory through stmatrix on the wide path (64 or 128 queries): per-register
         # stores need one swizzled address each (hoisted and spilled at 128 queries, ~60 spill
         # instructions; rebuilt every step at 64, ~50 instructions); stmatrix needs four, derived
-        # from one loop-invariant address (bwd_layouts.copy_atom_to_swizzled).
-        self.dS_stmatrix = not self.narrow
-        # Software pipelining of the wide two-pass path: a step's dQ leaves the tensor cores
-        # (wait_group(0)) but is staged and added only in the next step, after that step's S^T
-        # (and dP^T: OVERLAP_DP) are issued, so the tensor cores work during the dQ epilogue. No
-        # wgmma is in flight across the loop's back edge (ptxas serializes every wgmma then:
-        # C7514). Other paths ignore it.
-        self.overlap_next_s = bool(overlap_next_s) and not (self.narrow or self.one_pass or dq_in_ring)
-        # The other order (flash-attn-4's on Hopper): dQ = dS K is issued right after the dS^T
-        # barrier and dK = dS^T Q after it, so once dQ lands its epilogue (scale, stage, TMA add)
-        # runs while dK is still on the tensor cores, in the step itself; the wait for dQ no longer
-        # leaves the tensor cores idle at the end of the step (Nsight source view of the default
-        # order: 7% of warp samples on that final wait). Replaces overlap_next_s.
-        self.dq_under_dk = bool(dq_under_dk) and not (self.narrow or dq_in_ring)
-        if self.dq_under_dk:
-            self.overlap_next_s = False
+        # from one loop-invariant address (bwd_layouts.copy_atom_to_swizzled; bwd_consumer).
+        # The 128-key variants (separate dQ slabs) issue dQ = dS K right after the dS^T barrier
+        # and dK = dS^T Q after it, so once dQ lands its epilogue (scale, stage, TMA add) runs
+        # while dK is still on the tensor cores (NOTES Experiments 24, 26); a dedicated warp issues
+        # their dQ adds (module docstring). dQ staged in the ring (narrow) keeps the leader warps'
+        # adds, which also hand the stage back to the producer.
+        self.dq_under_dk = c.separate_dq_slabs
+        self.dq_writer_warp = c.separate_dq_slabs
         # With dq_under_dk nothing runs between issuing S^T / dP^T and waiting for them, so the
         # per-query LSE / dPsum loads from shared memory would sit on that path (short-scoreboard
         # stalls at the first exp2): load them into registers before the step's wgmmas instead
         # (loads issued after them queue behind them and stall the same). 64-query wide two-pass
         # path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
-        self.prefetch_stats = self.dq_under_dk and tile_m == 64 and not self.one_pass
-        # With the statistics in registers before the products, dP^T's accumulator starts at
-        # -dPsum instead of 0, so dS = P * (dP - dPsum) is one multiply per element and the dPsum
-        # registers die before the P pass. ptxas then issues dP^T only after S^T has landed,
-        # between the P pass's exponentials (NOTES Experiment 31).
-        self.fold_dpsum = bool(fold_dpsum) and self.prefetch_stats
-        # A dedicated warp issues the dQ adds from the separate slabs (module docstring); dQ staged
-        # in the ring keeps the leader warps' adds, which also hand the stage back to the producer.
-        assert not (dq_writer_warp and dq_in_ring)
-        self.dq_writer_warp = dq_writer_warp
+        # With the statistics in registers, dP^T's accumulator starts at -dPsum instead of 0, so
+        # dS = P * (dP - dPsum) is one multiply per element and the dPsum registers die before the
+        # P pass (`fold_dpsum`, NOTES Experiment 31).
+        self.prefetch_stats = self.dq_under_dk and c.tile_m == 64 and not self.one_pass
+        self.fold_dpsum = self.prefetch_stats
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
-        self.sparse = sparse is not None
-        self.ratio_m, self.ratio_n = sparse if sparse is not None else (1, 1)
+        self.sparse = c.sparse is not None
+        self.ratio_m, self.ratio_n = c.sparse if c.sparse is not None else (1, 1)
         assert not self.sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         # the deterministic dQ order counts every earlier key tile; a sparse walk skips some
-        assert not (self.sparse and deterministic), "deterministic mode walks densely"
+        assert not (self.sparse and c.deterministic), "deterministic mode walks densely"
         # Walks with a length / causal / window limit but no mask_mod: the steps that cross a
         # limit and those that do not in separate loops, each with one P / dS body
-        # (bwd_consumer._masked_and_unmasked_steps); else one loop tests every step.
-        self.split_mask_loops = (split_mask_loops and not self.sparse and self.mask_graph is None
+        # (bwd_consumer._masked_and_unmasked_steps, NOTES Experiment 124); else one loop tests
+        # every step.
+        self.split_mask_loops = (not self.sparse and self.mask_graph is None
                                  and (self.varlen or self.mask_k or self.has_right or self.has_left))
-        # Phase tracing, a measuring tool: the first thread of each consumer warpgroup of the CTAs
-        # of one (batch, KV head) pair writes a 32-bit clock at TRACE_EVENTS points of its first
-        # `trace_steps` steps into mSem, then (n_blocks, 2, trace_steps * TRACE_EVENTS) int32.
-        assert not (trace and deterministic), "tracing reuses the semaphore argument"
-        self.trace_steps, self.trace_b, self.trace_hkv = trace if trace else (0, 0, 0)
-        # FA4's split of the exponentials between the MUFU unit and a polynomial on the FMA pipe
-        # (kernels/common/exp2_emulation.py): the P pass is MUFU-bound (per SM sub-partition 2
-        # warps x 32 ex2 x 8 cycles = 512 cycles at 64 queries, ~100 other instructions per warp)
-        # while the tensor cores wait for it (NOTES Experiment 28).
-        self.exp2_emulate_every = exp2_emulate_every
-        self.pdl = pdl
         # Separate barriers for a stage's Q + LSE and its dO + dPsum (flash-attn-4 has separate
         # pipelines): S^T is issued as soon as Q has landed, dP^T once dO has. 128-query variant
         # only (no statistics prefetched before the products there).
-        assert not split_ring or (tile_m == 128 and not self.prefetch_stats and not dq_in_ring)
-        self.split_ring = split_ring
-        # One pass / split on the wide path: the dS^T stmatrix goes before dV's issue instead of
-        # after it, so the stores drain while dV's HGMMAs issue (issuing blocks until most of the
-        # product has run) and the async-proxy fence and dS^T barrier after them find them done.
-        # Stall samples of the D64 128-query loop: 7% at that fence + barrier with dV first, ~1%
-        # in flash-attn-4's loop, which stores dS first (NOTES Experiment 54).
-        self.dv_after_ds = bool(dv_after_ds) and self.one_pass and not self.narrow and tile_m != 64
+        assert not c.split_ring or (c.tile_m == 128 and not self.prefetch_stats and not c.dq_in_ring)
+        self.split_ring = c.split_ring
+        # 128 queries: the dS^T stmatrix goes before dV's issue instead of after it, so the stores
+        # drain while dV's HGMMAs issue (issuing blocks until most of the product has run) and the
+        # async-proxy fence and dS^T barrier after them find them done (NOTES Experiment 54).
+        self.dv_after_ds = c.tile_m == 128
         # dK / dV leave through shared memory and TMA stores (see __call__)
-        self.stage_dkdv = not varlen and not self.narrow
+        self.stage_dkdv = not c.varlen and not self.narrow
         # Persistent: a grid of one CTA per SM; each CTA takes the next work tile (key tile, kv
         # head, batch; the _cta_coords order) from a global counter, so tiles go to whichever SM
         # frees first, as the hardware's CTA launch would. What it saves is the per-CTA fixed
@@ -350,27 +231,26 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # step, instead of the K / V buffers), and no launch gap between tiles. The producer
         # warp takes the tiles and hands each to the consumer warps and the dQ writer warp
         # through a two-slot mailbox in shared memory (kernels/common/tile_mailbox.py).
-        self.persistent = persistent
-        assert not persistent or (self.stage_dkdv and self.dq_writer_warp and not deterministic
-                                  and not self.sparse and not dq_in_ring), "persistent: dense 128-key paths"
+        self.persistent = c.persistent
+        assert not c.persistent or (self.stage_dkdv and self.dq_writer_warp and not c.deterministic
+                                    and not self.sparse and not c.dq_in_ring), "persistent: dense 128-key paths"
         # Where the dS^T slots hold only one of dK / dV (64 queries per step), the persistent
-        # epilogue stored dK, waited for the TMA to read it out, then staged dV in the same slots:
-        # two store reads in a row at every tile's end. With `own_dv_stage` dV has a buffer of its
-        # own (bwd.own_dv_stage: where shared memory has room), so both stores go out together.
-        self.own_dv_stage = bool(own_dv_stage)
-        assert not own_dv_stage or persistent, "own_dv_stage: the persistent epilogue"
+        # epilogue would store dK, wait for the TMA to read it out, then stage dV in the same
+        # slots: two store reads in a row at every tile's end. With `own_dv_stage` dV has a buffer
+        # of its own (where shared memory has room), so both stores go out together.
+        self.own_dv_stage = c.own_dv_stage
         # The key tile that completes a query tile's dQ writes that tile of dq (bwd_dq_fused.py):
         # no conversion pass after the kernel.
-        self.fused_dq = bool(fused_dq)
+        self.fused_dq = c.fused_dq
         # The split tail (kernels/common/split_tail.py): the launch names the last `split_items`
         # work tiles and `split_ways`; each runs as that many pieces of consecutive query tiles
         # (work items numbered after the whole tiles), on different SMs. Every piece stores its
         # partial dK / dV in a global workspace, and the last to finish adds the others' into its
         # own and runs the ordinary epilogue. The pieces' dQ adds are the tile's, spread out.
-        # Dense walks without a block mask (bwd.split_tail_applies picks the calls).
-        assert not split_tail or (persistent and not self.sparse and not deterministic)
-        self.split_tail = bool(split_tail)
-        assert not fused_dq or (persistent and not self.varlen), "fused_dq: the persistent dense kernel"
+        # Dense walks without a block mask (bwd_variant picks the calls).
+        assert not c.split_tail or (c.persistent and not self.sparse and not c.deterministic)
+        self.split_tail = c.split_tail
+        assert not c.fused_dq or (c.persistent and not self.varlen), "fused_dq: the persistent dense kernel"
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
@@ -467,8 +347,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # (narrow: slot 0 holds P^T, slot 1 dS^T, both read K-major as the A of dV / dK).
         sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
         if const_expr(self.dq_transposed):
-            # dQ^T: dS as (queries, keys), keys contiguous (128-byte swizzle; 80 queries would
-            # allow only 32 bytes the other way round), read K-major as dQ^T's B operand and
+            # dQ^T: dS as (queries, keys), keys contiguous (128-byte swizzle), read K-major as dQ^T's B operand and
             # written by transposing stmatrix.
             sdS_layout = L.smem_layout(dt, tm, tn, 2, tn)
         # dQ staging, one fp32 slab per consumer warpgroup, reduced into the fp32 global buffer
@@ -570,7 +449,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_elems], 1024]
 
         # the optional buffers exist only where used: D64's fused_dq staging tile fills shared
-        # memory to the byte (bwd._smem_bytes)
+        # memory to the byte (bwd_config.smem_bytes)
         if const_expr(self.fused_dq):  # the converter warps' fp32 staging tile
             Fields.__annotations__["sCvt"] = cute.struct.Align[cute.struct.MemRange[Float32, tm * d], 1024]
         if const_expr(self.own_dv_stage):  # dV's own staging buffer
@@ -591,7 +470,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             mma_SdP, mma_dK, mma_dV, mma_dQ,
             scale, scale_log2, softcap_val, window_left, window_right, cta_group, cta_tail,
             num_ctas, score_aux, mask_aux, fused, Storage,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=self.pdl)
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -619,9 +498,6 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(not self.persistent):  # (the persistent roles take their tiles in turn)
             n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
-            if const_expr(self.trace_steps > 0):
-                if tidx == 128:
-                    self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], True)  # this CTA's start
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
@@ -689,10 +565,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # producer's K / V loads overlap its tail; every other global access (LSE / dPsum loads,
         # dQ adds into the buffer that pass zeroes) waits for it. The dQ conversion after this
         # kernel may be scheduled once all of its CTAs are running (it waits for the grid too).
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-            if warp_idx != 0:
-                cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp_idx != 0:
+            cute.arch.griddepcontrol_wait()
 
         if const_expr(not self.persistent):
             q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
@@ -719,9 +594,6 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                     window_left, window_right, hkv, b, n_block, walk, steps,
                     seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
                 )
-                if const_expr(self.trace_steps > 0):
-                    if tidx == 128:
-                        self._stamp_cta(mSem, n_block, hkv, b, cute.arch.grid_dim()[1], False)
         else:
             self._persistent_roles(
                 warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split,
@@ -757,7 +629,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         bar_sched = st.bar_sched.data_ptr()
         bar_kv_empty = st.bar_kv_empty.data_ptr()
         sTile = st.sched_tile.get_tensor(cute.make_layout(2))
-        # the tile counter: the last element of the semaphore argument's first row (bwd.py)
+        # the tile counter: the last element of the semaphore argument's first row (bwd_buffers.counter_shape)
         counter = mSem.iterator + cute.crd2idx((0, 0, mSem.shape[2] - 1), mSem.layout)
         walk_args = (mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right)
         if warp_idx < 4:
@@ -844,9 +716,6 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 piece_end = None
                 if const_expr(self.split_tail):
                     piece_end = (split[0], split[1], split_flag, piece, split_index, split_ways)
-                if const_expr(self.trace_steps > 0):
-                    if tidx == 128:
-                        self._stamp_cta(mSem, n_block, hkv, b, heads, True)  # the tile's start
                 q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
                     *walk_args, n_block, hkv, b, piece, split_ways)
                 state = self._consume(
@@ -858,9 +727,6 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 )
                 if steps > 0:
                     kv_iter += 1
-                if const_expr(self.trace_steps > 0):
-                    if tidx == 128:
-                        self._stamp_cta(mSem, n_block, hkv, b, heads, False)
                 i += 1
                 t = read_item(bar_sched, sTile, i)
 
@@ -953,13 +819,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
 
     def _stat_stage(self):
         """fp32 elements per ring stage of the LSE / dPsum buffers: tile_m rounded up to 128 bytes,
-        the alignment a TMA destination in shared memory needs (80 queries: 96)."""
+        the alignment a TMA destination in shared memory needs."""
         return -(-self.tile_m // 32) * 32
 
     @cute.jit
     def _stat_row_offset(self, q_off, b):
         """Where sequence b's LSE / dPsum rows start. Dense: 0. Varlen: its first row q_off moved
-        down to a whole query tile, past the previous sequence's rows (bwd.stat_row_offsets, the
+        down to a whole query tile, past the previous sequence's rows (bwd_row_stats.stat_row_offsets, the
         host's copy of this formula, lays them out so): a TMA load whose first element along the
         contiguous mode is not 16-byte aligned stops the kernel with an illegal instruction, and
         fp32 rows are aligned only at multiples of 4 (NOTES Experiment 160)."""
@@ -979,38 +845,3 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if const_expr(self.varlen):
             r = cute.domain_offset((off,) + (0,) * (cute.rank(r) - 1), r)
         return r
-
-    @cute.jit
-    def _stamp(self, mTrace, n_block, hkv, b, ctid, step, event: cutlass.Constexpr):
-        """Phase tracing: this warpgroup's clock at TRACE_EVENTS[event] of `step` (no code when off)."""
-        if const_expr(self.trace_steps > 0):
-            if ctid % 128 == 0:
-                if hkv == self.trace_hkv and b == self.trace_b:
-                    if step < self.trace_steps:
-                        mTrace[n_block, ctid // 128, step * len(TRACE_EVENTS) + event] = cute.arch.clock()
-
-    @cute.jit
-    def _stamp_cta(self, mTrace, n_block, hkv, b, heads, start: cutlass.Constexpr):
-        """Phase tracing, every CTA (persistent: every tile): its start, or its end and its SM, on
-        the global nanosecond timer (low 32 bits) at mTrace[n_block, 2 + pair, 0:3] (pair = b *
-        kv heads + hkv): the grid's schedule, per-CTA fixed costs and the tail
-        (benchmarks/bwd_trace.py). Stored at once: a timer read kept for later may be moved."""
-        pair = 2 + b * heads + hkv  # heads: the kv heads
-        if const_expr(start):
-            mTrace[n_block, pair, 0] = cute.arch.globaltimer_lo()
-        else:
-            mTrace[n_block, pair, 1] = cute.arch.globaltimer_lo()
-            mTrace[n_block, pair, 2] = cute.arch.smid()
-
-
-
-
-
-
-
-
-
-
-
-
-

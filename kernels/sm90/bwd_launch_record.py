@@ -7,14 +7,13 @@ row-statistics and dq-conversion kernels run, the buffers' shapes and the main k
 arguments. On the GPU machine that derivation was most of our ~0.24 ms of Python per backward call,
 against ~0.47 ms of GPU work at 1k tokens (NOTES Experiment 162): a slow host moment then left the
 GPU waiting. `run` keeps one LaunchRecord per everything the derivation reads (shapes and strides
-of every tensor, dtype, device, mask flags, scale, softcap, every environment knob bwd reads) and
-replays it; only the 16-byte alignment of the tensors' addresses is checked per call.
+of every tensor, dtype, device, mask flags, scale, softcap) and replays it; only the 16-byte alignment of the tensors' addresses is checked per call.
 
 Dense calls and packed varlen batches (both sides packed, one launch, max_seqlen_q given: a
 model's packed batches pass it, and without it the derivation reads the offsets); the record of a
 packed batch is keyed on the offsets' shapes and the given maxima, and each call moves its row
-statistics to its own sequences' offsets (bwd.varlen_stat_layout, kept per offsets tensor). Block
-masks, mods, seqused_k, deterministic mode, trace and per-sequence launches take bwd.backward's
+statistics to its own sequences' offsets (bwd_row_stats.varlen_stat_layout, kept per offsets tensor). Block
+masks, mods, seqused_k, deterministic mode and per-sequence launches take bwd.backward's
 general path, as does any call the record's derivation finds unusual (a dO that is not TMA-ready,
 a row-statistics or conversion pass that would not take the tensors). The launch sequence is the
 general path's: zeroed counters, the row-statistics pass (which zeroes the dQ buffer), the main
@@ -23,16 +22,12 @@ kernel, the conversion.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 
-from torch_fa4 import env_vars
 from torch_fa4.kernels.common import shape_memo
 from torch_fa4.kernels.sm90 import bwd_buffers, bwd_dq_convert, bwd_prepare
-
-_LOG2E = math.log2(math.e)
 
 
 class LaunchRecord(NamedTuple):
@@ -54,9 +49,9 @@ _records = shape_memo.table()
 _tma_view = bwd_prepare._packed_size_one_strides  # (bwd._tma_view)
 
 
-def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, knobs: env_vars.Snapshot) -> bool:
+def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, tuning) -> bool:
     """Launch the backward of `call` from its record and return True, or return False for
-    bwd.backward's general path. `knobs`: every environment knob the derivation reads."""
+    bwd.backward's general path. `tuning`: bwd_variant.BwdTuning (part of the record's key)."""
     if call.block_mask or call.mods is not None or call.seqused_k is not None or deterministic:
         return False
     packed = None
@@ -73,8 +68,8 @@ def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, knobs: env_vars.S
     memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape,
             dout.stride(), out.shape, out.stride(), lse.shape, lse.stride(), dq.stride(), dk.stride(), dv.stride(),
             dout.dtype, out.dtype, lse.dtype, dq.dtype,
-            call.scale, call.causal, call.window_left, call.window_right, call.softcap, packed, knobs())
-    record = shape_memo.lookup(_records, memo, lambda: _derive(call, dout, out, lse, dq, dk, dv))
+            call.scale, call.causal, call.window_left, call.window_right, call.softcap, packed, tuning)
+    record = shape_memo.lookup(_records, memo, lambda: _derive(call, dout, out, lse, dq, dk, dv, tuning))
     if record is _NOT_RECORDED:
         return False
     _launch(record, call, dout, out, lse, dq, dk, dv)
@@ -93,9 +88,9 @@ def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
     lse2, dpsum = stats.unbind(0)
     bwd_prepare.launch(record.row_statistics, dout, out, lse, lse2, dpsum, dq_acc_rows)
     if record.stat_tile:  # a packed batch: its statistics at its sequences' offsets, the dQ buffer (Hq, T, D)
-        from torch_fa4.kernels.sm90 import bwd
+        from torch_fa4.kernels.sm90.bwd_row_stats import varlen_stat_layout
 
-        lse2, dpsum = bwd.varlen_stat_layout(call, stats, record.stat_tile)
+        lse2, dpsum = varlen_stat_layout(call, stats, record.stat_tile)
         dq_acc = dq_acc_rows[0].transpose(0, 1)
         cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
     else:
@@ -108,17 +103,18 @@ def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
         record.convert(dq_acc_rows.view(-1), dq.view(-1), record.scale)
 
 
-def _derive(call, dout, out, lse, dq, dk, dv):
+def _derive(call, dout, out, lse, dq, dk, dv, tuning):
     """The LaunchRecord of this call's shape, or _NOT_RECORDED where the general path must run:
     what bwd.backward would do, derived once, with its own functions and checks."""
     from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90.bwd_row_stats import stat_rows
 
-    if bwd.runs_per_sequence(call, False):
+    if bwd.runs_per_sequence(call, False, tuning):
         return _NOT_RECORDED
-    plan = bwd.launch_plan(call, bwd.variant_key(call, False))
-    key, tiles = plan.key, plan.key[-3]
+    plan = bwd.launch_plan(call, bwd.variant_key(call, False), tuning)
+    key = plan.key
     q = call.q
-    if (tiles.trace or key[-2] is not None or not _on_gpu(dout) or not bwd._tma_compatible(dout)
+    if (key.sparse is not None or not _on_gpu(dout) or not bwd.tma_compatible(dout)
             or bwd_prepare.unsupported_reason(dout, out, lse) is not None):
         return _NOT_RECORDED
     if call.is_varlen and not all(cu.dtype == torch.int32 and cu.is_contiguous()
@@ -131,27 +127,22 @@ def _derive(call, dout, out, lse, dq, dk, dv):
     if not bwd_prepare.dq_zeroing_takes(dq_acc, dout):
         return _NOT_RECORDED
     convert = None
-    if not tiles.fused_dq:
+    if not key.fused_dq:
         if not bwd_dq_convert.takes(dq_acc, dq):
             return _NOT_RECORDED
-        convert = bwd_dq_convert.compile_kernel(dq.dtype, pdl=tiles.pdl, reversed_order=plan.reversed_passes[1])
+        convert = bwd_dq_convert.compile_kernel(dq.dtype)
     elif not bwd_buffers.writes_dq_directly(dq):
         return _NOT_RECORDED
-    tile_m = tiles.tile_m
-    row_statistics = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], d_zero=call.head_dim,
-                                                stat_tile=tile_m if tiles.permuted_stats else 0,
-                                                reversed_order=plan.reversed_passes[0])
+    tile_m = key.tile_m
+    row_statistics = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], d_zero=call.head_dim)
     split_shape = None
-    if tiles.split_tail:
-        split_shape = bwd_buffers.split_workspace_shape(call, tiles, plan.split_items, plan.ways)
-    counter_shape = bwd_buffers.counter_shape(call, tiles) if tiles.persistent else None
-    right, left = bwd._window(call)
-    scalars = (float(call.scale), float(call.scale * _LOG2E), float(call.softcap or 1.0), int(left or 0),
-               int(right or 0), int(plan.max_k), plan.cta_group, plan.cta_tail, plan.ctas, plan.split_items,
-               plan.ways, *[None] * bwd.MAX_AUX)
-    stats_shape = (2, *lse.shape[:-1], bwd.stat_rows(call, tile_m))
+    if key.split_tail:
+        split_shape = bwd_buffers.split_workspace_shape(call, key, plan.split_items, plan.ways)
+    counter_shape = bwd_buffers.counter_shape(call, key) if key.persistent else None
+    scalars = (*bwd.main_scalars(call, plan), *[None] * bwd.MAX_AUX)
+    stats_shape = (2, *lse.shape[:-1], stat_rows(call, tile_m))
     return LaunchRecord(bwd.compile_variant(key), row_statistics, convert, stats_shape, dq_acc_shape,
-                        counter_shape, split_shape, bwd_buffers.split_counters(tiles, plan.split_items),
+                        counter_shape, split_shape, bwd_buffers.split_counters(key, plan.split_items),
                         scalars, float(call.scale), tile_m if call.is_varlen else 0)
 
 

@@ -7,7 +7,7 @@ run here as one batch of T rows):
     dpsum[b, h, s] = sum_d dO[b, s, h, d] * O[b, s, h, d], accumulated in fp32
 
 written into (B, H, rows) fp32 buffers whose rows past S are padding: +inf for lse2, 0 for dpsum
-(bwd.row_statistics' contract; it picks `rows`: whole query tiles of the backward variant, 64 or
+(bwd_row_stats.row_statistics' contract; it picks `rows`: whole query tiles of the backward variant, 64 or
 128 rows, or more for a block-sparse walk; any count works here). One pass over dO and O, against
 the ~5 of the torch expression (upcast copies, product, sum, padded copies).
 
@@ -18,10 +18,10 @@ the lse loads and both stores are consecutive floats. Rows are walked along S wi
 that the stores coalesce; the loads stay sector-efficient because each row is >= 128 contiguous
 bytes. Two butterfly shuffles sum the 4 partial dot products.
 
-With `stat_tile` (bwd `permuted_stats`) each tile of that many rows is stored in
-bwd_stats_layout's permuted order, which the main kernel reads as 16-byte vectors.
+CTAs take the (batch, head, tile) slabs last to first, so the rows this pass touches last are the
+first pairs the main kernel walks: still in L2 when it starts (NOTES Experiment 128).
 
-Compiled once per (dtype, Dv, stat_tile): shapes and strides are symbolic (dO / O: 16-byte aligned base and
+Compiled once per (dtype, Dv, zeroed head dim): shapes and strides are symbolic (dO / O: 16-byte aligned base and
 strides, unit last stride; lse: any strides), so new sizes and varlen calls reuse the kernel.
 The kernel itself is in bwd_prepare_kernel.py, imported only to compile it: this module's host
 side loads no CuTe DSL, so a kernel loaded from the disk cache (kernels/disk_cache.py) runs
@@ -43,26 +43,25 @@ LOG2E = math.log2(math.e)
 
 
 def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: str | None = None,
-                   d_zero: int = 0, stat_tile: int = 0, reversed_order: bool = False):
+                   d_zero: int = 0):
     """cute.compile the kernel for (dtype, Dv, head dim of the dQ buffer it zeroes or 0) against
     symbolic shapes and strides (no GPU needed).
 
     Cached per process (kernels/compile_cache.py); dump_dir: also keep the cubin there (always
     compiles, bypassing the cache)."""
     if dump_dir is not None:
-        return _compile(dtype, dv, arch, dump_dir, d_zero, stat_tile, reversed_order)
-    from .bwd import cached_compile
+        return _compile(dtype, dv, arch, dump_dir, d_zero)
+    from .bwd_compile import cached_compile
 
-    return cached_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero, stat_tile, reversed_order),
-                          lambda jit=True: _compile(dtype, dv, arch, None, d_zero, stat_tile, reversed_order, jit))
+    return cached_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero),
+                          lambda jit=True: _compile(dtype, dv, arch, None, d_zero, jit))
 
 
-def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0,
-             stat_tile: int = 0, reversed_order: bool = False, jit: bool = True):
+def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0, jit: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32
 
-    from .bwd import _cute_dtype, compile_stream_and_options
+    from .bwd_compile import compile_stream_and_options, cute_dtype
     from .bwd_prepare_kernel import RowStatisticsKernel
 
     sym, s64 = cute.sym_int, cute.sym_int64
@@ -72,7 +71,7 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
     def fake(dt, shape, stride, align):
         return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
 
-    cdt = _cute_dtype(dtype)
+    cdt = cute_dtype(dtype)
     dout = fake(cdt, (b, s, h, dv), (al(), al(), al(), 1), 16)
     out = fake(cdt, (b, s, h, dv), (al(), al(), al(), 1), 16)
     lse = fake(Float32, (b, h, s), (s64(), s64(), s64()), 4)  # slices of per-sequence views
@@ -83,7 +82,7 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
         a4 = lambda: s64(divisibility=ZERO_VEC)
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
     stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero, stat_tile, reversed_order), dout, out, lse, lse2, dpsum, dq_acc, stream,
+    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero), dout, out, lse, lse2, dpsum, dq_acc, stream,
                         options=options, no_jit_engine=not jit)
 
 
@@ -133,30 +132,27 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
     return None
 
 
-def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None,
-                   stat_tile: int = 0, reversed_order: bool = False):
+def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None):
     """lse2 and dpsum stacked in one (2, B, H, rows) dense or (2, H, rows) varlen contiguous fp32
     buffer (`lse2, dpsum = row_statistics(...)` unpacks it), from dout/out (B, S, H, Dv) or
     (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
     dq_acc: a dense (B, S, H, D) fp32 buffer to zero in the same pass (see dq_zeroing_takes)."""
     # one allocation for both (each costs the host time per call); the second half starts B*H*rows
-    # floats in, 16-byte aligned for the backward's TMA with bwd.row_statistics' rows (whole tiles)
+    # floats in, 16-byte aligned for the backward's TMA with bwd_row_stats.row_statistics' rows (whole tiles)
     stats = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
-    row_statistics_into(dout, out, lse, stats[0], stats[1], dq_acc, stat_tile, reversed_order)
+    row_statistics_into(dout, out, lse, stats[0], stats[1], dq_acc)
     return stats
 
 
-def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None,
-                        stat_tile: int = 0, reversed_order: bool = False) -> None:
+def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None) -> None:
     """Like row_statistics, into given contiguous fp32 buffers of shape (*lse.shape[:-1], rows),
     rows >= S; every element is written (padding included). dq_acc, if given, must satisfy
     dq_zeroing_takes (the caller checks it once)."""
     for t in (lse2, dpsum):
         assert t.dtype == torch.float32 and t.shape[:-1] == lse.shape[:-1] and t.stride(-1) == 1, t.shape
         assert t.shape[-1] >= lse.shape[-1], "fewer rows than the sequence"
-    assert not stat_tile or lse2.shape[-1] % stat_tile == 0, "permuted rows come in whole tiles"
     d_zero = 0 if dq_acc is None else dq_acc.shape[-1]
-    fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero, stat_tile=stat_tile, reversed_order=reversed_order)
+    fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero)
     launch(fn, dout, out, lse, lse2, dpsum, dq_acc)
 
 

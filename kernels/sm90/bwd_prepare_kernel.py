@@ -6,7 +6,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from . import bwd_stats_layout as stats_layout
 from .bwd_prepare import LOG2E, ROWS_PER_CTA, THREADS_PER_ROW, VEC, ZERO_VEC
 
 _SHUFFLE_STEPS = THREADS_PER_ROW.bit_length() - 1  # butterfly steps over a row's threads
@@ -19,7 +18,7 @@ class RowStatisticsKernel:
 
     threads = ROWS_PER_CTA * THREADS_PER_ROW
 
-    def __init__(self, dtype, dv: int, d_zero: int = 0, stat_tile: int = 0, reversed_order: bool = False):
+    def __init__(self, dtype, dv: int, d_zero: int = 0):
         if dv % (VEC * THREADS_PER_ROW):
             raise ValueError(f"Dv={dv} is not a multiple of {VEC * THREADS_PER_ROW}")
         if d_zero % (ZERO_VEC * THREADS_PER_ROW):
@@ -29,13 +28,6 @@ class RowStatisticsKernel:
         self.vecs_per_thread = dv // (VEC * THREADS_PER_ROW)
         self.d_zero = d_zero
         self.zero_vecs_per_thread = d_zero // (ZERO_VEC * THREADS_PER_ROW)
-        # > 0: lse2 / dpsum rows stored in bwd_stats_layout's permuted order within tiles of this
-        # many rows (the backward variant's queries per step)
-        self.stat_tile = stat_tile
-        # CTAs take the (batch, head, tile) slabs last to first, so the rows this pass touches
-        # last (its dQ zeros, dO, the statistics) are the first pairs the main kernel walks: still
-        # in L2 when it starts (bwd.PASS_ORDER_ENV)
-        self.reversed_order = reversed_order
 
     @cute.jit
     def __call__(self, dout: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
@@ -52,9 +44,9 @@ class RowStatisticsKernel:
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
-        if const_expr(self.reversed_order):
-            n_tiles, n_heads, n_batch = cute.arch.grid_dim()
-            tile, h, b = n_tiles - 1 - tile, n_heads - 1 - h, n_batch - 1 - b
+        # slabs last to first (bwd_prepare's docstring)
+        n_tiles, n_heads, n_batch = cute.arch.grid_dim()
+        tile, h, b = n_tiles - 1 - tile, n_heads - 1 - h, n_batch - 1 - b
         seqlen = dout.shape[1]
         rows = lse2.shape[2]
         row = tile * ROWS_PER_CTA + tidx // THREADS_PER_ROW
@@ -88,8 +80,6 @@ class RowStatisticsKernel:
             acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=THREADS_PER_ROW >> (i + 1))
 
         at = row
-        if const_expr(self.stat_tile > 0):
-            at = stats_layout.position(row, self.stat_tile)
         if part == 0:
             if row < seqlen:
                 # same fp32 product as the torch path (lse * log2 e), +inf where no key is seen

@@ -39,8 +39,7 @@ class BwdProducer:
         else:
             kv_at = cutlass.min(self.stages - 1, steps - 1)  # the step whose ring loads K / V precede
 
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
+        cute.arch.griddepcontrol_wait()  # the row statistics are written (see kernel)
         if const_expr(state is None):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         stat_off = self._stat_row_offset(q_off, b)
@@ -64,7 +63,7 @@ class BwdProducer:
             tDs, tDg = cpasync.tma_partition(tma_Dp, 0, one, cute.group_modes(sDp, 0, 1), cute.group_modes(gD, 0, 1))
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            hint = l2_hints.policy(self.evict_last_q_do, l2_hints.EVICT_LAST)
+            hint = l2_hints.policy(True, l2_hints.EVICT_LAST)
             cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar, cache_policy=hint)
             if const_expr(self.split_ring):
@@ -84,6 +83,6 @@ class BwdProducer:
     def _load_kv(self, tma_K, tma_V, tKg, tKs, tVg, tVs, bar_kv, bytes_kv: cutlass.Constexpr):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, bytes_kv)
-        hint = l2_hints.policy(self.evict_first_kv, l2_hints.EVICT_FIRST)
+        hint = l2_hints.policy(True, l2_hints.EVICT_FIRST)
         cute.copy(tma_K, tKg, tKs, tma_bar_ptr=bar_kv, cache_policy=hint)
         cute.copy(tma_V, tVg, tVs, tma_bar_ptr=bar_kv, cache_policy=hint)

@@ -10,10 +10,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
+from ..common import masking
 from ..common import mod_lowering as mods_dsl
 from ..common.mod_fragment import FragmentEmitter, FragmentPositions
-from ..common.exp2_emulation import exp2_fma
-from . import bwd_stats_layout as stats_layout
 
 LOG2_E = math.log2(math.e)
 
@@ -23,31 +22,9 @@ class BwdScores:
 
     def _column_stats(self, s_stat, cS, stage, S):
         """This thread's per-query statistics (LSE or dPsum), one per column of S, from shared
-        memory into registers: 64-bit pairs in the natural order, 16-byte vectors in the permuted
-        one (bwd_stats_layout.py)."""
+        memory into registers."""
         t_q, c0 = cS[1], cS[3]
-        n_cols = cute.size(S, mode=[1])
-        if const_expr(not self.permuted_stats):
-            return [s_stat[t_q + c0[0, c][1], stage] for c in range(n_cols)]
-        # columns t_q + 8 j + e: j // 2 picks the chunk of segment q, 2 (j % 2) + e the value in it
-        tm = self.tile_m
-        q = (t_q % 8) // 2
-        first_chunk = t_q // 16  # t_q // 8 is even: 0, or 4 * warpgroup on the narrow path
-        stage_tile = s_stat[None, stage]
-        chunks = {}
-        vals = []
-        for c in range(n_cols):
-            dc = c0[0, c][1]
-            assert dc % 8 < 2, "accumulator columns come in pairs 8 apart"
-            j, e = dc // 8, dc % 8
-            if j // 2 not in chunks:
-                off = cute.assume(stats_layout.chunk_offset(q, first_chunk + j // 2, tm), divby=4)
-                src = cute.make_tensor(stage_tile.iterator + off, cute.make_layout(4))
-                dst = cute.make_rmem_tensor((4,), Float32)
-                cute.autovec_copy(src, dst)
-                chunks[j // 2] = dst
-            vals.append(chunks[j // 2][2 * (j % 2) + e])
-        return vals
+        return [s_stat[t_q + c0[0, c][1], stage] for c in range(cute.size(S, mode=[1]))]
 
     def _score_emitter(self, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx):
         """The score_mod's FragmentEmitter for this thread's S^T fragment (keys along rows, queries
@@ -151,15 +128,8 @@ class BwdScores:
         lim_right = rel + window_right  # dr - dc <= lim_right
         lim_left = rel - window_left  # dr - dc >= lim_left
         em = None
-        if const_expr(self.score_graph is not None and self.mod_fragment):
+        if const_expr(self.score_graph is not None):
             em = self._score_emitter(cS, row0, key0, seqlen_q, seqlen_k, mod_ctx)
-        dpsum_vals = None
-        if const_expr(self.permuted_stats):
-            # the statistics as vectors (a scalar load would need the position's arithmetic)
-            if const_expr(lse_vals is None):
-                lse_vals = self._column_stats(sLSE, cS, stage, S)
-            if const_expr(dP is not None):
-                dpsum_vals = self._column_stats(sDp, cS, stage, S)
         for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc
@@ -167,7 +137,7 @@ class BwdScores:
             i = row0 + m_local
             dpsum = Float32(0.0)
             if const_expr(dP is not None):
-                dpsum = dpsum_vals[c] if const_expr(dpsum_vals is not None) else sDp[m_local, stage]
+                dpsum = sDp[m_local, stage]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 dr = c0[r, c][0]
                 j = key0 + t_key + dr
@@ -184,35 +154,23 @@ class BwdScores:
                     # derivative, taken at that same score, joins the chain rule for dS.
                     b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
                     s_in = x * (1.0 / LOG2_E)
-                    if const_expr(em is not None):
-                        # the emitter's rows are queries (this fragment's columns), its columns keys
-                        if const_expr(self.softcap):
-                            x = em.score(c, r, s_in) * LOG2_E
-                        else:  # score * scale fused into the mod's first add (a bias: one fma)
-                            x = em.score(c, r, S[r, c], scale) * LOG2_E
-                    else:
-                        x = mods_dsl.score_mod_value(self.score_graph, s_in, b, h, cutlass.min(i, seqlen_q - 1),
-                                                     cutlass.min(j, seqlen_k - 1), score_aux) * LOG2_E
+                    # the emitter's rows are queries (this fragment's columns), its columns keys
+                    if const_expr(self.softcap):
+                        x = em.score(c, r, s_in) * LOG2_E
+                    else:  # score * scale fused into the mod's first add (a bias: one fma)
+                        x = em.score(c, r, S[r, c], scale) * LOG2_E
                     if const_expr(self.grad_graph is not None):
                         # Clamped like the mask_mod's below: a table read past the sequence could
                         # give inf / NaN, and the factor multiplies dS even where P is 0.
                         grad_factor = grad_factor * mods_dsl.score_grad_value(
                             self.grad_graph, s_in, b, h, cutlass.min(i, seqlen_q - 1),
                             cutlass.min(j, seqlen_k - 1), score_aux)
-                k_emu = self.exp2_emulate_every
-                if const_expr(k_emu > 0 and c % k_emu == k_emu - 1):
-                    p = exp2_fma(x - lse2)  # exactly 0 at -inf (empty rows: lse2 = +inf)
-                else:
-                    p = cute.math.exp2(x - lse2, fastmath=True)
-                visible = Boolean(True)
-                if const_expr(self.varlen):
-                    visible = visible & (dc < lim_q)  # i < seqlen_q
-                if const_expr(self.mask_k):
-                    visible = visible & (dr < lim_k)  # j < seqlen_k
-                if const_expr(self.has_right):
-                    visible = visible & (dr - dc <= lim_right)  # j <= i + diag + window_right
-                if const_expr(self.has_left):
-                    visible = visible & (dr - dc >= lim_left)  # j >= i + diag - window_left
+                p = cute.math.exp2(x - lse2, fastmath=True)
+                # i < seqlen_q, j < seqlen_k, i + diag - window_left <= j <= i + diag + window_right
+                visible = masking.visible(dc, dr, lim_q if const_expr(self.varlen) else None,
+                                          lim_k if const_expr(self.mask_k) else None,
+                                          lim_right if const_expr(self.has_right) else None,
+                                          lim_left if const_expr(self.has_left) else None)
                 if const_expr(use_mask_mod):
                     b, h, mask_aux = mod_ctx[0], mod_ctx[1], mod_ctx[3]
                     # Rows / keys past the sequence (the padded tail of the last tile, a block-mask

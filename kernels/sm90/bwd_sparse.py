@@ -25,13 +25,13 @@ from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
-TILE_M = 64  # query rows per kernel step unless the variant says otherwise (bwd.query_tile)
+TILE_M = 64  # query rows per kernel step unless the variant says otherwise (bwd_variant.query_tile)
 
 
 def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int,
                        tile_m: int = TILE_M) -> Optional[str]:
     """None when the block mask can drive the backward's walk (kernel key tile `tile_n`, query
-    step `tile_m`, see bwd.tiles / bwd.query_tile), else why the dense walk is used."""
+    step `tile_m`, see bwd_variant), else why the dense walk is used."""
     bm = call.block_mask
     if not bm:
         return "no block mask"

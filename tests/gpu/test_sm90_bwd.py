@@ -73,13 +73,15 @@ def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
           strided=False, varlen=False, seqused=False, deterministic=False, score_mod=None,
           mask_mod=None, block_size=None, bm_heads=None, expect_sparse=None, expect_tile_m=None,
-          expect_dq_warp=None, expect_dq_t=None, expect_mod_fragment=None, lens=None):
+          expect_dq_warp=None, expect_dq_t=None, lens=None, tuning=None):
     """lens: varlen, these (query lengths, key lengths) instead of random ones. block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size, with
     bm_heads heads (None: one for all); expect_sparse: the (steps per block row, CTAs per block
     column) the backward must walk it with, None for the dense walk; expect_tile_m: the queries
     per kernel step the variant must have; expect_dq_warp: whether it must add dQ from the
-    dedicated writer warp."""
+    dedicated writer warp; tuning: bwd.BwdTuning for the call (None: the default)."""
     from torch_fa4.kernels.sm90 import bwd
+
+    tuning = tuning or bwd.BwdTuning()
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(torch.seed() % (2**31))
@@ -145,24 +147,23 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
                          window_right=right, softcap=softcap, **mod_kw,
                          cu_seqlens_q=cu_q if varlen else None, cu_seqlens_k=cu_k if varlen else None,
                          seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk)
-    assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
+    assert bwd.unsupported_reason(call, tuning) is None, bwd.unsupported_reason(call, tuning)
+    key = bwd.variant_key(call, deterministic)
     if block_size is not None:
-        assert bwd.variant_key(call, deterministic)[-2] == expect_sparse
+        assert key.sparse == expect_sparse
     if expect_tile_m is not None:
-        assert bwd.variant_key(call, deterministic)[-3].tile_m == expect_tile_m
+        assert key.tile_m == expect_tile_m
     if expect_dq_warp is not None:
-        assert bwd.variant_key(call, deterministic)[-3].dq_writer_warp == expect_dq_warp
+        assert key.separate_dq_slabs == expect_dq_warp
     if expect_dq_t is not None:
-        assert bwd.variant_key(call, deterministic)[-3].dq_transposed == expect_dq_t
-    if expect_mod_fragment is not None:
-        assert bwd.variant_key(call, deterministic)[-3].mod_fragment == expect_mod_fragment
+        assert key.dq_transposed == expect_dq_t
     out = out64.detach().to(dtype).contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
         dq = torch.full(q.shape, math.nan, dtype=dtype, device=dev)
         dk = torch.full(k.shape, math.nan, dtype=dtype, device=dev)
         dvv = torch.full(v.shape, math.nan, dtype=dtype, device=dev)
-        bwd.backward(call, do, out, lse, dq, dk, dvv, deterministic)
+        bwd.backward(call, do, out, lse, dq, dk, dvv, deterministic, tuning)
         torch.cuda.synchronize()
         grads.append((dq, dk, dvv))
     dq, dk, dvv = grads[0]
@@ -275,10 +276,9 @@ def test_varlen():
     _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True)
 
 
-# The kernel's packed-rows varlen variant (one launch for the batch, bwd.VARLEN_KERNEL_ENV, the
-# default): (D, causal, window (left, right), softcap, hq, hkv, dtype, max sq, max sk).
+# The kernel's packed-rows varlen variant (one launch for the batch): (D, causal, window (left, right), softcap, hq, hkv, dtype, max sq, max sk).
 # Sequences of 1 .. max rows each, so sequences start at any packed row (their row statistics
-# move to tile-aligned offsets, bwd.varlen_stat_layout), tiles straddle two sequences, and some
+# move to tile-aligned offsets, bwd_row_stats.varlen_stat_layout), tiles straddle two sequences, and some
 # sequences are shorter than a tile.
 _VARLEN_KERNEL_CASES = {
     "d64_causal": (64, True, (-1, -1), 0.0, 4, 2, BF, 300, 260),
@@ -343,14 +343,14 @@ def test_varlen_deterministic(monkeypatch):
 
 
 def test_varlen_per_sequence(monkeypatch):
-    """TORCH_FA4_BWD_VARLEN_KERNEL=0: one dense launch per sequence, the way deterministic calls run."""
+    """One dense launch per sequence (BwdTuning(varlen_kernel=False)), the way calls with one side
+    packed run."""
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.VARLEN_KERNEL_ENV, "0")
     seen = []
     per_sequence = bwd._backward_per_sequence
     monkeypatch.setattr(bwd, "_backward_per_sequence", lambda *a: seen.append(1) or per_sequence(*a))
-    _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True)
+    _case(BF, 3, 300, 260, 4, 2, 128, 128, varlen=True, causal=True, tuning=bwd.BwdTuning(varlen_kernel=False))
     assert seen, "the packed variant ran"
 
 
@@ -387,25 +387,14 @@ def _tanh_bias_documents(slopes, doc):
     return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
 
 
-@pytest.fixture(params=["1", "0"], ids=["fragment", "per-element"])
-def mod_fragment(monkeypatch, request):
-    """TORCH_FA4_BWD_MOD_FRAGMENT: the score_mod through mod_fragment's emitter (the default) or
-    per element; each case runs both ways."""
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.MOD_FRAGMENT_ENV, request.param)
-    return request.param == "1"
-
-
 @pytest.mark.parametrize("make_mods,causal", [
     (_alibi, True), (_tanh_bias, False), (_documents, False), (_tanh_bias_documents, True),
 ])
-def test_mods(mod_fragment, make_mods, causal):
+def test_mods(make_mods, causal):
     slopes = torch.rand(4, device="cuda")
     doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
     score_mod, mask_mod = make_mods(slopes, doc)
-    _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
-          expect_mod_fragment=mod_fragment and score_mod is not None)
+    _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
 
 
 def _sequence_index(slopes, doc):  # mods reading b, the sequence's index in a varlen batch
@@ -435,11 +424,11 @@ def test_mods_varlen(make_mods, causal, d, monkeypatch):
 
 
 @pytest.mark.parametrize("d,causal", [(128, False), (64, True)])
-def test_alibi_abs(mod_fragment, d, causal):
+def test_alibi_abs(d, causal):
     # D64: 128 queries per step (the emitter's rows then span both warpgroups' query halves)
     slopes = torch.rand(4, device="cuda")
     score_mod = alibi_abs(slopes)  # abs: exact fp32 |q - kv| per offset in the fragment emitter
-    _case(BF, 2, 333, 300, 4, 2, d, d, causal=causal, score_mod=score_mod, expect_mod_fragment=mod_fragment)
+    _case(BF, 2, 333, 300, 4, 2, d, d, causal=causal, score_mod=score_mod)
 
 
 # ---- block-sparse walk: the block mask decides which query tiles each KV tile visits
@@ -534,56 +523,41 @@ def test_flex_attention_block_mask_reaches_the_backward(monkeypatch):
         assert err < 1.5e-2, f"{name}: relative error {err:.3e}"
 
 
-def test_without_programmatic_dependent_launch(monkeypatch):
-    # TORCH_FA4_BWD_PDL=0: the three backward kernels launch one after the other, as plain launches
+@pytest.mark.parametrize("ctas", [1, 3, None])
+def test_persistent_tiles_per_cta(ctas):
+    # the persistent kernel (the dense 128-key variants) with its grid capped at 1 or 3 CTAs (every
+    # CTA walks many tiles: ring state, K / V phases and the tile mailbox carried over tiles, tiles
+    # with no steps among them), and uncapped (one CTA per SM)
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.PDL_ENV, "0")
-    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True)
-    _case(BF, 2, 517, 300, 2, 2, 64, 64)
+    tuning = bwd.BwdTuning(persistent_ctas=ctas)
+    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128, tuning=tuning)
+    _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128, tuning=tuning)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, tuning=tuning)  # key tiles past seqused: no steps
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, left=100, tuning=tuning)
+    _case(FP, 2, 300, 517, 2, 2, 128, 128, tuning=tuning)
+    _case(BF, 2, 300, 517, 2, 2, 96, 96, causal=True, tuning=tuning)
+    _case(BF, 2, 700, 900, 4, 2, 128, 128, causal=True, expect_dq_t=True, tuning=tuning)
 
 
-@pytest.mark.parametrize("ctas", ["1", "3", ""])
-def test_persistent_tiles_per_cta(monkeypatch, ctas):
-    # the persistent kernel (default on the dense 128-key variants) with its grid capped at 1 or 3
-    # CTAs (every CTA walks many tiles: ring state, K / V phases and the tile mailbox carried
-    # over tiles, tiles with no steps among them), and uncapped (one CTA per SM)
-    from torch_fa4.kernels.sm90 import bwd
+def test_split_tail(monkeypatch):
+    # the last round's tiles as pieces of consecutive query tiles (bwd_kernel `split_tail`, the
+    # 128-query D64 variant) on a grid capped at 5 CTAs: 2 pieces of the first call's last 2
+    # tiles (3 would need a second round); the partial dK / dV of every piece summed by the last
+    from torch_fa4.kernels.sm90 import bwd, bwd_variant
 
-    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, ctas)
-    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
-    _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
-    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True)  # key tiles past seqused: no steps
-    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, left=100)
-    _case(FP, 2, 300, 517, 2, 2, 128, 128)  # (80 queries per step when selected)
-    _case(BF, 2, 300, 517, 2, 2, 96, 96, causal=True)
-
-
-@pytest.mark.parametrize("ways", ["2", "3", "5", "1"])
-def test_split_tail(monkeypatch, ways):
-    # the last round's tiles as pieces of consecutive query tiles (bwd_kernel `split_tail`), on a
-    # grid capped at 5 CTAs: forced to 2, 3 or 5 pieces (any head dim), or the automatic plan
-    # ("1": the 128-query D64 variant only; 2 pieces of the first call's last 2 tiles, since 3
-    # would need a second round); the partial dK / dV of every piece summed by the last one
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")
-    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, ways)
+    tuning = bwd.BwdTuning(persistent_ctas=5)
     plans = []
-    plan = bwd.split_plan
-    monkeypatch.setattr(bwd, "split_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
-    _case(BF, 2, 700, 900, 4, 2, 64, 64, expect_tile_m=128)  # 32 tiles, 12 steps each (GQA 2)
-    assert plans[-1] == (2, 2 if ways == "1" else int(ways))
-    # 2 query tiles per head: with 3 or 5 pieces some pieces have no step
-    _case(BF, 2, 200, 900, 4, 2, 64, 64, expect_tile_m=128)
-    assert plans[-1] == ((0, 1) if ways == "1" else (2, int(ways)))
+    plan = bwd_variant.split_plan
+    monkeypatch.setattr(bwd_variant, "split_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    _case(BF, 2, 700, 900, 4, 2, 64, 64, expect_tile_m=128, tuning=tuning)  # 32 tiles, 12 steps each (GQA 2)
+    assert plans[-1] == (2, 2)
+    _case(BF, 2, 200, 900, 4, 2, 64, 64, expect_tile_m=128, tuning=tuning)  # 2 query tiles per head
+    assert plans[-1] == (0, 1)
     planned = len(plans)
-    _case(FP, 2, 700, 900, 4, 2, 128, 128, strided=True)  # 64 queries per step
-    _case(BF, 1, 700, 1000, 2, 2, 96, 96)  # 16 tiles: the last one split
-    if ways == "1":
-        assert len(plans) == planned  # (not taken by default: the split code costs D128 its gain)
-    else:
-        assert plans[planned:] == [(2, int(ways)), (1, int(ways))]
+    _case(FP, 2, 700, 900, 4, 2, 128, 128, strided=True, tuning=tuning)  # 64 queries per step
+    _case(BF, 1, 700, 1000, 2, 2, 96, 96, tuning=tuning)
+    assert len(plans) == planned  # (the split code costs D128 its gain: not taken)
 
 
 def test_persistent_many_tiles_at_full_grid():
@@ -593,23 +567,9 @@ def test_persistent_many_tiles_at_full_grid():
     _case(BF, 2, 1024, 1024, 32, 16, 128, 128)
 
 
-def test_not_persistent(monkeypatch):
-    # TORCH_FA4_BWD_PERSISTENT=0: one CTA per work tile
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.PERSISTENT_ENV, "0")
-    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, causal=True)
-
-
-@pytest.mark.parametrize("split_ring", ["0", "1"])
-def test_tm128_split_ring(monkeypatch, split_ring):
-    # TORCH_FA4_BWD_SPLIT_RING: separate ring barriers for Q + LSE and dO + dPsum ("1", 128 queries,
-    # the default without a right limit), or one barrier for the whole stage ("0", the default of
-    # causal / right-window walks), each forced on both kinds of walk
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.SPLIT_RING_ENV, split_ring)
+def test_tm128_ring_barriers():
+    # separate ring barriers for Q + LSE and dO + dPsum without a right limit, one barrier for the
+    # whole stage under causal / right-window limits
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
     _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
     _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True, expect_tile_m=128)
@@ -618,202 +578,86 @@ def test_tm128_split_ring(monkeypatch, split_ring):
     _case(BF, 2, 300, 517, 4, 2, 64, 64, left=200, right=30, expect_tile_m=128)
 
 
-@pytest.mark.parametrize("fused", ["0", "1"])
-def test_tm128_dq_pass_or_fused(monkeypatch, fused):
-    # TORCH_FA4_BWD_FUSED_DQ: the D64 persistent variant writes dq itself ("1") or leaves the fp32
-    # buffer to the conversion pass after the kernel ("0"; "auto" takes it past 4096 queries), forced
-    # on dense causal, plain (split tail forced), windowed and GQA walks
+def test_tm128_fused_dq():
+    # the D64 persistent variant writes dq itself up to 4096 queries: dense causal, plain (split
+    # tail on a grid of 5 CTAs: 12 work tiles, a last round of 2), windowed and GQA walks
     from torch_fa4.kernels.sm90 import bwd
 
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, fused)
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
-    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "5")  # 12 work tiles: a last round of 2, in 3 pieces
-    monkeypatch.setenv(bwd.SPLIT_TAIL_ENV, "3")
-    _case(BF, 2, 517, 300, 2, 2, 64, 64, expect_tile_m=128)
-    monkeypatch.delenv(bwd.SPLIT_TAIL_ENV)
-    monkeypatch.delenv(bwd.PERSISTENT_CTAS_ENV)
+    _case(BF, 2, 2048, 300, 2, 2, 64, 64, expect_tile_m=128, tuning=bwd.BwdTuning(persistent_ctas=5))
     _case(BF, 2, 300, 300, 6, 2, 64, 64, left=100, right=0, expect_tile_m=128)
 
 
-def test_long_d64_call_takes_the_conversion_pass(monkeypatch):
-    # TORCH_FA4_BWD_FUSED_DQ=auto (the default, set here against the environment): past
-    # bwd._FUSED_DQ_MAX_SEQLEN_Q queries the conversion pass
+def test_long_d64_call_takes_the_conversion_pass():
+    # past bwd_variant.FUSED_DQ_MAX_SEQLEN_Q queries the conversion pass
     from torch_fa4.call import AttentionCall
-    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.kernels.sm90 import bwd, bwd_variant
 
-    monkeypatch.setenv(bwd.FUSED_DQ_ENV, "auto")
-    sq = bwd._FUSED_DQ_MAX_SEQLEN_Q + 100
+    sq = bwd_variant.FUSED_DQ_MAX_SEQLEN_Q + 100
     q = torch.empty(1, sq, 2, 64, device="cuda", dtype=BF)
-    assert not bwd.variant_key(AttentionCall(q=q, k=q, v=q, scale=0.125, causal=True), False)[-3].fused_dq
+    assert not bwd.variant_key(AttentionCall(q=q, k=q, v=q, scale=0.125, causal=True), False).fused_dq
     _case(BF, 1, sq, sq, 2, 1, 64, 64, causal=True, expect_tile_m=128)
 
 
-# ---- 80 queries per step at D128 without masks (bwd._D128_TILE_M / TORCH_FA4_BWD_D128_TILE_M):
-# dQ computed transposed; dS in one fp32 pass with P or from the bf16 P (D128_PASSES_ENV)
-
-@pytest.fixture(params=["one", "two"])
-def tile_m_80(request, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "80")
-    monkeypatch.setenv(bwd.D128_PASSES_ENV, request.param)
-
-
-@pytest.mark.parametrize("sq,sk", [(300, 517), (517, 300), (80, 160), (1, 77), (161, 130), (400, 64)])
-@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2)])
-def test_tm80_d128(tile_m_80, sq, sk, hq, hkv):
-    _case(BF, 2, sq, sk, hq, hkv, 128, 128, expect_tile_m=80)
-
-
-def test_tm80_fp16_strided_seqused(tile_m_80):
-    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_tile_m=80)
-    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_tile_m=80)
-
-
-def test_tm80_varlen(tile_m_80):
-    _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)
-
-
-def test_tm80_not_taken_where_it_does_not_apply(tile_m_80):
-    # masks, softcap and deterministic mode keep 64 queries per step
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, causal=True, expect_tile_m=64)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, expect_tile_m=64)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, deterministic=True, expect_tile_m=64)
-
-
-# ---- dQ^T (bwd_kernel `dq_transposed`, the default; TORCH_FA4_BWD_DQ_T=0 turns it off): D128 at
-# 64 queries per step and D64 at 128 compute dQ^T = K^T dS^T and store it transposed. Each case
-# runs both ways, so the dQ = dS K path the option keeps stays tested.
-
-@pytest.fixture(params=["1", "0"], ids=["dQ^T", "dQ"])
-def dq_t(monkeypatch, request):
-    """Sets TORCH_FA4_BWD_DQ_T; the value is whether the variant must compute dQ^T."""
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.DQ_T_ENV, request.param)
-    return request.param == "1"
-
+# ---- dQ^T (bwd_kernel `dq_transposed`): D128 at 64 queries per step and D64 at 128 compute
+# dQ^T = K^T dS^T and store it transposed
 
 @pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 517, 6, 2), (517, 300, 2, 2), (1, 77, 2, 1), (333, 130, 4, 2)])
-def test_dq_transposed(dq_t, causal, sq, sk, hq, hkv, d, tile_m):
-    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal, expect_tile_m=tile_m, expect_dq_t=dq_t)
+def test_dq_transposed(causal, sq, sk, hq, hkv, d, tile_m):
+    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal, expect_tile_m=tile_m, expect_dq_t=True)
 
 
-@pytest.mark.parametrize("passes", ["two", "one", "split"])
-def test_dq_transposed_d64_passes(dq_t, monkeypatch, passes):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.PASSES_ENV, passes)
-    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128, expect_dq_t=dq_t)
-    _case(FP, 2, 517, 300, 2, 2, 64, 64, softcap=8.0, expect_tile_m=128, expect_dq_t=dq_t)
-
-
-def test_dq_transposed_features(dq_t):
-    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_dq_t=dq_t)
-    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_dq_t=dq_t)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_t=dq_t)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, left=100, right=20, expect_dq_t=dq_t)
-    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_t=dq_t)
+def test_dq_transposed_features():
+    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True, expect_dq_t=True)
+    _case(BF, 3, 300, 517, 4, 2, 128, 128, seqused=True, expect_dq_t=True)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_t=True)
+    _case(BF, 2, 300, 517, 2, 2, 128, 128, left=100, right=20, expect_dq_t=True)
+    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_t=True)
     _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)
+    _case(FP, 2, 517, 300, 2, 2, 64, 64, softcap=8.0, expect_tile_m=128, expect_dq_t=True)
 
 
-def test_dq_transposed_persistent_many_tiles(dq_t, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.PERSISTENT_CTAS_ENV, "3")
-    _case(BF, 2, 700, 900, 4, 2, 128, 128, causal=True, expect_dq_t=dq_t)
-    _case(BF, 2, 700, 900, 4, 2, 128, 128, expect_dq_t=dq_t)
-
-
-# ---- row statistics in the permuted order (bwd_kernel `permuted_stats`, TORCH_FA4_BWD_STATS_T=1)
-
-@pytest.fixture
-def stats_t(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.STATS_T_ENV, "1")
-    return bwd
-
-
-@pytest.mark.parametrize("d", [64, 96, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 517, 6, 2), (517, 300, 2, 2), (1, 77, 2, 1)])
-def test_permuted_stats(stats_t, d, causal, sq, sk, hq, hkv):
-    _case(BF, 2, sq, sk, hq, hkv, d, d, causal=causal)
-
-
-def test_permuted_stats_features(stats_t, monkeypatch):
-    _case(FP, 2, 300, 517, 4, 2, 128, 128, strided=True)
-    _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True)
-    _case(BF, 2, 300, 517, 2, 2, 128, 128, softcap=8.0, causal=True)
-    _case(BF, 2, 300, 517, 2, 2, 64, 64, left=100, right=20)
-    _case(BF, 2, 300, 517, 4, 2, 128, 128, causal=True, deterministic=True)
-    _case(BF, 3, 300, 517, 4, 2, 128, 128, varlen=True)  # per sequence: natural order
-    for passes in ("two", "one"):
-        monkeypatch.setenv(stats_t.PASSES_ENV, passes)
-        _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=128)
-    monkeypatch.setenv(stats_t.D128_TILE_M_ENV, "80")
-    _case(BF, 2, 300, 517, 4, 2, 128, 128, expect_tile_m=80)
-
-
-def test_d128_64_queries_without_masks(monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.D128_TILE_M_ENV, "64")
-    _case(BF, 2, 300, 517, 6, 2, 128, 128, expect_tile_m=64)
-
-
-# ---- 128 queries per step at D64 (bwd._D64_TILE_M / TORCH_FA4_BWD_TILE_M=128), in the three ways
-# of forming dS (TORCH_FA4_BWD_PASSES: "two" = dS from the bf16 P with the dQ epilogue overlapped,
-# "one" = P and dS in one fp32 pass, "split" = fp32 P while dP^T lands, dS after it)
-
-@pytest.fixture(params=["two", "one", "split"])
-def tile_m_128(request, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.TILE_M_ENV, "128")
-    monkeypatch.setenv(bwd.PASSES_ENV, request.param)
-    return request.param
-
+# ---- 128 queries per step at D64 (P in fp32 while dP^T lands, dS after it, dV after the dS^T
+# stores)
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(300, 517), (517, 300), (256, 384), (1, 77), (130, 130)])
-def test_tm128_d64(tile_m_128, causal, sq, sk):
+def test_tm128_d64(causal, sq, sk):
     _case(BF, 2, sq, sk, 2, 2, 64, 64, causal=causal, expect_tile_m=128)
 
 
 @pytest.mark.parametrize("hq,hkv,causal", [(4, 2, True), (6, 1, False), (8, 1, True)])
-def test_tm128_gqa(tile_m_128, hq, hkv, causal):
+def test_tm128_gqa(hq, hkv, causal):
     _case(BF, 2, 300, 517, hq, hkv, 64, 64, causal=causal, expect_tile_m=128)
 
 
-def test_tm128_fp16_strided(tile_m_128):
+def test_tm128_fp16_strided():
     _case(FP, 2, 300, 517, 4, 2, 64, 64, strided=True, expect_tile_m=128)
 
 
 @pytest.mark.parametrize("left,right,causal", [(60, 20, False), (100, -1, True), (-1, 40, False)])
-def test_tm128_window(tile_m_128, left, right, causal):
+def test_tm128_window(left, right, causal):
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=causal, left=left, right=right, expect_tile_m=128)
 
 
-def test_tm128_softcap_seqused(tile_m_128):
+def test_tm128_softcap_seqused():
     _case(BF, 2, 300, 517, 2, 2, 64, 64, softcap=8.0, causal=True, expect_tile_m=128)
     _case(BF, 3, 300, 517, 4, 2, 64, 64, seqused=True, expect_tile_m=128)
 
 
-def test_tm128_deterministic(tile_m_128):
+def test_tm128_deterministic():
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, deterministic=True, expect_tile_m=128)
     _case(BF, 1, 517, 300, 2, 2, 64, 64, left=90, right=10, deterministic=True, expect_tile_m=128)
 
 
-def test_tm128_varlen(tile_m_128):
+def test_tm128_varlen():
     _case(BF, 3, 300, 517, 4, 2, 64, 64, varlen=True, causal=True, expect_tile_m=128)
 
 
 @pytest.mark.parametrize("make_mods,causal", [(_alibi, True), (_tanh_bias_documents, False)])
-def test_tm128_mods(tile_m_128, make_mods, causal):
+def test_tm128_mods(make_mods, causal):
     slopes = torch.rand(4, device="cuda")
     doc = torch.sort(torch.randint(0, 4, (517,), device="cuda")).values.to(torch.int32)
     score_mod, mask_mod = make_mods(slopes, doc)
@@ -825,58 +669,38 @@ def test_tm128_mods(tile_m_128, make_mods, causal):
     ((128, 128), (1, 1), 128), ((256, 128), (2, 1), 128),
     ((64, 128), (1, 1), 64),  # 64-row block-mask tiles: the 64-query variant walks them
 ])
-def test_tm128_block_sparse(tile_m_128, block, expect, tile_m):
+def test_tm128_block_sparse(block, expect, tile_m):
     doc = _doc_ids(517)
     _, mask_mod = _documents(None, doc)
     _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, mask_mod=mask_mod, block_size=block,
           expect_sparse=expect, expect_tile_m=tile_m)
 
 
-# ---- the dQ TMA adds from the dedicated writer warp (bwd.DQ_WARP_ENV, default on at 128 keys per
-# CTA) against the consumer leader warps' adds, each with dQ issued before dK (bwd.DQ_FIRST_ENV,
-# the default) or after it (dQ epilogue in the next step): all four must be right on every path
+# ---- the dQ TMA adds from the dedicated writer warp (128 keys per CTA) or the consumer leader
+# warps (64 keys per CTA)
 
-@pytest.fixture(params=["writer-dq_first", "leader-dq_first", "writer-dk_first", "leader-dk_first"])
-def dq_warp(request, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    adds, order = request.param.split("-")
-    monkeypatch.setenv(bwd.DQ_WARP_ENV, "1" if adds == "writer" else "0")
-    monkeypatch.setenv(bwd.DQ_FIRST_ENV, "1" if order == "dq_first" else "0")
-    return adds == "writer"
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True), (192, True)])
+def test_dq_writer_warp(d, causal):
+    _case(BF, 2, 300, 517, 2, 2, d, d, causal=causal, expect_dq_warp=d <= 128)
+    _case(BF, 2, 1, 77, 2, 2, d, d, causal=causal, expect_dq_warp=d <= 128)  # one step per CTA
 
 
-@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True)])
-def test_dq_writer_warp(dq_warp, d, causal):
-    _case(BF, 2, 300, 517, 2, 2, d, d, causal=causal, expect_dq_warp=dq_warp)
-    _case(BF, 2, 1, 77, 2, 2, d, d, causal=causal, expect_dq_warp=dq_warp)  # one step per CTA
+def test_dq_writer_warp_gqa_softcap():
+    _case(BF, 2, 300, 517, 6, 2, 128, 128, causal=True, expect_dq_warp=True)
+    _case(FP, 2, 333, 200, 8, 1, 64, 64, expect_dq_warp=True)
+    _case(BF, 2, 200, 260, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_warp=True)
 
 
-@pytest.mark.parametrize("tile_m,passes", [(64, "two"), (128, "two"), (128, "one"), (128, "split")])
-def test_dq_writer_warp_d64_query_tiles(dq_warp, tile_m, passes, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd
-
-    monkeypatch.setenv(bwd.TILE_M_ENV, str(tile_m))
-    monkeypatch.setenv(bwd.PASSES_ENV, passes)
-    _case(BF, 2, 300, 517, 4, 2, 64, 64, causal=True, expect_tile_m=tile_m, expect_dq_warp=dq_warp)
-
-
-def test_dq_writer_warp_gqa_softcap(dq_warp):
-    _case(BF, 2, 300, 517, 6, 2, 128, 128, causal=True, expect_dq_warp=dq_warp)
-    _case(FP, 2, 333, 200, 8, 1, 64, 64, expect_dq_warp=dq_warp)
-    _case(BF, 2, 200, 260, 2, 2, 128, 128, softcap=8.0, causal=True, expect_dq_warp=dq_warp)
-
-
-def test_dq_writer_warp_empty_walks(dq_warp):
+def test_dq_writer_warp_empty_walks():
     # key tiles that no query sees (window; keys past seqused_k): the writer and the consumers
     # must both skip the slab hand-off
-    _case(BF, 2, 300, 517, 2, 1, 128, 128, left=60, right=20, expect_dq_warp=dq_warp)
-    _case(BF, 3, 150, 600, 2, 2, 128, 128, seqused=True, expect_dq_warp=dq_warp)
+    _case(BF, 2, 300, 517, 2, 1, 128, 128, left=60, right=20, expect_dq_warp=True)
+    _case(BF, 3, 150, 600, 2, 2, 128, 128, seqused=True, expect_dq_warp=True)
 
 
-def test_dq_writer_warp_deterministic(dq_warp):
-    _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_warp=dq_warp)
-    _case(BF, 1, 517, 300, 2, 2, 64, 64, left=90, right=10, deterministic=True, expect_dq_warp=dq_warp)
+def test_dq_writer_warp_deterministic():
+    _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True, expect_dq_warp=True)
+    _case(BF, 1, 517, 300, 2, 2, 64, 64, left=90, right=10, deterministic=True, expect_dq_warp=True)
 
 
 def _bench():  # pragma: no cover - manual timing on the device machine

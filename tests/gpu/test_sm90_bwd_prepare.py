@@ -4,7 +4,7 @@ Fresh random dO / O / lse each case (some rows at lse = -inf), output buffers po
 then compared with float64: lse2 = lse * log2 e (-inf -> +inf) and dpsum = rowsum(dO * O) in the
 padded (B, H, rows) / (H, rows) layout, padding exactly +inf / 0. Dense, varlen, per-sequence
 slices (as the varlen backward hands them), strided dO / O views, every Dv, fp16 and bf16. Then
-bwd.row_statistics on CUDA against its torch path on the same data, and torch_fa4.attention's
+bwd_row_stats.row_statistics on CUDA against its torch path on the same data, and torch_fa4.attention's
 backward against float64 autograd with the fused path active.
 """
 
@@ -26,8 +26,6 @@ pytestmark = [
 ]
 
 DVS = (64, 96, 128, 192, 256)
-# each pass with its CTAs in the natural order and in the reverse one (bwd.PASS_ORDER_ENV)
-BOTH_ORDERS = pytest.mark.parametrize("reversed_order", [False, True], ids=["natural", "reversed"])
 LOG2E = math.log2(math.e)
 
 
@@ -94,12 +92,10 @@ def _check(lse2, dpsum, dout, out, lse, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@BOTH_ORDERS
 @pytest.mark.parametrize("dv", DVS)
 @pytest.mark.parametrize("layout", ["dense", "dense_bhsd_views", "dense_wide_rows", "varlen", "varlen_strided",
                                     "per_sequence"])
-def test_fused_row_statistics_match_float64(layout, dv, dtype, reversed_order):
-    # reversed_order: the CTAs take the slabs last to first (bwd.PASS_ORDER_ENV); same results
+def test_fused_row_statistics_match_float64(layout, dv, dtype):
     from torch_fa4.kernels.sm90 import bwd_prepare
 
     dout, out, lse = _inputs(layout, dv, dtype)
@@ -108,28 +104,9 @@ def test_fused_row_statistics_match_float64(layout, dv, dtype, reversed_order):
     for rows in (math.ceil(s / 64) * 64, math.ceil(s / 64) * 64 + 128, s):  # exact fit too: no padding
         lse2 = torch.full((*lse.shape[:-1], rows), math.nan, device="cuda")
         dpsum = torch.full_like(lse2, math.nan)
-        bwd_prepare.row_statistics_into(dout, out, lse, lse2, dpsum, reversed_order=reversed_order)
+        bwd_prepare.row_statistics_into(dout, out, lse, lse2, dpsum)
         torch.cuda.synchronize()
         _check(lse2, dpsum, dout, out, lse, rows)
-
-
-@pytest.mark.parametrize("tm", [64, 80, 128])
-@pytest.mark.parametrize("layout", ["dense", "dense_bhsd_views"])
-def test_permuted_row_statistics(layout, tm):
-    # the pass's permuted order (bwd_stats_layout.py) is its natural result moved by permute_rows
-    from torch_fa4.kernels.sm90 import bwd_prepare
-    from torch_fa4.kernels.sm90.bwd_stats_layout import permute_rows
-
-    dout, out, lse = _inputs(layout, 64, torch.bfloat16)
-    rows = math.ceil(lse.shape[-1] / tm) * tm
-    natural = [torch.full((*lse.shape[:-1], rows), math.nan, device="cuda") for _ in range(2)]
-    bwd_prepare.row_statistics_into(dout, out, lse, *natural)
-    permuted = [torch.full_like(natural[0], math.nan) for _ in range(2)]
-    bwd_prepare.row_statistics_into(dout, out, lse, *permuted, stat_tile=tm)
-    torch.cuda.synchronize()
-    _check(*natural, dout, out, lse, rows)
-    for got, nat in zip(permuted, natural):
-        assert torch.equal(got, permute_rows(nat, tm))
 
 
 def _call(dout, varlen):
@@ -140,7 +117,8 @@ def _call(dout, varlen):
 
 @pytest.mark.parametrize("varlen,min_rows", [(False, 0), (False, 384), (True, 0)])
 def test_backward_host_uses_fused_path_and_matches_torch_path(varlen, min_rows, monkeypatch):
-    from torch_fa4.kernels.sm90 import bwd, bwd_prepare
+    from torch_fa4.kernels.sm90 import bwd_prepare
+    from torch_fa4.kernels.sm90 import bwd_row_stats as bwd
 
     calls = []
     real = bwd_prepare.row_statistics_into
@@ -158,9 +136,9 @@ def test_backward_host_uses_fused_path_and_matches_torch_path(varlen, min_rows, 
     assert torch.equal(lse2.cpu(), lse2_t)  # same fp32 product, same +inf rows and padding
     torch.testing.assert_close(dpsum.cpu(), dpsum_t, rtol=1e-5, atol=1e-5)
     padding = torch.ones(dpsum.shape[-1], dtype=torch.bool)
-    if varlen:  # each sequence's rows at its tile-aligned offset (bwd.varlen_stat_layout)
+    if varlen:  # each sequence's rows at its tile-aligned offset (bwd_row_stats.varlen_stat_layout)
         cu = call.cu_seqlens_q.tolist()
-        for first, start, end in zip(bwd.stat_row_offsets(call.cu_seqlens_q, bwd._TILE_M).tolist(), cu, cu[1:]):
+        for first, start, end in zip(bwd.stat_row_offsets(call.cu_seqlens_q, bwd.TILE_M).tolist(), cu, cu[1:]):
             padding[first : first + end - start] = False
     else:
         padding[: lse.shape[-1]] = False
@@ -169,7 +147,8 @@ def test_backward_host_uses_fused_path_and_matches_torch_path(varlen, min_rows, 
 
 def test_expanded_gradient_takes_the_torch_path(monkeypatch):
     """autograd hands `out.sum()`'s gradient over as an expanded (all strides 0) tensor."""
-    from torch_fa4.kernels.sm90 import bwd, bwd_prepare
+    from torch_fa4.kernels.sm90 import bwd_prepare
+    from torch_fa4.kernels.sm90 import bwd_row_stats as bwd
 
     monkeypatch.setattr(bwd_prepare, "row_statistics_into", lambda *a: pytest.fail("fused path on stride-0 dO"))
     out = _rand(2, 70, 3, 64, dtype=torch.bfloat16)
@@ -224,20 +203,18 @@ def test_attention_backward_matches_float64_with_fused_statistics(d, varlen, mon
 
 # ---- the last pass: dq = dq_acc * scale in the input dtype (kernels/sm90/bwd_dq_convert.py)
 
-@BOTH_ORDERS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [8, 2040, 2048, 2056, 3 * 517 * 5 * 64])
-def test_dq_conversion_matches_torch(n, dtype, reversed_order):
+def test_dq_conversion_matches_torch(n, dtype):
     """Fresh fp32 values (some beyond the 16-bit range), a NaN-poisoned output: the same bits as
-    torch's multiply-then-round, including a partial last CTA and a single chunk, with the CTAs
-    in either order (bwd.PASS_ORDER_ENV)."""
+    torch's multiply-then-round, including a partial last CTA and a single chunk."""
     from torch_fa4.kernels.sm90 import bwd_dq_convert
 
     src = torch.randn(n, device="cuda") * 3
     src[:: 97] *= 1e5  # overflow to inf in fp16 alike
     dst = torch.full((n,), float("nan"), device="cuda", dtype=dtype)
     assert bwd_dq_convert.takes(src, dst)
-    bwd_dq_convert.scaled_narrow(src, dst, 0.0883, reversed_order=reversed_order)
+    bwd_dq_convert.scaled_narrow(src, dst, 0.0883)
     want = (src * 0.0883).to(dtype)
     assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
 
@@ -255,17 +232,16 @@ def test_dq_conversion_refuses_layouts_it_cannot_read():
     assert not bwd_dq_convert.takes(torch.zeros(36, device="cuda"), torch.zeros(36, device="cuda", dtype=torch.bfloat16))
 
 
-@BOTH_ORDERS
 @pytest.mark.parametrize("dv,d", [(128, 128), (64, 192), (256, 64)])
-def test_fused_pass_zeroes_the_dq_buffer(dv, d, reversed_order):
+def test_fused_pass_zeroes_the_dq_buffer(dv, d):
     """The row-statistics pass zeroes the backward's (B, S, H, D) fp32 dQ buffer, NaN-poisoned
-    here, and still writes the same statistics, with its CTAs in either order."""
+    here, and still writes the same statistics."""
     from torch_fa4.kernels.sm90 import bwd_prepare
 
     dout, out, lse = _inputs("dense", dv, torch.bfloat16)
     dq_acc = torch.full((*dout.shape[:3], d), math.nan, device="cuda")
     rows = math.ceil(lse.shape[-1] / 64) * 64
-    lse2, dpsum = bwd_prepare.row_statistics(dout, out, lse, rows, dq_acc, reversed_order=reversed_order)
+    lse2, dpsum = bwd_prepare.row_statistics(dout, out, lse, rows, dq_acc)
     torch.cuda.synchronize()
     assert (dq_acc == 0).all()
     _check(lse2, dpsum, dout, out, lse, rows)

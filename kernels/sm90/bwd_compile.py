@@ -1,0 +1,140 @@
+"""Compiling the sm90 backward: one variant (a BwdConfig) of bwd_kernel against symbolic shapes,
+kept by the compile cache (on disk where kernels launch through TVM-FFI). Needs no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torch_fa4.kernels.sm90.bwd_config import BwdConfig
+
+MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
+
+
+def cute_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+
+
+@functools.cache
+def _use_tvm_ffi() -> bool:
+    """Whether the kernels launch through TVM-FFI (the only form the disk cache can store); asked
+    on every launch, so answered once."""
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def compile_stream_and_options(arch: str, dump_dir: str | None):
+    """(fake stream, cute.compile options) shared by the backward's kernels: TVM-FFI launches where
+    tvm_ffi is installed (without it, a CPU-only checkout, kernels still compile for the tests);
+    dump_dir: also keep the cubin and PTX there."""
+    import cutlass.cute as cute
+
+    from torch_fa4.kernels.compile_cache import extra_options
+
+    tvm = _use_tvm_ffi()
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "") + extra_options(dump_dir)
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm), options
+
+
+def cached_compile(key, build):
+    """compile_cache.get_or_compile for the backward's kernels: kept on disk where they launch
+    through TVM-FFI (the form the disk cache stores)."""
+    from torch_fa4.kernels import compile_cache
+
+    return compile_cache.get_or_compile(key, build, persist=_use_tvm_ffi())
+
+
+def compile_variant(config: BwdConfig, arch: str = "sm_90a", dump_dir: str | None = None):
+    """Compile one variant against symbolic shapes (no GPU needed).
+
+    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    if dump_dir is not None:
+        return _compile(config, arch, dump_dir)
+    return cached_compile(("sm90_bwd", arch, config), lambda jit=True: _compile(config, arch, None, jit))
+
+
+def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = True):
+    """jit=False: without the host JIT engines, only to be exported (compile_cache.get_or_compile)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .bwd_kernel import Sm90AttentionBackward
+
+    mods = None
+    if config.mods_key:
+        from torch_fa4.mods import registry
+
+        mods = registry.lookup(config.mods_key)
+    d, dv = config.head_dim, config.head_dim_v
+    cdt = cute_dtype(config.dtype)
+    sym = cute.sym_int
+    al = lambda: cute.sym_int64(divisibility=8)  # TMA: 16-byte aligned strides
+
+    def fake(dt, shape, stride, align=16):
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
+
+    b, sq, sk, hq, hkv = sym(), sym(), sym(), sym(), sym()
+    sq_pad = sym()
+    if config.varlen:
+        tq, tk = sym(), sym()
+        stat_rows = sym()  # the statistics' own rows (varlen_stat_layout), not the dQ buffer's
+        q = fake(cdt, (tq, hq, d), (al(), al(), 1))
+        k = fake(cdt, (tk, hkv, d), (al(), al(), 1))
+        v = fake(cdt, (tk, hkv, dv), (al(), al(), 1))
+        do = fake(cdt, (tq, hq, dv), (al(), al(), 1))
+        lse = fake(Float32, (hq, stat_rows), (al(), 1))
+        dps = fake(Float32, (hq, stat_rows), (al(), 1))
+        dqa = fake(Float32, (hq, tq, d), (d, al(), 1))  # a (Hq, T, D) view of (T, Hq, D) rows
+        dk = fake(cdt, (tk, hkv, d), (al(), d, 1))
+        dvv = fake(cdt, (tk, hkv, dv), (al(), dv, 1))
+        bp1 = sym()
+        cuq = fake(Int32, (bp1,), (1,), 4)
+        cuk = fake(Int32, (bp1,), (1,), 4)
+        nb = sym()
+    else:
+        q = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1))
+        k = fake(cdt, (b, sk, hkv, d), (al(), al(), al(), 1))
+        v = fake(cdt, (b, sk, hkv, dv), (al(), al(), al(), 1))
+        do = fake(cdt, (b, sq, hq, dv), (al(), al(), al(), 1))
+        lse = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
+        dps = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
+        # (B, Sq, Hq, D) storage seen as (B, Hq, Sq, D): dq's own layout, so the final conversion
+        # to the input dtype is one contiguous pass; TMA drops the adds of rows past Sq
+        dqa = fake(Float32, (b, hq, sq, d), (al(), al(), al(), 1))
+        dk = fake(cdt, (b, sk, hkv, d), (al(), al(), d, 1))
+        dvv = fake(cdt, (b, sk, hkv, dv), (al(), al(), dv, 1))
+        cuq = cuk = None
+        nb = b
+    used = fake(Int32, (nb,), (1,), 4) if config.seqused_k else None
+    dq_out = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1)) if config.fused_dq else None
+    sem = None
+    if config.deterministic or config.persistent:  # semaphores or the tile counter
+        sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
+    split_ws = split_cnt = None
+    if config.split_tail:  # the pieces' partial dK / dV (slots, values, 256 threads) and their counters
+        split_ws = fake(Float32, (sym(), sym(), 256), (cute.sym_int64(), 256, 1), 16)
+        split_cnt = fake(Int32, (sym(),), (1,), 4)
+    lists = [None] * 4
+    if config.sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
+        s64 = cute.sym_int64
+        counts = lambda: fake(Int32, (sym(), sym(), sym()), (s64(), s64(), 1), 4)
+        indices = lambda: fake(Int32, (sym(), sym(), sym(), sym()), (s64(), s64(), s64(), 1), 4)
+        lists = [counts(), indices(), counts(), indices()]
+    aux = []
+    if mods is not None:
+        from torch_fa4.kernels.common import mod_lowering
+
+        specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
+        aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
+    aux += [None] * (MAX_AUX - len(aux))
+    stream, options = compile_stream_and_options(arch, dump_dir)
+    kernel = Sm90AttentionBackward(cdt, config, mods)
+    args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
+            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
+            Int32(0), Int32(1), *aux, stream)
+    return cute.compile(kernel, *args, options=options, no_jit_engine=not jit)
