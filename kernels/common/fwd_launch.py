@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from torch_fa4 import env_vars
 from torch_fa4.call import AttentionCall
 
 UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED, restated to stay free of cutlass
@@ -117,29 +116,19 @@ def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:
     return 1  # (as if L2 held one byte: heads_per_l2_group's floor of one pair per group)
 
 
-# TORCH_FA4_FWD_L2_GROUP_PAIRS=N: N (batch, head) pairs per group instead (measuring; a launch
-# argument, no recompile)
-L2_GROUP_ENV = "TORCH_FA4_FWD_L2_GROUP_PAIRS"
-
-
 def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int:
     """(batch, head) pairs whose K and V fit in about half of `l2_bytes` (see common.tile_scheduler)."""
     kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
     total = call.batch * call.num_heads
-    override = env_vars.get(L2_GROUP_ENV, "").strip()
-    if override:
-        return max(1, min(total, int(override)))
     return max(1, min(total, (l2_bytes // 2) // kv_bytes))
 
 
 # The tail group of a causal call (common.tile_scheduler): as many of the last pairs as hold
 # TAIL_FILL times every SM's share of the longest walk, so the longest items of the last pairs
 # start while every SM still has work; at most TAIL_MAX_BYTES of their K and V, since the tail's
-# CTAs read every tail pair's K and V at once. TORCH_FA4_FWD_TAIL_PAIRS=T sets the count instead
-# (0: no tail group; measuring, a launch argument).
+# CTAs read every tail pair's K and V at once.
 TAIL_FILL = 1.0
 TAIL_MAX_BYTES = 32 << 20
-TAIL_PAIRS_ENV = "TORCH_FA4_FWD_TAIL_PAIRS"
 
 
 def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, heads_per_group: int,
@@ -147,9 +136,6 @@ def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, h
     """The last (batch, head) pairs that run as one group (0: none). Only causal walks without a
     left window differ enough in length to need it."""
     pairs = call.batch * call.num_heads
-    override = env_vars.get(TAIL_PAIRS_ENV, "").strip()
-    if override:
-        return max(0, min(int(override), pairs))
     if not call.causal or call.window_left >= 0 or seqlen_q <= 0:
         return 0
     # a pair's work in units of its longest walk: query tile m sees the keys up to its last row
