@@ -107,10 +107,8 @@ def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:
     The CTAs in flight at once read the K and V of every head in their group, so groups are kept
     small. Causal and windowed walks are grouped so a group's K and V take a sixth of L2 (longest
     first inside a group, common.tile_scheduler); other calls get one pair per group, every query
-    tile of a head before the next head (flash-attn-4's order). H100, NOTES "Experiments 71, 72":
-    groups of half of L2 held 25 heads' K / V in flight at D64 S4k (L2 hit rate 68% against
-    flash-attn-4's 85%, 2.4 x its DRAM traffic); one pair per group +1-9% on the non-causal rows
-    up to S4k, level at S16k; a sixth of L2 for causal rows +2-7% at S1k / S4k and D128 S16k."""
+    tile of a head before the next head (flash-attn-4's order). Groups of half of L2 held too many
+    heads' K / V in flight and lost L2 hits (NOTES "Experiments 71, 72")."""
     if call.causal or call.has_window:
         return l2_bytes // 3
     return 1  # (as if L2 held one byte: heads_per_l2_group's floor of one pair per group)

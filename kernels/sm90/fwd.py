@@ -74,6 +74,18 @@ from torch_fa4.kernels.sm90.fwd_producer import FwdProducer
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
 
 
+def _sequence_major(t: cute.Tensor, varlen: bool) -> cute.Tensor:
+    """t's view with the sequence mode first and the batch mode last: (B, S, H, D) -> (S, D, H, B),
+    (B, H, S) -> (S, H, B); a packed varlen tensor ((T, H, D) or (H, T)) gets a unit batch mode so
+    indexing is uniform."""
+    if varlen:
+        modes = [0, 2, 1] if cute.rank(t) == 3 else [1, 0]
+        unit_batch = cute.make_layout(1, stride=0)
+        return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=modes), unit_batch))
+    modes = [1, 3, 2, 0] if cute.rank(t) == 4 else [2, 1, 0]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
 class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
     def __init__(self, cfg: FwdConfig):
         self.cfg = cfg
@@ -205,21 +217,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: len(cfg.aux_specs)]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         block_mask = (mBmNum, mBmIdx, mBmFullNum, mBmFullIdx) if const_expr(cfg.block_sparse) else None
-        # sequence-major views: (S, D, H, B); varlen gets a unit batch mode so indexing is uniform
-        if const_expr(cfg.varlen_q):
-            mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), cute.make_layout(1, stride=0)))
-        else:
-            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        if const_expr(cfg.varlen_k):
-            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-            mV = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-        else:
-            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
+        # sequence-major views: (S, D, H, B), LSE (S, H, B)
+        mQ, mO = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO))
+        mLSE = _sequence_major(mLSE, cfg.varlen_q)
+        mK, mV = (_sequence_major(t, cfg.varlen_k) for t in (mK, mV))
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, None)

@@ -19,13 +19,13 @@ class FwdConfig:
     head_dim_v: int
     tile_m: int
     tile_n: int
-    num_stages: int
     causal: bool
     has_window: bool
     softcap: bool
     varlen_q: bool
     varlen_k: bool
     has_seqused_k: bool
+    num_stages: int = 2  # depth of the K and V rings
     persistent: bool = False  # about one CTA per SM looping over work items (else one CTA per item)
     # persistent CTAs take their items from a global counter when ready for the next one
     # (kernels/common/tile_mailbox.py), instead of a static round-robin; a zeroed int32 argument

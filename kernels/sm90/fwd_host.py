@@ -137,7 +137,7 @@ _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
 def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
-    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops)."""
+    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops, ...)."""
     tile_m, tile_n = _TILES[call.head_dim]
     if call.head_dim == 192:
         return dict(tile_m=tile_m, tile_n=tile_n)
@@ -158,29 +158,22 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
             shape.update(hand_descriptors=True, ptxas_options="--register-usage-level=0")
         return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
-        return dict(_D96_WIDE)
+        return _D96_WIDE
     return dict(tile_m=tile_m, tile_n=tile_n)
 
 
 def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     max_q, max_k = fwd_launch.max_seqlens(call)  # (varlen without the maxima given: a device read)
     longest = max(max_q, max_k)
-    shape = _tiles(call, max_q, max_k)
-    tile_m, tile_n = shape["tile_m"], shape["tile_n"]
-    opts = dict(_DEFAULT_OPTIONS[call.head_dim])
-    if "ptxas_options" in shape:
-        opts["ptxas_options"] = shape["ptxas_options"]
-    mods = {}
+    # the head dim's options, then the tile shape's (its stages, chains, ptxas flags and grid win)
+    opts = {**_DEFAULT_OPTIONS[call.head_dim], **_tiles(call, max_q, max_k)}
+    opts["persistent"] = (opts["persistent"] or _d192_persistent_pays(call)) and _persistent_fits(call)
     if call.mods is not None:
-        mods = dict(mod_key=call.mods.key,
-                    aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
+        opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _uses_block_mask(call):
-        tile_n = _block_tile_n(call)
-        mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
-                    bm_tiles_n=call.block_mask_kv // tile_n)
-    if _d192_persistent_pays(call):
-        opts["persistent"] = True
-    opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
+        opts["tile_n"] = _block_tile_n(call)
+        opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // opts["tile_m"],
+                    bm_tiles_n=call.block_mask_kv // opts["tile_n"])
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
     if _d128_cond_rescale_pays(call):
@@ -188,17 +181,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
-    cfg = FwdConfig(
-        tile_m=tile_m,
-        tile_n=tile_n,
-        num_stages=shape.get("num_stages", 2),
-        split_mask_loops=shape.get("split_mask_loops", True),
-        max_chains=shape.get("max_chains", 1),
-        hand_descriptors=shape.get("hand_descriptors", False),
-        **fwd_launch.call_features(call),
-        **opts,
-        **mods,
-    )
+    cfg = FwdConfig(**fwd_launch.call_features(call), **opts)
     cfg = replace(cfg, **overrides) if overrides else cfg
     if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
         cfg = replace(cfg, dynamic_schedule=False)
