@@ -100,11 +100,10 @@ VARIANTS = {
     "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
     # D <= 128 defaults to the persistent grid; the one-shot grid stays selectable
     "d128_causal_one_shot": (dict(D=128, causal=True), dict(persistent=False)),
-    # the D64 candidate for the next measurement (NOTES "Next"): 192 rows, three consumer warpgroups
-    # at 160 registers, 96-key tiles (128-key tiles spill there; the persistent loop serializes)
+    # 192 rows, three consumer warpgroups at 160 registers, 96-key tiles
     "d64_192x96_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=96, persistent=False)),
     # 192 x 128 (flash-attn-4's D64 shape) fits 160 registers once P is converted by packed pairs
-    # (kernels/common/convert.py; before: 284 spill instructions, 36 waits), persistent loop too
+    # (kernels/common/convert.py), persistent loop too
     "d64_192x128": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False)),
     # D96's 192-row tile past 2048 queries (fwd_host._D96_WIDE; 128-key tiles spill there)
     "d96_192x112": (dict(D=96), dict(tile_m=192, tile_n=112, persistent=False)),
@@ -377,9 +376,8 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
 def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
     """D64's 192-row default rescales O after the P V wait (flash-attn-4's order at D64), and
     ptxas then puts that wait ahead of (nearly) all of the step's exponentials; with the early
-    rescale (before the next P V) it sat among them, after 18 of 66, with CuTe DSL 4.8.1. Both
-    orders were measured on an H100: the late rescale gained 0.5-3% on every D64 row (NOTES
-    "Experiment 118"), and with the early one, moving the wait to either end cost 1-4%
+    rescale (before the next P V) CUDA 12's ptxas puts it among them. The late order won on the
+    GPU (NOTES "Experiment 118"), and with the early one, moving the wait to either end lost
     ("Experiment 111"). A change that moves either placement shows up here before it costs a GPU
     run."""
     from torch_fa4.kernels.sm90 import fwd_host
@@ -399,12 +397,12 @@ def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
         counts[early] = (after[0], exps)
     print(f"causal={causal}: exponentials after the P V wait, late / early rescale: {counts}")
     (late_after, late_exps), (early_after, early_exps) = counts[False], counts[True]
-    # ahead of all but at most 5 (62 and 66 of 66 measured; 61 causal since the two-chain row max,
-    # NOTES "Experiment 148", which was timed on the GPU in that form)
+    # ahead of all but at most 5 (the two-chain row max, NOTES "Experiment 148", leaves a few of the
+    # causal loop's behind it)
     assert late_after >= late_exps - 5, counts
     if cuda_major() >= 13:
-        # CUDA 13's ptxas hoists the wait ahead of every exponential in the early order too (66 of
-        # 66, NOTES "Experiment 170"): the orders differ in placement with CUDA 12's only
+        # CUDA 13's ptxas hoists the wait ahead of every exponential in the early order too (NOTES
+        # "Experiment 170"): the orders differ in placement with CUDA 12's only
         return
     assert 0 < early_after < early_exps - 2, counts  # among them (2 of the 66 are the rescale factors)
 
@@ -506,8 +504,8 @@ def test_grid_policy(monkeypatch):
 
 
 def test_ptxas_options_reach_ptxas(tmp_path):
-    """D64 compiles with ptxas's register-usage level 10 (fwd_host._DEFAULT_OPTIONS; +0.2-1.2% on
-    the D64 grid rows in two H100 probes, NOTES "Experiment 134"), except plain calls on the
+    """D64 compiles with ptxas's register-usage level 10 (fwd_host._DEFAULT_OPTIONS; NOTES
+    "Experiment 134"), except plain calls on the
     192-row tile, whose hand-built descriptors take level 0 (NOTES "Experiment 156"). The flag goes
     through cute.compile's --ptxas-options: the same variant without it (ptxas's default, level 5)
     schedules differently, so a flag that was dropped on the way (or that ptxas ignored) fails
@@ -858,10 +856,10 @@ def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_pa
 
 def test_skip_masked_first_policy_and_code(tmp_path):
     """D192 / D256 calls under causal / window masks skip a warpgroup's Q K^T and softmax on a
-    first key tile it cannot see (fwd_host._skip_masked_first_pays; H100, NOTES "Experiment
-    135"); other head dims, unmasked calls and calls with mods do not. The option must reach the code (the SASS
-    differs) without duplicating a matmul or serializing them (_compile_and_check_sass); the GPU
-    tests check the results."""
+    first key tile it cannot see (fwd_host._skip_masked_first_pays; NOTES "Experiment 135");
+    other head dims, unmasked calls and calls with mods do not. The option must reach the code (the
+    SASS differs) without duplicating a matmul or serializing them (_compile_and_check_sass); the
+    GPU tests check the results."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     def cfg_of(D, **kw):
