@@ -196,20 +196,9 @@ def fake_leading_args(cfg) -> list:
     `cfg` is an architecture's forward config (dtype_name, head_dim, head_dim_v, varlen_q,
     varlen_k, has_seqused_k)."""
     import cutlass
-
-    tensors = _fake_leading_tensors(cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k,
-                                    cfg.has_seqused_k)
-    scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
-               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1)]
-    return [*tensors, *scalars]
-
-
-def _fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varlen_q: bool, varlen_k: bool,
-                          has_seqused_k: bool):
-    import cutlass
     import cutlass.cute as cute
 
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
 
     def fake(rank, last):
         shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
@@ -217,20 +206,20 @@ def _fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varle
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
         return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
-    q = fake(3 if varlen_q else 4, head_dim)
-    o = fake(3 if varlen_q else 4, head_dim_v)
-    k = fake(3 if varlen_k else 4, head_dim)
-    v = fake(3 if varlen_k else 4, head_dim_v)
-    lse_rank = 2 if varlen_q else 3
+    def offsets(given: bool):
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) if given else None
+
+    q = fake(3 if cfg.varlen_q else 4, cfg.head_dim)
+    o = fake(3 if cfg.varlen_q else 4, cfg.head_dim_v)
+    k = fake(3 if cfg.varlen_k else 4, cfg.head_dim)
+    v = fake(3 if cfg.varlen_k else 4, cfg.head_dim_v)
+    lse_rank = 2 if cfg.varlen_q else 3
     lse = cute.runtime.make_fake_tensor(
         cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
         tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
-
-    def offsets():
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
-
-    return (q, k, v, o, lse, offsets() if varlen_q else None, offsets() if varlen_k else None,
-            offsets() if has_seqused_k else None)
+    scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1)]
+    return [q, k, v, o, lse, offsets(cfg.varlen_q), offsets(cfg.varlen_k), offsets(cfg.has_seqused_k), *scalars]
 
 
 def compile_options(arch: str, dump_dir: Optional[str], ptxas_options: str = "") -> str:

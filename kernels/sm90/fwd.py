@@ -29,11 +29,10 @@ block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv
 mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
 
 Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py in longest-first
-order. With `persistent` (D <= 128, no window, no mods: beyond that the outer loop costs ptxas the
-registers it needs to keep the wgmmas asynchronous) each CTA loops over its items -- the producer
-loads the next item's first K and Q while the consumers finish the current one -- and the host
-chooses the grid: about one CTA per SM, or one per item (each CTA's loop then runs once). A
-persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
+order. With `persistent` (where fwd_host finds that the outer loop leaves ptxas the registers it
+needs to keep the wgmmas asynchronous, and pays) each CTA loops over its items -- the producer
+loads the next item's first K and Q while the consumers finish the current one -- on a grid of
+about one CTA per SM. A persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
 counter as it frees (kernels/common/tile_mailbox.py: the producer warp takes each item and hands
 it to the consumer warps through shared memory), which balances causal items of unequal length.
 With `early_q_release` Q's buffer is freed as soon as the walk's last Q K^T lands, so the next
