@@ -37,11 +37,11 @@ def get_or_compile(key: Hashable, build: Callable[..., Any], persist: bool = Fal
 
     build() compiles and returns a callable kernel; `persist` builders also take jit=False:
     compiled only to be exported, without CuTe DSL's host JIT engines (an MCJIT engine, then a
-    JITLink one for TVM-FFI: 0.4-0.9 s per variant). With the disk cache on and a C compiler at
-    hand, a new variant is compiled that way, stored, and loaded back from its library, the same
-    object any later process loads (the exported object file is the same byte for byte with or
-    without the engines; NOTES "Session 39"). Otherwise, or if storing fails, it is compiled with
-    the engines as usual."""
+    JITLink one for TVM-FFI, most of a second per variant). With the disk cache on and a C
+    compiler at hand, a new variant is compiled that way, stored, and loaded back from its library,
+    the same object any later process loads (the exported object file is the same byte for byte
+    with or without the engines). Otherwise, or if storing fails, it is compiled with the engines
+    as usual."""
     fn = _compiled.get(key)
     if fn is not None:
         return fn

@@ -1,15 +1,14 @@
 """Compiled kernels kept on disk, so a new process loads a variant instead of compiling it.
 
-`cute.compile` traces and compiles again in every process (2.4-4.9 s per variant on two CPU cores,
-after ~0.5-2 s to import CuTe DSL); CuTe DSL's own file cache does not cover `cute.compile`. So a
-freshly compiled kernel is exported as an object file (`export_to_c`), linked with the system C
-compiler into a shared library against the CuTe DSL and TVM-FFI runtime libraries (0.2-0.5 s, in
-the process that compiled it), and stored under `$TORCH_FA4_CACHE_DIR/kernels` (default
-`~/.cache/torch_fa4/kernels`). A later process loads it with TVM-FFI alone in about a
-millisecond: no CuTe DSL import, no tracing, no compile. The compiling process itself compiles
-such a variant without CuTe DSL's host JIT engines (0.4-0.9 s saved) and runs the stored library
-too (compile_cache.get_or_compile). On by default; `TORCH_FA4_KERNEL_CACHE=0` turns it off (every
-process compiles).
+`cute.compile` traces and compiles again in every process (seconds per variant, after importing
+CuTe DSL); CuTe DSL's own file cache does not cover `cute.compile`. So a freshly compiled kernel is
+exported as an object file (`export_to_c`), linked with the system C compiler into a shared
+library against the CuTe DSL and TVM-FFI runtime libraries (in the process that compiled it), and
+stored under `$TORCH_FA4_CACHE_DIR/kernels` (default `~/.cache/torch_fa4/kernels`). A later
+process loads it with TVM-FFI alone in about a millisecond: no CuTe DSL import, no tracing, no
+compile. The compiling process itself compiles such a variant without CuTe DSL's host JIT engines
+and runs the stored library too (compile_cache.get_or_compile). On by default;
+`TORCH_FA4_KERNEL_CACHE=0` turns it off (every process compiles).
 
 Entry names are a digest of the variant key, the CuTe DSL and TVM-FFI versions and the text of
 every source file of the package (the kernels, and the mod tracing whose keys they are built

@@ -17,7 +17,7 @@ cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from _mod_cases import alibi_abs  # noqa: E402
-from sass import (cuda_major, exps_after_pv_wait, hinted_loads, issued_when_ready, key_loops, sass_of,  # noqa: E402
+from sass import (cuda_major, exps_after_pv_wait, issued_when_ready, key_loops, sass_of,  # noqa: E402
                   spills_between_matmuls, without_addresses)
 from torch_fa4.call import AttentionCall  # noqa: E402
 
@@ -100,11 +100,10 @@ VARIANTS = {
     "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
     # D <= 128 defaults to the persistent grid; the one-shot grid stays selectable
     "d128_causal_one_shot": (dict(D=128, causal=True), dict(persistent=False)),
-    # the D64 candidate for the next measurement (NOTES "Next"): 192 rows, three consumer warpgroups
-    # at 160 registers, 96-key tiles (128-key tiles spill there; the persistent loop serializes)
+    # 192 rows, three consumer warpgroups at 160 registers, 96-key tiles
     "d64_192x96_causal": (dict(D=64, causal=True), dict(tile_m=192, tile_n=96, persistent=False)),
     # 192 x 128 (flash-attn-4's D64 shape) fits 160 registers once P is converted by packed pairs
-    # (kernels/common/convert.py; before: 284 spill instructions, 36 waits), persistent loop too
+    # (kernels/common/convert.py), persistent loop too
     "d64_192x128": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False)),
     # D96's 192-row tile past 2048 queries (fwd_host._D96_WIDE; 128-key tiles spill there)
     "d96_192x112": (dict(D=96), dict(tile_m=192, tile_n=112, persistent=False)),
@@ -121,19 +120,9 @@ VARIANTS = {
     "d256_softcap_window_split": (dict(D=256, causal=True, softcap=30.0, window_left=512), dict(split_mask_loops=True)),
     # the D64 default past 2048 queries without causal masking (fwd_host._tiles): three K/V stages
     "d64_192x128_3_stages": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, num_stages=3)),
-    "d64_emulated_exp2_cond_rescale": (dict(D=64, causal=True), dict(exp2_emulate_every=4, rescale_threshold=8.0)),
-    # the softmax as row vectors (FwdConfig.vector_softmax), always and conditional rescale
-    "d128_causal_vector_softmax": (dict(D=128, causal=True), dict(vector_softmax=True)),
-    "d256_causal_vector_softmax": (dict(D=256, causal=True), dict(vector_softmax=True)),
     # the D128 default for plain and causal calls (fwd_host._d128_cond_rescale_pays), persistent and causal
     "d128_cond_rescale": (dict(D=128), dict(rescale_threshold=8.0)),
     "d128_causal_cond_rescale": (dict(D=128, causal=True), dict(rescale_threshold=8.0, persistent=False)),
-    # per-step stamps of the consumer warpgroups (benchmarks/turn_trace.py)
-    "d128_turn_trace": (dict(D=128), dict(trace=True, turn_trace=True)),
-    "d64_192x128_turn_trace": (dict(D=64), dict(tile_m=192, tile_n=128, persistent=False, trace=True, turn_trace=True)),
-    # per-item phase stamps (benchmarks/fwd_trace.py), persistent and one CTA per item
-    "d128_trace": (dict(D=128), dict(trace=True)),
-    "d256_causal_trace": (dict(D=256, causal=True), dict(trace=True)),
     # CTA pairs multicasting each K / V tile (FwdConfig.kv_multicast; fwd_host._kv_multicast_pays)
     "d128_kv_multicast": (dict(D=128), dict(kv_multicast=True)),
     "d128_kv_multicast_one_shot": (dict(D=128), dict(kv_multicast=True, persistent=False)),
@@ -208,8 +197,8 @@ def test_mod_variant_compiles_to_hgmma(name, tmp_path):
 
 def test_public_causal_calls_run_the_causal_variants():
     """torch_fa4.attention and the SDPA route pass causal calls with window_right = 0 (flash-attn's
-    convention). That is no window: they get the variant a causal call without it gets (until
-    session 19 they ran the windowed variants, NOTES "Experiment 91")."""
+    convention). That is no window: they get the variant a causal call without it gets (NOTES
+    "Experiment 91")."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     for D, S in ((64, 4096), (128, 16384), (256, 1024)):
@@ -357,15 +346,6 @@ def test_d64_score_mod_alone_takes_the_192_row_tile():
     assert fwd_host.default_config(_mod_call(64, score_mod=_alibi(), S=2048)).tile_m == 128
 
 
-@pytest.mark.parametrize("hints", [False, True])
-def test_l2_hints_reach_every_load(hints, tmp_path):
-    from torch_fa4.kernels.sm90 import fwd_host
-
-    cfg = fwd_host.default_config(_call(128), kv_evict_last=hints, q_evict_first=hints)
-    hinted, loads = hinted_loads(_compile_and_check_sass(cfg, tmp_path))
-    assert loads >= 4 and hinted == (loads if hints else 0)
-
-
 def _unmasked_key_loop(sass: str, cfg) -> list:
     """The unmasked key loop of a forward variant: the shortest (in instructions issued when its
     stages have landed) of the loops that issue one key tile's matmuls, S = Q K^T then P V, over
@@ -396,9 +376,8 @@ def test_pinned_pv_wait_follows_the_softmax(tmp_path):
 def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
     """D64's 192-row default rescales O after the P V wait (flash-attn-4's order at D64), and
     ptxas then puts that wait ahead of (nearly) all of the step's exponentials; with the early
-    rescale (before the next P V) it sat among them, after 18 of 66, with CuTe DSL 4.8.1. Both
-    orders were measured on an H100: the late rescale gained 0.5-3% on every D64 row (NOTES
-    "Experiment 118"), and with the early one, moving the wait to either end cost 1-4%
+    rescale (before the next P V) CUDA 12's ptxas puts it among them. The late order won on the
+    GPU (NOTES "Experiment 118"), and with the early one, moving the wait to either end lost
     ("Experiment 111"). A change that moves either placement shows up here before it costs a GPU
     run."""
     from torch_fa4.kernels.sm90 import fwd_host
@@ -418,42 +397,14 @@ def test_d64_pv_wait_with_the_late_rescale(causal, tmp_path):
         counts[early] = (after[0], exps)
     print(f"causal={causal}: exponentials after the P V wait, late / early rescale: {counts}")
     (late_after, late_exps), (early_after, early_exps) = counts[False], counts[True]
-    # ahead of all but at most 5 (62 and 66 of 66 measured; 61 causal since the two-chain row max,
-    # NOTES "Experiment 148", which was timed on the GPU in that form)
+    # ahead of all but at most 5 (the two-chain row max, NOTES "Experiment 148", leaves a few of the
+    # causal loop's behind it)
     assert late_after >= late_exps - 5, counts
     if cuda_major() >= 13:
-        # CUDA 13's ptxas hoists the wait ahead of every exponential in the early order too (66 of
-        # 66, NOTES "Experiment 170"): the orders differ in placement with CUDA 12's only
+        # CUDA 13's ptxas hoists the wait ahead of every exponential in the early order too (NOTES
+        # "Experiment 170"): the orders differ in placement with CUDA 12's only
         return
     assert 0 < early_after < early_exps - 2, counts  # among them (2 of the 66 are the rescale factors)
-
-
-@pytest.mark.parametrize("D,S,causal", [(64, 4096, False)], ids=["d64_192_rows"])
-def test_peeked_waits_shorten_the_key_loop(D, S, causal, tmp_path):
-    """`peek_waits` (kernels/common/ring_waits.py): the unmasked key loop issues fewer instructions
-    per key tile when its stages have landed. Checked against the plain waits of the same variant,
-    so the test notices when a ptxas update makes the option moot (NOTES "Experiment 78": D64
-    441 -> 430, D128 468 -> 453, D256 causal 578 -> 507, where ptxas had moved the wgmma
-    descriptors' arithmetic to vector registers). Since the ring position after an item is
-    computed outside the idle / compute branch (NOTES "Experiment 103"), the persistent D128 and
-    D256 variants' plain waits issue as few (D128 467 plain / 473 peeked, D256 causal 505 / 507),
-    and since D64 rescales O after the P V wait (NOTES "Experiment 118") its default's do too
-    (427 plain / 434 peeked). D64's 192-row tile (one CTA per item) with the early rescale is the
-    variant left where peeking shortens the loop (441 -> 430)."""
-    from torch_fa4.kernels.sm90 import fwd_host
-
-    q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)  # the grid row's variant, early rescale
-    cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal), kv_multicast=False,
-                                  early_o_rescale=True)
-
-    def key_loop_issue(peek):
-        (tmp_path / str(peek)).mkdir()
-        sass = _compile_and_check_sass(replace(cfg, peek_waits=peek), tmp_path / str(peek))
-        return issued_when_ready(_unmasked_key_loop(sass, cfg))
-
-    plain, peeked = key_loop_issue(False), key_loop_issue(True)
-    print(f"D{D} S{S} causal={causal}: {plain} -> {peeked} instructions per key tile")
-    assert peeked < plain, (peeked, plain)
 
 
 def test_l2_grouping_policy():
@@ -476,12 +427,10 @@ def test_tail_group_policy(monkeypatch):
     """A causal call's last pairs run as one group (common.tile_scheduler), the launch argument
     after the group size: the fewest pairs whose work holds TAIL_FILL times every SM's share of the
     longest walk, unless their K and V would pass TAIL_MAX_BYTES; none where that is no more than
-    an ordinary group, without a causal mask or with a left window. TORCH_FA4_FWD_TAIL_PAIRS
-    overrides."""
+    an ordinary group, without a causal mask or with a left window."""
     from torch_fa4.kernels.common import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "_sm_count_of", lambda call: 132)
-    monkeypatch.delenv(fwd_launch.TAIL_PAIRS_ENV, raising=False)
 
     def args(S, D, tile_m, **kw):
         q = torch.empty(16384 // S, S, 2048 // D, D, dtype=torch.bfloat16)
@@ -506,8 +455,6 @@ def test_tail_group_policy(monkeypatch):
         assert args(S, D, tile_m, causal=True, window_left=512)[1] == 0
     # the rows measured (NOTES Experiment 121): D256 S4k and S1k get one, D256 S16k none
     assert tails[256, 4096] == 8 and tails[256, 1024] > 8
-    monkeypatch.setenv(fwd_launch.TAIL_PAIRS_ENV, "5")
-    assert args(4096, 256, 128, causal=True)[1] == args(4096, 256, 128)[1] == 5
 
 
 def test_grid_policy(monkeypatch):
@@ -557,8 +504,8 @@ def test_grid_policy(monkeypatch):
 
 
 def test_ptxas_options_reach_ptxas(tmp_path):
-    """D64 compiles with ptxas's register-usage level 10 (fwd_host._DEFAULT_OPTIONS; +0.2-1.2% on
-    the D64 grid rows in two H100 probes, NOTES "Experiment 134"), except plain calls on the
+    """D64 compiles with ptxas's register-usage level 10 (fwd_host._DEFAULT_OPTIONS; NOTES
+    "Experiment 134"), except plain calls on the
     192-row tile, whose hand-built descriptors take level 0 (NOTES "Experiment 156"). The flag goes
     through cute.compile's --ptxas-options: the same variant without it (ptxas's default, level 5)
     schedules differently, so a flag that was dropped on the way (or that ptxas ignored) fails
@@ -772,15 +719,11 @@ def test_split_tail_launch_arguments(monkeypatch):
     from torch_fa4.kernels.common import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
-    # the plan for a D128 S16k grid (2048 items on 132 SMs), and the measuring overrides
+    # the plan for a D128 S16k grid (2048 items on 132 SMs)
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 132)
     big = torch.empty(1, 16384, 16, 128, dtype=torch.bfloat16)
     big_call = AttentionCall(q=big, k=big, v=big, scale=0.1)
     assert fwd_host.split_plan(fwd_host.default_config(big_call, split_ways=0), big_call) == (68, 5)
-    for mode, plan in (("0", (0, 1)), ("3", (68, 3)), ("noop", (0, 2))):
-        monkeypatch.setenv(fwd_host.SPLIT_TAIL_ENV, mode)
-        assert fwd_host.split_plan(fwd_host.default_config(big_call, split_ways=0), big_call) == plan
-    monkeypatch.delenv(fwd_host.SPLIT_TAIL_ENV)
     # short walks (S4k: 32 key tiles) and the 192-row D64 tile: none (NOTES Experiment 122)
     for shape in ((4, 4096, 16, 128), (1, 16384, 32, 64)):
         t = torch.empty(*shape, dtype=torch.bfloat16)
@@ -893,37 +836,6 @@ def test_mods_refuse_positions_past_the_exact_fp32_range():
     assert "longer than" not in (fwd_host.unsupported_reason(call) or "")
 
 
-def test_benchmark_sweeps_name_real_options():
-    """Every forward sweep of benchmarks/bench.py builds a valid config on every one of its rows
-    (an option removed from FwdConfig would otherwise surface only on the GPU machine)."""
-    import importlib.util
-    import pathlib
-
-    from torch_fa4 import mods as M
-    from torch_fa4.kernels.sm90 import fwd_host
-    from torch_fa4.mods import registry
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
-    spec = importlib.util.spec_from_file_location("torch_fa4_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    for name, (columns, rows) in bench._SWEEPS.items():
-        for column, opts in columns.items():
-            overrides = {k: v for k, v in opts.items() if k not in bench._LAUNCH_OPTS}  # launch arguments
-            for D, S, causal, *extra in rows:  # (a fourth element: the window, or a score_mod's name)
-                q = torch.empty(1, S, 2048 // D, D, dtype=torch.bfloat16)
-                mods = {}
-                if extra and isinstance(extra[0], str):
-                    key, aux = M.prepare(bench._named_score_mods(2048 // D, "cpu")[extra[0]], None)
-                    mods = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
-                    extra = []
-                left, right = extra[0] if extra else (-1, -1)
-                call = AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, causal=causal, window_left=left,
-                                     window_right=right, **mods)
-                cfg = fwd_host.default_config(call, **overrides)
-                assert all(getattr(cfg, k) == v for k, v in overrides.items()), (name, column)
-
-
 @pytest.mark.parametrize("D,S,causal", [(256, 1024, False), (256, 1024, True), (256, 4096, True), (256, 4000, True)])
 def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_path):
     """The wgmma descriptors of the key loops stay in uniform registers, no per-thread copy (R2UR)
@@ -934,7 +846,7 @@ def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_pa
 
     q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
     cfg = fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=causal))
-    assert cfg.persistent and cfg.skip_idle_rows
+    assert cfg.persistent
     fwd_host.compile_fwd(cfg, dump_dir=str(tmp_path))
     loops = key_loops(sass_of(tmp_path))
     assert loops
@@ -944,10 +856,10 @@ def test_persistent_d256_key_loops_keep_uniform_descriptors(D, S, causal, tmp_pa
 
 def test_skip_masked_first_policy_and_code(tmp_path):
     """D192 / D256 calls under causal / window masks skip a warpgroup's Q K^T and softmax on a
-    first key tile it cannot see (fwd_host._skip_masked_first_pays; H100, NOTES "Experiment
-    135"); other head dims, unmasked calls and calls with mods do not. The option must reach the code (the SASS
-    differs) without duplicating a matmul or serializing them (_compile_and_check_sass); the GPU
-    tests check the results."""
+    first key tile it cannot see (fwd_host._skip_masked_first_pays; NOTES "Experiment 135");
+    other head dims, unmasked calls and calls with mods do not. The option must reach the code (the
+    SASS differs) without duplicating a matmul or serializing them (_compile_and_check_sass); the
+    GPU tests check the results."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     def cfg_of(D, **kw):
@@ -972,14 +884,12 @@ def test_skip_masked_first_policy_and_code(tmp_path):
     assert hgmma[True] == hgmma[False], hgmma
 
 
-def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatch):
+def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path):
     """One-shot calls without a causal / window mask launch a (query tile, head, batch) grid
     (FwdConfig.grid3d): the work item is the grid index, so the integer divisions that decode a
     flat grid's item (I2F.RP starts each) are gone, but for the GQA head ratio's two; the key loop
-    keeps its length to within ptxas's scheduling (427 both at session 36's level 10; 421 against
-    422 with the hand-built descriptors at level 0). Persistent, causal, windowed, multicast calls
-    and the measuring overrides of the item order keep the flat grid."""
-    from torch_fa4.kernels.common import fwd_launch
+    keeps its length to within ptxas's scheduling. Persistent, causal, windowed and multicast calls
+    keep the flat grid."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     q = torch.empty(1, 16384, 32, 64, dtype=torch.bfloat16)  # the grid's D64 S16k row
@@ -1002,8 +912,6 @@ def test_one_shot_plain_grids_take_their_item_from_the_grid(tmp_path, monkeypatc
     assert not grid3d(256, 16384)  # K / V multicast to CTA pairs
     many = torch.empty(1, 4096, 2, 64, dtype=torch.bfloat16).expand(70000, -1, -1, -1)
     assert not fwd_host.default_config(AttentionCall(q=many, k=many, v=many, scale=0.1)).grid3d  # y, z <= 65535
-    monkeypatch.setenv(fwd_launch.L2_GROUP_ENV, "4")
-    assert not grid3d(64, 16384)
 
 
 def test_d64_plain_calls_take_hand_built_descriptors(tmp_path):

@@ -10,7 +10,6 @@ launches must pass the same variant, the same tensors and scalars, and equal per
 import pytest
 import torch
 
-from torch_fa4 import env_vars
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels.common import fwd_launch
 from torch_fa4.kernels.sm90 import fwd_host, fwd_launch_record
@@ -25,8 +24,6 @@ def launches(monkeypatch):
         return lambda *launch_args: seen.append((cfg, launch_args))
 
     monkeypatch.setattr(fwd_host, "compile_fwd", compile_stub)
-    for name in fwd_host.RECORD_ENV_KNOBS:
-        monkeypatch.delenv(name, raising=False)
     return seen
 
 
@@ -149,15 +146,6 @@ def test_records_launch_what_the_general_path_launches(case, launches, monkeypat
     if call.is_varlen:
         assert launches[-1][1][5] is call.cu_seqlens_q and launches[-1][1][6] is call.cu_seqlens_k
 
-    # a knob the derivation reads: a record of its own, launching the knob's setting
-    records_before = len(fwd_launch_record._records)
-    monkeypatch.setenv(fwd_launch.TAIL_PAIRS_ENV, "1")
-    fwd_host.forward(call, out, lse)
-    assert len(fwd_launch_record._records) == records_before + 1
-    monkeypatch.setattr(fwd_launch_record, "run", lambda *a: False)
-    fwd_host.forward(call, out, lse)
-    _same_launch(launches[-2], launches[-1])
-
 
 def test_calls_the_record_does_not_take(launches):
     """Negative scales (run on -q), packed varlen without its maxima and config overrides take
@@ -172,25 +160,8 @@ def test_calls_the_record_does_not_take(launches):
 
     cu = torch.tensor([0, 100, 256], dtype=torch.int32)
     packed = AttentionCall(q=q[0], k=k[0], v=v[0], scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    assert not fwd_launch_record.run(packed, out[0], torch.empty(2, 256), fwd_host._RECORD_ENV)
+    assert not fwd_launch_record.run(packed, out[0], torch.empty(2, 256))
     plain = AttentionCall(q=q, k=k, v=v, scale=0.1)
     fwd_host.forward(plain, out, lse, tile_n=64)  # an override: the general path, no record
     assert launches[-1][0].tile_n == 64 and len(fwd_launch_record._records) == 1
 
-
-def test_the_record_key_holds_every_knob_the_derivation_reads(monkeypatch):
-    """Every environment variable that default_config, leading_args and the split plan read is a
-    key of the records (fwd_host.RECORD_ENV_KNOBS): a knob outside it would replay a stale launch."""
-    read = set()
-    real_get = env_vars.get
-    monkeypatch.setattr(env_vars, "get", lambda name, default=None: read.add(name) or real_get(name, default))
-    monkeypatch.setattr(fwd_launch, "_sm_count_of", lambda call: 132)
-    for q_shape, kv_shape, options, _ in CASES.values():
-        q, = _tensors(q_shape)
-        k, v = _tensors(kv_shape, kv_shape)
-        call = _make_call(q, k, v, options)
-        cfg = fwd_host.default_config(call)
-        fwd_launch.leading_args(call, torch.empty_like(q), torch.empty(call.lse_shape()), fwd_host.L2_BYTES,
-                                fwd_host._grid_ctas(cfg, call), cfg.tile_m)
-        fwd_host.split_spec(cfg, call)
-    assert read and read <= set(fwd_host.RECORD_ENV_KNOBS), read - set(fwd_host.RECORD_ENV_KNOBS)

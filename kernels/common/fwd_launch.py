@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from torch_fa4 import env_vars
 from torch_fa4.call import AttentionCall
 
 UNBOUNDED = 1 << 30  # kernels.common.block_range.UNBOUNDED, restated to stay free of cutlass
@@ -108,38 +107,26 @@ def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:
     The CTAs in flight at once read the K and V of every head in their group, so groups are kept
     small. Causal and windowed walks are grouped so a group's K and V take a sixth of L2 (longest
     first inside a group, common.tile_scheduler); other calls get one pair per group, every query
-    tile of a head before the next head (flash-attn-4's order). H100, NOTES "Experiments 71, 72":
-    groups of half of L2 held 25 heads' K / V in flight at D64 S4k (L2 hit rate 68% against
-    flash-attn-4's 85%, 2.4 x its DRAM traffic); one pair per group +1-9% on the non-causal rows
-    up to S4k, level at S16k; a sixth of L2 for causal rows +2-7% at S1k / S4k and D128 S16k."""
+    tile of a head before the next head (flash-attn-4's order). Groups of half of L2 held too many
+    heads' K / V in flight and lost L2 hits (NOTES "Experiments 71, 72")."""
     if call.causal or call.has_window:
         return l2_bytes // 3
     return 1  # (as if L2 held one byte: heads_per_l2_group's floor of one pair per group)
-
-
-# TORCH_FA4_FWD_L2_GROUP_PAIRS=N: N (batch, head) pairs per group instead (measuring; a launch
-# argument, no recompile)
-L2_GROUP_ENV = "TORCH_FA4_FWD_L2_GROUP_PAIRS"
 
 
 def heads_per_l2_group(call: AttentionCall, seqlen_k: int, l2_bytes: int) -> int:
     """(batch, head) pairs whose K and V fit in about half of `l2_bytes` (see common.tile_scheduler)."""
     kv_bytes = max(seqlen_k, 1) * (call.head_dim + call.head_dim_v) * call.q.element_size()
     total = call.batch * call.num_heads
-    override = env_vars.get(L2_GROUP_ENV, "").strip()
-    if override:
-        return max(1, min(total, int(override)))
     return max(1, min(total, (l2_bytes // 2) // kv_bytes))
 
 
 # The tail group of a causal call (common.tile_scheduler): as many of the last pairs as hold
 # TAIL_FILL times every SM's share of the longest walk, so the longest items of the last pairs
 # start while every SM still has work; at most TAIL_MAX_BYTES of their K and V, since the tail's
-# CTAs read every tail pair's K and V at once. TORCH_FA4_FWD_TAIL_PAIRS=T sets the count instead
-# (0: no tail group; measuring, a launch argument).
+# CTAs read every tail pair's K and V at once.
 TAIL_FILL = 1.0
 TAIL_MAX_BYTES = 32 << 20
-TAIL_PAIRS_ENV = "TORCH_FA4_FWD_TAIL_PAIRS"
 
 
 def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, heads_per_group: int,
@@ -147,9 +134,6 @@ def tail_pairs(call: AttentionCall, seqlen_q: int, seqlen_k: int, tile_m: int, h
     """The last (batch, head) pairs that run as one group (0: none). Only causal walks without a
     left window differ enough in length to need it."""
     pairs = call.batch * call.num_heads
-    override = env_vars.get(TAIL_PAIRS_ENV, "").strip()
-    if override:
-        return max(0, min(int(override), pairs))
     if not call.causal or call.window_left >= 0 or seqlen_q <= 0:
         return 0
     # a pair's work in units of its longest walk: query tile m sees the keys up to its last row
@@ -212,20 +196,9 @@ def fake_leading_args(cfg) -> list:
     `cfg` is an architecture's forward config (dtype_name, head_dim, head_dim_v, varlen_q,
     varlen_k, has_seqused_k)."""
     import cutlass
-
-    tensors = _fake_leading_tensors(cfg.dtype_name, cfg.head_dim, cfg.head_dim_v, cfg.varlen_q, cfg.varlen_k,
-                                    cfg.has_seqused_k)
-    scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
-               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1)]
-    return [*tensors, *scalars]
-
-
-def _fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varlen_q: bool, varlen_k: bool,
-                          has_seqused_k: bool):
-    import cutlass
     import cutlass.cute as cute
 
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
 
     def fake(rank, last):
         shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (last,)
@@ -233,20 +206,20 @@ def _fake_leading_tensors(dtype_name: str, head_dim: int, head_dim_v: int, varle
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
         return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
-    q = fake(3 if varlen_q else 4, head_dim)
-    o = fake(3 if varlen_q else 4, head_dim_v)
-    k = fake(3 if varlen_k else 4, head_dim)
-    v = fake(3 if varlen_k else 4, head_dim_v)
-    lse_rank = 2 if varlen_q else 3
+    def offsets(given: bool):
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) if given else None
+
+    q = fake(3 if cfg.varlen_q else 4, cfg.head_dim)
+    o = fake(3 if cfg.varlen_q else 4, cfg.head_dim_v)
+    k = fake(3 if cfg.varlen_k else 4, cfg.head_dim)
+    v = fake(3 if cfg.varlen_k else 4, cfg.head_dim_v)
+    lse_rank = 2 if cfg.varlen_q else 3
     lse = cute.runtime.make_fake_tensor(
         cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
         tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
-
-    def offsets():
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
-
-    return (q, k, v, o, lse, offsets() if varlen_q else None, offsets() if varlen_k else None,
-            offsets() if has_seqused_k else None)
+    scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+               cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1)]
+    return [q, k, v, o, lse, offsets(cfg.varlen_q), offsets(cfg.varlen_k), offsets(cfg.has_seqused_k), *scalars]
 
 
 def compile_options(arch: str, dump_dir: Optional[str], ptxas_options: str = "") -> str:

@@ -64,10 +64,8 @@ class OnlineSoftmax(DynamicState):
     _dynamic_fields = ("scale_log2", "ref", "row_sum")
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold=None, emulate_every: int = 0,
-                 max_chains: int = 1, vectorized: bool = False):
+                 max_chains: int = 1):
         self.scale_log2 = scale_log2
-        # (the FMA-pipe exponentials of emulate_every are per element: that path stays scalar)
-        self.vectorized = vectorized and emulate_every == 0
         self.max_chains = max_chains
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -80,13 +78,6 @@ class OnlineSoftmax(DynamicState):
     @cute.jit
     def _exp2_row(self, s_row: cute.Tensor, ref_safe: Float32) -> Float32:
         """p = 2^(s * scale_log2 - ref) in place; returns the partial row sum."""
-        if const_expr(self.vectorized):
-            # whole-row ops: a handful of traced ops per row instead of ~7 per element. The sum is
-            # an ordered reduction (the per-element loop's order); the exponential is MUFU ex2
-            # through LLVM's exp2 with fast-math flags, which carries no side-effect pin
-            p = cute.math.exp2(s_row.load() * self.scale_log2 - ref_safe, fastmath=True)
-            s_row.store(p)
-            return p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         total = Float32(0.0)
         for c in cutlass.range_constexpr(cute.size(s_row)):
             x = s_row[c] * self.scale_log2 - ref_safe
@@ -142,13 +133,9 @@ class OnlineSoftmax(DynamicState):
 
 
 @cute.jit
-def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor, vectorized: cutlass.Constexpr = False):
-    """O's row r times row_scale[r]; vectorized: one vector multiply per row (fewer traced ops)."""
+def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    """O's row r times row_scale[r]."""
     o = rows_cols(acc_o)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-        if const_expr(vectorized):
-            row = o[r, None]
-            row.store(row.load() * row_scale[r])
-        else:
-            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * row_scale[r]
+        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            o[r, c] = o[r, c] * row_scale[r]

@@ -6,18 +6,11 @@ for hundreds of such constants (per-element offsets, every thread's first coordi
 noticeable part of its compile in those ops. These helpers compute the same integers from the
 layouts' static shapes and strides, with CuTe's semantics (colexicographic coordinates), and fall
 back to the DSL when a layout is not static.
-
-TORCH_FA4_CHECK_STATIC_LAYOUT=1 also computes every value through the DSL and asserts equality
-(how the helpers were checked against the compile tests' variants).
 """
 
 from __future__ import annotations
 
-import os
-
 import cutlass.cute as cute
-
-_CHECK = os.environ.get("TORCH_FA4_CHECK_STATIC_LAYOUT", "") not in ("", "0")
 
 
 def _all_int(x) -> bool:
@@ -86,10 +79,7 @@ def indexer(layout):
     def index(coord) -> int:
         if ss is None or not _all_int(coord):
             return int(cute.crd2idx(coord, layout))
-        value = _crd2idx(coord, *ss)
-        if _CHECK:
-            assert value == int(cute.crd2idx(coord, layout)), (coord, str(layout), value)
-        return value
+        return _crd2idx(coord, *ss)
 
     return index
 
@@ -125,16 +115,10 @@ def _tile_coord(idx: int, tiler):
 
 def _first_coords(tv, tiler, num_threads: int, reference) -> list:
     """Each thread's first coordinate from a static (thread, value) layout and tiler; falls back to
-    `reference(t)` (the DSL's own answer) when either is not static, and checks against it under
-    TORCH_FA4_CHECK_STATIC_LAYOUT=1."""
+    `reference(t)` (the DSL's own answer) when either is not static."""
     if tv is None or tiler is None:
         return [reference(t) for t in range(num_threads)]
-    out = [_tile_coord(_crd2idx((t, 0), *tv), tiler) for t in range(num_threads)]
-    if _CHECK:
-        for t in range(num_threads):
-            ref = reference(t)
-            assert tuple(ref) == out[t], (t, ref, out[t])
-    return out
+    return [_tile_coord(_crd2idx((t, 0), *tv), tiler) for t in range(num_threads)]
 
 
 def first_coords_mma_C(tiled_mma, num_threads: int, ident) -> list:

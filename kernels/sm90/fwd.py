@@ -17,9 +17,9 @@ so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("in
 overlap"). With `split_mask_loops` (fwd_host picks it per head dim) the loop runs as three
 loops: the tiles at either end of the walk that the causal / window / length limits cut (with
 element masks) and the tiles between them (no mask code at all); `BlockRange.masked_ends` finds
-the split. With `pingpong`, named barriers make the consumer warpgroups take turns issuing their
-matmuls, so one warpgroup's softmax runs under the other's matmuls. P stays in registers and is
-the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
+the split. Named barriers make the consumer warpgroups take turns issuing their matmuls
+("pingpong"), so one warpgroup's softmax runs under the other's matmuls. P stays in registers and
+is the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
 (kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
 
 Mods (score_mod / mask_mod, traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per
@@ -29,11 +29,10 @@ block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv
 mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
 
 Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py in longest-first
-order. With `persistent` (D <= 128, no window, no mods: beyond that the outer loop costs ptxas the
-registers it needs to keep the wgmmas asynchronous) each CTA loops over its items -- the producer
-loads the next item's first K and Q while the consumers finish the current one -- and the host
-chooses the grid: about one CTA per SM, or one per item (each CTA's loop then runs once). A
-persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
+order. With `persistent` (where fwd_host finds that the outer loop leaves ptxas the registers it
+needs to keep the wgmmas asynchronous, and pays) each CTA loops over its items -- the producer
+loads the next item's first K and Q while the consumers finish the current one -- on a grid of
+about one CTA per SM. A persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
 counter as it frees (kernels/common/tile_mailbox.py: the producer warp takes each item and hands
 it to the consumer warps through shared memory), which balances causal items of unequal length.
 With `early_q_release` Q's buffer is freed as soon as the walk's last Q K^T lands, so the next
@@ -73,16 +72,17 @@ from torch_fa4.kernels.sm90.fwd_producer import FwdProducer
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
 
-# Tracing (cfg.trace): per work item, the global nanosecond timer (low 32 bits) at these points,
-# then the SM's id, into mTrace[item, :] (benchmarks/fwd_trace.py). The producer warp stamps the
-# first two, the first thread of consumer warpgroup 0 the rest.
-FWD_TRACE_EVENTS = ("item_start", "q_issued", "q_ready", "first_s", "last_pv", "epilogue_done")
-FWD_TRACE_SMID = len(FWD_TRACE_EVENTS)
-# Turn tracing (cfg.turn_trace): the first thread of each consumer warpgroup stamps the SM's clock
-# (32 bits, cycles) at these points of key steps 1..TURN_TRACE_STEPS of every work item, into
-# mTrace[(item * consumer warpgroups + wg) * TURN_TRACE_STEPS + step - 1, :]; the SM's id follows.
-TURN_TRACE_EVENTS = ("step_start", "k_ready", "turn", "v_ready", "issued", "s_ready", "pv_ready")
-TURN_TRACE_STEPS = 32
+
+def _sequence_major(t: cute.Tensor, varlen: bool) -> cute.Tensor:
+    """t's view with the sequence mode first and the batch mode last: (B, S, H, D) -> (S, D, H, B),
+    (B, H, S) -> (S, H, B); a packed varlen tensor ((T, H, D) or (H, T)) gets a unit batch mode so
+    indexing is uniform."""
+    if varlen:
+        modes = [0, 2, 1] if cute.rank(t) == 3 else [1, 0]
+        unit_batch = cute.make_layout(1, stride=0)
+        return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=modes), unit_batch))
+    modes = [1, 3, 2, 0] if cute.rank(t) == 4 else [2, 1, 0]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
@@ -97,7 +97,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         self.num_threads = 128 * (self.num_wg + 1)
         # registers per thread after setmaxnreg: producer gives up what the consumers take
         self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
-        self.pingpong = cfg.pingpong and self.num_wg >= 2
+        self.pingpong = self.num_wg >= 2  # consumer warpgroups take turns issuing their matmuls
         self.score_graph = self.mask_graph = None
         self.num_score_aux = 0
         if cfg.mod_key:
@@ -109,7 +109,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         assert cfg.num_stages >= 1
-        assert cfg.trace or not cfg.turn_trace, "turn_trace writes into the trace tensor"
         assert cfg.persistent or not cfg.dynamic_schedule, "dynamic_schedule: a persistent kernel's loop"
         assert not cfg.grid3d or not (cfg.persistent or cfg.split_ways or cfg.kv_multicast or cfg.causal
                                       or cfg.has_window or cfg.varlen_q), "grid3d: one-shot plain grids"
@@ -119,7 +118,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         # must still take part in the loads (the idle warpgroup path)
         assert not cfg.kv_multicast or not (
             cfg.causal or cfg.has_window or cfg.varlen_q or cfg.varlen_k or cfg.block_sparse
-            or cfg.dynamic_schedule or not cfg.skip_idle_rows or self.num_wg < 2), "kv_multicast: plain calls"
+            or cfg.dynamic_schedule or self.num_wg < 2), "kv_multicast: plain calls"
         self.cluster_size = 2 if cfg.kv_multicast else 1
         # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
         # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
@@ -205,7 +204,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         # captured tensors of the mods, ModSet order, None past the last (TVM-FFI takes no tuples)
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         mSched: Optional[cute.Tensor],  # (1,) int32, zero at launch (cfg.dynamic_schedule), else None
-        mTrace: Optional[cute.Tensor],  # (work items, len(FWD_TRACE_EVENTS) + 1) int32 (cfg.trace), else None
         # cfg.split_ways (kernels/common/split_tail.py), else None / None / 0: the pieces' states
         # (slots, values, 128) fp32, their counters (split items * warpgroups,) int32 zero at
         # launch, and how many of the last items are split
@@ -218,21 +216,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: len(cfg.aux_specs)]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         block_mask = (mBmNum, mBmIdx, mBmFullNum, mBmFullIdx) if const_expr(cfg.block_sparse) else None
-        # sequence-major views: (S, D, H, B); varlen gets a unit batch mode so indexing is uniform
-        if const_expr(cfg.varlen_q):
-            mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), cute.make_layout(1, stride=0)))
-        else:
-            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        if const_expr(cfg.varlen_k):
-            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-            mV = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[0, 2, 1]), cute.make_layout(1, stride=0)))
-        else:
-            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
+        # sequence-major views: (S, D, H, B), LSE (S, H, B)
+        mQ, mO = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO))
+        mLSE = _sequence_major(mLSE, cfg.varlen_q)
+        mK, mV = (_sequence_major(t, cfg.varlen_k) for t in (mK, mV))
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, None)
@@ -282,8 +269,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, tail_pairs,
-            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mSched, mTrace,
-            mSplitWs, mSplitCount, split_items,
+            bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mSched, mSplitWs,
+            mSplitCount, split_items,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -309,15 +296,13 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32, tail_pairs: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
-        block_mask, score_aux, mask_aux, mSched, mTrace, mSplitWs, mSplitCount, split_items,
+        block_mask, score_aux, mask_aux, mSched, mSplitWs, mSplitCount, split_items,
     ):
         cfg = self.cfg
-        # read by _stamp while this kernel is traced (saves threading it through every role)
-        self._trace = mTrace
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if const_expr(cfg.grid3d):  # the flat item number, for the one-shot test and tracing
+        if const_expr(cfg.grid3d):  # the flat item number, for the one-shot test
             _, by, bz = cute.arch.block_idx()
             bidx = bidx + num_m_blocks * (by + cute.size(mQ.shape[2]) * bz)
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
@@ -364,7 +349,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         else:
             cute.arch.sync_threads()
 
-        # read by consume_item's split-tail path (as _trace: saves threading them through)
+        # read by consume_item's split-tail path (saves threading them through every role)
         self._split = (mSplitWs, mSplitCount, storage.split_flags.get_tensor(cute.make_layout(4)))
         self._sched = sched
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -435,26 +420,3 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             n_min = cutlass.select_(piece >= 0, n_lo, n_min)
             n_max = cutlass.select_(piece >= 0, n_hi, n_max)
         return DenseKvWalk(n_min, n_max)
-
-    @cute.jit
-    def _stamp(self, tile, event: cutlass.Constexpr):
-        """Tracing: the global timer at FWD_TRACE_EVENTS[event] of work item `tile` (and the SM id
-        with the last event); no code when off. Stored at once: a timer read kept for later may be
-        moved by the compiler."""
-        if const_expr(self.cfg.trace and not self.cfg.turn_trace):
-            self._trace[tile, event] = cute.arch.globaltimer_lo()
-            if const_expr(event == FWD_TRACE_SMID - 1):
-                self._trace[tile, FWD_TRACE_SMID] = cute.arch.smid()
-
-    @cute.jit
-    def _turn_stamp(self, t, wg, event: cutlass.Constexpr):
-        """Turn tracing: the SM clock at TURN_TRACE_EVENTS[event] of key step t (1-based) of the
-        current work item, from each consumer warpgroup's first thread; no code when off."""
-        if const_expr(self.cfg.turn_trace):
-            tidx, _, _ = cute.arch.thread_idx()
-            trace = self._trace  # (a store through self inside a run-time `if` does not trace)
-            row = (self._traced_item * self.num_wg + wg) * TURN_TRACE_STEPS + t - 1
-            if tidx % 128 == 0 and t <= TURN_TRACE_STEPS:
-                trace[row, event] = cute.arch.clock()
-                if const_expr(event == len(TURN_TRACE_EVENTS) - 1):
-                    trace[row, len(TURN_TRACE_EVENTS)] = cute.arch.smid()

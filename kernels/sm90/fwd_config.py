@@ -19,20 +19,18 @@ class FwdConfig:
     head_dim_v: int
     tile_m: int
     tile_n: int
-    num_stages: int
     causal: bool
     has_window: bool
     softcap: bool
     varlen_q: bool
     varlen_k: bool
     has_seqused_k: bool
-    pingpong: bool = True
+    num_stages: int = 2  # depth of the K and V rings
     persistent: bool = False  # about one CTA per SM looping over work items (else one CTA per item)
     # persistent CTAs take their items from a global counter when ready for the next one
     # (kernels/common/tile_mailbox.py), instead of a static round-robin; a zeroed int32 argument
     dynamic_schedule: bool = False
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
-    exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
     # the row max as this many independent FMNMX chains (kernels/common/online_softmax.row_max;
     # the result is the same, only ptxas's schedule changes)
     max_chains: int = 1
@@ -44,50 +42,21 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # the unmasked key loop unrolled this many times (ptxas then places the P V wait after more
-    # of the exponentials in the unrolled copies; NOTES "Experiment 64")
-    unroll_unmasked: int = 1
     # Q's buffer is released as soon as the walk's last S = Q K^T lands (a run-time test per key
     # tile), not after the item's last P V: the next item's Q loads under this one's last softmax
     # and P V (only where O has its own tile; otherwise O is staged over Q)
     early_q_release: bool = False
-    # L2 eviction priorities on the loads (kernels/common/l2_hints.py): K and V, read by every
-    # query tile of a head, evict-last; Q, read once, evict-first
-    kv_evict_last: bool = False
-    q_evict_first: bool = False
-    # a consumer warpgroup whose 64 rows of an item all lie past the sequence's end issues no
-    # matmul for it (fwd._idle_item), only keeping the ring and the turns in step. H100, NOTES
-    # "Experiment 77", 192-row D64 tiles: S4k +0.4-1.3%, S4k causal +2.3-2.6%, S16k level to +2.7%
-    # (S16k causal -1.6% to -5% in three sweeps, not explained)
-    skip_idle_rows: bool = True
-    # per work item: global-timer stamps of its phases (FWD_TRACE_EVENTS in fwd.py) into a trace
-    # tensor, for benchmarks/fwd_trace.py; no code when off
-    trace: bool = False
-    # per work item, consumer warpgroup and key step 1..TURN_TRACE_STEPS: the SM clock at the
-    # phases of one step (TURN_TRACE_EVENTS in fwd.py) into the trace tensor instead, for
-    # benchmarks/turn_trace.py (where a warpgroup waits for its turn, S, or P V); no code when off
-    turn_trace: bool = False
     # under causal / window masks, a consumer warpgroup whose 64 rows see no key of the walk's
     # first (rightmost) tile skips that tile's Q K^T and softmax, its P set to zero (a run-time
-    # test once per work item). Such tiles: the 192-row D64 tile's upper warpgroups on the
-    # diagonal, D192's 112- and D256's 80-key tiles, Sq != Sk offsets (NOTES "Experiment 135"; the
-    # default for D192 / D256 under causal / window masks: fwd_host._skip_masked_first_pays)
+    # test once per work item). Such tiles: D192's 112- and D256's 80-key tiles, Sq != Sk offsets
+    # (NOTES "Experiment 135"; fwd_host._skip_masked_first_pays)
     skip_masked_first: bool = False
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True
-    # consumer waits on the Q / K / V rings peek (one try-wait) before waiting: fewer issued
-    # instructions per key tile on the CPU compile (kernels/common/ring_waits.py, NOTES
-    # "Experiment 78"); off until timed on a GPU (bench --sweep peek-waits)
-    peek_waits: bool = False
     # extra ptxas flags (e.g. "--register-usage-level=10", D64's default), passed through
     # cute.compile's --ptxas-options: they change the schedule, never the results
     ptxas_options: str = ""
-    # a score_mod's t * (affine position expression), e.g. ALiBi's slope * (kv_idx - q_idx), as one
-    # fma per distinct offset; under abs after a run-time branch on the expression's sign
-    # (kernels/common/mod_fragment.emit_score_mod). Off: an add and a multiply per offset
-    # (bench --sweep alibi times both)
-    mod_affine_fma: bool = True
     # CTA pairs (a 2-CTA cluster) on adjacent query tiles of one head: each CTA loads half of every
     # K and V tile and the TMA multicasts it into both, halving the L2-to-SM traffic of the K/V
     # ring. The pair walks the same key tiles in step, so calls without a causal / window mask,
@@ -105,10 +74,6 @@ class FwdConfig:
     # 64-bit add (kernels/common/wgmma_desc.py), instead of cute.gemm's per-matmul lowering from
     # the shared-memory address; 16-bit operands with 128-byte rows only (head dims 64)
     hand_descriptors: bool = False
-    # the softmax's exponentials and O's row rescales as whole-row vector ops (one traced op per
-    # row, not per element: a shorter trace and MLIR pipeline); the exponentials then carry no
-    # side-effect pin, so ptxas may schedule them differently (NOTES "Experiment 166")
-    vector_softmax: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

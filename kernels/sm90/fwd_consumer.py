@@ -13,7 +13,6 @@ from torch_fa4.kernels.common.block_range import BlockRange
 from torch_fa4.kernels.common.convert import convert_pairs
 from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax, scale_rows
-from torch_fa4.kernels.common.ring_waits import wait_full
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_mailbox import read_item
@@ -85,29 +84,23 @@ class FwdConsumer:
         if const_expr(self.cfg.early_o_rescale):
             # O holds the tiles up to t-2 against the reference before tile t-1: move it to tile
             # t-1's reference (row_scale still holds that tile's factors) before P_{t-1} V_{t-1} joins
-            scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
+            scale_rows(acc_o, row_scale)
         if const_expr(self.cfg.hand_descriptors):
             # this step's K and V descriptors, formed before the turn is taken
             k_desc, v_desc = self._hand_descs.stage(state.index, v_state.index)
-        self._turn_stamp(t, wg, 0)
-        wait_full(pipe_k, state, self.cfg.peek_waits)
-        self._turn_stamp(t, wg, 1)
+        pipe_k.consumer_wait(state)
         self._turn_wait(wg)
-        self._turn_stamp(t, wg, 2)
         if const_expr(self.cfg.hand_descriptors):
             self._hand_descs.qk(acc_s, k_desc)
         else:
             wgmma.issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], True, -1)
-        wait_full(pipe_v, v_state, self.cfg.peek_waits)
-        self._turn_stamp(t, wg, 3)
+        pipe_v.consumer_wait(v_state)
         if const_expr(self.cfg.hand_descriptors):
             self._hand_descs.pv(acc_o, tOrP, v_desc)
         else:
             wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self._turn_pass(wg)
-        self._turn_stamp(t, wg, 4)
         warpgroup.wait_group(1)  # S ready; P V still running
-        self._turn_stamp(t, wg, 5)
         if const_expr(self._early_q_release):
             if t == walk.count - 1:  # the walk's last Q K^T is done
                 pipe_q.consumer_release(q_state)
@@ -118,11 +111,10 @@ class FwdConsumer:
         if const_expr(self.cfg.pin_pv_wait):
             self._release_after_softmax(pipe_k, state, softmax)
         warpgroup.wait_group(0)
-        self._turn_stamp(t, wg, 6)
         pipe_v.consumer_release(v_state)
         if const_expr(not self.cfg.early_o_rescale):
             if moved:
-                scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
+                scale_rows(acc_o, row_scale)
         convert_pairs(a_operand(acc_s), tOrP)
         v_state = state.clone()
         state.advance()
@@ -134,7 +126,7 @@ class FwdConsumer:
         """O normalised by the row sums and written with the LSE (the epilogue)."""
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)
-        scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
+        scale_rows(acc_o, row_scale)
         self.epilogue(acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
                       seqlen, m_block, head, batch_q, wg, tidx)
 
@@ -178,7 +170,7 @@ class FwdConsumer:
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         if const_expr(cfg.hand_descriptors):
-            # read by _kv_step (as _trace: saves threading it through)
+            # read by _kv_step (saves threading it through)
             self._hand_descs = wgmma_desc.KeyLoopDescriptors(sQ, sK, sVt, wg, self.tile_n, self.hdim, self.dtype)
         if const_expr(self.pingpong):
             if wg == 0:  # the first warpgroup goes first
@@ -223,11 +215,13 @@ class FwdConsumer:
             args = (mO_tma, mO, mLSE, sO, sO_mn, tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk,
                     tiled_mma_pv, tSrQ, tSrK, tOrVt, score_scale, softmax_scale_log2, brange, seqlen,
                     walk, m_block, head, batch, score_aux, mask_aux, q_state)
-            if const_expr(self.cfg.skip_idle_rows and self.num_wg > 1):
-                # Both ways through the item take one K / V slot per key tile, so the ring position
-                # after it is computed here, outside the branch, and each way walks a copy. Taken
-                # from the branch, the merged position made ptxas build every wgmma descriptor of
-                # the persistent D256 key loops in per-thread registers (NOTES Experiment 103).
+            if const_expr(self.num_wg > 1):
+                # A warpgroup whose 64 rows all lie past the sequence's end issues no matmul
+                # (_idle_item; NOTES "Experiment 77"). Both ways through the item take one K / V
+                # slot per key tile, so the ring position after it is computed here, outside the
+                # branch, and each way walks a copy. Taken from the branch, the merged position made
+                # ptxas build every wgmma descriptor of the persistent D256 key loops in per-thread
+                # registers (NOTES "Experiment 103").
                 after = state.clone()
                 if walk.nonempty():
                     after.advance(Int32(walk.count))
@@ -239,8 +233,6 @@ class FwdConsumer:
             else:
                 state = self.consume_item(*args, state, wg, tidx, tile)
             q_state.advance()
-            if tidx == 0:
-                self._stamp(tile, 5)
         return q_state, state
 
     @cute.jit
@@ -251,24 +243,24 @@ class FwdConsumer:
         other warpgroups, but stays in step with them: a turn at every matmul issue point of
         consume_item, every Q / K / V slot waited for and released once, and the barrier before O
         overwrites Q. Returns the K/V ring position after the item."""
-        wait_full(pipe_q, q_state, self.cfg.peek_waits)
+        pipe_q.consumer_wait(q_state)
         if walk.nonempty():
-            wait_full(pipe_k, state, self.cfg.peek_waits)  # the first key tile: S only
+            pipe_k.consumer_wait(state)  # the first key tile: S only
             self._turn_wait(wg)
             self._turn_pass(wg)
             pipe_k.consumer_release(state)
             v_state = state.clone()
             state.advance()
             for _ in cutlass.range(walk.count - 1, unroll=1):  # S of this tile, P V of the last
-                wait_full(pipe_k, state, self.cfg.peek_waits)
+                pipe_k.consumer_wait(state)
                 self._turn_wait(wg)
-                wait_full(pipe_v, v_state, self.cfg.peek_waits)
+                pipe_v.consumer_wait(v_state)
                 self._turn_pass(wg)
                 pipe_k.consumer_release(state)
                 pipe_v.consumer_release(v_state)
                 v_state = state.clone()
                 state.advance()
-            wait_full(pipe_v, v_state, self.cfg.peek_waits)  # the last tile's P V
+            pipe_v.consumer_wait(v_state)  # the last tile's P V
             self._turn_wait(wg)
             self._turn_pass(wg)
             pipe_v.consumer_release(v_state)
@@ -286,7 +278,6 @@ class FwdConsumer:
         (for a piece of a split item: its state stored, and the epilogue only by the last piece,
         after merging the others'). Returns the K/V ring position after the unit."""
         cfg = self.cfg
-        self._traced_item = tile  # read by _turn_stamp while this item's steps are traced
         batch_q = batch if const_expr(not cfg.varlen_q) else 0
         thr_qk = tiled_mma_qk.get_slice(tidx)
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
@@ -299,22 +290,18 @@ class FwdConsumer:
         if const_expr(self.score_graph is not None or self.mask_graph is not None):
             # raw score * natural_scale is the score in natural units: scale, or softcap after tanh
             mods = TileMods(self.score_graph, self.mask_graph, score_aux, mask_aux, batch, head,
-                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2),
-                            cfg.mod_affine_fma)
+                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2))
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
-        softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, cfg.exp2_emulate_every,
-                                cfg.max_chains, cfg.vector_softmax)
+        softmax = OnlineSoftmax(softmax_scale_log2, num_rows, cfg.rescale_threshold, max_chains=cfg.max_chains)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
-        wait_full(pipe_q, q_state, self.cfg.peek_waits)
-        if tidx == 0:
-            self._stamp(tile, 2)
+        pipe_q.consumer_wait(q_state)
 
         if walk.nonempty():
             # first key tile of the walk (the rightmost without a block mask): S only
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wait_full(pipe_k, state, self.cfg.peek_waits)
+            pipe_k.consumer_wait(state)
             sees_first = self._sees_first_tile(brange, seqlen, walk, m_block, wg)
             self._turn_wait(wg)
             if sees_first:
@@ -325,8 +312,6 @@ class FwdConsumer:
                 warpgroup.wait_group(0)
             else:
                 self._turn_pass(wg)
-            if tidx == 0:
-                self._stamp(tile, 3)
             pipe_k.consumer_release(state)
             if const_expr(self._early_q_release):
                 if walk.count == 1:
@@ -358,7 +343,7 @@ class FwdConsumer:
                 l = cutlass.max(l, r)
                 for t in cutlass.range(1, r, unroll=1):
                     state, v_state, softmax = self._kv_step(t, True, state, v_state, softmax, *step)
-                for t in cutlass.range(r, l, unroll=cfg.unroll_unmasked):
+                for t in cutlass.range(r, l, unroll=1):
                     state, v_state, softmax = self._kv_step(t, False, state, v_state, softmax, *step)
                 if const_expr(cfg.has_window):  # else l == count (masked_ends): no third loop to compile
                     for t in cutlass.range(l, walk.count, unroll=1):
@@ -366,14 +351,12 @@ class FwdConsumer:
 
             if const_expr(cfg.early_o_rescale):
                 # the last tile's factors, before its P V joins O
-                scale_rows(acc_o, row_scale, self.cfg.vector_softmax)
-            wait_full(pipe_v, v_state, self.cfg.peek_waits)
+                scale_rows(acc_o, row_scale)
+            pipe_v.consumer_wait(v_state)
             self._turn_wait(wg)
             wgmma.issue(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
             self._turn_pass(wg)
             warpgroup.wait_group(0)
-            if tidx == 0:
-                self._stamp(tile, 4)
             pipe_v.consumer_release(v_state)
         if const_expr(self.separate_o):
             if const_expr(self._early_q_release):

@@ -17,7 +17,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_fa4 import env_vars
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
 from torch_fa4.kernels.common import fwd_launch
@@ -36,29 +35,23 @@ L2_BYTES = 50 * 1024 * 1024
 # (see `_tiles`).
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
-# the softmax options and the grid per head dim; benchmarks/NOTES.md records the measurements
-# behind them. Static persistent grids stop at D=128, but for plain D=192 calls
-# (`_d192_persistent_pays`): above D=128 the outer loop made ptxas serialize the wgmmas (advisory
-# C7512) until P was converted by packed pairs, and at D=256 it then measured no gain (NOTES
-# "Experiment 20"); calls with mods run one-shot too (`_persistent_fits`), and windowed calls
-# and causal calls without mods take the dynamic schedule (`_dynamic_schedule_pays`).
+# the softmax options and the grid per head dim (benchmarks/NOTES.md has the measurements). Static
+# persistent grids stop at D=128, but for plain D=192 calls (`_d192_persistent_pays`): above that
+# the outer loop made ptxas serialize the wgmmas, and at D=256 it measured no gain (NOTES
+# "Experiment 20"); calls with mods run one-shot (`_persistent_fits`); windowed calls and causal
+# calls take the dynamic schedule (`_dynamic_schedule_pays`).
 _DEFAULT_OPTIONS = {
-    # early_o_rescale: H100, NOTES "Experiment 19": +3% at D128 S16k (causal too). D64 rescales O
-    # after the P V wait instead (as flash-attn-4 does there): H100, NOTES "Experiment 118", three
-    # sustained probes, +0.5% to +3% on 11 of 12 D64 grid-row readings (-0.2% on one)
-    64: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=False,
-             # ptxas's register-usage level 10 (default 5): H100, NOTES "Experiment 134", two
-             # probes, S4k +1.2% / +1.2%, S16k +0.3% / +0.4%, S16k causal +0.7% / +0.5%, S4k
-             # causal +0.3% / +0.2%, S1k level
-             ptxas_options="--register-usage-level=10"),
-    # (plain D96 calls of 4096+ keys take the late rescale: `_d96_late_rescale_pays`)
-    96: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
-    128: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=True, early_o_rescale=True),
+    # early_o_rescale: NOTES "Experiment 19". D64 rescales O after the P V wait instead, as
+    # flash-attn-4 does there ("Experiment 118"), and compiles at ptxas's register-usage level 10
+    # ("Experiment 134")
+    64: dict(persistent=True, early_o_rescale=False, ptxas_options="--register-usage-level=10"),
+    # (plain D96 calls of 4096+ keys take the late rescale: `_early_rescale_pays`)
+    96: dict(persistent=True, early_o_rescale=True),
+    128: dict(persistent=True, early_o_rescale=True),
     # D192: persistent for plain calls only (`_d192_persistent_pays`)
-    192: dict(rescale_threshold=None, exp2_emulate_every=0, persistent=False),
-    # rescale: +5..7% measured; pin_pv_wait: H100, NOTES "Experiment 57": +2-3.5% at S1k, level
-    # elsewhere, while D64 and D128 lose 1-4% with it
-    256: dict(rescale_threshold=8.0, exp2_emulate_every=0, persistent=False, pin_pv_wait=True),
+    192: dict(persistent=False),
+    # pin_pv_wait: NOTES "Experiment 57" (D64 and D128 lose with it)
+    256: dict(rescale_threshold=8.0, persistent=False, pin_pv_wait=True),
 }
 
 
@@ -126,30 +119,25 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 
 # D=64 calls past 2048 queries without mods, softcap, window or varlen run 192 x 128 tiles: three
 # consumer warpgroups at 160 registers (they fit since P is converted by packed pairs), 1.5x the
-# query rows per K/V load. H100, NOTES "Experiment 17": +8-17% at S=4k/16k; at S=1k the ragged last
-# 192-row tile loses to 128 x 128 (-6%). A third K/V stage pays without causal masking only.
-# Calls whose only mod is a score_mod take it too. The features left out compiled with a few spills
-# (softcap), spilled in the key loop (mask_mods), cannot split a block mask's 128-row tiles, or have
-# not run on the GPU at this shape (window, varlen).
+# query rows per K/V load (NOTES "Experiment 17"; at S=1k the ragged last 192-row tile loses). A
+# third K/V stage pays without causal masking only. Calls whose only mod is a score_mod take it too
+# ("Experiment 90"). The features left out compiled with a few spills (softcap), spilled in the key
+# loop (mask_mods), cannot split a block mask's 128-row tiles, or have not run on the GPU at this
+# shape (window, varlen).
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _WIDE_MIN_SEQLEN_Q = 2048  # (the 192-row tiles of D=64 and D=96 start past it)
 # D=96 likewise runs 192-row tiles past 2048 queries, with 112-key tiles (128 spill at 160
-# registers); causal walks take them on the dynamic schedule. H100, NOTES
-# "Experiment 138", GPU time against flash-attn-4, 128 x 128 / 192 x 112 (two stages): S4k 0.955
-# / 0.995, S16k 0.962 / 0.986, S16k causal 0.947 / 1.009, S4k causal 1.039 / 1.074, S8k causal
-# 0.973 / 1.028 (both tiles on the dynamic schedule there); three stages and K / V multicast level.
+# registers); causal walks take them on the dynamic schedule (NOTES "Experiment 138").
 _D96_WIDE = dict(tile_m=192, tile_n=112, persistent=False)
 
 
-# Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=192; D=256 splits past 2048 keys
-# (H100, NOTES "Experiment 20": +4-8% at S=16k, +-1% at S=4k, the single loop 3.5% faster at S=1k).
-# D=192 (H100, NOTES "Experiment 136", GPU time, one loop / split): S4k 0.956 / 0.985, S16k 0.951 /
-# 0.987, S4k causal 0.980 / 1.011, S16k causal 0.963 / 1.006, S1k causal 1.115 / 1.123.
+# Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=192 ("Experiment 136"); D=256
+# splits past 2048 keys only, the single loop being faster at S=1k (NOTES "Experiment 20").
 _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
 def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
-    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops)."""
+    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops, ...)."""
     tile_m, tile_n = _TILES[call.head_dim]
     if call.head_dim == 192:
         return dict(tile_m=tile_m, tile_n=tile_n)
@@ -157,45 +145,35 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
         return dict(tile_m=tile_m, tile_n=tile_n,
                     split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
     dense = _dense(call)
-    # a score_mod alone: H100, NOTES "Experiment 90", ALiBi against the 128-row tile: S4k +6% causal
-    # (dynamic schedule), +12% without a mask, S16k +9% / +11%; no spills (CPU compile tests)
+    # (a score_mod alone takes the wide tile: NOTES "Experiment 90"; no spills in the CPU compile tests)
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
     if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _WIDE_MIN_SEQLEN_Q:
-        # the row max as two chains, calls without mods: H100 GPU time, NOTES "Experiment 148",
-        # S16k +0.3..+0.6% over five probes, S4k +0.4..+0.8%, causal +0.1..+0.7% (on the 128-row
-        # tile of S1k it lost 3%, so that shape keeps one chain)
+        # the row max as two chains for calls without mods (NOTES "Experiment 148"; on the 128-row
+        # tile of S1k it lost, so that shape keeps one chain)
         shape = dict(_D64_WIDE, num_stages=2 if call.causal else 3, max_chains=2 if call.mods is None else 1)
         if call.mods is None and not call.causal:
             # plain calls: the key loop's matmuls from hand-built descriptors, compiled at ptxas's
-            # register-usage level 0 (levels 0-2 give one loop, 4-10 another). H200 GPU time, NOTES
-            # "Experiment 156": S16k 0.991 -> 0.995, S4k 1.012 -> 1.016 against flash-attn-4; at
-            # level 10 they were level, and they lost 0.8-1.1% on the causal rows (Experiment 155)
+            # register-usage level 0 (levels 0-2 give one loop, 4-10 another; NOTES "Experiment
+            # 156"); causal rows lost with them ("Experiment 155")
             shape.update(hand_descriptors=True, ptxas_options="--register-usage-level=0")
         return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
-        return dict(_D96_WIDE)
+        return _D96_WIDE
     return dict(tile_m=tile_m, tile_n=tile_n)
 
 
 def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     max_q, max_k = fwd_launch.max_seqlens(call)  # (varlen without the maxima given: a device read)
     longest = max(max_q, max_k)
-    shape = _tiles(call, max_q, max_k)
-    tile_m, tile_n = shape["tile_m"], shape["tile_n"]
-    opts = dict(_DEFAULT_OPTIONS[call.head_dim])
-    if "ptxas_options" in shape:
-        opts["ptxas_options"] = shape["ptxas_options"]
-    mods = {}
+    # the head dim's options, then the tile shape's (its stages, chains, ptxas flags and grid win)
+    opts = {**_DEFAULT_OPTIONS[call.head_dim], **_tiles(call, max_q, max_k)}
+    opts["persistent"] = (opts["persistent"] or _d192_persistent_pays(call)) and _persistent_fits(call)
     if call.mods is not None:
-        mods = dict(mod_key=call.mods.key,
-                    aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
+        opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _uses_block_mask(call):
-        tile_n = _block_tile_n(call)
-        mods.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
-                    bm_tiles_n=call.block_mask_kv // tile_n)
-    if _d192_persistent_pays(call):
-        opts["persistent"] = True
-    opts["persistent"] = opts["persistent"] and _persistent_fits(call) and shape.get("persistent", True)
+        opts["tile_n"] = _block_tile_n(call)
+        opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // opts["tile_m"],
+                    bm_tiles_n=call.block_mask_kv // opts["tile_n"])
     if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
     if _d128_cond_rescale_pays(call):
@@ -203,17 +181,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     # (where O has its own shared-memory tile, D <= 128; above it O is staged over Q's buffer)
     if call.head_dim <= 128 and longest <= _EARLY_Q_MAX_SEQLEN:
         opts["early_q_release"] = True
-    cfg = FwdConfig(
-        tile_m=tile_m,
-        tile_n=tile_n,
-        num_stages=shape.get("num_stages", 2),
-        split_mask_loops=shape.get("split_mask_loops", True),
-        max_chains=shape.get("max_chains", 1),
-        hand_descriptors=shape.get("hand_descriptors", False),
-        **fwd_launch.call_features(call),
-        **opts,
-        **mods,
-    )
+    cfg = FwdConfig(**fwd_launch.call_features(call), **opts)
     cfg = replace(cfg, **overrides) if overrides else cfg
     if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
         cfg = replace(cfg, dynamic_schedule=False)
@@ -234,9 +202,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 
 
 def _with(cfg: FwdConfig, **changes) -> FwdConfig:
-    """replace(cfg, **changes), or cfg itself where nothing changes: each replace of the 40-field
-    config costs ~30 us of host time per call on the CPU machine, and default_config runs on every
-    forward call (four unconditional replaces were ~100 of its ~135 us; NOTES session 40)."""
+    """replace(cfg, **changes), or cfg itself where nothing changes: a replace of the config costs
+    tens of microseconds of host time, and default_config runs on every uncached forward call."""
     if all(getattr(cfg, name) == value for name, value in changes.items()):
         return cfg
     return replace(cfg, **changes)
@@ -249,51 +216,33 @@ def _grid3d_fits(cfg: FwdConfig, call: AttentionCall) -> bool:
     """Whether a (query tile, head, batch) grid runs this call's work items in the scheduler's
     order: one CTA per item, whole items (no split, no CTA pairs), and one (batch, head) pair per
     group with no tail group, which the launch gives every call without a causal or window mask
-    (fwd_launch.l2_group_bytes, tail_pairs) unless their measuring overrides are set. NOTES
-    "Experiment 154": +0.2 to +1.1% on the D64 one-shot rows (H100, GPU time)."""
-    overridden = any(env_vars.get(v, "").strip() for v in (fwd_launch.L2_GROUP_ENV, fwd_launch.TAIL_PAIRS_ENV))
+    (fwd_launch.l2_group_bytes, tail_pairs). NOTES "Experiment 154"."""
     fits_grid = call.num_heads <= _GRID_YZ_MAX and call.batch <= _GRID_YZ_MAX
     return fits_grid and not (cfg.persistent or cfg.split_ways or cfg.kv_multicast or cfg.causal
-                              or cfg.has_window or cfg.varlen_q or cfg.block_sparse or overridden)
+                              or cfg.has_window or cfg.varlen_q or cfg.block_sparse)
 
 
 def _d192_persistent_pays(call: AttentionCall) -> bool:
-    """Plain D192 calls run on a persistent grid (one CTA per SM looping over items). H100, NOTES
-    "Experiment 136", GPU time against flash-attn-4 with split key loops, one CTA per item /
-    persistent: S4k 0.985 / 1.001, S16k 0.987 / 1.002; causal S4k 1.011 / 1.013, S16k 1.006 /
-    1.006, S1k 1.123 / 1.085, so causal calls stay off the static loop (they take the dynamic
-    schedule, `_dynamic_schedule_pays`)."""
+    """Plain D192 calls run on a persistent grid (one CTA per SM looping over items); causal ones
+    lost on the static loop and take the dynamic schedule (NOTES "Experiment 136")."""
     return call.head_dim == 192 and _plain(call)
 
 
 def _skip_masked_first_pays(call: AttentionCall) -> bool:
     """FwdConfig.skip_masked_first: D192 / D256 calls under causal / window masks, without mods.
     Their 112- / 80-key tiles often leave the upper warpgroup of a 128-row tile on the diagonal
-    with nothing to see in the walk's first tile. H100, NOTES "Experiment 135", GPU time against
-    flash-attn-4, without / with: D256 S4k causal 1.006 / 1.013, S1k causal 1.076 / 1.099, S16k
-    causal 1.011 / 1.013; D192 S4k causal 0.971 / 0.979, S1k causal 1.116 / 1.135, S16k causal
-    0.956 / 0.959. The 192-row D64 tile has such tiles too, but there the test reshaped ptxas's
-    key loops and lost 0.4-1.6% (S4k-S16k causal); D128's 128 x 128 tiles have none when Sq = Sk
-    (-0.2%)."""
+    with nothing to see in the walk's first tile (NOTES "Experiment 135"). The 192-row D64 tile has
+    such tiles too, but there the test reshaped ptxas's key loops and lost; D128's 128 x 128 tiles
+    have none when Sq = Sk."""
     return call.head_dim in (192, 256) and (call.causal or call.has_window) and call.mods is None
 
 
 # The split tail (kernels/common/split_tail.py) for plain calls whose last round leaves SMs idle:
-# long walks on the 128-row tile only. H100, NOTES "Experiment 122", ratio to flash-attn-4 with
-# / without: D96 S16k 0.953 / 0.930 and 0.955 / 0.934, D128 S16k 0.994 / 0.991 and 0.998 /
-# 0.993 (3 pieces: 1.005); S4k rows (32 key tiles) gained nothing, and the 192-row D64 tile's key
-# loop lost 2.8% to the split code alone. A piece's fixed cost (its Q load, prologue, state
-# store and merge) counted as 8 key tiles.
+# long walks on the 128-row tile only (NOTES "Experiment 122": S4k rows gained nothing, and the
+# 192-row D64 tile's key loop lost to the split code alone). A piece's fixed cost (its Q load,
+# prologue, state store and merge) counts as 8 key tiles.
 _SPLIT_MIN_KEY_TILES = 64
 _SPLIT_PIECE_COST_TILES = 8.0
-# TORCH_FA4_FWD_SPLIT_TAIL (measuring): 0 off; k >= 2 that many pieces wherever a split is
-# possible; "noop" the split variant with no item split (its code's own cost); default automatic.
-SPLIT_TAIL_ENV = "TORCH_FA4_FWD_SPLIT_TAIL"
-
-# Every knob a forward call's launch reads (default_config, leading_args, the split plan):
-# fwd_launch_record's records are keyed on them.
-RECORD_ENV_KNOBS = (fwd_launch.L2_GROUP_ENV, fwd_launch.TAIL_PAIRS_ENV, SPLIT_TAIL_ENV)
-_RECORD_ENV = env_vars.Snapshot(RECORD_ENV_KNOBS)
 
 
 def _plain(call: AttentionCall) -> bool:
@@ -302,10 +251,8 @@ def _plain(call: AttentionCall) -> bool:
 
 
 # D96 plain calls of 4096 keys or more rescale O after the P V wait (D64's default) instead of
-# early. H100, NOTES "Experiment 120", two sustained probes, ratio to flash-attn-4 early / late:
-# S16k 0.938 / 0.960 and 0.939 / 0.964, S4k 0.971 / 0.991 and 0.973 / 0.996; the early rescale
-# stays where the late one lost or was level: causal (S16k -0.8%, -1%), S1k (-1.9%), and the
-# unmeasured (mods, softcap, windows, varlen).
+# early (NOTES "Experiment 120"); the early rescale stays where the late one lost or was level
+# (causal, S1k) and where it was not measured (mods, softcap, windows, varlen).
 _D96_LATE_RESCALE_MIN_SEQLEN_K = 4096
 
 
@@ -319,36 +266,28 @@ def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool
     return not d96_long_plain
 
 
-# D=128 plain and causal calls take FA4's conditional rescale (O moves only when a row's max grows
-# by more than 2^8) instead of the early rescale, at every length. H100: four bench.py sweeps
-# (NOTES "Experiment 96") had S16k +0.7 / 0 / +2.2 / -0.6%, S16k causal +1.3 / +4.1 / +2.5 / +0.1%,
-# and S4k -0.4% to -5.6%, so until session 29 only walks past 8192 keys took it. GPU time alone
-# (gpu_time_probe.py, NOTES "Experiment 130"), two probes: S4k +1.9 / +2.0%, S8k +2.2%, S4k causal
-# +0.8%, S1k causal +1.1%, S1k -0.2%. D=64 measured level to -4% at S16k (and -2.8 / -1.9% at
-# S4k / S16k in GPU time). Only the rows measured take it: mods, softcap and windows keep the
-# early rescale (both are exact).
 def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
+    """D=128 plain and causal calls take FA4's conditional rescale (O moves only when a row's max
+    grows by more than 2^8) instead of the early rescale, at every length (NOTES "Experiments 96,
+    130"; D=64 lost with it). Only the rows measured take it: mods, softcap and windows keep the
+    early rescale (both are exact)."""
     return (call.head_dim == call.head_dim_v == 128
             and call.mods is None and call.softcap <= 0 and not call.has_window)
 
 
 # CTA pairs multicasting each K / V tile (`FwdConfig.kv_multicast`). The H100 runs these kernels
-# at its 700 W limit (SM clock 1.4-1.65 GHz of 1.98), so the energy of the ring's L2-to-SM traffic
-# costs clock: NOTES "Experiment 99", sustained runs (benchmarks/clock_probe.py), against one CTA
-# per K / V load: D128 S16k +3.4% (clock +2%), S4k +2.7%, D96 S16k +6%, D256 S4k / S16k +1.3%;
-# D128 S1k -1.2% and D64 (192-row tile, less traffic per FLOP) level, so those keep single CTAs.
-# D192 (NOTES "Experiment 137", GPU time against flash-attn-4, persistent grid without / with):
-# S4k 0.999 / 1.010, S16k 0.998 / 1.004.
-# Plain calls only: the pair must walk the same key tiles (no causal / window mask, varlen or
-# block mask); mods and softcap have not been measured with it.
+# at its power limit, so the energy of the ring's L2-to-SM traffic costs clock (NOTES "Experiments
+# 99, 137"); short walks and D64's 192-row tile (less traffic per FLOP) keep single CTAs, and so
+# do D96's 192-row tiles (level with it, "Experiment 138"). Plain calls only: the pair must walk
+# the same key tiles (no causal / window mask, varlen or block mask); mods and softcap have not
+# been measured with it.
 _KV_MULTICAST_HEAD_DIMS = (96, 128, 192, 256)
 _KV_MULTICAST_MIN_SEQLEN_K = 4096
 
 
 def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
     return (_plain(call) and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
-            and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule
-            and cfg.skip_idle_rows and cfg.num_consumer_wg == 2)  # (D96 192-row tiles: level with it, Exp. 138)
+            and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule and cfg.num_consumer_wg == 2)
 
 
 def _persistent_fits(call: AttentionCall) -> bool:
@@ -361,34 +300,21 @@ def _persistent_fits(call: AttentionCall) -> bool:
 
 
 # Persistent CTAs taking items from a counter (`FwdConfig.dynamic_schedule`) where items are short
-# or unequal: causal walks, and D=256 up to 2048. H100, NOTES "Experiment 63", against the earlier
-# default (one CTA per item past 2048 keys, or static persistent): S4k causal D64 +5%, D128 +1-3%,
-# D256 +1.5-2%; D256 S1k +2-4% (causal +2%); S16k causal level on average then (-3% to +5% over two
-# runs), D256 S16k -5%; D64 / D128 S1k causal -1% (inside the spread). D=192 (NOTES "Experiment
-# 137", GPU time against flash-attn-4, one CTA per item / the counter): S1k causal 1.136 / 1.193,
-# S4k causal 1.011 / 1.030, S8k causal 1.000 / 1.012. Past 8192 keys (NOTES "Experiment 139", GPU
-# time, two probes, one CTA per item / the counter): S16k causal D64 0.974 / 1.013 and 0.978 /
-# 1.014, D96 1.010 / 1.036, D128 1.017 / 1.021, D192 1.005 / 1.013, D256 1.015 / 1.019. Causal
-# calls with a score_mod (where the loop fits, `_dynamic_fits`: D <= 128), NOTES "Experiment 140",
-# GPU time, ALiBi, one CTA per item / the counter: S16k causal D64 +0.7%, D128 +3.7% (the library's
-# ALiBi +1.8%); S8k causal D64 +2.0%, D128 +4.7%.
+# or unequal: causal walks at every length and head dim (NOTES "Experiments 63, 137, 139"), with a
+# score_mod too where the loop fits (`_dynamic_fits`, "Experiment 140"), windowed walks (items of a
+# few key tiles each, "Experiment 73"), and D=256 up to 2048 keys ("Experiment 63").
 _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
     if call.has_window or call.causal:
-        # causal: the comment above; windows: items of a few key tiles each, at any length: H100,
-        # NOTES "Experiment 73", window 1024 against one CTA per item (the default before): D64
-        # S1k +26%, S4k +13%, S16k +10%; D128 S1k +16%, S4k +5%, S16k +8%; D192 S1k +3%, S4k +2%,
-        # S16k +1%; D256 S4k +2%, S16k +4%
         return True
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
 
 
 # Q's buffer freed after the walk's last Q K^T (`FwdConfig.early_q_release`) for short walks, whose
-# persistent CTAs start a new item every few key tiles. H100, NOTES "Experiment 65", three rounds:
-# S1k causal +5% (D64) and +6.5% (D128), S1k +0.5-1%; past S1k level or lower (-3% to -5% at S16k
-# causal, which runs one CTA per item: there only the code moved).
+# persistent CTAs start a new item every few key tiles (NOTES "Experiment 65"; past S1k level or
+# lower).
 _EARLY_Q_MAX_SEQLEN = 2048
 
 
@@ -396,8 +322,7 @@ def _dynamic_fits(call: AttentionCall) -> bool:
     """Whether the dynamic schedule's persistent loop compiles clean: where the static one does,
     and for calls whose only mod is a score_mod (no mask_mod, softcap, window or block mask) at
     D <= 128 -- ALiBi and a per-head bias table compile there with one wait per committed group
-    and no spills (CPU compile tests), and the ALiBi row then keeps up with the no-mod row it is
-    measured against."""
+    and no spills (CPU compile tests)."""
     if _persistent_fits(call):
         return True
     mods = call.mods
@@ -405,30 +330,14 @@ def _dynamic_fits(call: AttentionCall) -> bool:
             and not call.has_window and not call.block_mask)
 
 
-# Causal or windowed walks longer than this run one CTA per item even in a kernel compiled
-# persistent: the hardware hands out CTAs dynamically, which a static round-robin over items of
-# unequal length cannot match (H200, NOTES.md "Experiment 10": persistent +14-17% at S=1k causal,
-# -4% to -11% at S=4k/16k causal, +0-8% without a mask). By default such calls take the dynamic
-# schedule or run one-shot (mods); this applies to a static persistent loop asked for by override.
-PERSISTENT_MAX_MASKED_SEQLEN = 2048
-
-
 def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
-    """max_ctas for this call: about one CTA per SM where the persistent loop pays."""
-    if not cfg.persistent:
-        return fwd_launch.ONE_CTA_PER_ITEM  # ignored
-    # causal and windowed walks differ in length between query tiles: a static round-robin
-    # cannot balance them, items taken from a counter can
-    if cfg.dynamic_schedule:
-        return fwd_launch.max_ctas(call)
-    if (call.causal or call.has_window) and max(fwd_launch.max_seqlens(call)) > PERSISTENT_MAX_MASKED_SEQLEN:
-        return fwd_launch.ONE_CTA_PER_ITEM
-    return fwd_launch.max_ctas(call)
+    """max_ctas for this call: about one CTA per SM for a persistent kernel."""
+    return fwd_launch.max_ctas(call) if cfg.persistent else fwd_launch.ONE_CTA_PER_ITEM
 
 
 def _fake_int32(rank: int):
     """A stand-in int32 tensor of `rank` symbolic dims with a unit last stride (block-mask lists,
-    the trace buffer)."""
+    the item counter, the split counters)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -464,7 +373,7 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         return cute.compile(
             FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
             *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(1) if cfg.dynamic_schedule else None,
-            _fake_int32(2) if cfg.trace else None, *_fake_split(cfg), stream,
+            *_fake_split(cfg), stream,
             options=options, no_jit_engine=not jit,
         )
 
@@ -473,29 +382,24 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
     return compile_cache.get_or_compile(("sm90_fwd", arch, cfg), build, persist=True)
 
 
-def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, trace: Optional[torch.Tensor] = None,
-            **overrides) -> None:
-    """trace: an int32 (work items, 7) tensor for the phase stamps of a traced variant
-    (benchmarks/fwd_trace.py); compiles that variant."""
-    if trace is None and not overrides and fwd_launch_record.run(call, out, lse, _RECORD_ENV):
+def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
+    """overrides: FwdConfig fields to compile and launch instead of the defaults (tests, probes)."""
+    if not overrides and fwd_launch_record.run(call, out, lse):
         return  # a repeated call shape, launched from its record (fwd_launch_record)
     cfg = default_config(call, **overrides)
-    if trace is not None:
-        cfg = replace(cfg, trace=True)  # (turn_trace=True among the overrides: per-step stamps)
     kernel = compile_fwd(cfg)
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: nothing to write
         return
-    launch(kernel, cfg, call, args, trace, split_spec(cfg, call))
+    launch(kernel, cfg, call, args, split_spec(cfg, call))
 
 
-def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, trace: Optional[torch.Tensor],
-           split: Optional[tuple]) -> None:
+def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split: Optional[tuple]) -> None:
     """The one launch of a forward kernel, for the general path and the launch records alike:
     `leading` as fwd_launch.leading_args gives it, then the call's block mask and captured tensors
-    (new values every call), the per-launch buffers and the trace; `split` from `split_spec`."""
+    (new values every call) and the per-launch buffers; `split` from `split_spec`."""
     device = call.q.device
-    kernel(*leading, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), item_counter(cfg, device), trace,
+    kernel(*leading, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), item_counter(cfg, device),
            *split_buffers(split, device))
 
 
@@ -506,25 +410,17 @@ def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
     whose items all walk the same key tiles."""
     if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:
         return 0, 1
-    mode = env_vars.get(SPLIT_TAIL_ENV, "").strip()
-    if mode == "0":
-        return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
     tiles = -(-max_k // cfg.tile_n)
-    if not mode and (cfg.num_consumer_wg != 2 or tiles < _SPLIT_MIN_KEY_TILES):
+    if cfg.num_consumer_wg != 2 or tiles < _SPLIT_MIN_KEY_TILES:
         return 0, 1
     num_m_blocks = -(-max_q // cfg.tile_m)
     if cfg.kv_multicast:
         num_m_blocks += num_m_blocks % 2
     items = num_m_blocks * call.num_heads * call.batch
     pair = 2 if cfg.kv_multicast else 1
-    ctas = fwd_launch.max_ctas(call)
-    if mode == "noop":
-        return 0, 2
-    if mode and mode != "1":
-        r = items % ctas if items > ctas else 0
-        return (r, int(mode)) if r and r % pair == 0 else (0, 1)
-    return split_plan_mod.choose(items, ctas, tiles, pair=pair, piece_cost_tiles=_SPLIT_PIECE_COST_TILES)
+    return split_plan_mod.choose(items, fwd_launch.max_ctas(call), tiles, pair=pair,
+                                 piece_cost_tiles=_SPLIT_PIECE_COST_TILES)
 
 
 def split_spec(cfg: FwdConfig, call: AttentionCall) -> Optional[tuple]:

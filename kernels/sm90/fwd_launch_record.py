@@ -2,22 +2,19 @@
 allocates its per-launch buffers and launches.
 
 fwd_host.forward derives the same things on every call of a shape: the variant (default_config's
-~20 decisions and four config copies), the compiled kernel's cache key, the L2 grouping, the tail
-group, the grid and the split plan. On the CPU machine that was ~70% of the forward's Python
-below dispatch; on the H100 machine's host the public forward took 0.16-0.29 ms per call against
-flash-attn-4's 0.11-0.17 (NOTES session 42), more than the D256 S1k kernel's 0.21 ms. `run`
-keeps one LaunchRecord per everything the derivation reads (shapes and strides of q, k, v, out and
-lse, dtypes, device, scale, causal / window / softcap, the forward's environment knobs; for calls
-with mods, block masks or variable lengths also the mods' key, the captured tensors' dtypes and
-ranks, the block mask's tile sizes, the given maxima and the offsets' shapes) and replays it. The
-call's own tensors -- q, k, v, the offsets, the block mask, the captured tensors -- are launch
-arguments taken from each call.
+~20 decisions), the compiled kernel's cache key, the L2 grouping, the tail group, the grid and the
+split plan, most of the forward's host time below dispatch. `run` keeps one LaunchRecord per
+everything the derivation reads (shapes and strides of q, k, v, out and lse, dtypes, device,
+scale, causal / window / softcap; for calls with mods, block masks or variable lengths also the
+mods' key, the captured tensors' dtypes and ranks, the block mask's tile sizes, the given maxima
+and the offsets' shapes) and replays it. The call's own tensors -- q, k, v, the offsets, the
+block mask, the captured tensors -- are launch arguments taken from each call.
 
 Not recorded (the general path every time): packed varlen calls without max_seqlen_q (its
-derivation reads the offsets on the device), trace or config overrides, and a negative scale
-without softcap (that call runs on -q, a copy made per call: `fwd_launch.nonnegative_scale`). A
-record checks nothing the general path does not: dispatch has already asked `unsupported_reason`
-of this call, alignment included.
+derivation reads the offsets on the device), config overrides, and a negative scale without
+softcap (that call runs on -q, a copy made per call: `fwd_launch.nonnegative_scale`). A record
+checks nothing the general path does not: dispatch has already asked `unsupported_reason` of this
+call, alignment included.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from torch_fa4 import env_vars
 from torch_fa4.kernels.common import fwd_launch, shape_memo
 
 
@@ -41,16 +37,16 @@ _NOT_RECORDED = shape_memo.NOT_RECORDED  # a call shape whose forward takes the 
 _records = shape_memo.table()
 
 
-def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) -> bool:
+def run(call, out: torch.Tensor, lse: torch.Tensor) -> bool:
     """Launch the forward of `call` from its record and return True, or return False for
-    fwd_host.forward's general path. `knobs`: every environment knob the derivation reads."""
+    fwd_host.forward's general path."""
     if call.is_varlen and not call.max_seqlen_q:  # (the derivation would read the offsets)
         return False
     q, k, v = call.q, call.k, call.v
     mods = call.mods
     memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype,
             out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype,
-            call.scale, call.causal, call.window_left, call.window_right, call.softcap, knobs())
+            call.scale, call.causal, call.window_left, call.window_right, call.softcap)
     if mods is not None or call.block_mask or call.is_varlen or call.cu_seqlens_k is not None or call.seqused_k is not None:
         memo += (mods.key if mods is not None else None, tuple((t.dtype, t.dim()) for t in call.aux_tensors),
                  bool(call.block_mask), call.block_mask_q, call.block_mask_kv, call.max_seqlen_q, call.max_seqlen_k,
@@ -62,7 +58,7 @@ def run(call, out: torch.Tensor, lse: torch.Tensor, knobs: env_vars.Snapshot) ->
 
     fwd_host.launch(record.kernel, record.cfg, call,
                     (q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, *record.scalars),
-                    None, record.split)
+                    record.split)
     return True
 
 

@@ -8,7 +8,6 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from torch_fa4.kernels.common.block_range import BlockRange
-from torch_fa4.kernels.common import l2_hints
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mailbox import next_item, publish_item
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
@@ -62,12 +61,6 @@ class FwdProducer:
                      brange: BlockRange, block_mask):
         """Work item `tile`'s loads; returns the ring positions after them."""
         cfg = self.cfg
-        lane0 = cute.arch.lane_idx() == 0
-        if lane0:
-            self._stamp(tile, 0)
-        # every query tile of a head reads the same K and V; Q is read once
-        shared_hint = l2_hints.policy(cfg.kv_evict_last, l2_hints.EVICT_LAST)
-        once_hint = l2_hints.policy(cfg.q_evict_first, l2_hints.EVICT_FIRST)
         num_heads_kv = cute.size(mK.shape[2])
         m_block, head, batch, piece = self._unit(sched, tile)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
@@ -97,25 +90,23 @@ class FwdProducer:
             if walk.nonempty():
                 pipe_k.producer_acquire(k_state)
                 cute.copy(tma_K, tKgK[None, walk.n_block(0)], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint, **kv_copy)
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **kv_copy)
                 k_state.advance()
             pipe_q.producer_acquire(q_state)
-            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state), cache_policy=once_hint)
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
-            if lane0:
-                self._stamp(tile, 1)
             if walk.nonempty():
                 for i in cutlass.range(walk.count - 1, unroll=1):
                     pipe_k.producer_acquire(k_state)
                     cute.copy(tma_K, tKgK[None, walk.n_block(i + 1)], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), cache_policy=shared_hint, **kv_copy)
+                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **kv_copy)
                     k_state.advance()
                     pipe_v.producer_acquire(v_state)
                     cute.copy(tma_V, tVgV[None, walk.n_block(i)], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint, **kv_copy)
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state), **kv_copy)
                     v_state.advance()
                 pipe_v.producer_acquire(v_state)
                 cute.copy(tma_V, tVgV[None, walk.n_block(walk.count - 1)], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state), cache_policy=shared_hint, **kv_copy)
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state), **kv_copy)
                 v_state.advance()
         return q_state, k_state, v_state
