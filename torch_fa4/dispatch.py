@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import warnings
 from typing import Optional
 
 import torch
 
-from torch_fa4 import env_vars, reference
+from torch_fa4 import reference
 from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 _ARCH_PACKAGES = {9: "torch_fa4.kernels.sm90", 10: "torch_fa4.kernels.sm100"}
@@ -66,7 +67,7 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
     With warn=False (SDPA routing, which falls back to PyTorch's own kernel instead) a refusal is
     neither warned about nor remembered as warned.
     """
-    if env_vars.get("TORCH_FA4_BACKEND", "").lower() == "reference":
+    if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
         return None
     if call.q.device.type != "cuda" or _is_empty(call):
         return None
