@@ -207,15 +207,16 @@ def test_large_head_dims_dv_differs(d, dv):
     _case(FP, 1, 160, 200, 2, 2, d, dv)
 
 
-@pytest.mark.parametrize("config", [(64, 1, False), (64, 2, True)])
-def test_d256_ring_configurations(config, monkeypatch):
-    # D=256 runs with dQ staged in the consumed Q / dO stage (two stages); the one-stage ring
-    # with separate dQ slabs is the fallback if that ever has to go: both must be right
-    from torch_fa4.kernels.sm90 import bwd
+@pytest.mark.parametrize("dv, ring", [(192, (1, False)), (256, (2, True))])
+def test_d256_ring_configurations(dv, ring):
+    # D=256 shares 64 keys between the warpgroups; Dv 256 stages dQ in the consumed Q / dO stage
+    # (two stages), Dv 192 falls back to one stage with separate dQ slabs: both must be right
+    from torch_fa4.kernels.sm90.bwd_config import ring as ring_of
+    from torch_fa4.kernels.sm90.bwd_variant import key_tile
 
-    monkeypatch.setattr(bwd, "tiles", lambda d, dv, tile_n=None, tile_m=64: config)
-    _case(BF, 2, 333, 300, 4, 2, 256, 256, causal=True)
-    _case(BF, 1, 200, 520, 2, 2, 256, 256, deterministic=True)
+    assert ring_of(256, dv, key_tile(256, dv), 64) == ring
+    _case(BF, 2, 333, 300, 4, 2, 256, dv, causal=True)
+    _case(BF, 1, 200, 520, 2, 2, 256, dv, deterministic=True)
 
 
 def test_large_head_dims_window_softcap_seqused():
