@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from torch_fa4.kernels.common.fwd_launch import fake_packed
 from torch_fa4.kernels.sm90.bwd_config import BwdConfig
 
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
@@ -75,8 +76,7 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
     def fake(dt, shape, stride, align=16):
         return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
 
-    def int32(rank):  # unit last stride
-        return fake(Int32, tuple(sym() for _ in range(rank)), tuple(s64() for _ in range(rank - 1)) + (1,), 4)
+    int32 = functools.partial(fake_packed, Int32)  # unit last stride
 
     b, sq, sk, hq, hkv = sym(), sym(), sym(), sym(), sym()
     sq_pad = sym()

@@ -305,13 +305,9 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
 
 
 def _fake_int32(rank: int):
-    """A stand-in int32 tensor of `rank` symbolic dims with a unit last stride."""
     import cutlass
-    import cutlass.cute as cute
 
-    return cute.runtime.make_fake_tensor(
-        cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
-        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+    return fwd_launch.fake_packed(cutlass.Int32, rank)
 
 
 def _fake_block_mask(cfg: FwdConfig) -> list:
