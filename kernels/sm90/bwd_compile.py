@@ -48,9 +48,8 @@ def cached_compile(key, build):
 
 
 def compile_variant(config: BwdConfig, arch: str = "sm_90a", dump_dir: str | None = None):
-    """Compile one variant against symbolic shapes (no GPU needed).
-
-    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    """Compile one variant against symbolic shapes (no GPU needed); dump_dir: also write the cubin
+    there (always compiles, bypassing the cache)."""
     if dump_dir is not None:
         return _compile(config, arch, dump_dir)
     return cached_compile(("sm90_bwd", arch, config), lambda jit=True: _compile(config, arch, None, jit))

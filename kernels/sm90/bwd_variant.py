@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from torch_fa4.kernels.common import shape_memo
+from torch_fa4.kernels.common.fwd_launch import max_seqlens
 from torch_fa4.kernels.sm90.bwd_config import SMEM_LIMIT, TILE_M, BwdConfig, smem_bytes
 
 if TYPE_CHECKING:
@@ -229,12 +230,7 @@ def launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning = DEFAU
 
 
 def _launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning) -> LaunchPlan:
-    if call.is_varlen:
-        from torch_fa4.kernels.common.fwd_launch import max_seqlens
-
-        max_q, max_k = max_seqlens(call)
-    else:
-        max_q, max_k = call.q.shape[1], call.k.shape[1]
+    max_q, max_k = max_seqlens(call)
     pairs = call.k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     n_tiles = math.ceil(max_k / key.tile_n) * pairs
     ctas = persistent_ctas(n_tiles, call.q.device, tuning.persistent_ctas) if key.persistent else 1

@@ -28,24 +28,19 @@ then runs with scale log2(e)), then the causal / window / length masks, then mas
 block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv_tile_walk.py) and
 mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
 
-Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py in longest-first
-order. With `persistent` (where fwd_host finds that the outer loop leaves ptxas the registers it
-needs to keep the wgmmas asynchronous, and pays) each CTA loops over its items -- the producer
-loads the next item's first K and Q while the consumers finish the current one -- on a grid of
-about one CTA per SM. A persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
-counter as it frees (kernels/common/tile_mailbox.py: the producer warp takes each item and hands
-it to the consumer warps through shared memory), which balances causal items of unequal length.
-With `early_q_release` Q's buffer is freed as soon as the walk's last Q K^T lands, so the next
-item's Q loads under this item's last softmax and P V.
+Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py. With
+`persistent` each CTA of a grid of about one CTA per SM loops over its items (the producer loads
+the next item's first K and Q while the consumers finish the current one), in a static
+round-robin or, with `dynamic_schedule`, from a global counter as it frees
+(kernels/common/tile_mailbox.py).
 
 Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
 dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
 into the next sequence, store from registers with a row predicate instead. LSE goes straight from
 registers.
 
-Where the code is: this module holds the kernel class (configuration, shared memory, the launch,
-the role dispatch); its roles are mixins with one concern each: fwd_producer.py (TMA loads),
-fwd_consumer.py (the key loop of a consumer warpgroup), fwd_epilogue.py (O and LSE out).
+The roles are mixins: fwd_producer.py (TMA loads), fwd_consumer.py (a consumer warpgroup's key
+loop), fwd_epilogue.py (O and LSE out).
 """
 
 from typing import Optional

@@ -323,9 +323,8 @@ def _fake_aux(cfg: FwdConfig) -> list:
 
 
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
-    """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
-
-    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    """Compile (or fetch) the kernel for cfg; dump_dir: also write the cubin and PTX there (always
+    compiles, bypassing the cache)."""
     options = fwd_launch.compile_options(arch, dump_dir, cfg.ptxas_options)
 
     def build(jit: bool = True):  # jit=False: only to be exported (compile_cache.get_or_compile)
