@@ -5,16 +5,13 @@ every query tile (of every query head of its GQA group) that can see those keys.
 in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contributions of all
 KV tiles meet in a float32 buffer.
 
-Grid: one CTA per work tile (key tile, kv head, batch), or (`persistent`, the default of the dense
-128-key variants) one CTA per SM that takes work tiles from a global counter and hands each to its
-warps through a mailbox in shared memory; the next tile's first ring loads and its K / V load
-overlap this tile's dK / dV epilogue (_persistent_roles).
+Grid: one CTA per work tile (key tile, kv head, batch), or (`persistent`) one CTA per SM taking
+work tiles from a global counter; the next tile's loads overlap this tile's dK / dV epilogue.
 
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
-               into a two-stage ring guarded by mbarriers (at 128 queries per step Q + LSE and
-               dO + dPsum have separate barriers, `split_ring`); it gives registers away
-               (setmaxnreg).
+               into a two-stage ring guarded by mbarriers (`split_ring`: separate barriers for
+               Q + LSE and dO + dPsum); it gives registers away (setmaxnreg).
                With `dq_writer_warp`, its warp 1 issues the dQ TMA adds (see below).
                With `fused_dq` (persistent, 128 queries per step), warp 2 counts each query
                tile's landed adds and warp 3 writes finished tiles into dq (bwd_dq_fused.py).
@@ -29,9 +26,8 @@ Warp roles (384 threads):
   P is computed while dP^T is still on the tensor cores, dS while dV is. Each warpgroup stages
   its dQ half in shared memory and adds it to the fp32 buffer with one TMA reduce-add (in
   KV-tile order under a per-query-tile semaphore when deterministic); dK, dV are written once at
-  the end. Order of a step's last products on the 128-key variants (`dq_under_dk`): after the
-  dS^T barrier dQ is issued, then dK; once dQ lands it is scaled and staged while dK runs (NOTES
-  Experiments 24, 26).
+  the end. On the 128-key variants (`dq_under_dk`) dQ is issued before dK, so its epilogue runs
+  under dK (NOTES Experiments 24, 26).
   `dq_writer_warp` (the 128-key variants): the consumers only store their dQ half into the slab
   and signal it; producer warp 1 issues the TMA add (and takes the deterministic turns) and hands
   the slab back once the add has read it, through two named barriers per warpgroup ("slab
@@ -42,38 +38,34 @@ Warp roles (384 threads):
 Narrow variant (tile_n = 64: head dims above 128, or block masks of 64-key columns): dK and dV of
 128 keys x 256 dims would need 256 fp32 registers per consumer thread, so both consumer warpgroups
 share 64 keys instead. Each computes S^T and dP^T for 32 of the 64 queries, writes P^T and dS^T
-(bf16/fp16) to shared memory, and after a barrier each computes dV, dK for all 64 keys and half of
-the head dim (A operand from shared memory) and dQ for half of the head dim as above. Per thread
-that is dK + dV + dQ = 3 * 64 * 256 / 256 = 192 fp32 registers at D=256. Shared memory: D=192 fits
-two ring stages and the dQ slabs (~210 KB); at D=256 (~274 KB that way) the dQ halves are staged
-instead in the Q and dO buffers of the step just consumed (`dq_in_ring`: each is exactly one fp32
-dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer once the TMA add
-has read it, early in the next step. bwd_config.ring picks the configuration.
+to shared memory, and after a barrier computes dV, dK for all 64 keys and half of the head dim (A
+from shared memory) and dQ for half of the head dim: 192 fp32 registers per thread at D=256. At
+D=256 the dQ halves are staged in the Q and dO buffers of the step just consumed (`dq_in_ring`:
+each is exactly one fp32 dQ half), which keeps two ring stages in ~211 KB instead of ~274 KB; the
+stage goes back to the producer once the TMA add has read it. bwd_config.ring picks.
 
 128 queries per step (`tile_m = 128`; D = Dv = 64, bwd_variant.query_tile): S^T and dP^T are 64
 keys x 128 queries per consumer warpgroup (64 + 64 fp32 registers per thread), dK + dV 32 + 32,
-and dQ = dS K splits the query rows between the
-warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
-per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix (as at
-64 queries). Keeping the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at
-once and ptxas would serialize the wgmmas (C7512), so P is formed in fp32 while dP^T lands, dS
-from it once dP^T landed, and dV issued only after dS (`p_under_dp`: no wgmma is in flight while
-S^T, dP^T and P are all live; NOTES Experiments 41, 54).
+and dQ = dS K splits the query rows between the warpgroups instead of the head dim (each 64 rows
+x D, one TMA add per warpgroup). Keeping the fp32 P for dS while dP^T lands and dV runs would need
+~224 registers and ptxas would serialize the wgmmas (C7512), so P is formed in fp32 while dP^T
+lands, dS from it once dP^T landed, and dV issued only after dS (`p_under_dp`; NOTES Experiments
+41, 54).
 
 dQ transposed (`dq_transposed`, BwdConfig.dq_transposed: D128 with 64 queries and D64 with 128):
 dQ^T = K^T dS^T, M = the warpgroup's 64 head-dim columns, N = its queries, dS stored (queries,
 keys), keys contiguous, by a transposing stmatrix, so that dQ^T reads it K-major with a 128-byte
-swizzle. What it buys is the slab stores: dQ = dS K leaves each thread 64-bit pairs along a row, and under the slab's 128-byte
-swizzle rows r and r ^ 1 of a warp share banks (Nsight: 8 wavefronts per store); dQ^T's values
-go out as 32-bit stores whose 32 lanes hit 32 banks (NOTES Experiment 79).
+swizzle. It buys conflict-free slab stores: dQ = dS K leaves each thread 64-bit pairs along a
+row, and under the slab's 128-byte swizzle rows r and r ^ 1 of a warp share banks; dQ^T's 32-bit
+stores hit 32 banks (NOTES Experiment 79).
 
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
 Variable length: the `varlen` variant (packed rows, per-sequence row offsets, dK / dV stored from
 registers with a row predicate). Its LSE / dPsum rows start each sequence at a tile-aligned
-offset (`_stat_row_offset`, bwd_row_stats.varlen_stat_layout): a TMA load of fp32 rows from an offset that
-is not a multiple of 4 stopped the kernel with an illegal instruction (NOTES Experiment 160).
+offset (`_stat_row_offset`, bwd_row_stats.varlen_stat_layout): a TMA load of fp32 rows from an
+offset that is not a multiple of 4 faults (NOTES Experiment 160).
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q

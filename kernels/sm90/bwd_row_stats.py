@@ -79,17 +79,6 @@ def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
     return (cu[:-1] + b * tile_m) // tile_m * tile_m
 
 
-def stat_destinations(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> tuple[torch.Tensor, int]:
-    """(row of each packed query row in the varlen statistics layout (int64, T), rows of the
-    layout)."""
-    cu64 = cu_seqlens_q.to(torch.int64)
-    batch = cu64.numel() - 1
-    rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
-    t = torch.arange(total, device=cu64.device)
-    seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
-    return t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq], rows
-
-
 # stat_sources' results per live, unmodified cu_seqlens_q tensor (a model's layers share one)
 _STAT_SOURCES = TensorMemo(capacity=16)
 
@@ -103,9 +92,12 @@ def stat_sources(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> torch.T
     hit = _STAT_SOURCES.get((cu,), (total, tile_m))
     if hit is not None:
         return hit
-    dest, rows = stat_destinations(cu, total, tile_m)
+    cu64 = cu.to(torch.int64)
+    rows = (math.ceil(total / tile_m) + cu64.numel()) * tile_m  # a tile more per sequence, and one
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
     src = torch.full((rows,), total, dtype=torch.int64, device=cu.device)
-    src[dest] = torch.arange(total, device=cu.device)
+    src[t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq]] = t
     _STAT_SOURCES.put((cu,), (total, tile_m), src)
     return src
 

@@ -13,20 +13,17 @@ Consumer main loop (per warpgroup, key tiles from last to first so masked tiles 
                   wait P V; rescale O
     O += P_last V_last;  O /= rowsum;  LSE
 
-so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("intra-warpgroup
-overlap"). With `split_mask_loops` (fwd_host picks it per head dim) the loop runs as three
-loops: the tiles at either end of the walk that the causal / window / length limits cut (with
-element masks) and the tiles between them (no mask code at all); `BlockRange.masked_ends` finds
-the split. Named barriers make the consumer warpgroups take turns issuing their matmuls
-("pingpong"), so one warpgroup's softmax runs under the other's matmuls. P stays in registers and
-is the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
-(kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
+so the softmax of tile i runs while the tensor cores work on tile i-1's P V. With
+`split_mask_loops` the walk runs as three loops: the tiles at either end that the causal / window
+/ length limits cut (with element masks) and the tiles between them (no mask code at all). Named
+barriers make the consumer warpgroups take turns issuing their matmuls ("pingpong"), so one
+warpgroup's softmax runs under the other's matmuls. P stays in registers as the A operand of the
+second wgmma, converted by packed pairs (kernels/common/convert.py).
 
-Mods (score_mod / mask_mod, traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per
-score element (kernels/common/tile_mods.py): softcap, then score_mod in natural units (the softmax
-then runs with scale log2(e)), then the causal / window / length masks, then mask_mod. With a
-block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv_tile_walk.py) and
-mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
+Mods (traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per score element
+(kernels/common/tile_mods.py): softcap, then score_mod in natural units, then the causal / window
+/ length masks, then mask_mod. With a block mask (`block_sparse`) the key tiles come from its
+lists (kernels/common/kv_tile_walk.py) and mask_mod runs on its partial tiles only.
 
 Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py. With
 `persistent` each CTA of a grid of about one CTA per SM loops over its items (the producer loads
@@ -34,10 +31,9 @@ the next item's first K and Q while the consumers finish the current one), in a 
 round-robin or, with `dynamic_schedule`, from a global counter as it frees
 (kernels/common/tile_mailbox.py).
 
-Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
-dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
-into the next sequence, store from registers with a row predicate instead. LSE goes straight from
-registers.
+Epilogue: O is normalised in registers, converted, staged in shared memory and stored with TMA,
+64 rows per warpgroup; varlen tiles, whose last rows would spill into the next sequence, store
+from registers with a row predicate instead. LSE goes straight from registers.
 
 The roles are mixins: fwd_producer.py (TMA loads), fwd_consumer.py (a consumer warpgroup's key
 loop), fwd_epilogue.py (O and LSE out).
