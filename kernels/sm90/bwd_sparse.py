@@ -33,9 +33,7 @@ def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int,
         return "no block mask"
     if call.mods is None or call.mods.mask_graph is None:
         return "block mask without a mask_mod"
-    if deterministic:
-        # the deterministic dQ order counts every earlier key tile of a query tile; a sparse walk
-        # would leave some of them out and the count would never complete
+    if deterministic:  # (its dQ turns count every earlier key tile of a query tile)
         return "deterministic mode walks densely"
     if call.is_varlen or call.cu_seqlens_k is not None:
         return "varlen runs per sequence without the block mask"
