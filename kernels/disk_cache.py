@@ -14,8 +14,9 @@ SHA-256; the library is written first and the JSON last, both atomically, so a r
 the JSON finds the whole library and concurrent writers never mix their files. A library loads
 only if the folder, the JSON and the library belong to this user, are not writable by group or
 others, and the library hashes to the recorded SHA-256 (torch_fa4/private_cache.py); anything else
-is skipped with a warning and the kernel compiled as usual. Everything else is best effort too: no
-compiler, a read-only folder or a library that no longer resolves mean "compile as usual".
+is skipped with a warning and the kernel compiled as usual (a folder that is not private is neither
+read nor written; folders are created 0700). Everything else is best effort too: no compiler, a
+read-only folder or a library that no longer resolves mean "compile as usual".
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT, TMEM_COLUMNS, Sm100Fw
 L2_BYTES = 126 * 1024 * 1024  # B200
 ARCH = "sm_100a"
 
-# keys per tile and K/V ring depth per head dim: S0 + S1 + O0 + O1 = 2 * tile_n + 2 * D columns of
-# tensor memory must fit in 512 (fwd_config); Q (two tiles) + the ring in shared memory
+# keys per tile and K/V ring depth per head dim, within the tensor- and shared-memory budgets (fwd_config)
 _TILES = {64: (128, 4), 96: (128, 3), 128: (128, 3)}
 SUPPORTED_HEAD_DIMS = tuple(_TILES)
 
