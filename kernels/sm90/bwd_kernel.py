@@ -161,10 +161,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # score_mod (dS needs the unmodified score) form both after both products (one pass).
         self.p_under_dp = c.tile_m == 128 and not self.one_pass
         self.one_pass = self.one_pass or c.tile_m == 128
-        # dS^T to shared memory through stmatrix on the wide path (64 or 128 queries): per-register
-        # stores need one swizzled address each (hoisted and spilled at 128 queries, ~60 spill
-        # instructions; rebuilt every step at 64, ~50 instructions); stmatrix needs four, derived
-        # from one loop-invariant address (bwd_layouts.copy_atom_to_swizzled; bwd_consumer).
+        # dS^T goes to shared memory through stmatrix on the wide path (bwd_consumer: four
+        # addresses from one loop-invariant one, instead of one per 32-bit store).
         # The 128-key variants (separate dQ slabs) issue dQ before dK and leave the dQ adds to a
         # dedicated warp (module docstring). dQ staged in the ring (narrow) keeps the leader
         # warps' adds, which also hand the stage back to the producer.
@@ -211,10 +209,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         self.persistent = c.persistent
         assert not c.persistent or (self.stage_dkdv and self.dq_writer_warp and not c.deterministic
                                     and not self.sparse and not c.dq_in_ring), "persistent: dense 128-key paths"
-        # Where the dS^T slots hold only one of dK / dV (64 queries per step), the persistent
-        # epilogue would store dK, wait for the TMA to read it out, then stage dV in the same
-        # slots: two store reads in a row at every tile's end. With `own_dv_stage` dV has a buffer
-        # of its own (where shared memory has room), so both stores go out together.
+        # Where the dS^T slots hold only one of dK / dV, dV's own buffer (where shared memory has
+        # room) lets both stores go out together instead of one after the other's TMA read.
         self.own_dv_stage = c.own_dv_stage
         # The key tile that completes a query tile's dQ writes that tile of dq (bwd_dq_fused.py):
         # no conversion pass after the kernel.
