@@ -76,10 +76,15 @@ def _sm_count(device_index: int) -> int:
 ONE_CTA_PER_ITEM = (1 << 31) - 1  # as max_ctas: a kernel compiled persistent runs one CTA per item
 
 
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (looked up once per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _sm_count_of(call: AttentionCall) -> int:
     if call.q.device.type != "cuda":  # argument-list checks on a CPU machine: nothing launches
         return 1
-    return _sm_count(call.q.device.index if call.q.device.index is not None else torch.cuda.current_device())
+    return sm_count(call.q.device)
 
 
 def max_ctas(call: AttentionCall) -> int:

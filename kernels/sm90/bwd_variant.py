@@ -10,10 +10,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
-from torch_fa4.kernels.common import shape_memo
-from torch_fa4.kernels.common.fwd_launch import max_seqlens
+from torch_fa4.kernels.common import fwd_launch, shape_memo
 from torch_fa4.kernels.sm90.bwd_config import SMEM_LIMIT, TILE_M, BwdConfig, smem_bytes
 
 if TYPE_CHECKING:
@@ -191,17 +188,10 @@ def cta_tail(call: "AttentionCall", pairs: int) -> int:
     return max(1, min(CTA_TAIL_L2_BYTES // max(pair_bytes, 1), CTA_TAIL_MAX, pairs))
 
 
-_SMS: dict = {}
-
-
 def persistent_ctas(tiles: int, device, cap: int | None = None) -> int:
-    """The persistent kernel's grid: one CTA per multiprocessor of `device` (looked up once per
-    device), at most one per work tile, at most `cap`."""
-    n = tiles  # (no multiprocessors to count off CUDA: the host tests' emulated kernel)
-    if device.type == "cuda":
-        n = _SMS.get(device)
-        if n is None:
-            n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    """The persistent kernel's grid: one CTA per multiprocessor of `device`, at most one per work
+    tile, at most `cap` (off CUDA, the host tests' emulated kernel: one per tile)."""
+    n = fwd_launch.sm_count(device) if device.type == "cuda" else tiles
     return max(1, min(tiles, n, cap or n))
 
 
@@ -230,7 +220,7 @@ def launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning = DEFAU
 
 
 def _launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning) -> LaunchPlan:
-    max_q, max_k = max_seqlens(call)
+    max_q, max_k = fwd_launch.max_seqlens(call)
     pairs = call.k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     n_tiles = math.ceil(max_k / key.tile_n) * pairs
     ctas = persistent_ctas(n_tiles, call.q.device, tuning.persistent_ctas) if key.persistent else 1
