@@ -30,10 +30,8 @@ Warp roles (384 threads):
   under dK (NOTES Experiments 24, 26).
   `dq_writer_warp` (the 128-key variants): the consumers only store their dQ half into the slab
   and signal it; producer warp 1 issues the TMA add (and takes the deterministic turns) and hands
-  the slab back once the add has read it, through two named barriers per warpgroup ("slab
-  empty": writer arrives, consumers sync; "slab full": consumers arrive, writer syncs). The
-  consumers then never wait for a TMA read or a semaphore, and run one barrier per dQ instead
-  of two (NOTES Experiment 25).
+  the slab back once the add has read it (two named barriers per warpgroup, bwd_dq.py), so the
+  consumers never wait for a TMA read or a semaphore (NOTES Experiment 25).
 
 Narrow variant (tile_n = 64: head dims above 128, or block masks of 64-key columns): dK and dV of
 128 keys x 256 dims would need 256 fp32 registers per consumer thread, so both consumer warpgroups
