@@ -1,12 +1,9 @@
 """Compiled-kernel cache: one `cute.compile` per kernel variant per process.
 
-The key is everything that changes generated code (a frozen config dataclass plus the target
-arch); tensor shapes and strides are symbolic in the compiled kernels, so new sizes reuse it.
-CuTe DSL's own on-disk cache does not cover `cute.compile`; across processes, callers that pass
-`persist=True` (the sm_90 kernels built with TVM-FFI launches) also use `disk_cache` (on unless
-TORCH_FA4_KERNEL_CACHE=0), which stores exported kernels and loads them in later processes
-without compiling. `stats()` lets tests check that a second call compiles nothing (and how many
-variants came from disk).
+The key is everything that changes generated code (a frozen config plus the target arch); shapes
+and strides are symbolic in the compiled kernels. Callers that pass `persist=True` (the sm_90
+kernels, TVM-FFI launches) also use `disk_cache` across processes. `stats()` lets tests check that
+a second call compiles nothing.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ _from_disk: set = set()
 
 
 def extra_options(dump_dir: str | None, ptxas_options: str = "") -> str:
-    """The cute.compile options every kernel's builder appends: keep the cubin and PTX in dump_dir
-    (tests, SASS checks), and extra ptxas flags (they change the schedule, never the results)."""
+    """The cute.compile options every kernel's builder appends: keep the cubin and PTX in dump_dir,
+    and extra ptxas flags."""
     options = ""
     if dump_dir is not None:
         options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
@@ -36,12 +33,10 @@ def get_or_compile(key: Hashable, build: Callable[..., Any], persist: bool = Fal
     """The kernel for key: this process's, the disk cache's, or compiled now.
 
     build() compiles and returns a callable kernel; `persist` builders also take jit=False:
-    compiled only to be exported, without CuTe DSL's host JIT engines (an MCJIT engine, then a
-    JITLink one for TVM-FFI, most of a second per variant). With the disk cache on and a C
-    compiler at hand, a new variant is compiled that way, stored, and loaded back from its library,
-    the same object any later process loads (the exported object file is the same byte for byte
-    with or without the engines). Otherwise, or if storing fails, it is compiled with the engines
-    as usual."""
+    compiled only to be exported, without CuTe DSL's host JIT engines (most of a second per
+    variant; the exported object is the same byte for byte). With the disk cache on and a C
+    compiler at hand, a new variant is compiled that way, stored, and loaded back from its
+    library, as any later process loads it; otherwise it is compiled with the engines."""
     fn = _compiled.get(key)
     if fn is not None:
         return fn

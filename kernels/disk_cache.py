@@ -1,29 +1,22 @@
 """Compiled kernels kept on disk, so a new process loads a variant instead of compiling it.
 
-`cute.compile` traces and compiles again in every process (seconds per variant, after importing
-CuTe DSL); CuTe DSL's own file cache does not cover `cute.compile`. So a freshly compiled kernel is
-exported as an object file (`export_to_c`), linked with the system C compiler into a shared
-library against the CuTe DSL and TVM-FFI runtime libraries (in the process that compiled it), and
-stored under `$TORCH_FA4_CACHE_DIR/kernels` (default `~/.cache/torch_fa4/kernels`). A later
-process loads it with TVM-FFI alone in about a millisecond: no CuTe DSL import, no tracing, no
-compile. The compiling process itself compiles such a variant without CuTe DSL's host JIT engines
-and runs the stored library too (compile_cache.get_or_compile). On by default;
-`TORCH_FA4_KERNEL_CACHE=0` turns it off (every process compiles).
+`cute.compile` traces and compiles again in every process (seconds per variant) and CuTe DSL's own
+file cache does not cover it. So a freshly compiled kernel is exported as an object file
+(`export_to_c`), linked with the system C compiler into a shared library against the CuTe DSL and
+TVM-FFI runtime libraries, and stored under `$TORCH_FA4_CACHE_DIR/kernels` (default
+`~/.cache/torch_fa4/kernels`); a later process loads it with TVM-FFI alone in about a millisecond,
+without importing CuTe DSL. On unless `TORCH_FA4_KERNEL_CACHE=0`.
 
 Entry names are a digest of the variant key, the CuTe DSL and TVM-FFI versions and the text of
-every source file of the package (the kernels, and the mod tracing whose keys they are built
-from), so an edited kernel or an upgraded DSL never loads a stale binary. An entry is
-`<digest>.json`, naming its library `<digest>-<sha>.so` and recording the library's SHA-256; the
-library is written first and the JSON last, both atomically, so a reader that finds the JSON finds
-the whole library, and processes storing one variant at once never mix their files. Before a
-library is loaded, the folder, the JSON and the library must belong to this user and not be
-writable by group or others, and the library must hash to the recorded SHA-256
-(torch_fa4/private_cache.py); anything else is skipped with a warning and the kernel compiled as
-usual (the fresh build replaces a bad entry; a folder that is not private is neither read nor
-written). Folders are created 0700. Everything else is best effort too: no compiler, a read-only
-folder or a library that no longer resolves all mean "compile as usual". The load path is
-checked on the GPU for the forward (tests/gpu/test_sm90_fwd.py::test_disk_cache_across_processes)
-and the backward's three kernels (tests/gpu/test_sm90_bwd.py::test_disk_cache_across_processes).
+every source file of the package, so an edited kernel or an upgraded DSL never loads a stale
+binary. An entry is `<digest>.json`, naming its library `<digest>-<sha>.so` and recording its
+SHA-256; the library is written first and the JSON last, both atomically, so a reader that finds
+the JSON finds the whole library and concurrent writers never mix their files. A library loads
+only if the folder, the JSON and the library belong to this user, are not writable by group or
+others, and the library hashes to the recorded SHA-256 (torch_fa4/private_cache.py); anything else
+is skipped with a warning and the kernel compiled as usual (a folder that is not private is neither
+read nor written; folders are created 0700). Everything else is best effort too: no compiler, a
+read-only folder or a library that no longer resolves mean "compile as usual".
 """
 
 from __future__ import annotations
@@ -45,13 +38,10 @@ from torch_fa4 import private_cache
 _FUNCTION = "torch_fa4_kernel"  # the exported TVM-FFI function's name inside each library
 _loaded_modules: list = []  # keep loaded libraries alive for the process
 _source_digest: list[str] = []
-
-
 ENV = "TORCH_FA4_KERNEL_CACHE"
 
 
 def enabled() -> bool:
-    """On unless TORCH_FA4_KERNEL_CACHE=0."""
     return os.environ.get(ENV, "1").strip() != "0"
 
 
@@ -61,9 +51,8 @@ def cache_dir() -> Path:
 
 
 def _source_roots() -> list[Path]:
-    """The kernels' folder and the torch_fa4 package's (the mods' tracing and lowering keys), found
-    without importing either: installed, kernels/ is torch_fa4/kernels/; in a checkout (editable
-    install) it sits beside torch_fa4/."""
+    """The kernels' folder and the torch_fa4 package's (the mods' tracing keys): installed,
+    kernels/ is torch_fa4/kernels/; in a checkout it sits beside torch_fa4/."""
     kernels = Path(__file__).resolve().parent
     if kernels.parent.name == "torch_fa4":
         return [kernels.parent]
@@ -84,8 +73,7 @@ def _sources() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _version(dist: str) -> str:
-    # once per process (~0.5 ms a look-up): the modules already imported are the ones that count
-    try:
+    try:  # once per process (~0.5 ms a look-up)
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "?"
@@ -116,8 +104,7 @@ def _open_library(lib: Path) -> Any:
 
 
 def load(key: Hashable) -> Optional[Any]:
-    """The stored kernel for key as a TVM-FFI function, or None (not stored, or refused: see the
-    module's docstring)."""
+    """The stored kernel for key as a TVM-FFI function, or None (not stored, or refused)."""
     d = cache_dir()
     meta_path = d / f"{digest(key)}.json"
     if not meta_path.exists():
@@ -156,8 +143,7 @@ def can_store() -> bool:
 
 
 def _link(compiled: Any, folder: str) -> tuple[str, list[str]]:
-    """Export compiled into folder and link it into a shared library; its path and the runtime
-    libraries it links against."""
+    """(shared library linked from `compiled` in folder, the runtime libraries it links against)."""
     from cutlass.runtime import find_runtime_libraries
 
     libs = [p for p in find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
@@ -181,8 +167,7 @@ def store(key: Hashable, compiled: Any) -> bool:
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             so, libs = _link(compiled, tmp)
             sha = private_cache.sha256_file(Path(so))
-            # named by its content: a process storing a different build of this variant at the same
-            # time writes another file instead of replacing this one under a reader
+            # named by its content: a concurrent writer of another build never replaces it under a reader
             library = f"{name}-{sha[:16]}.so"
             private_cache.publish(Path(so), d / library, mode=0o700)
         meta = {"key": repr(key), "library": library, "sha256": sha, "libraries": libs}

@@ -366,7 +366,9 @@ def test_persistent_grid_size(monkeypatch):
     assert bwd_variant.persistent_ctas(7, cpu) == 7 and bwd_variant.persistent_ctas(500, cpu) == 500
     assert bwd_variant.persistent_ctas(0, cpu) == 1
     assert bwd_variant.persistent_ctas(500, cpu, 3) == 3 and bwd_variant.persistent_ctas(2, cpu, 3) == 2
-    monkeypatch.setitem(bwd_variant._SMS, torch.device("cuda", 0), 132)  # a device seen before
+    from torch_fa4.kernels.common import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "sm_count", lambda device: 132)
     assert bwd_variant.persistent_ctas(4096, torch.device("cuda", 0)) == 132
     assert bwd_variant.persistent_ctas(40, torch.device("cuda", 0)) == 40
 

@@ -1,14 +1,10 @@
 """2^x on the MUFU unit (`ex2.approx.ftz.f32`), as the forward's softmax has always emitted it.
 
 CuTe DSL 4.8 deprecates `cute.arch.exp2` (the same instruction) in favour of
-`cute.math.exp2(fastmath=True)`, which the backward uses. The forward keeps this exact form: an
+`cute.math.exp2(fastmath=True)`, which the backward uses. The forward keeps this exact form, an
 asm statement marked as having side effects, so LLVM keeps the exponentials where the softmax
-issues them and the SASS every forward measurement was taken on stays byte for byte the same.
-Changing that is a performance experiment, not a clean-up: `cute.math.exp2(x, approx=True,
-ftz=True)` (the NVVM intrinsic, no side effects) and `fastmath=True` gave the same SASS on ten of
-the grid's twelve D64 / D128 / D256 forward configs and register renames in the prologue of the
-other two (the D128 multicast ones), 2026-11-24; not timed.
-ftz: subnormal results flush to zero, which only the smallest probabilities reach.
+issues them and the forward's SASS stays the one it was measured on (changing it is a
+performance experiment). ftz: subnormal results flush to zero (only the smallest probabilities).
 """
 
 from typing import Optional

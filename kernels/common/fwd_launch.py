@@ -1,10 +1,6 @@
-"""What every architecture's forward kernel is compiled against and launched with, in one place.
-
-The sm90 and sm100 forward kernels take the same leading arguments -- q, k, v, out, lse, the varlen
-offsets, the softmax scales, the window bounds, the batch, the longest query sequence, the L2 head
-grouping and its tail group, the persistent grid's size -- and differ only in what follows (block
-mask, captured tensors). Nothing here imports CuTe DSL at module level: a kernel loaded from the
-disk cache launches without it.
+"""What every architecture's forward kernel is compiled against and launched with: the sm90 and
+sm100 forward kernels take the same leading arguments (`leading_args`) and differ only in what
+follows. No CuTe DSL import at module level: a kernel from the disk cache launches without it.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ def operand_reason(call: AttentionCall, kernel: str, head_dims: tuple, head_dim_
 
 def call_features(call: AttentionCall) -> dict:
     """The fields of a forward variant (sm90 FwdConfig, sm100 Sm100FwdConfig) that come straight
-    from the call: dtype, head dims and which masks and length tensors it brings."""
+    from the call."""
     return dict(
         dtype_name=str(call.q.dtype).removeprefix("torch."),
         head_dim=call.head_dim,
@@ -60,14 +56,13 @@ def layout_reason(call: AttentionCall) -> Optional[str]:
         return "cu_seqlens_q and cu_seqlens_k must be given together"
     q, k, v = call.q, call.k, call.v
     qs, ks, vs = q.stride(), k.stride(), v.stride()
-    # (every call asks this: all three at once first, the one to blame only on a refusal)
+    # (on every call: all three at once first, the one to blame only on a refusal)
     if (qs[-1] == ks[-1] == vs[-1] == 1 and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
             and not any(s % 8 for s in (*qs[:-1], *ks[:-1], *vs[:-1]))):
         return None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             return f"{name} last dim not contiguous"
-        # TMA: 16-byte aligned base and strides
         if t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:-1]):
             return f"{name} base or strides not 16-byte aligned (TMA)"
     return None
@@ -81,10 +76,15 @@ def _sm_count(device_index: int) -> int:
 ONE_CTA_PER_ITEM = (1 << 31) - 1  # as max_ctas: a kernel compiled persistent runs one CTA per item
 
 
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (looked up once per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _sm_count_of(call: AttentionCall) -> int:
     if call.q.device.type != "cuda":  # argument-list checks on a CPU machine: nothing launches
         return 1
-    return _sm_count(call.q.device.index if call.q.device.index is not None else torch.cuda.current_device())
+    return sm_count(call.q.device)
 
 
 def max_ctas(call: AttentionCall) -> int:
@@ -102,13 +102,10 @@ def max_seqlens(call: AttentionCall) -> tuple[int, int]:
 
 def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:
     """The L2 size the (batch, head) grouping of a call's work items assumes (`heads_per_l2_group`
-    fills half of it), for an L2 of `l2_bytes`.
-
-    The CTAs in flight at once read the K and V of every head in their group, so groups are kept
-    small. Causal and windowed walks are grouped so a group's K and V take a sixth of L2 (longest
-    first inside a group, common.tile_scheduler); other calls get one pair per group, every query
-    tile of a head before the next head (flash-attn-4's order). Groups of half of L2 held too many
-    heads' K / V in flight and lost L2 hits (NOTES "Experiments 71, 72")."""
+    fills half of it). The CTAs in flight read the K and V of every head in their group, so
+    causal and windowed walks are grouped so a group's K and V take a sixth of L2 (NOTES
+    "Experiments 71, 72"); other calls get one pair per group, every query tile of a head before
+    the next head."""
     if call.causal or call.has_window:
         return l2_bytes // 3
     return 1  # (as if L2 held one byte: heads_per_l2_group's floor of one pair per group)
@@ -163,13 +160,9 @@ def nonnegative_scale(call: AttentionCall) -> AttentionCall:
 def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int, tile_m: int) -> Optional[list]:
     """The arguments every forward kernel starts with, or None when the call has no query rows.
 
-    max_ctas: the most CTAs a persistent kernel launches (about one per SM; ONE_CTA_PER_ITEM makes
-    its grid one-shot); kernels compiled one-shot ignore it. tile_m: query rows per work item.
-
-    With softcap the kernel computes softcap * tanh(s * scale / softcap), so the score is scaled
-    by scale / softcap first and the softmax (log2 domain) by softcap * log2(e). A negative scale
-    arrives as -q with -scale (`nonnegative_scale`).
-    """
+    max_ctas: the most CTAs a persistent kernel launches (ONE_CTA_PER_ITEM: one-shot grid). With
+    softcap the kernel computes softcap * tanh(s * scale / softcap): the score is scaled by
+    scale / softcap first and the softmax (log2 domain) by softcap * log2(e)."""
     call = nonnegative_scale(call)
     max_q, max_k = max_seqlens(call)
     if max_q == 0 or call.batch == 0:
@@ -190,11 +183,18 @@ def leading_args(call: AttentionCall, out, lse, l2_bytes: int, max_ctas: int, ti
     ]
 
 
+def fake_packed(dtype, rank: int, align: int = 4):
+    """A stand-in tensor of `rank` symbolic dims with a unit last stride."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(rank)),
+                                         tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=align)
+
+
 def fake_leading_args(cfg) -> list:
     """Stand-ins for `leading_args` to compile against: symbolic shapes and strides, so one
-    compiled kernel serves every batch, length, head count and stride pattern of its variant.
-    `cfg` is an architecture's forward config (dtype_name, head_dim, head_dim_v, varlen_q,
-    varlen_k, has_seqused_k)."""
+    compiled kernel serves every batch, length, head count and stride pattern of its variant
+    (`cfg`: an architecture's forward config)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -207,16 +207,13 @@ def fake_leading_args(cfg) -> list:
         return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
     def offsets(given: bool):
-        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) if given else None
+        return fake_packed(cutlass.Int32, 1) if given else None
 
     q = fake(3 if cfg.varlen_q else 4, cfg.head_dim)
     o = fake(3 if cfg.varlen_q else 4, cfg.head_dim_v)
     k = fake(3 if cfg.varlen_k else 4, cfg.head_dim)
     v = fake(3 if cfg.varlen_k else 4, cfg.head_dim_v)
-    lse_rank = 2 if cfg.varlen_q else 3
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, tuple(cute.sym_int() for _ in range(lse_rank)),
-        tuple(cute.sym_int64() for _ in range(lse_rank - 1)) + (1,), assumed_align=4)
+    lse = fake_packed(cutlass.Float32, 2 if cfg.varlen_q else 3)
     scalars = [cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
                cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1)]
     return [q, k, v, o, lse, offsets(cfg.varlen_q), offsets(cfg.varlen_k), offsets(cfg.has_seqused_k), *scalars]

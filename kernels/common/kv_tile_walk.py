@@ -10,12 +10,10 @@ n_block(t) on its own, so they agree without talking to each other.
   evaluated), then the full ones (`full_kv_*`: mask_mod is known to be true everywhere). Tiles the
   block mask does not list are empty and never loaded.
 
-Block-mask tiles may be larger than the kernel's: one block-mask tile of (ratio_m * tile_m,
-ratio_n * tile_n) covers ratio_m query tiles and ratio_n key tiles (the host picks kernel tiles that
-divide the block-mask tile). The sparse walk does not clip to BlockRange's [n_min, n_max): listed
-tiles outside it (causal / window / length limits the mask_mod does not know about) are visited and
-masked to -inf element by element, which is exact, and it needs no assumption about the order of
-the indices.
+A block-mask tile of (ratio_m * tile_m, ratio_n * tile_n) covers ratio_m query tiles and ratio_n
+key tiles. The sparse walk does not clip to BlockRange's [n_min, n_max): listed tiles outside it
+are visited and masked to -inf element by element, which is exact and assumes nothing about the
+order of the indices.
 """
 
 import cutlass

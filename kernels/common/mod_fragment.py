@@ -1,13 +1,10 @@
 """Emit a traced score_mod / mask_mod over a thread's whole score fragment, hoisted by dependence.
 
-`mod_lowering` inlines a graph for one element; here the same ops (its op table, through
-`emit_op`) are emitted for a (rows, cols) fragment following `mod_hoisting.hoist_plan`: TILE
-values come precomputed (or are emitted once), ROW values once per fragment row, COL values once
-per column, and only ELEM values per element.
-Exact int -> float rewrites replace per-element conversions (I2F shares the quarter-rate pipe with
-the softmax's MUFU.EX2 on Hopper), and identical element values are emitted once: emission is
-hash-consed, so e.g. kv_idx - q_idx, which repeats along the fragment's diagonals, is computed once
-per distinct offset. A tile value times such an affine expression (ALiBi's slope * (kv_idx - q_idx))
+`mod_lowering` inlines a graph for one element; here the same ops (through `emit_op`) are emitted
+for a (rows, cols) fragment following `mod_hoisting.hoist_plan` (TILE, ROW, COL and ELEM values,
+exact int -> float rewrites). Emission is hash-consed, so e.g. kv_idx - q_idx, which repeats along
+the fragment's diagonals, is computed once per distinct offset. A tile value times such an affine
+expression (ALiBi's slope * (kv_idx - q_idx))
 is one fma per distinct offset; under abs, `emit_score_mod` branches at run time on the
 expression's sign over the fragment so that the one-signed sides get the same. Used by the sm90
 forward (tile_mods.py) and, over the transposed S^T fragment, the sm90 backward (bwd_scores.py).

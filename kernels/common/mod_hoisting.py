@@ -32,9 +32,7 @@ compile-time offset per element (c_q * row_off[r] + c_kv * col_off[j]). Converte
 offset (e.g. kv_idx - q_idx along a diagonal) share the value -- in the integer path too, with
 everything computed from it (a window compare, a floor division).
 
-Clamping. Kernels clamp q_idx / kv_idx into the sequence only so that loads from captured
-tensors stay in bounds (tile_mods.py). An input that feeds no load index is left unclamped,
-which keeps it affine; the values differ only on elements the kernel masks or never stores.
+Clamping (tile_mods.py): only indices that feed loads are clamped, so the others stay affine.
 """
 
 from __future__ import annotations

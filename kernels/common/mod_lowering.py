@@ -1,34 +1,28 @@
 """Apply a traced score_mod / mask_mod inside CuTe DSL kernels.
 
-For kernel engineers. A mod arrives as a `ModGraph` (torch_fa4.mods.graph) in the `ModSet` that
-`AttentionCall.mods` holds: `mods.score_graph`, `mods.mask_graph`, and for backward
-`mods.score_grad_graph` (d score_mod / d score, derived symbolically). Each is a small list of
-scalar ops; the functions here *inline* those ops at the call site while the DSL traces your
-`@cute.jit` / `@cute.kernel` code, so a mod costs exactly its arithmetic, per element, in registers.
+A mod arrives as a `ModGraph` (torch_fa4.mods.graph) in the `ModSet` that `AttentionCall.mods`
+holds: `score_graph`, `mask_graph`, and for backward `score_grad_graph` (d score_mod / d score,
+derived symbolically). The functions here *inline* its scalar ops at the call site while the DSL
+traces the kernel, so a mod costs exactly its arithmetic, per element, in registers.
 
-API (all are plain Python helpers called from inside jit code; graphs are compile-time constants):
+API (plain Python helpers called from inside jit code; graphs are compile-time constants):
 
     score = score_mod_value(graph, score, b, h, q_idx, kv_idx, score_aux)  -> Float32
     keep  = mask_mod_value(graph, b, h, q_idx, kv_idx, mask_aux)           -> Boolean
     dsds  = score_grad_value(grad_graph, score, b, h, q_idx, kv_idx, score_aux) -> Float32
 
-These are per element. Kernels applying mods to a whole score fragment use `mod_fragment`
-(FragmentEmitter; `tile_mods.TileMods` for the attention kernels), which emits the same ops
-(`emit_op`, from the one op table `CUTE_OPS`) hoisted by dependence (mod_hoisting.py): once per
-tile of work, per row, per column, and only the rest per element, with exact fp32 rewrites of
-int -> float.
+These are per element; `mod_fragment` emits the same ops (`emit_op`, from the one op table
+`CUTE_OPS`) over a whole score fragment, hoisted by dependence (mod_hoisting.py).
 
 - `score` is the fp32 score *after* scale and softcap (docs/INTERNALS.md "Semantics"), in natural
   units: if the kernel keeps scores pre-multiplied by log2(e), divide before and multiply after.
 - `b`, `h` (query head), `q_idx`, `kv_idx`: Int32, positions within the (per-batch) sequence.
 - `score_aux` / `mask_aux`: tuples of `cute.Tensor` in global memory, in ModSet order
   (`call.score_aux` / `call.mask_aux`). Compile against `fake_aux_tensor(spec.dtype, spec.ndim)` for
-  each `AuxSpec` in `graph.aux` (symbolic shapes), launch with `kernel_aux_tensors(call.aux_tensors)`
-  (bool -> uint8 view, 0-d -> (1,)): only dtype and rank are part of the compiled kernel, so new
-  values never recompile. The host @cute.jit should take them as separate optional arguments
-  (MAX_AUX of them, None when unused: TVM-FFI rejects one tuple of tensors of different ranks) and
-  hand tuples to the @cute.kernel. An access `t[h, q_idx]` is one global load (cached by L1/L2;
-  for large tables consider staging in shared memory).
+  each `AuxSpec` in `graph.aux`, launch with `kernel_aux_tensors(call.aux_tensors)`: only dtype and
+  rank are part of the compiled kernel. The host @cute.jit takes them as separate optional
+  arguments (MAX_AUX of them, None when unused: TVM-FFI rejects one tuple of tensors of different
+  ranks). An access `t[h, q_idx]` is one global load.
 - Indices follow PyTorch: i in [-size, -1] reads element i + size. An index that may be negative
   (torch_fa4.mods.index_sign) gets a compare and a select; provably non-negative ones (slopes[h],
   doc[q_idx]) are emitted as they are. No index is checked here: the host refuses calls whose
@@ -40,10 +34,7 @@ int -> float.
   floor semantics, as the PyTorch lowering does; `exp`, `log`, `tanh` are emitted with fastmath
   off (exp still becomes `ex2.approx` after range scaling, a few ulp), so scores match the PyTorch
   lowering to fp32 rounding (relative ~1e-6) and masks match exactly.
-- `mod_graph_is_identity_grad(grad_graph)` tells backward when d score_mod / d score == 1
-  everywhere (e.g. ALiBi, biases), so it can skip the multiply.
-
-This module imports CuTe DSL; only kernel modules import it (never `import torch_fa4`).
+- `mod_graph_is_identity_grad(grad_graph)`: d score_mod / d score == 1 everywhere (ALiBi, biases).
 """
 
 from __future__ import annotations

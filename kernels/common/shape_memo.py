@@ -1,10 +1,7 @@
-"""Per-shape memos of the host path: what a call's shapes, flags and knobs decide, derived once.
-
-The launch records (kernels/sm90/fwd_launch_record.py, bwd_launch_record.py) and the backward's
-launch plans keep one entry per key in a plain dict, bounded at CAPACITY entries: past it the
-table is cleared (a bound for programs that meet ever-new shapes, not an eviction policy).
-Tables made by `table()` are known to `clear_all`, which the tests call between tests so that a
-derivation they patched does not reach the next one. No CuTe DSL here.
+"""Per-shape memos of the host path (launch records, the backward's launch plans): one entry per
+key in a plain dict, cleared past CAPACITY entries (a bound for programs that meet ever-new
+shapes, not an eviction policy). `clear_all` empties every `table()`: the tests call it between
+tests so that a derivation they patched does not reach the next one.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Dynamic persistent scheduling: work items from a global counter, handed out through shared memory.
 
-A persistent grid (about one CTA per SM) whose CTAs take the next work item from a global atomic
-counter when they are ready for it, instead of a fixed round-robin: items go to whichever SM frees
-first, as the hardware's own CTA launch would hand them out, so under causal masks the unequal
-items of a longest-first order balance out, while the item boundaries still overlap (the next
-item's loads run under the current one's epilogue) as in any persistent kernel.
+Persistent CTAs take the next work item from a global atomic counter when they are ready for it,
+instead of a fixed round-robin: items go to whichever SM frees first, so the unequal items of a
+longest-first causal order balance out, while item boundaries still overlap as in any persistent
+kernel.
 
 CTA c starts with item c; every later item is `num_ctas + atomic_add(counter, 1)`, so the counter
 (one int32 in global memory) must be zero at launch. One producer warp takes the items and
@@ -12,8 +11,6 @@ publishes each in a two-slot mailbox in shared memory; the other warps that need
 warps) read it from there. Barrier block (4 mbarriers): full[2] (arrive count 1: the producer),
 empty[2] (arrive count `readers`: one arrival per reading warp). A value >= the item count ends
 the loop of every warp.
-
-Used by the sm90 backward and forward.
 """
 
 import cutlass

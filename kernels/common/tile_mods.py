@@ -9,15 +9,12 @@ Per-tile values: the nodes of a graph that depend only on b, h and constants (e.
 global load) are computed when the TileMods is built -- once per (batch, head, query tile), before
 the key loop -- and carried as dynamic state, so the loop body reads them from registers.
 
-Clamping: the last query tile and the last key tile stick out past the sequence (rows >= seqlen_q,
-keys >= seqlen_k). A mod indexing a captured tensor with such an index (doc_ids[kv_idx]) would read
-past the tensor, possibly into unmapped memory. Those elements never matter (keys past seqlen_k
-are masked to -inf by the kernel's length mask after the mods; rows past seqlen_q are never
-stored), so the indices that feed loads are clamped into [0, seqlen - 1]: the host check
-(torch_fa4.mods.index_bounds) proves every index in range for positions inside the sequence, and
-the clamp keeps the padded tail inside those positions, so no visible element changes. Indices
-that feed no load are left as they are (cheaper, and it keeps them affine for exact int -> float
-rewrites). (`b` and `h` are always in range.)
+Clamping: the last query and key tiles stick out past the sequence, where a mod's load
+(doc_ids[kv_idx]) could read past its tensor. Those elements never matter (keys past seqlen_k are
+masked after the mods, rows past seqlen_q never stored), so indices that feed loads are clamped
+into [0, seqlen - 1], where the host check (torch_fa4.mods.index_bounds) proves every index in
+range. Indices that feed no load stay as they are (cheaper, and affine for exact int -> float
+rewrites).
 """
 
 import cutlass

@@ -1,19 +1,12 @@
 """Order in which (query tile, head, batch) work items are handed to CTAs.
 
-Work items are numbered 0 .. num_tiles-1. A one-shot grid has one CTA per item (CTA t takes item
-t). A persistent grid has `num_ctas` CTAs (about one per SM) and CTA c takes items c, c + num_ctas,
-c + 2*num_ctas, ...: a static round-robin over the same ordering, so the producer warp can load
-the next item's Q and K while the consumers finish the current one (epilogue and prologue hide
-under each other), and under causal masking (longest first, below) each CTA's share of work comes
-out close to equal (LPT). Items are grouped by `heads_per_group`
-(batch, head) pairs, sized on the host (common.fwd_launch.l2_group_bytes): under causal / window
-masks so one group's K and V take about a sixth of L2, otherwise one pair per group, so the CTAs
-in flight at once read the K and V of only a few heads; within a group, consecutive CTAs share
-K/V through L2. Inside a group the query tile index is the slowest
-coordinate and, with `longest_first`, runs from the last tile down: under causal masking the last
-query tiles see the most keys, so the longest work starts first and the short tail fills the gaps
-(LPT scheduling). A persistent kernel may instead take the same numbered items from a global
-counter as its CTAs free (kernels/common/tile_mailbox.py), which balances unequal items better.
+Work items are numbered 0 .. num_tiles-1. A one-shot grid has one CTA per item; a persistent grid
+of `num_ctas` CTAs (about one per SM) takes items c, c + num_ctas, ... (or, dynamically, from a
+global counter: kernels/common/tile_mailbox.py). Items are grouped by `heads_per_group` (batch,
+head) pairs, sized on the host (common.fwd_launch.l2_group_bytes), so the CTAs in flight read the
+K and V of only a few heads. Inside a group the query tile index is the slowest coordinate and,
+with `longest_first`, runs from the last tile down: under causal masking the last query tiles see
+the most keys, so the longest work starts first and the short tail fills the gaps (LPT).
 
 Under a causal mask that order alone leaves a long item for the end of the grid: a group of a few
 pairs holds less work per SM than its longest item (D256 S4k causal: two pairs, 13 key steps per

@@ -1,13 +1,11 @@
 """Hopper wgmma issued from shared-memory descriptors the kernel builds itself.
 
 `wgmma.issue` (cute.gemm) lowers each operand's descriptor from the fragment's shared-memory
-address at every matmul: the address shifted and masked, the constant upper word moved in, the
-ring stage's offset added, each k-block's offset added with a carry. In the D64 forward key loop
-that is ~30 uniform instructions per key tile, placed by ptxas after the turn barrier, between the
-warpgroup taking its turn and its first HGMMA (NOTES "Experiment 155"). Here the caller builds a
-64-bit descriptor once per CTA for each operand's stage 0, k-block 0; a ring stage is then one
-add into the address field, formed before the turn is taken, and a k-block one 64-bit add at the
-issue.
+address at every matmul; in the D64 forward key loop that is ~30 uniform instructions per key
+tile, placed by ptxas between the warpgroup taking its turn and its first HGMMA (NOTES "Experiment
+155"). Here the caller builds a 64-bit descriptor once per CTA for each operand's stage 0, k-block
+0; a ring stage is then one add into the address field, formed before the turn is taken, and a
+k-block one 64-bit add at the issue.
 
 Descriptor format (PTX ISA, "Matrix Descriptor Format" for wgmma): bits 0-13 the start address
 >> 4, bits 16-29 the leading-dimension byte offset >> 4, bits 32-45 the stride-dimension byte

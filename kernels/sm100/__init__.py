@@ -1,10 +1,6 @@
-"""Blackwell (sm_100a) kernels: entry points per docs/INTERNALS.md.
-
-The forward lives in fwd.py (kernel), fwd_softmax.py (row-per-thread softmax on top of
-kernels/common), fwd_config.py (variant key, tensor-memory budget) and fwd_host.py (variant choice,
-compile cache, launch). Compile-verified only: see benchmarks/NOTES.md, section "sm_100".
-There is no sm100 backward yet (dispatch finds no `bwd` module and runs the reference).
-Importing this package does not load CuTe DSL; fwd_host does, on the first call.
+"""Blackwell (sm_100a) kernels: entry points per docs/INTERNALS.md (forward only, compile-verified:
+benchmarks/NOTES.md, section "sm_100"; without a `bwd` module dispatch runs the reference
+backward). Importing this package does not load CuTe DSL.
 """
 
 from __future__ import annotations

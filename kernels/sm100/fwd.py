@@ -1,8 +1,7 @@
 """FlashAttention forward for Blackwell (sm_100a) in CuTe DSL: tcgen05 MMAs with S and O in tensor memory.
 
-Compile-verified only (no Blackwell GPU in this project): every non-MMA piece is the code the sm90
-kernel runs on H100/H200 (kernels/common: block ranges, masks, online softmax in the log2 domain
-with FA4's conditional rescale and exp2 emulation, tile scheduler, varlen bookkeeping).
+Compile-verified only: every non-MMA piece is the sm90 kernel's code from kernels/common (block
+ranges, masks, online softmax, tile scheduler, varlen bookkeeping).
 
 CTA = two 128-row query tiles (Q0, Q1) x one head x one batch; every K/V tile loaded is used by both.
 Warp roles (16 warps, 512 threads; FA4's specialisation):

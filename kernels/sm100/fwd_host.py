@@ -1,11 +1,8 @@
-"""Host side of the sm100 forward: pick a kernel variant for a call, compile it once, launch it.
+"""Host side of the sm100 forward: pick a kernel variant for a call, compile it once, launch it
+(as kernels/sm90/fwd_host.py does for sm90).
 
-Mirrors kernels/sm90/fwd_host.py: symbolic shapes and strides (fake tensors) so one compiled kernel
-serves every batch size, sequence length, head count and stride pattern of its variant, and the
-TVM-FFI calling convention takes torch tensors directly on the current stream.
-
-Compile-verified only: no Blackwell GPU has ever run this kernel. `unsupported_reason` therefore
-accepts exactly the variants tests/test_sm100_fwd_compile.py compiles for sm_100a.
+Compile-verified only: no Blackwell GPU has run this kernel, so `unsupported_reason` accepts
+exactly the variants tests/test_sm100_fwd_compile.py compiles for sm_100a.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT, TMEM_COLUMNS, Sm100Fw
 L2_BYTES = 126 * 1024 * 1024  # B200
 ARCH = "sm_100a"
 
-# keys per tile and K/V ring depth per head dim: S0 + S1 + O0 + O1 = 2 * tile_n + 2 * D columns of
-# tensor memory must fit in 512 (fwd_config); Q (two tiles) + the ring in shared memory
+# keys per tile and K/V ring depth per head dim, within the tensor- and shared-memory budgets (fwd_config)
 _TILES = {64: (128, 4), 96: (128, 3), 128: (128, 3)}
 SUPPORTED_HEAD_DIMS = tuple(_TILES)
 
@@ -54,9 +50,8 @@ def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
 
 
 def compile_fwd(cfg: Sm100FwdConfig, arch: str = ARCH, dump_dir: Optional[str] = None):
-    """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
-
-    dump_dir: also write the cubin (and PTX) there (always compiles, bypassing the cache)."""
+    """Compile (or fetch) the kernel for cfg; dump_dir: also write the cubin and PTX there (always
+    compiles, bypassing the cache)."""
     options = fwd_launch.compile_options(arch, dump_dir)
 
     def build():

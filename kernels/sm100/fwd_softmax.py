@@ -1,16 +1,10 @@
 """Softmax pieces for score tiles read out of tensor memory, where one thread holds one whole row.
 
-A 32x32b `tcgen05.ld` gives thread t of a warpgroup TMEM lane t, i.e. row t of the 128-row S tile,
-with every column of that row in its registers. So the row max and row sum need no cross-lane
-shuffles, unlike a Hopper wgmma fragment whose rows are spread over a quad. Everything else is the
-shared code in kernels/common:
-
-- `RowOnlineSoftmax` is `common.online_softmax.OnlineSoftmax` with its per-row reductions done inside
-  the thread; the log2-domain reference max, FA4's conditional rescale and the hardware/emulated
-  exp2 split (`_exp2_row`) are inherited unchanged.
-- `as_wgmma_row` presents a thread's row fragment (and its coordinates) in the wgmma accumulator
-  shape that `common.masking.apply_mask` and `common.acc_layout.rows_cols` read, as one row of N
-  columns, so the masks are the very same code as on sm90.
+A 32x32b `tcgen05.ld` gives thread t of a warpgroup TMEM lane t (row t of the 128-row S tile),
+so the row max and row sum need no cross-lane shuffles. `RowOnlineSoftmax` is
+`common.online_softmax.OnlineSoftmax` with its per-row reductions inside the thread;
+`as_wgmma_row` presents a thread's row fragment in the wgmma accumulator shape that
+`common.masking.apply_mask` and `common.acc_layout.rows_cols` read, so the masks are sm90's code.
 """
 
 import cutlass

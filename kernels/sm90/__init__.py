@@ -1,10 +1,6 @@
-"""Hopper (sm_90a) kernels: entry points per docs/INTERNALS.md.
-
-The forward lives in fwd.py (kernel), fwd_config.py (its variant key) and fwd_host.py (variant
-choice, compile cache, launch); the backward in bwd.py. dispatch imports this package on the
-first CUDA call. Neither it nor the host modules import CuTe DSL: the kernel modules (fwd.py,
-bwd_kernel.py, ...) load it when a variant compiles, and a kernel from the disk cache launches
-without it.
+"""Hopper (sm_90a) kernels: entry points per docs/INTERNALS.md (forward: fwd_host.py; backward:
+bwd.py). Neither this package nor the host modules import CuTe DSL: the kernel modules load it
+when a variant compiles, and a kernel from the disk cache launches without it.
 """
 
 from __future__ import annotations

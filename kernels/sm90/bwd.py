@@ -6,17 +6,12 @@ variant bwd_variant.py picks, compiled by bwd_compile.py) -> dQ fp32 -> dtype (b
 which applies the softmax scale the kernel leaves out; or the kernel writes dq itself, `fused_dq`).
 Repeated dense calls replay a launch record (bwd_launch_record.py).
 
-Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ; above 128 the narrow 64-key
-variant), causal, sliding window, softcap, GQA/MQA, seqused_k, any 16-byte-aligned strides,
-deterministic dQ. Varlen (cu_seqlens) runs one launch of the packed-rows variant for the batch,
-deterministic mode and mods included (one dense launch per sequence with one side packed;
-`runs_per_sequence`). score_mod/mask_mod are lowered into the kernel (derivative from the traced
-graph). A block mask drives the walk when it can (bwd_sparse.py: dense batches, not
-deterministic, block-mask tiles multiples of the kernel's query rows per step (64, or 128 in the
-D64 variant: else that call steps 64 rows) and 128 keys, or 64 keys, which then selects the
-64-key variant): each KV tile visits only the query tiles the mask lists for it and evaluates the
-mask_mod on partial tiles only. Otherwise the mask_mod is evaluated on every tile of the dense
-walk: slower, same result.
+Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ), causal, sliding window, softcap,
+GQA/MQA, seqused_k, any 16-byte-aligned strides, deterministic dQ, varlen (one launch of the
+packed-rows variant; one dense launch per sequence with one side packed: `runs_per_sequence`),
+score_mod/mask_mod (lowered into the kernel, derivative from the traced graph) and block masks
+(driving the walk where bwd_sparse.sparse_walk_reason allows; else the mask_mod is evaluated on
+every tile of the dense walk: slower, same result).
 """
 
 from __future__ import annotations
@@ -92,9 +87,7 @@ def tma_compatible(t: torch.Tensor) -> bool:
     return True
 
 
-# The same view with size-1 dims given packed strides (their stride never addresses anything, but
-# the TMA descriptor and the compiled signature want 16-byte multiples): the row-statistics
-# pass's helper, whose compiled signature wants the same.
+# the same view with size-1 dims given 16-byte-multiple strides, as the compiled signature wants
 _tma_view = bwd_prepare._packed_size_one_strides
 
 
@@ -113,7 +106,6 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     fn = compile_variant(key)
     tile_m = key.tile_m  # queries per step: row statistics, dQ buffer, semaphores pad to it
     q, k, v = call.q, call.k, call.v
-    right, left = window(call)
     lists = [None] * 4
     min_rows = 0
     if key.sparse is not None:
@@ -123,30 +115,22 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         min_rows = bwd_sparse.padded_rows(call)
     if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
-    counter = None
-    split_ws = split_cnt = None
+    counter = split_ws = split_cnt = None
     if key.split_tail:
         split_ws = torch.empty(split_workspace_shape(call, key, split_items, ways), dtype=torch.float32,
                                device=q.device)
     if key.persistent:
         counter, split_cnt = zeroed_counters(counter_shape(call, key), split_counters(key, split_items), q.device)
-    if call.is_varlen:
-        # dq's (T, Hq, D) rows (as one dense batch of T rows: zeroed by the row-statistics pass,
-        # converted by the dense conversion pass), handed to the kernel as a (Hq, T, D) view; the
-        # TMA adds of a sequence's last query tile add zeros to the next sequence's first rows
-        # (rows past a sequence's end have P = dS = 0) and drop those past T
-        dq_acc_rows = torch.empty((1, q.shape[0], call.num_heads, call.head_dim), dtype=torch.float32,
-                                  device=q.device)
-        lse2, dpsum, _ = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
-        dq_acc = dq_acc_rows[0].transpose(0, 1)
-    else:
-        # dq's (B, Sq, Hq, D) layout, unpadded (the kernel's TMA adds drop rows past Sq), handed
-        # to the kernel as a (B, Hq, Sq, D) view: the conversion below is one contiguous pass.
-        # Zeroed by the row-statistics pass.
-        dq_acc_rows = torch.empty((q.shape[0], q.shape[1], call.num_heads, call.head_dim),
-                                  dtype=torch.float32, device=q.device)
-        lse2, dpsum, _ = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
-        dq_acc = dq_acc_rows.transpose(1, 2)
+    # The fp32 dQ buffer in dq's own (B, Sq, Hq, D) layout, unpadded (the kernel's TMA adds drop
+    # rows past the end), handed to the kernel as a (B, Hq, Sq, D) view so the conversion below is
+    # one contiguous pass; zeroed by the row-statistics pass. Varlen: the (T, Hq, D) rows as one
+    # batch, seen as (Hq, T, D); a sequence's last query tile adds zeros (P = dS = 0 past its end)
+    # to the next sequence's first rows.
+    dq_acc_shape = (1, q.shape[0]) if call.is_varlen else (q.shape[0], q.shape[1])
+    dq_acc_rows = torch.empty((*dq_acc_shape, call.num_heads, call.head_dim), dtype=torch.float32,
+                              device=q.device)
+    lse2, dpsum, _ = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
+    dq_acc = dq_acc_rows[0].transpose(0, 1) if call.is_varlen else dq_acc_rows.transpose(1, 2)
     max_q, max_k = plan.max_q, plan.max_k
     sem = None
     if deterministic:
@@ -174,7 +158,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)
-    if key.fused_dq:  # the kernel wrote dq
+    if key.fused_dq:
         return
     if bwd_dq_convert.takes(dq_acc_rows, dq):
         bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale)

@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from torch_fa4.kernels.common.fwd_launch import fake_packed
 from torch_fa4.kernels.sm90.bwd_config import BwdConfig
 
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
@@ -21,17 +22,15 @@ def cute_dtype(dtype: torch.dtype):
 
 @functools.cache
 def _use_tvm_ffi() -> bool:
-    """Whether the kernels launch through TVM-FFI (the only form the disk cache can store); asked
-    on every launch, so answered once."""
+    """Whether the kernels launch through TVM-FFI (the only form the disk cache can store)."""
     import importlib.util
 
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
 def compile_stream_and_options(arch: str, dump_dir: str | None):
-    """(fake stream, cute.compile options) shared by the backward's kernels: TVM-FFI launches where
-    tvm_ffi is installed (without it, a CPU-only checkout, kernels still compile for the tests);
-    dump_dir: also keep the cubin and PTX there."""
+    """(fake stream, cute.compile options) of the backward's kernels: TVM-FFI launches where
+    tvm_ffi is installed (without it kernels still compile for the tests)."""
     import cutlass.cute as cute
 
     from torch_fa4.kernels.compile_cache import extra_options
@@ -42,17 +41,15 @@ def compile_stream_and_options(arch: str, dump_dir: str | None):
 
 
 def cached_compile(key, build):
-    """compile_cache.get_or_compile for the backward's kernels: kept on disk where they launch
-    through TVM-FFI (the form the disk cache stores)."""
+    """compile_cache.get_or_compile for the backward's kernels (on disk where they use TVM-FFI)."""
     from torch_fa4.kernels import compile_cache
 
     return compile_cache.get_or_compile(key, build, persist=_use_tvm_ffi())
 
 
 def compile_variant(config: BwdConfig, arch: str = "sm_90a", dump_dir: str | None = None):
-    """Compile one variant against symbolic shapes (no GPU needed).
-
-    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    """Compile one variant against symbolic shapes (no GPU needed); dump_dir: also write the cubin
+    there (always compiles, bypassing the cache)."""
     if dump_dir is not None:
         return _compile(config, arch, dump_dir)
     return cached_compile(("sm90_bwd", arch, config), lambda jit=True: _compile(config, arch, None, jit))
@@ -72,11 +69,13 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
         mods = registry.lookup(config.mods_key)
     d, dv = config.head_dim, config.head_dim_v
     cdt = cute_dtype(config.dtype)
-    sym = cute.sym_int
-    al = lambda: cute.sym_int64(divisibility=8)  # TMA: 16-byte aligned strides
+    sym, s64 = cute.sym_int, cute.sym_int64
+    al = lambda: s64(divisibility=8)  # TMA: 16-byte aligned strides
 
     def fake(dt, shape, stride, align=16):
         return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
+
+    int32 = functools.partial(fake_packed, Int32)  # unit last stride
 
     b, sq, sk, hq, hkv = sym(), sym(), sym(), sym(), sym()
     sq_pad = sym()
@@ -112,19 +111,14 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if config.seqused_k else None
     dq_out = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1)) if config.fused_dq else None
-    sem = None
-    if config.deterministic or config.persistent:  # semaphores or the tile counter
-        sem = fake(Int32, (sym(), sym(), sym()), (cute.sym_int64(), cute.sym_int64(), 1), 4)
+    sem = int32(3) if config.deterministic or config.persistent else None  # semaphores or the tile counter
     split_ws = split_cnt = None
     if config.split_tail:  # the pieces' partial dK / dV (slots, values, 256 threads) and their counters
-        split_ws = fake(Float32, (sym(), sym(), 256), (cute.sym_int64(), 256, 1), 16)
-        split_cnt = fake(Int32, (sym(),), (1,), 4)
+        split_ws = fake(Float32, (sym(), sym(), 256), (s64(), 256, 1), 16)
+        split_cnt = int32(1)
     lists = [None] * 4
     if config.sparse is not None:  # transposed block mask: counts (B', H', nkv), indices (B', H', nkv, nq)
-        s64 = cute.sym_int64
-        counts = lambda: fake(Int32, (sym(), sym(), sym()), (s64(), s64(), 1), 4)
-        indices = lambda: fake(Int32, (sym(), sym(), sym(), sym()), (s64(), s64(), s64(), 1), 4)
-        lists = [counts(), indices(), counts(), indices()]
+        lists = [int32(3), int32(4), int32(3), int32(4)]
     aux = []
     if mods is not None:
         from torch_fa4.kernels.common import mod_lowering

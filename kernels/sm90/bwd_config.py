@@ -1,9 +1,7 @@
-"""The sm90 backward's compiled variant: `BwdConfig`, what one compile of bwd_kernel is built for.
-
-Its fields are the call's flags that change the code (mask kinds, varlen, determinism, mods) and
-the tile choices bwd_variant makes per call; everything the kernel derives from those is a
-property here, so the variant choice, the buffers' shapes and the kernel read one definition.
-Also the shared-memory budget (`smem_bytes`) that decides ring stages and optional buffers.
+"""The sm90 backward's compiled variant: `BwdConfig`, what one compile of bwd_kernel is built for
+(the call's flags that change the code and bwd_variant's tile choices; what the kernel derives
+from them is a property here), and the shared-memory budget (`smem_bytes`) that decides ring
+stages and optional buffers.
 """
 
 from __future__ import annotations
@@ -99,10 +97,8 @@ class BwdConfig:
 def smem_bytes(d: int, dv: int, tile_n: int, stages: int, dq_in_ring: bool, tile_m: int = TILE_M,
                own_dv_stage: bool = False, fused_dq: bool = False) -> int:
     """Shared memory of bwd_kernel's Storage (16-bit inputs), field by field with its alignments:
-    ring barriers, LSE / dPsum ring (128-byte aligned), then 1024-byte aligned Q / dO ring, K, V,
-    dS^T (P^T) slots, fp32 dQ slabs (none when dQ is staged in the ring), then where used
-    fused_dq's fp32 staging tile and dV's own staging buffer (`own_dv_stage`). (fused_dq's
-    mailbox barriers sit in the first block's padding.)"""
+    barriers, LSE / dPsum ring (128-byte aligned), then 1024-byte aligned Q / dO ring, K, V,
+    dS^T slots, fp32 dQ slabs, fused_dq's staging tile and dV's own staging buffer."""
     tm = tile_m
 
     def after(offset: int, align: int, size: int) -> int:

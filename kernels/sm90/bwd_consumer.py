@@ -13,6 +13,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..common import split_tail
 from ..common import static_layout as SL
 from ..common import wgmma
+from ..common.acc_layout import a_operand, rows_cols
 from . import bwd_layouts as L
 
 
@@ -136,8 +137,8 @@ class BwdConsumer:
         # thread 0 (c0): coordinate (r, c) = (t_key + c0[r, c][0], t_q + c0[r, c][1]). Keeps the
         # masks' per-element tests to one compare with an immediate each.
         ident = cute.make_identity_tensor((tn, tm))
-        c_thr = L.rows_cols_view(thr_SdP.partition_C(ident))
-        c0 = L.rows_cols_view(mma_SdP.get_slice(0).partition_C(ident))
+        c_thr = rows_cols(thr_SdP.partition_C(ident))
+        c0 = rows_cols(mma_SdP.get_slice(0).partition_C(ident))
         t_key = c_thr[0, 0][0] - c0[0, 0][0]
         t_q = c_thr[0, 0][1] - c0[0, 0][1]
         cS = (t_key, t_q, t_q - t_key, c0)
@@ -211,9 +212,8 @@ class BwdConsumer:
         """split_mask_loops: each head's steps as up to three loops, so the steps that cross no
         length / causal / window limit (all but one or two per head under a causal mask) run a
         body with no mask code and no per-step test, and the others one that masks without
-        testing. With both bodies behind a test in one loop, the causal rows ran 1.6-3.4% slower
-        than a kernel that never masked (NOTES Experiment 124). Every head of the GQA group walks the same
-        query tiles, so the loops' bounds hold for each."""
+        testing (NOTES Experiment 124). Every head of the GQA group walks the same query tiles, so
+        the loops' bounds hold for each."""
         lo, hi = self._unmasked_query_tiles(n_block, seqlen_q, seqlen_k, diag, window_left, window_right)
         m_end = walk.m_lo + walk.n_m
         lo = cutlass.min(cutlass.max(lo, walk.m_lo), m_end)
@@ -277,10 +277,10 @@ class BwdConsumer:
         dpsum_vals = None
         if const_expr(self.prefetch_stats):
             # before the products' wgmmas: loads issued behind them wait in the same queue
-            lse_vals = self._column_stats(sLSE, cS, stage, L.rows_cols_view(acc_S))
-            dpsum_vals = self._column_stats(sDp, cS, stage, L.rows_cols_view(acc_S))
+            lse_vals = self._column_stats(sLSE, cS, stage, rows_cols(acc_S))
+            dpsum_vals = self._column_stats(sDp, cS, stage, rows_cols(acc_S))
         if const_expr(self.fold_dpsum):
-            dP_init = L.rows_cols_view(acc_dP)
+            dP_init = rows_cols(acc_dP)
             for c in cutlass.range_constexpr(cute.size(dP_init, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(dP_init, mode=[0])):
                     dP_init[r, c] = -dpsum_vals[c]
@@ -296,8 +296,8 @@ class BwdConsumer:
                 if step > 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), prev_stage, Int32(0)))
-        S = L.rows_cols_view(acc_S)
-        dP = L.rows_cols_view(acc_dP)
+        S = rows_cols(acc_S)
+        dP = rows_cols(acc_dP)
         row0 = m_block * tm  # query index of column 0
         key0 = n_block * tn
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -341,7 +341,7 @@ class BwdConsumer:
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
             if const_expr(not self.dv_after_ds):
-                wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                wgmma.issue(mma_dV, acc_dV, a_operand(rP), tdVrdO[None, None, None, stage], False)
         else:
             # P while dP^T is still on the tensor cores; dS while dV is.
             warpgroup.wait_group(1)
@@ -350,7 +350,7 @@ class BwdConsumer:
                            lse_vals, limits=limits)
             rP.store(acc_S.load().to(self.dtype))
             # dV += P^T dO  (P^T straight from registers)
-            wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+            wgmma.issue(mma_dV, acc_dV, a_operand(rP), tdVrdO[None, None, None, stage], False)
             warpgroup.wait_group(1)
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -364,7 +364,7 @@ class BwdConsumer:
                                     dS_thread_offsets, (buf, dS_slot_stride))
             if const_expr(self.dv_after_ds):
                 # dV += P^T dO while the stmatrix stores drain
-                wgmma.issue(mma_dV, acc_dV, L.as_operand_a(rP), tdVrdO[None, None, None, stage], False)
+                wgmma.issue(mma_dV, acc_dV, a_operand(rP), tdVrdO[None, None, None, stage], False)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
@@ -375,7 +375,7 @@ class BwdConsumer:
             wgmma.issue(mma_dQ, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
         if const_expr(self.dq_under_dk):
             # dK += dS^T Q behind dQ; dQ's epilogue while dK runs; Q's stage is free after dK
-            wgmma.issue(mma_dK, acc_dK, L.as_operand_a(rdS), tdKrQ[None, None, None, stage], False)
+            wgmma.issue(mma_dK, acc_dK, a_operand(rdS), tdKrQ[None, None, None, stage], False)
             warpgroup.wait_group(1)
             rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
             rdQ.store(acc_dQ.load())

@@ -27,13 +27,9 @@ host: (B, Hq, 2 * n_m + 3) int32, n_m query tiles per head. Columns [0, n_m): th
 n_m + e % n_m, holding 1 + the tile's index (0: not yet filled); row (0, 0) ends with the queue's
 head and tail counters and the persistent tile counter (its last element, as without fused_dq).
 
-What this saves is the separate pass over the whole fp32 buffer after the main kernel. Each
-query tile is read back once from L2 (it was just reduced there) while the key tiles still run,
-by warps that issue nothing else.
-
-Every query tile needs at least one contributor, or nobody would fill its queue slot and the
-converters would wait forever: bwd_variant takes this path only for calls where every query tile
-sees a key (`_fused_dq_applies`).
+This saves the separate pass over the whole fp32 buffer: each query tile is read back once from
+L2 while the key tiles still run. Every query tile needs at least one contributor, or the
+converters would wait forever (bwd_variant._fused_dq_applies).
 """
 
 from __future__ import annotations

@@ -2,18 +2,16 @@
 
 One CTA owns a tile of `tile_n` keys (128; 64 for head dims above 128) of one KV head and walks
 every query tile (of every query head of its GQA group) that can see those keys. dK and dV stay
-in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contributions of all KV tiles meet in a float32 buffer.
+in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contributions of all
+KV tiles meet in a float32 buffer.
 
-Grid: one CTA per work tile (key tile, kv head, batch), or (`persistent`, the default of the dense
-128-key variants) one CTA per SM that takes work tiles from a global counter and hands each to its
-warps through a mailbox in shared memory; the next tile's first ring loads and its K / V load
-overlap this tile's dK / dV epilogue (_persistent_roles).
+Grid: one CTA per work tile (key tile, kv head, batch), or (`persistent`) one CTA per SM taking
+work tiles from a global counter; the next tile's loads overlap this tile's dK / dV epilogue.
 
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
-               into a two-stage ring guarded by mbarriers (at 128 queries per step Q + LSE and
-               dO + dPsum have separate barriers, `split_ring`); it gives registers away
-               (setmaxnreg).
+               into a two-stage ring guarded by mbarriers (`split_ring`: separate barriers for
+               Q + LSE and dO + dPsum); it gives registers away (setmaxnreg).
                With `dq_writer_warp`, its warp 1 issues the dQ TMA adds (see below).
                With `fused_dq` (persistent, 128 queries per step), warp 2 counts each query
                tile's landed adds and warp 3 writes finished tiles into dq (bwd_dq_fused.py).
@@ -28,63 +26,53 @@ Warp roles (384 threads):
   P is computed while dP^T is still on the tensor cores, dS while dV is. Each warpgroup stages
   its dQ half in shared memory and adds it to the fp32 buffer with one TMA reduce-add (in
   KV-tile order under a per-query-tile semaphore when deterministic); dK, dV are written once at
-  the end. Order of a step's last products on the 128-key variants (`dq_under_dk`): after the
-  dS^T barrier dQ is issued, then dK; once dQ lands it is scaled and staged while dK runs (NOTES
-  Experiments 24, 26).
+  the end. On the 128-key variants (`dq_under_dk`) dQ is issued before dK, so its epilogue runs
+  under dK (NOTES Experiments 24, 26).
   `dq_writer_warp` (the 128-key variants): the consumers only store their dQ half into the slab
   and signal it; producer warp 1 issues the TMA add (and takes the deterministic turns) and hands
-  the slab back once the add has read it, through two named barriers per warpgroup ("slab
-  empty": writer arrives, consumers sync; "slab full": consumers arrive, writer syncs). The
-  consumers then never wait for a TMA read or a semaphore, and run one barrier per dQ instead
-  of two (NOTES Experiment 25).
+  the slab back once the add has read it (two named barriers per warpgroup, bwd_dq.py), so the
+  consumers never wait for a TMA read or a semaphore (NOTES Experiment 25).
 
 Narrow variant (tile_n = 64: head dims above 128, or block masks of 64-key columns): dK and dV of
 128 keys x 256 dims would need 256 fp32 registers per consumer thread, so both consumer warpgroups
 share 64 keys instead. Each computes S^T and dP^T for 32 of the 64 queries, writes P^T and dS^T
-(bf16/fp16) to shared memory, and after a barrier each computes dV, dK for all 64 keys and half of
-the head dim (A operand from shared memory) and dQ for half of the head dim as above. Per thread
-that is dK + dV + dQ = 3 * 64 * 256 / 256 = 192 fp32 registers at D=256. Shared memory: D=192 fits
-two ring stages and the dQ slabs (~210 KB); at D=256 (~274 KB that way) the dQ halves are staged
-instead in the Q and dO buffers of the step just consumed (`dq_in_ring`: each is exactly one fp32
-dQ half), which keeps two stages in ~211 KB; the stage goes back to the producer once the TMA add
-has read it, early in the next step. bwd_config.ring picks the configuration.
+to shared memory, and after a barrier computes dV, dK for all 64 keys and half of the head dim (A
+from shared memory) and dQ for half of the head dim: 192 fp32 registers per thread at D=256. At
+D=256 the dQ halves are staged in the Q and dO buffers of the step just consumed (`dq_in_ring`:
+each is exactly one fp32 dQ half), which keeps two ring stages in ~211 KB instead of ~274 KB; the
+stage goes back to the producer once the TMA add has read it. bwd_config.ring picks.
 
-128 queries per step (`tile_m = 128`; head dims <= 64 on the wide path, bwd_variant.query_tile): S^T and dP^T are 64 keys x 128 queries per consumer warpgroup (64 + 64 fp32
-registers per thread), dK + dV 32 + 32, and dQ = dS K splits the query rows between the
-warpgroups instead of the head dim (each 64 rows x D: m64nDk16, slabs of (64, D) fp32, one TMA add
-per warpgroup at rows m_block * 128 + 64 * wg). dS^T goes to shared memory through stmatrix (as at
-64 queries). Keeping the fp32 P for dS while dP^T lands and dV runs would need ~224 registers at
-once and ptxas would serialize the wgmmas (C7512), so P is formed in fp32 while dP^T lands, dS
-from it once dP^T landed, and dV issued only after dS (`p_under_dp`: no wgmma is in flight while
-S^T, dP^T and P are all live; NOTES Experiments 41, 54).
+128 queries per step (`tile_m = 128`; D = Dv = 64, bwd_variant.query_tile): S^T and dP^T are 64
+keys x 128 queries per consumer warpgroup (64 + 64 fp32 registers per thread), dK + dV 32 + 32,
+and dQ = dS K splits the query rows between the warpgroups instead of the head dim (each 64 rows
+x D, one TMA add per warpgroup). Keeping the fp32 P for dS while dP^T lands and dV runs would need
+~224 registers and ptxas would serialize the wgmmas (C7512), so P is formed in fp32 while dP^T
+lands, dS from it once dP^T landed, and dV issued only after dS (`p_under_dp`; NOTES Experiments
+41, 54).
 
 dQ transposed (`dq_transposed`, BwdConfig.dq_transposed: D128 with 64 queries and D64 with 128):
 dQ^T = K^T dS^T, M = the warpgroup's 64 head-dim columns, N = its queries, dS stored (queries,
 keys), keys contiguous, by a transposing stmatrix, so that dQ^T reads it K-major with a 128-byte
-swizzle. What it buys is the slab
-stores: dQ = dS K leaves each thread 64-bit pairs along a row, and under the slab's 128-byte
-swizzle rows r and r ^ 1 of a warp share banks (Nsight: 8 wavefronts per store); dQ^T's values
-go out as 32-bit stores whose 32 lanes hit 32 banks (NOTES Experiment 79).
+swizzle. It buys conflict-free slab stores: dQ = dS K leaves each thread 64-bit pairs along a
+row, and under the slab's 128-byte swizzle rows r and r ^ 1 of a warp share banks; dQ^T's 32-bit
+stores hit 32 banks (NOTES Experiment 79).
 
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
 Variable length: the `varlen` variant (packed rows, per-sequence row offsets, dK / dV stored from
 registers with a row predicate). Its LSE / dPsum rows start each sequence at a tile-aligned
-offset (`_stat_row_offset`, bwd_row_stats.varlen_stat_layout): a TMA load of fp32 rows from an offset that
-is not a multiple of 4 stopped the kernel with an illegal instruction (NOTES Experiment 160).
+offset (`_stat_row_offset`, bwd_row_stats.varlen_stat_layout): a TMA load of fp32 rows from an
+offset that is not a multiple of 4 faults (NOTES Experiment 160).
 
 Math: with s = scale * q.k (softcapped: s = c * tanh(scale * q.k / c)), p = exp(s - lse),
 dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)), dq = scale * ds' k, dk = scale * ds'^T q
 where ds' = ds * ds/d(scale*qk) (1 without softcap, 1 - tanh^2 with it).
-The kernel adds ds' k to the dQ buffer unscaled: the dQ conversion applies `scale` in the conversion to the
-output dtype it makes anyway (32 multiplies per step off the dQ epilogue, which runs under dK).
+The kernel adds ds' k to the dQ buffer unscaled: the conversion to the output dtype applies
+`scale` (32 multiplies per step off the dQ epilogue, which runs under dK).
 
-Where the code is: this module holds the class (its configuration, the launch, shared memory and
-barriers, the role dispatch, the persistent schedule and the work-tile walk); its roles come from
-mixins, one concern each: bwd_producer.py (TMA loads), bwd_consumer.py (a consumer warpgroup's
-steps and the dK / dV epilogue), bwd_scores.py (P and dS element by element), bwd_dq.py (dQ into
-the fp32 buffer, the writer warp, deterministic turns).
+The roles are mixins: bwd_producer.py (TMA loads), bwd_consumer.py (a consumer warpgroup's steps,
+the dK / dV epilogue), bwd_scores.py (P and dS), bwd_dq.py (dQ into the fp32 buffer).
 """
 
 from __future__ import annotations
@@ -127,9 +115,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # query tile in key-tile order
         self.descending_walk = c.descending_walk
         self.tile_n = c.tile_n
-        # 128 queries per step (wide path, D = Dv <= 64): per consumer thread S^T and dP^T are
-        # 64 + 64 fp32, dK + dV 32 + 32, dQ 32. dQ splits the query rows between the warpgroups
-        # (each 64 rows x the full head dim: m64nDk16, no N=32 wgmmas) instead of the head dim.
+        # 128 queries per step: module docstring
         assert c.tile_m in (64, 128)
         assert c.tile_m == 64 or (c.tile_n == 128 and max(c.head_dim, c.head_dim_v) <= 64 and not c.dq_in_ring)
         self.tile_m = c.tile_m
@@ -140,10 +126,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
         self.narrow = c.narrow
         self.stages = c.stages
-        # dQ staging in the ring: once a step's dK, dV are done, its Q and dO buffers are dead,
-        # and they are exactly as large as the two fp32 dQ halves when Dv >= D. The stage is
-        # handed back to the producer once the TMA add has read it (next step). Saves the 64 KB
-        # of dQ slabs at D=256, which buys the second ring stage.
+        # dQ staged in the consumed Q and dO buffers (module docstring, "Narrow variant")
         self.dq_in_ring = c.dq_in_ring
         assert not c.dq_in_ring or (c.head_dim_v >= c.head_dim and c.stages == 2)
         self.d = c.head_dim
@@ -171,23 +154,16 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P:
         # tanh' (softcap) or score_mod' at the unmodified score.
         self.one_pass = c.softcap or self.score_graph is not None
-        # 128 queries per step: the 64-query order (fp32 P kept for dS while dP^T lands and dV
-        # runs) needs S^T + dP^T + P (bf16, dV's A) + dK + dV = 224 registers at once and ptxas
-        # serializes every wgmma (C7512). Instead (flash-attn-4's order) P is formed in fp32 while
-        # dP^T is in flight (`p_under_dp`), dS from it once dP^T landed, and only then the bf16 P
-        # and dV, so no wgmma is outstanding while S^T, dP^T and P are all live. Softcap and
+        # 128 queries per step: P in fp32 while dP^T is in flight, dV after dS (module docstring:
+        # the 64-query order needs 224 registers and ptxas serializes every wgmma). Softcap and
         # score_mod (dS needs the unmodified score) form both after both products (one pass).
         self.p_under_dp = c.tile_m == 128 and not self.one_pass
         self.one_pass = self.one_pass or c.tile_m == 128
-        # dS^T to shared memory through stmatrix on the wide path (64 or 128 queries): per-register
-        # stores need one swizzled address each (hoisted and spilled at 128 queries, ~60 spill
-        # instructions; rebuilt every step at 64, ~50 instructions); stmatrix needs four, derived
-        # from one loop-invariant address (bwd_layouts.copy_atom_to_swizzled; bwd_consumer).
-        # The 128-key variants (separate dQ slabs) issue dQ = dS K right after the dS^T barrier
-        # and dK = dS^T Q after it, so once dQ lands its epilogue (scale, stage, TMA add) runs
-        # while dK is still on the tensor cores (NOTES Experiments 24, 26); a dedicated warp issues
-        # their dQ adds (module docstring). dQ staged in the ring (narrow) keeps the leader warps'
-        # adds, which also hand the stage back to the producer.
+        # dS^T goes to shared memory through stmatrix on the wide path (bwd_consumer: four
+        # addresses from one loop-invariant one, instead of one per 32-bit store).
+        # The 128-key variants (separate dQ slabs) issue dQ before dK and leave the dQ adds to a
+        # dedicated warp (module docstring). dQ staged in the ring (narrow) keeps the leader
+        # warps' adds, which also hand the stage back to the producer.
         self.dq_under_dk = c.separate_dq_slabs
         self.dq_writer_warp = c.separate_dq_slabs
         # With dq_under_dk nothing runs between issuing S^T / dP^T and waiting for them, so the
@@ -223,31 +199,23 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         self.dv_after_ds = c.tile_m == 128
         # dK / dV leave through shared memory and TMA stores (see __call__)
         self.stage_dkdv = not c.varlen and not self.narrow
-        # Persistent: a grid of one CTA per SM; each CTA takes the next work tile (key tile, kv
-        # head, batch; the _cta_coords order) from a global counter, so tiles go to whichever SM
-        # frees first, as the hardware's CTA launch would. What it saves is the per-CTA fixed
-        # cost, 2.8-4 us per CTA on an H100 (NOTES Experiment 55): the next tile's K / V load
-        # while this tile's dK / dV are stored (staged in the dS^T slots, free after the last
-        # step, instead of the K / V buffers), and no launch gap between tiles. The producer
-        # warp takes the tiles and hands each to the consumer warps and the dQ writer warp
-        # through a two-slot mailbox in shared memory (kernels/common/tile_mailbox.py).
+        # Persistent: one CTA per SM taking the next work tile (the _cta_coords order) from a
+        # global counter. It saves the per-CTA fixed cost (NOTES Experiment 55): the next tile's
+        # K / V load while this tile's dK / dV are stored (staged in the dS^T slots, free after
+        # the last step), and no launch gap between tiles. The producer warp hands each tile to
+        # the other warps through a two-slot mailbox in shared memory (common/tile_mailbox.py).
         self.persistent = c.persistent
         assert not c.persistent or (self.stage_dkdv and self.dq_writer_warp and not c.deterministic
                                     and not self.sparse and not c.dq_in_ring), "persistent: dense 128-key paths"
-        # Where the dS^T slots hold only one of dK / dV (64 queries per step), the persistent
-        # epilogue would store dK, wait for the TMA to read it out, then stage dV in the same
-        # slots: two store reads in a row at every tile's end. With `own_dv_stage` dV has a buffer
-        # of its own (where shared memory has room), so both stores go out together.
+        # Where the dS^T slots hold only one of dK / dV, dV's own buffer (where shared memory has
+        # room) lets both stores go out together instead of one after the other's TMA read.
         self.own_dv_stage = c.own_dv_stage
         # The key tile that completes a query tile's dQ writes that tile of dq (bwd_dq_fused.py):
         # no conversion pass after the kernel.
         self.fused_dq = c.fused_dq
-        # The split tail (kernels/common/split_tail.py): the launch names the last `split_items`
-        # work tiles and `split_ways`; each runs as that many pieces of consecutive query tiles
-        # (work items numbered after the whole tiles), on different SMs. Every piece stores its
-        # partial dK / dV in a global workspace, and the last to finish adds the others' into its
-        # own and runs the ordinary epilogue. The pieces' dQ adds are the tile's, spread out.
-        # Dense walks without a block mask (bwd_variant picks the calls).
+        # The split tail (common/split_tail.py): the last `split_items` work tiles run as
+        # `split_ways` pieces of consecutive query tiles; the last piece to finish adds the
+        # others' partial dK / dV into its own and runs the ordinary epilogue.
         assert not c.split_tail or (c.persistent and not self.sparse and not c.deterministic)
         self.split_tail = c.split_tail
         assert not c.fused_dq or (c.persistent and not self.varlen), "fused_dq: the persistent dense kernel"
@@ -378,11 +346,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (tn, dv)
         )
         # dK / dV leave through the K / V buffers (free once the walk is over) and one TMA store
-        # each: direct stores of the accumulators cost ~5 us per CTA at the end of its walk
-        # (16-byte pieces of 8 rows per warp instruction, every SM storing at once), 12-17% of a
-        # 1k-token backward's main kernel (NOTES Experiment 37). Varlen keeps the direct stores (a whole tile
-        # would overwrite the next sequence's first rows), and so do the 64-key variants (D > 128:
-        # their head-dim split between the warpgroups does not partition the K buffer's layout).
+        # each, not direct stores of the accumulators (NOTES Experiment 37). Varlen keeps the
+        # direct stores (a whole tile would overwrite the next sequence's first rows), and so do
+        # the 64-key variants (their head-dim split does not partition the K buffer's layout).
         tma_dK = tma_dV = None
         if const_expr(self.stage_dkdv):
             tma_dK, mdK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))

@@ -1,23 +1,18 @@
 """The backward's repeated calls: a launch record per shape, so a repeated call only allocates
 its buffers and launches its kernels.
 
-A training loop calls the backward with the same shapes, strides, flags and knobs step after
-step, and bwd.backward derives the same things every time: the variant, the launch plan, which
-row-statistics and dq-conversion kernels run, the buffers' shapes and the main kernel's scalar
-arguments. On the GPU machine that derivation was most of our ~0.24 ms of Python per backward call,
-against ~0.47 ms of GPU work at 1k tokens (NOTES Experiment 162): a slow host moment then left the
-GPU waiting. `run` keeps one LaunchRecord per everything the derivation reads (shapes and strides
-of every tensor, dtype, device, mask flags, scale, softcap) and replays it; only the 16-byte alignment of the tensors' addresses is checked per call.
+bwd.backward derives the same things on every call of a shape: the variant, the launch plan, the
+row-statistics and dq-conversion kernels, the buffers' shapes and the main kernel's scalars (most
+of its host time, NOTES Experiment 162). `run` keeps one LaunchRecord per everything that
+derivation reads (shapes and strides of every tensor, dtypes, device, mask flags, scale, softcap)
+and replays it; only the tensors' 16-byte alignment is checked per call.
 
-Dense calls and packed varlen batches (both sides packed, one launch, max_seqlen_q given: a
-model's packed batches pass it, and without it the derivation reads the offsets); the record of a
-packed batch is keyed on the offsets' shapes and the given maxima, and each call moves its row
-statistics to its own sequences' offsets (bwd_row_stats.varlen_stat_layout, kept per offsets tensor). Block
-masks, mods, seqused_k, deterministic mode and per-sequence launches take bwd.backward's
-general path, as does any call the record's derivation finds unusual (a dO that is not TMA-ready,
-a row-statistics or conversion pass that would not take the tensors). The launch sequence is the
-general path's: zeroed counters, the row-statistics pass (which zeroes the dQ buffer), the main
-kernel, the conversion.
+Dense calls and packed varlen batches (both sides packed, max_seqlen_q given; keyed on the
+offsets' shapes and the given maxima, each call moving its row statistics to its own sequences'
+offsets). Block masks, mods, seqused_k, deterministic mode, per-sequence launches and anything the
+derivation finds unusual take bwd.backward's general path. The launch sequence is the general
+path's: zeroed counters, the row-statistics pass (zeroing the dQ buffer), the main kernel, the
+conversion.
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ class LaunchRecord(NamedTuple):
     stat_tile: int  # varlen: the query tile the statistics' per-sequence offsets align to (else 0)
 
 
-_NOT_RECORDED = shape_memo.NOT_RECORDED  # a call shape whose backward takes the general path every time
+_NOT_RECORDED = shape_memo.NOT_RECORDED
 _records = shape_memo.table()
 _tma_view = bwd_prepare._packed_size_one_strides  # (bwd._tma_view)
 
@@ -104,8 +99,8 @@ def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
 
 
 def _derive(call, dout, out, lse, dq, dk, dv, tuning):
-    """The LaunchRecord of this call's shape, or _NOT_RECORDED where the general path must run:
-    what bwd.backward would do, derived once, with its own functions and checks."""
+    """The LaunchRecord of this call's shape (what bwd.backward would do, with its own functions
+    and checks), or _NOT_RECORDED where the general path must run."""
     from torch_fa4.kernels.sm90 import bwd
     from torch_fa4.kernels.sm90.bwd_row_stats import stat_rows
 
@@ -120,8 +115,7 @@ def _derive(call, dout, out, lse, dq, dk, dv, tuning):
     if call.is_varlen and not all(cu.dtype == torch.int32 and cu.is_contiguous()
                                   for cu in (call.cu_seqlens_q, call.cu_seqlens_k)):
         return _NOT_RECORDED  # (the general path converts them per call)
-    # the dQ buffer every call allocates (contiguous, aligned): once here, for the passes' checks;
-    # a packed batch's is its (T, Hq, D) rows as one batch
+    # the dQ buffer every call allocates (bwd.backward's), once here for the passes' checks
     dq_acc_shape = ((1, *q.shape[:2]) if call.is_varlen else q.shape[:3]) + (call.head_dim,)
     dq_acc = torch.empty(dq_acc_shape, dtype=torch.float32, device=q.device)
     if not bwd_prepare.dq_zeroing_takes(dq_acc, dout):

@@ -1,10 +1,8 @@
 """Register- and shared-memory layout helpers for the sm90 backward kernel.
 
-wgmma accumulators come back in a fixed per-thread order; the backward kernel needs three other
-views of the same registers: a (row, column) view to apply the softmax statistics per query
-column, the A-operand view that feeds P^T / dS^T straight back into the next wgmma from
-registers, and transposed views of shared-memory tiles that are read both K-major and MN-major.
-These helpers only re-describe existing storage; none of them moves data.
+Swizzled shared-memory tiles (read both K-major and MN-major), the backward's wgmmas, and stores
+of register fragments into swizzled tiles with hoisted addresses. The accumulator views (rows,
+cols) and (A operand) are common/acc_layout.py's.
 """
 
 from __future__ import annotations
@@ -18,49 +16,6 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import static_layout as SL
-
-
-def acc_rows_cols(layout: cute.Layout) -> cute.Layout:
-    """((2, 2, V), MMA_M, MMA_N) accumulator layout -> ((2, MMA_M), (2, V, MMA_N)).
-
-    A wgmma accumulator thread holds, per 8-column chunk, two adjacent columns (mode 0.0) of two
-    rows eight apart (mode 0.1); mode 0.2 walks the chunks. Regrouping the modes into rows and
-    columns lets per-column values (LSE, dPsum) be loaded once and reused down the rows.
-    """
-    compact = cute.make_layout(layout.shape)  # linear index of each hierarchical coordinate
-    s = compact.stride
-    sh = compact.shape
-    rows_cols = cute.make_layout(
-        ((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
-        stride=((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
-    )
-    return cute.composition(layout, rows_cols)
-
-
-def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, acc_rows_cols(t.layout))
-
-
-def acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
-    """((2, 2, V), MMA_M, MMA_N) accumulator -> ((2, 2, 2), MMA_M, V/2 * MMA_N) A fragment.
-
-    For 16-bit inputs the wgmma A-from-registers fragment of one k16 block holds the same
-    (thread, value) positions as the accumulator of two 8-column chunks, so the converted
-    accumulator is the next product's A operand once each pair of chunks becomes one k-block.
-    """
-    compact = cute.make_layout(layout.shape)
-    s = compact.stride
-    sh = compact.shape
-    assert sh[0][2] % 2 == 0, "accumulator width must be a multiple of 16"
-    frag = cute.make_layout(
-        ((sh[0][0], sh[0][1], 2), sh[1], (sh[0][2] // 2, sh[2])),
-        stride=((s[0][0], s[0][1], s[0][2]), s[1], (s[0][2] * 2, s[2])),
-    )
-    return cute.composition(layout, frag)
-
-
-def as_operand_a(t: cute.Tensor) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, acc_as_operand_a(t.layout))
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:

@@ -26,17 +26,13 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 
 def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, tile_m: int = TILE_M,
                    zero_dq=None):
-    """Per query row, padded to whole query tiles of `tile_m` rows (the variant's queries per
-    step): (lse * log2 e, rowsum(dO * O)) in fp32.
+    """(lse * log2 e, rowsum(dO * O), rows) in fp32 per query row, padded to whole query tiles
+    of `tile_m` rows (at least `min_rows`, dense: a block-sparse walk's last block-mask row);
+    (B, Hq, rows) dense, (Hq, rows) varlen. Rows with no visible key (lse = -inf) and padding
+    rows get +inf, so that P = exp2(s - lse) = 0 there (dq 0, never NaN); dPsum is 0 on padding.
 
-    Layout (B, Hq, rows) dense, (Hq, rows) varlen, contiguous. Rows with no visible key
-    (lse = -inf) and padding rows get +inf, so that P = exp2(s - lse) = 0 there: their dq is 0,
-    never NaN. dPsum is 0 on padding rows. `min_rows`: at least that many rows (dense), for a
-    block-sparse walk whose last block-mask row reaches past the sequence.
-
-    CUDA tensors go through one fused CuTe DSL kernel (bwd_prepare.py) where it takes them;
-    otherwise (CPU, unaligned or expanded views) the torch expression below runs.
-    `zero_dq`: a dQ buffer to zero as well (inside the fused pass where it can).
+    The fused bwd_prepare kernel where it takes the tensors, else (CPU, odd views) the torch
+    expression below. `zero_dq`: a dQ buffer to zero as well (inside the fused pass where it can).
     """
     rows = stat_rows(call, tile_m, min_rows)
     if dout.is_cuda:
@@ -66,8 +62,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
 
 def stat_rows(call: "AttentionCall", tile_m: int, min_rows: int = 0) -> int:
     """The rows of row_statistics' buffers before any varlen layout: whole query tiles of tile_m
-    (at least min_rows) dense; the packed rows and a tile more varlen (TMA strides: 16-byte
-    multiples)."""
+    (at least min_rows) dense; the packed rows and a tile more varlen."""
     if call.is_varlen:
         return (math.ceil(call.q.shape[0] / tile_m) + 1) * tile_m
     return max(math.ceil(call.q.shape[1] / tile_m) * tile_m, min_rows)
@@ -84,45 +79,33 @@ def stat_row_offsets(cu_seqlens_q: torch.Tensor, tile_m: int) -> torch.Tensor:
     return (cu[:-1] + b * tile_m) // tile_m * tile_m
 
 
-def stat_destinations(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> tuple[torch.Tensor, int]:
-    """(row of each packed query row in the varlen statistics layout (int64, T), rows of the
-    layout)."""
-    cu64 = cu_seqlens_q.to(torch.int64)
-    batch = cu64.numel() - 1
-    rows = (math.ceil(total / tile_m) + batch + 1) * tile_m
-    t = torch.arange(total, device=cu64.device)
-    seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
-    return t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq], rows
-
-
 # stat_sources' results per live, unmodified cu_seqlens_q tensor (a model's layers share one)
 _STAT_SOURCES = TensorMemo(capacity=16)
 
 
 def stat_sources(cu_seqlens_q: torch.Tensor, total: int, tile_m: int) -> torch.Tensor:
     """For each row of the varlen statistics layout, the packed row it holds, or `total` where it
-    holds none (int64, rows). Row `total` of row_statistics' buffers is padding (+inf / 0: their
-    varlen rows run a tile past the packed rows), so one gather lays the statistics out, padding
-    included. Six small kernels and ~0.3 ms of host time per backward on the H200's host before
-    it was kept per offsets tensor (NOTES Experiment 161)."""
+    holds none (int64, rows): row `total` of row_statistics' buffers is padding (+inf / 0), so one
+    gather lays the statistics out, padding included. Kept per offsets tensor (NOTES Experiment
+    161)."""
     cu = cu_seqlens_q
     hit = _STAT_SOURCES.get((cu,), (total, tile_m))
     if hit is not None:
         return hit
-    dest, rows = stat_destinations(cu, total, tile_m)
+    cu64 = cu.to(torch.int64)
+    rows = (math.ceil(total / tile_m) + cu64.numel()) * tile_m  # a tile more per sequence, and one
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu64[1:], t, right=True)  # the sequence of each packed row
     src = torch.full((rows,), total, dtype=torch.int64, device=cu.device)
-    src[dest] = torch.arange(total, device=cu.device)
+    src[t + (stat_row_offsets(cu64, tile_m) - cu64[:-1])[seq]] = t
     _STAT_SOURCES.put((cu,), (total, tile_m), src)
     return src
 
 
 def varlen_stat_layout(call: "AttentionCall", stats: torch.Tensor, tile_m: int):
-    """The packed rows' statistics, lse2 and dpsum stacked (2, Hq, > T: row T is padding, as
-    row_statistics and the launch records allocate them), moved to the tile-aligned per-sequence
-    offsets of stat_row_offsets: (lse2, dpsum), (Hq, rows) each, whose other rows hold +inf / 0
-    (as padding rows do). One gather of both (it was a fill, a zeroing and two scatters).
-    A TMA load whose first element is not 16-byte aligned faults (NOTES Experiment 160), and
-    sequences start at any packed row."""
+    """The packed rows' statistics, lse2 and dpsum stacked (2, Hq, > T: row T is padding), moved
+    to the tile-aligned per-sequence offsets of stat_row_offsets in one gather: (lse2, dpsum),
+    (Hq, rows) each, other rows +inf / 0."""
     total = call.q.shape[0]
     assert stats.shape[-1] > total, "row_statistics' varlen buffers end with padding rows"
     moved = stats.index_select(2, stat_sources(call.cu_seqlens_q, total, tile_m))

@@ -1,16 +1,12 @@
 """Block sparsity for the sm90 backward: when the block mask can drive the walk, and its lists
 turned around for a key-stationary kernel.
 
-The call carries FlexAttention's lists per *query* block (which key blocks are partial / full,
-docs/INTERNALS.md). The backward kernel owns one key tile and walks query tiles, so it needs the
-transposed lists: per key block, which query blocks are partial (`q_num_blocks` / `q_indices`) and
-which are full (`full_q_num_blocks` / `full_q_indices`). They are derived here on the host with a
-few torch ops over the (B, H, n_q_blocks, n_kv_blocks) tile map: a few kilobytes per head even at
-16k tokens, cheap next to the backward itself.
-
-The block mask is an optimisation only (its meaning comes from the mask_mod, which the kernel
-evaluates on partial tiles), so whenever it cannot drive the walk the kernel walks densely and
-evaluates the mask_mod everywhere: slower, never wrong. Plain torch, no CuTe DSL.
+The call carries FlexAttention's lists per *query* block (docs/INTERNALS.md); the backward kernel
+owns one key tile and walks query tiles, so it needs per key block which query blocks are partial
+(`q_num_blocks` / `q_indices`) and full (`full_q_num_blocks` / `full_q_indices`), derived here
+with a few torch ops over the (B, H, n_q_blocks, n_kv_blocks) tile map. Where the block mask
+cannot drive the walk, the kernel walks densely and evaluates the mask_mod everywhere: slower,
+never wrong.
 """
 
 from __future__ import annotations
@@ -36,11 +32,8 @@ def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int,
     if not bm:
         return "no block mask"
     if call.mods is None or call.mods.mask_graph is None:
-        # without a mask_mod a block mask means nothing (INTERNALS: an optimisation only)
         return "block mask without a mask_mod"
-    if deterministic:
-        # the deterministic dQ order counts every earlier key tile of a query tile; a sparse walk
-        # would leave some of them out and the count would never complete
+    if deterministic:  # (its dQ turns count every earlier key tile of a query tile)
         return "deterministic mode walks densely"
     if call.is_varlen or call.cu_seqlens_k is not None:
         return "varlen runs per sequence without the block mask"
@@ -89,12 +82,10 @@ def _lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def transposed_lists(call: "AttentionCall") -> list[torch.Tensor]:
-    """[q_num_blocks, q_indices, full_q_num_blocks, full_q_indices] for the call's lengths.
-
-    Shapes (B', H', n_kv_blocks) and (B', H', n_kv_blocks, n_q_blocks) with B', H' as the block
-    mask's (1 broadcasts). Blocks past the call's sequence lengths are dropped, so the kernel never
-    visits a query block wholly outside the sequence nor indexes past the key-block lists.
-    """
+    """[q_num_blocks, q_indices, full_q_num_blocks, full_q_indices] for the call's lengths:
+    (B', H', n_kv_blocks) and (B', H', n_kv_blocks, n_q_blocks), B', H' as the block mask's.
+    Blocks past the call's sequence lengths are dropped, so the kernel never visits a query block
+    wholly outside the sequence nor indexes past the key-block lists."""
     classes = tile_classes(*call.block_mask)
     nq = math.ceil(call.q.shape[1] / call.block_mask_q)
     nkv = math.ceil(call.k.shape[1] / call.block_mask_kv)
@@ -105,8 +96,6 @@ def transposed_lists(call: "AttentionCall") -> list[torch.Tensor]:
 
 
 def padded_rows(call: "AttentionCall") -> int:
-    """Query rows the row statistics and the dQ buffer must hold under the sparse walk.
-
-    The last block-mask row may reach past the sequence by up to block_mask_q - 1 rows; those
-    kernel steps read padding (+inf LSE: P = 0, exact zeros)."""
+    """Query rows the row statistics and the dQ buffer must hold under the sparse walk: the last
+    block-mask row may reach past the sequence; those steps read padding (+inf LSE: P = 0)."""
     return math.ceil(call.q.shape[1] / call.block_mask_q) * call.block_mask_q

@@ -1,10 +1,7 @@
 """Which compiled sm90 backward variant runs a call (`variant_key`: a BwdConfig) and how it is
-launched (`launch_plan`: the split tail, the CTA order, the persistent grid).
-
-Kernels compile once per variant; shapes, strides, scale, softcap value, window sizes, captured
-mod tensors, block-mask lists and the split tail's plan are runtime arguments, so new sizes or
-values never recompile, except that a D64 launch whose last round splits takes the variant with
-the split code (one more compile, once).
+launched (`launch_plan`: the split tail, the CTA order, the persistent grid). Shapes, strides,
+scale, softcap value, window sizes, captured tensors, block-mask lists and the split plan are
+runtime arguments: new sizes or values never recompile.
 """
 
 from __future__ import annotations
@@ -13,24 +10,21 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
-from torch_fa4.kernels.common import shape_memo
+from torch_fa4.kernels.common import fwd_launch, shape_memo
 from torch_fa4.kernels.sm90.bwd_config import SMEM_LIMIT, TILE_M, BwdConfig, smem_bytes
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
-# Queries per kernel step at D = Dv = 64 on 128-key CTAs: 128 (+13-33% over 64 on an H100, NOTES
-# Experiment 18), dS formed from the fp32 P kept while dP^T lands, dV issued after the dS^T stores
-# (Experiments 41, 54). Block masks whose query tile is not a multiple of 128 keep 64.
+# Queries per kernel step at D = Dv = 64 on 128-key CTAs (NOTES Experiments 18, 41, 54). Block
+# masks whose query tile is not a multiple of 128 keep 64.
 D64_TILE_M = 128
 # The persistent kernel writes dq itself up to this many queries; past it the conversion pass is
 # faster (NOTES Experiments 127, 158, 159).
 FUSED_DQ_MAX_SEQLEN_Q = 4096
-# The split tail (kernels/common/split_tail.py): the 128-query variant only (at D128 the split
-# code alone cost as much as the split gained, NOTES Experiment 141). A piece costs about
-# SPLIT_PIECE_COST_STEPS steps besides its own (K / V load, pipeline fill, partial sums' merge).
+# The split tail (common/split_tail.py): the 128-query variant only (at D128 the split code alone
+# cost as much as the split gained, NOTES Experiment 141). A piece's fixed cost (K / V load,
+# pipeline fill, merge) counts as SPLIT_PIECE_COST_STEPS steps.
 SPLIT_PIECE_COST_STEPS = 4.0
 SPLIT_MIN_STEPS = 4
 SPLIT_MAX_WAYS = 8
@@ -42,9 +36,8 @@ CTA_TAIL_MAX = 16
 
 @dataclasses.dataclass(frozen=True)
 class BwdTuning:
-    """Non-default launch choices for tests: `persistent_ctas` caps the persistent grid (each CTA
-    then takes many work tiles); `varlen_kernel=False` runs packed varlen batches as one dense
-    launch per sequence."""
+    """Non-default launch choices for tests: `persistent_ctas` caps the persistent grid;
+    `varlen_kernel=False` runs packed varlen batches as one dense launch per sequence."""
 
     persistent_ctas: int | None = None
     varlen_kernel: bool = True
@@ -74,14 +67,13 @@ def key_tile(d: int, dv: int) -> int:
 
 
 def _long_queries(call: "AttentionCall") -> bool:
-    """Whether a dense call has more queries than the fused dq pays for."""
     return not call.is_varlen and call.q.shape[1] > FUSED_DQ_MAX_SEQLEN_Q
 
 
 def _first_rows_reach(call: "AttentionCall"):
-    """What fused_dq_applies reads of the call's shape, for variant_key's memo: how far (down to
-    -129, enough for every tile_m) the first row's right limit lies left of key 0 (0: it reaches
-    key 0 or beyond; None: no right limit), or False when there are no keys."""
+    """What _fused_dq_applies reads of the call's shape (variant_key's memo): how far (down to
+    -129, enough for every tile_m) the first row's right limit lies left of key 0 (None: no right
+    limit), or False when there are no keys."""
     if call.k.shape[1] == 0:
         return False
     right, _ = window(call)
@@ -92,9 +84,9 @@ def _first_rows_reach(call: "AttentionCall"):
 
 def _fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: int) -> bool:
     """Whether the persistent variant writes dq itself: the 128-query variant up to
-    FUSED_DQ_MAX_SEQLEN_Q queries, whose staging tile fits shared memory, where every query tile
-    is walked by at least one key tile, or nobody would write its rows: no seqused_k (a sequence
-    may have no keys), and under a right limit the first tile's last row reaches key 0."""
+    FUSED_DQ_MAX_SEQLEN_Q queries, where its staging tile fits shared memory and every query tile
+    is walked by some key tile (or nobody writes its rows): no seqused_k, and under a right limit
+    the first tile's last row reaches key 0."""
     if _long_queries(call) or tile_m != 128 or call.seqused_k is not None or call.is_varlen:
         return False
     if smem_bytes(call.head_dim, call.head_dim_v, tile_n, stages, False, tile_m, fused_dq=True) > SMEM_LIMIT:
@@ -105,8 +97,8 @@ def _fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: i
 
 def _split_tail_applies(call: "AttentionCall", deterministic: bool, sparse, tile_m: int) -> bool:
     """Whether a persistent call may run the variant with the split tail's code (launch_plan
-    still drops it for launches that do not split): dense calls whose work tiles all walk the
-    same query tiles, on the 128-query variant."""
+    drops it where nothing splits): the 128-query variant, every work tile walking the same
+    query tiles."""
     limits = call.causal or call.window_left >= 0 or call.window_right >= 0 or call.softcap > 0
     return tile_m == 128 and not (limits or deterministic or sparse is not None or call.mods is not None
                                   or call.seqused_k is not None or call.is_varlen or call.block_mask)
@@ -116,9 +108,8 @@ _variant_memo: dict = {}
 
 
 def variant_key(call: "AttentionCall", deterministic: bool) -> BwdConfig:
-    """The compiled variant that runs `call`. Memoized on what it reads (~10-20 us per backward
-    saved on the GPU host), except for calls with a block mask, whose tile ratios and walk depend
-    on the mask tensors' shapes."""
+    """The compiled variant that runs `call`. Memoized on what it reads, except for calls with a
+    block mask (its tile ratios and walk depend on the mask tensors' shapes)."""
     if call.block_mask:
         return _variant_key(call, deterministic)
     memo = (call.q.dtype, call.head_dim, call.head_dim_v, call.num_heads // call.num_heads_kv,
@@ -161,8 +152,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> BwdConfig:
         # dense keys ending inside a key tile (varlen and seqused_k calls mask their keys anyway)
         mask_key_tail=not call.is_varlen and call.seqused_k is None and call.k.shape[1] % tile_n != 0,
     )
-    # Persistent on the dense 128-key variants with the dQ writer warp (an H100: +1-6% on the
-    # causal rows and D128, NOTES Experiment 56)
+    # persistent on the dense 128-key variants with the dQ writer warp (NOTES Experiment 56)
     if config.separate_dq_slabs and not deterministic and not call.is_varlen and sparse is None:
         config = dataclasses.replace(
             config, persistent=True, fused_dq=_fused_dq_applies(call, tile_n, config.stages, tile_m),
@@ -172,8 +162,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> BwdConfig:
 
 def runs_per_sequence(call: "AttentionCall", deterministic: bool, tuning: BwdTuning = DEFAULT_TUNING) -> bool:
     """Whether a call with cu_seqlens runs one dense launch per sequence: with only one side
-    packed (or tuning.varlen_kernel off). (Deterministic mode works per sequence as in a dense
-    batch: its turns count the key tiles before each query tile of the sequence.)"""
+    packed (or tuning.varlen_kernel off)."""
     if not (call.is_varlen or call.cu_seqlens_k is not None):
         return False
     packed = call.is_varlen and call.cu_seqlens_k is not None
@@ -181,9 +170,8 @@ def runs_per_sequence(call: "AttentionCall", deterministic: bool, tuning: BwdTun
 
 
 def split_plan(tiles: int, ctas: int, steps: int) -> tuple[int, int]:
-    """(split tiles, ways) for a launch of `tiles` work tiles of `steps` steps each on `ctas`
-    persistent CTAs: the last round's tiles and how many pieces each runs as; (0, 1) where
-    splitting would not shorten the last round by 15% of a tile (common.split_plan.choose)."""
+    """(split tiles, ways) for `tiles` work tiles of `steps` steps each on `ctas` persistent CTAs
+    (common.split_plan.choose)."""
     from torch_fa4.kernels.common import split_plan as plan
 
     return plan.choose(tiles, ctas, steps, min_tiles=SPLIT_MIN_STEPS, max_ways=SPLIT_MAX_WAYS,
@@ -192,8 +180,7 @@ def split_plan(tiles: int, ctas: int, steps: int) -> tuple[int, int]:
 
 def cta_tail(call: "AttentionCall", pairs: int) -> int:
     """The last T (kv head, batch) pairs that start as one group: under a mask the plain order
-    leaves the last pairs' longest CTAs for the end of the grid; without one every CTA walks as
-    far (T = 1)."""
+    leaves the last pairs' longest CTAs for the end; without one every CTA walks as far (T = 1)."""
     if not (call.causal or call.window_right >= 0 or call.window_left >= 0):
         return 1
     group = call.num_heads // call.num_heads_kv
@@ -201,23 +188,15 @@ def cta_tail(call: "AttentionCall", pairs: int) -> int:
     return max(1, min(CTA_TAIL_L2_BYTES // max(pair_bytes, 1), CTA_TAIL_MAX, pairs))
 
 
-_SMS: dict = {}
-
-
 def persistent_ctas(tiles: int, device, cap: int | None = None) -> int:
-    """The persistent kernel's grid: one CTA per multiprocessor of `device` (looked up once per
-    device), at most one per work tile, at most `cap`."""
-    n = tiles  # (no multiprocessors to count off CUDA: the host tests' emulated kernel)
-    if device.type == "cuda":
-        n = _SMS.get(device)
-        if n is None:
-            n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    """The persistent kernel's grid: one CTA per multiprocessor of `device`, at most one per work
+    tile, at most `cap` (off CUDA, the host tests' emulated kernel: one per tile)."""
+    n = fwd_launch.sm_count(device) if device.type == "cuda" else tiles
     return max(1, min(tiles, n, cap or n))
 
 
 class LaunchPlan(NamedTuple):
-    """What a launch of a variant takes besides its tensors: everything backward() derives from
-    the call's shape and the variant."""
+    """What a launch of a variant takes besides its tensors."""
 
     key: BwdConfig  # the variant to run (variant_key's, without the split tail where nothing splits)
     split_items: int  # split tail: the tiles that run as pieces, and how many pieces each
@@ -232,9 +211,8 @@ _plan_memo = shape_memo.table()  # (one entry per shape and variant)
 
 
 def launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning = DEFAULT_TUNING) -> LaunchPlan:
-    """The LaunchPlan of `call` on variant `key`. Memoized for dense calls without a block mask
-    (varlen maxima and block-mask walks depend on tensor contents): every call of a shape gets the
-    same split plan, CTA order and grid (NOTES Experiment 162)."""
+    """The LaunchPlan of `call` on variant `key`, memoized for dense calls without a block mask
+    (varlen maxima and block-mask walks depend on tensor contents)."""
     if call.is_varlen or call.block_mask:
         return _launch_plan(call, key, tuning)
     memo = (key, call.q.shape, call.k.shape, call.q.device, tuning)
@@ -242,12 +220,7 @@ def launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning = DEFAU
 
 
 def _launch_plan(call: "AttentionCall", key: BwdConfig, tuning: BwdTuning) -> LaunchPlan:
-    if call.is_varlen:
-        from torch_fa4.kernels.common.fwd_launch import max_seqlens
-
-        max_q, max_k = max_seqlens(call)
-    else:
-        max_q, max_k = call.q.shape[1], call.k.shape[1]
+    max_q, max_k = fwd_launch.max_seqlens(call)
     pairs = call.k.shape[-2] * call.batch  # (kv head, batch) pairs: the CTA order's unit
     n_tiles = math.ceil(max_k / key.tile_n) * pairs
     ctas = persistent_ctas(n_tiles, call.q.device, tuning.persistent_ctas) if key.persistent else 1

@@ -13,39 +13,30 @@ Consumer main loop (per warpgroup, key tiles from last to first so masked tiles 
                   wait P V; rescale O
     O += P_last V_last;  O /= rowsum;  LSE
 
-so the softmax of tile i runs while the tensor cores work on tile i-1's P V ("intra-warpgroup
-overlap"). With `split_mask_loops` (fwd_host picks it per head dim) the loop runs as three
-loops: the tiles at either end of the walk that the causal / window / length limits cut (with
-element masks) and the tiles between them (no mask code at all); `BlockRange.masked_ends` finds
-the split. Named barriers make the consumer warpgroups take turns issuing their matmuls
-("pingpong"), so one warpgroup's softmax runs under the other's matmuls. P stays in registers and
-is the A operand of the second wgmma (no shared-memory round trip), converted by packed pairs
-(kernels/common/convert.py: an element-wise conversion doubled P's registers at 192 rows).
+so the softmax of tile i runs while the tensor cores work on tile i-1's P V. With
+`split_mask_loops` the walk runs as three loops: the tiles at either end that the causal / window
+/ length limits cut (with element masks) and the tiles between them (no mask code at all). Named
+barriers make the consumer warpgroups take turns issuing their matmuls ("pingpong"), so one
+warpgroup's softmax runs under the other's matmuls. P stays in registers as the A operand of the
+second wgmma, converted by packed pairs (kernels/common/convert.py).
 
-Mods (score_mod / mask_mod, traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per
-score element (kernels/common/tile_mods.py): softcap, then score_mod in natural units (the softmax
-then runs with scale log2(e)), then the causal / window / length masks, then mask_mod. With a
-block mask (`block_sparse`) the key tiles come from its lists (kernels/common/kv_tile_walk.py) and
-mask_mod runs on its partial tiles only. Without mods every piece of this is absent at compile time.
+Mods (traced graphs from torch_fa4.mods, named by `mod_key`) are inlined per score element
+(kernels/common/tile_mods.py): softcap, then score_mod in natural units, then the causal / window
+/ length masks, then mask_mod. With a block mask (`block_sparse`) the key tiles come from its
+lists (kernels/common/kv_tile_walk.py) and mask_mod runs on its partial tiles only.
 
-Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py in longest-first
-order. With `persistent` (where fwd_host finds that the outer loop leaves ptxas the registers it
-needs to keep the wgmmas asynchronous, and pays) each CTA loops over its items -- the producer
-loads the next item's first K and Q while the consumers finish the current one -- on a grid of
-about one CTA per SM. A persistent CTA takes its items in a static round-robin, or with `dynamic_schedule` from a global
-counter as it frees (kernels/common/tile_mailbox.py: the producer warp takes each item and hands
-it to the consumer warps through shared memory), which balances causal items of unequal length.
-With `early_q_release` Q's buffer is freed as soon as the walk's last Q K^T lands, so the next
-item's Q loads under this item's last softmax and P V.
+Work items (query tile, head, batch) come from kernels/common/tile_scheduler.py. With
+`persistent` each CTA of a grid of about one CTA per SM loops over its items (the producer loads
+the next item's first K and Q while the consumers finish the current one), in a static
+round-robin or, with `dynamic_schedule`, from a global counter as it frees
+(kernels/common/tile_mailbox.py).
 
-Epilogue: O is normalised in registers, converted, written to shared memory over Q's buffer (Q is
-dead by then) and stored with TMA, 64 rows per warpgroup; varlen tiles, whose last rows would spill
-into the next sequence, store from registers with a row predicate instead. LSE goes straight from
-registers.
+Epilogue: O is normalised in registers, converted, staged in shared memory and stored with TMA,
+64 rows per warpgroup; varlen tiles, whose last rows would spill into the next sequence, store
+from registers with a row predicate instead. LSE goes straight from registers.
 
-Where the code is: this module holds the kernel class (configuration, shared memory, the launch,
-the role dispatch); its roles are mixins with one concern each: fwd_producer.py (TMA loads),
-fwd_consumer.py (the key loop of a consumer warpgroup), fwd_epilogue.py (O and LSE out).
+The roles are mixins: fwd_producer.py (TMA loads), fwd_consumer.py (a consumer warpgroup's key
+loop), fwd_epilogue.py (O and LSE out).
 """
 
 from typing import Optional

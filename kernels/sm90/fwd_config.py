@@ -1,7 +1,5 @@
-"""The sm90 forward's variant description: everything that changes its generated code.
-
-Kept free of CuTe DSL imports so the host side can build a cache key (and load a stored kernel,
-kernels/disk_cache.py) without importing the DSL.
+"""The sm90 forward's variant description: everything that changes its generated code (no CuTe
+DSL import: a kernel from the disk cache loads without the DSL).
 """
 
 from dataclasses import dataclass
@@ -27,12 +25,11 @@ class FwdConfig:
     has_seqused_k: bool
     num_stages: int = 2  # depth of the K and V rings
     persistent: bool = False  # about one CTA per SM looping over work items (else one CTA per item)
-    # persistent CTAs take their items from a global counter when ready for the next one
-    # (kernels/common/tile_mailbox.py), instead of a static round-robin; a zeroed int32 argument
+    # persistent CTAs take their items from a global counter (common/tile_mailbox.py), not a
+    # static round-robin
     dynamic_schedule: bool = False
     rescale_threshold: Optional[float] = None  # conditional rescale (log2 units); None: always
-    # the row max as this many independent FMNMX chains (kernels/common/online_softmax.row_max;
-    # the result is the same, only ptxas's schedule changes)
+    # the row max as this many independent FMNMX chains (same result, another ptxas schedule)
     max_chains: int = 1
     # O is rescaled by the previous tile's factors just before P_{t-1} V_{t-1} is issued, instead
     # of after it lands (off the path from the P V wait to the next issue); always-rescale only
@@ -42,37 +39,29 @@ class FwdConfig:
     # below that release, so the softmax stays under P V (without it ptxas hoisted the wait to
     # just after the row max; NOTES "Experiment 57")
     pin_pv_wait: bool = False
-    # Q's buffer is released as soon as the walk's last S = Q K^T lands (a run-time test per key
-    # tile), not after the item's last P V: the next item's Q loads under this one's last softmax
-    # and P V (only where O has its own tile; otherwise O is staged over Q)
+    # Q's buffer is released as soon as the walk's last S = Q K^T lands, not after the item's
+    # last P V, so the next item's Q loads under this one's tail (only where O has its own tile)
     early_q_release: bool = False
     # under causal / window masks, a consumer warpgroup whose 64 rows see no key of the walk's
-    # first (rightmost) tile skips that tile's Q K^T and softmax, its P set to zero (a run-time
-    # test once per work item). Such tiles: D192's 112- and D256's 80-key tiles, Sq != Sk offsets
-    # (NOTES "Experiment 135"; fwd_host._skip_masked_first_pays)
+    # first (rightmost) tile skips that tile's Q K^T and softmax, its P set to zero
+    # (fwd_host._skip_masked_first_pays)
     skip_masked_first: bool = False
     # separate key loops for the masked tiles at either end of the walk and the unmasked ones
     # between them (fwd.py); one loop with a run-time mask branch otherwise
     split_mask_loops: bool = True
-    # extra ptxas flags (e.g. "--register-usage-level=10", D64's default), passed through
-    # cute.compile's --ptxas-options: they change the schedule, never the results
+    # extra ptxas flags (they change the schedule, never the results)
     ptxas_options: str = ""
     # CTA pairs (a 2-CTA cluster) on adjacent query tiles of one head: each CTA loads half of every
-    # K and V tile and the TMA multicasts it into both, halving the L2-to-SM traffic of the K/V
-    # ring. The pair walks the same key tiles in step, so calls without a causal / window mask,
-    # varlen or block mask only
+    # K and V tile and the TMA multicasts it into both. The pair walks the same key tiles in step
     kv_multicast: bool = False
-    # the grid's last items split along the keys into this many pieces on different SMs, merged
-    # by the last piece to finish (kernels/common/split_tail.py; 0: no split code); the launch
-    # says how many items. Plain calls only (every item walks the same key tiles)
+    # the grid's last items split along the keys into this many pieces (common/split_tail.py; 0:
+    # no split code); the launch says how many items
     split_ways: int = 0
-    # one-shot grids of plain calls: a (query tile, head, batch) grid whose indices are the work
-    # item, instead of a flat grid decoded by the tile scheduler (integer divisions before the
-    # first load); the same item order (fwd_host._grid3d_fits)
+    # a (query tile, head, batch) grid whose indices are the work item, instead of a flat grid
+    # decoded by the tile scheduler (integer divisions before the first load)
     grid3d: bool = False
-    # the key loop's matmuls issued from descriptors built once per CTA, a stage or k-block one
-    # 64-bit add (kernels/common/wgmma_desc.py), instead of cute.gemm's per-matmul lowering from
-    # the shared-memory address; 16-bit operands with 128-byte rows only (head dims 64)
+    # the key loop's matmuls issued from descriptors built once per CTA (common/wgmma_desc.py),
+    # instead of cute.gemm's per-matmul lowering; 128-byte rows only (head dim 64)
     hand_descriptors: bool = False
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order

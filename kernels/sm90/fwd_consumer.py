@@ -217,10 +217,9 @@ class FwdConsumer:
                     walk, m_block, head, batch, score_aux, mask_aux, q_state)
             if const_expr(self.num_wg > 1):
                 # A warpgroup whose 64 rows all lie past the sequence's end issues no matmul
-                # (_idle_item; NOTES "Experiment 77"). Both ways through the item take one K / V
-                # slot per key tile, so the ring position after it is computed here, outside the
-                # branch, and each way walks a copy. Taken from the branch, the merged position made
-                # ptxas build every wgmma descriptor of the persistent D256 key loops in per-thread
+                # (_idle_item; NOTES "Experiment 77"). The ring position after the item is computed
+                # here, outside the branch: taken from the branch, the merged position made ptxas
+                # build every wgmma descriptor of the persistent D256 key loops in per-thread
                 # registers (NOTES "Experiment 103").
                 after = state.clone()
                 if walk.nonempty():

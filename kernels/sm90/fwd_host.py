@@ -1,13 +1,8 @@
 """Host side of the sm90 forward: pick a kernel variant for a call, compile it once, launch it.
 
-Compilation uses symbolic shapes and strides (fake tensors), so one compiled kernel serves every
-batch size, sequence length, head count and stride pattern of its variant; the TVM-FFI calling
-convention takes torch tensors directly and launches on the current stream.
-
 Mods: the ModSet's key and the captured tensors' dtypes and ranks are part of the variant (they
-change the inlined code); the captured tensors themselves are launch arguments, so new values never
-recompile. A block mask is a launch argument too; only its tile size relative to the kernel's
-enters the variant.
+change the inlined code); the captured tensors and a block mask are launch arguments (only the
+block mask's tile size relative to the kernel's enters the variant).
 """
 
 from __future__ import annotations
@@ -35,20 +30,16 @@ L2_BYTES = 50 * 1024 * 1024
 # (see `_tiles`).
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
-# the softmax options and the grid per head dim (benchmarks/NOTES.md has the measurements). Static
-# persistent grids stop at D=128, but for plain D=192 calls (`_d192_persistent_pays`): above that
-# the outer loop made ptxas serialize the wgmmas, and at D=256 it measured no gain (NOTES
-# "Experiment 20"); calls with mods run one-shot (`_persistent_fits`); windowed calls and causal
-# calls take the dynamic schedule (`_dynamic_schedule_pays`).
+# the softmax options and the grid per head dim. Static persistent grids stop at D=128 but for
+# plain D=192 calls (`_d192_persistent_pays`): above that the outer loop made ptxas serialize the
+# wgmmas, and at D=256 it measured no gain (NOTES "Experiment 20"); calls with mods run one-shot
+# (`_persistent_fits`); windowed and causal calls take the dynamic schedule.
 _DEFAULT_OPTIONS = {
-    # early_o_rescale: NOTES "Experiment 19". D64 rescales O after the P V wait instead, as
-    # flash-attn-4 does there ("Experiment 118"), and compiles at ptxas's register-usage level 10
-    # ("Experiment 134")
+    # early_o_rescale: NOTES "Experiment 19". D64 rescales O after the P V wait instead
+    # ("Experiment 118") and compiles at ptxas's register-usage level 10 ("Experiment 134")
     64: dict(persistent=True, early_o_rescale=False, ptxas_options="--register-usage-level=10"),
-    # (plain D96 calls of 4096+ keys take the late rescale: `_early_rescale_pays`)
-    96: dict(persistent=True, early_o_rescale=True),
+    96: dict(persistent=True, early_o_rescale=True),  # (long plain calls: `_early_rescale_pays`)
     128: dict(persistent=True, early_o_rescale=True),
-    # D192: persistent for plain calls only (`_d192_persistent_pays`)
     192: dict(persistent=False),
     # pin_pv_wait: NOTES "Experiment 57" (D64 and D128 lose with it)
     256: dict(rescale_threshold=8.0, persistent=False, pin_pv_wait=True),
@@ -67,8 +58,7 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
         if t.device != call.q.device:
             return "a captured tensor is not on q's device"
     if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
-        # the mod lowering turns index arithmetic into exact fp32 arithmetic, exact while every
-        # position stays below 2^23 (kernels/common/mod_hoisting.py)
+        # the mod lowering's fp32 index arithmetic is exact below 2^23 (common/mod_hoisting.py)
         return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
     if _uses_block_mask(call):
         reason = _block_mask_reason(call)
@@ -84,8 +74,7 @@ def _dense(call: AttentionCall) -> bool:
 
 
 def _uses_block_mask(call: AttentionCall) -> bool:
-    # a block mask only speeds up a mask_mod; without one it has no meaning (INTERNALS: "an
-    # optimisation only"), so it is ignored
+    # a block mask only speeds up a mask_mod; without one it is ignored
     return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
 
 
@@ -117,22 +106,19 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     return None
 
 
-# D=64 calls past 2048 queries without mods, softcap, window or varlen run 192 x 128 tiles: three
-# consumer warpgroups at 160 registers (they fit since P is converted by packed pairs), 1.5x the
-# query rows per K/V load (NOTES "Experiment 17"; at S=1k the ragged last 192-row tile loses). A
-# third K/V stage pays without causal masking only. Calls whose only mod is a score_mod take it too
-# ("Experiment 90"). The features left out compiled with a few spills (softcap), spilled in the key
-# loop (mask_mods), cannot split a block mask's 128-row tiles, or have not run on the GPU at this
-# shape (window, varlen).
+# D=64 calls past 2048 queries without mods (a score_mod alone is fine, "Experiment 90"), softcap,
+# window or varlen run 192 x 128 tiles: three consumer warpgroups at 160 registers (they fit since
+# P is converted by packed pairs), 1.5x the query rows per K/V load (NOTES "Experiment 17"; at S=1k
+# the ragged last 192-row tile loses). A third K/V stage pays without causal masking only. Left
+# out: softcap and mask_mods spill, block masks' 128-row tiles cannot be split, window and varlen
+# are unmeasured at this shape.
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _WIDE_MIN_SEQLEN_Q = 2048  # (the 192-row tiles of D=64 and D=96 start past it)
-# D=96 likewise runs 192-row tiles past 2048 queries, with 112-key tiles (128 spill at 160
-# registers); causal walks take them on the dynamic schedule (NOTES "Experiment 138").
+# D=96 likewise, with 112-key tiles (128 spill at 160 registers; NOTES "Experiment 138").
 _D96_WIDE = dict(tile_m=192, tile_n=112, persistent=False)
 
-
 # Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=192 ("Experiment 136"); D=256
-# splits past 2048 keys only, the single loop being faster at S=1k (NOTES "Experiment 20").
+# past 2048 keys only, the single loop being faster at S=1k (NOTES "Experiment 20").
 _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
@@ -145,16 +131,13 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
         return dict(tile_m=tile_m, tile_n=tile_n,
                     split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
     dense = _dense(call)
-    # (a score_mod alone takes the wide tile: NOTES "Experiment 90"; no spills in the CPU compile tests)
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
     if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _WIDE_MIN_SEQLEN_Q:
-        # the row max as two chains for calls without mods (NOTES "Experiment 148"; on the 128-row
-        # tile of S1k it lost, so that shape keeps one chain)
+        # the row max as two chains without mods (NOTES "Experiment 148")
         shape = dict(_D64_WIDE, num_stages=2 if call.causal else 3, max_chains=2 if call.mods is None else 1)
         if call.mods is None and not call.causal:
-            # plain calls: the key loop's matmuls from hand-built descriptors, compiled at ptxas's
-            # register-usage level 0 (levels 0-2 give one loop, 4-10 another; NOTES "Experiment
-            # 156"); causal rows lost with them ("Experiment 155")
+            # hand-built wgmma descriptors at ptxas's register-usage level 0 (NOTES "Experiments
+            # 155, 156": levels 0-2 give one loop, 4-10 another; causal rows lost with them)
             shape.update(hand_descriptors=True, ptxas_options="--register-usage-level=0")
         return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
@@ -202,8 +185,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
 
 
 def _with(cfg: FwdConfig, **changes) -> FwdConfig:
-    """replace(cfg, **changes), or cfg itself where nothing changes: a replace of the config costs
-    tens of microseconds of host time, and default_config runs on every uncached forward call."""
+    """replace(cfg, **changes), or cfg itself where nothing changes (a replace costs tens of
+    microseconds, on every forward call without a launch record)."""
     if all(getattr(cfg, name) == value for name, value in changes.items()):
         return cfg
     return replace(cfg, **changes)
@@ -213,34 +196,31 @@ _GRID_YZ_MAX = 65535  # CUDA's limit on a grid's y and z sizes (heads, batch)
 
 
 def _grid3d_fits(cfg: FwdConfig, call: AttentionCall) -> bool:
-    """Whether a (query tile, head, batch) grid runs this call's work items in the scheduler's
-    order: one CTA per item, whole items (no split, no CTA pairs), and one (batch, head) pair per
-    group with no tail group, which the launch gives every call without a causal or window mask
-    (fwd_launch.l2_group_bytes, tail_pairs). NOTES "Experiment 154"."""
+    """Whether a (query tile, head, batch) grid runs the work items in the scheduler's order: one
+    CTA per whole item (no split, no CTA pairs), one (batch, head) pair per group and no tail
+    group, as every call without a causal or window mask has (fwd_launch.l2_group_bytes).
+    NOTES "Experiment 154"."""
     fits_grid = call.num_heads <= _GRID_YZ_MAX and call.batch <= _GRID_YZ_MAX
     return fits_grid and not (cfg.persistent or cfg.split_ways or cfg.kv_multicast or cfg.causal
                               or cfg.has_window or cfg.varlen_q or cfg.block_sparse)
 
 
 def _d192_persistent_pays(call: AttentionCall) -> bool:
-    """Plain D192 calls run on a persistent grid (one CTA per SM looping over items); causal ones
-    lost on the static loop and take the dynamic schedule (NOTES "Experiment 136")."""
+    """Plain D192 calls run persistent; causal ones lost on the static loop and take the dynamic
+    schedule (NOTES "Experiment 136")."""
     return call.head_dim == 192 and _plain(call)
 
 
 def _skip_masked_first_pays(call: AttentionCall) -> bool:
-    """FwdConfig.skip_masked_first: D192 / D256 calls under causal / window masks, without mods.
-    Their 112- / 80-key tiles often leave the upper warpgroup of a 128-row tile on the diagonal
-    with nothing to see in the walk's first tile (NOTES "Experiment 135"). The 192-row D64 tile has
-    such tiles too, but there the test reshaped ptxas's key loops and lost; D128's 128 x 128 tiles
-    have none when Sq = Sk."""
+    """FwdConfig.skip_masked_first: D192 / D256 calls under causal / window masks, without mods
+    (NOTES "Experiment 135"). The 192-row D64 tile has such tiles too, but there the test reshaped
+    ptxas's key loops and lost; D128's 128 x 128 tiles have none when Sq = Sk."""
     return call.head_dim in (192, 256) and (call.causal or call.has_window) and call.mods is None
 
 
-# The split tail (kernels/common/split_tail.py) for plain calls whose last round leaves SMs idle:
-# long walks on the 128-row tile only (NOTES "Experiment 122": S4k rows gained nothing, and the
-# 192-row D64 tile's key loop lost to the split code alone). A piece's fixed cost (its Q load,
-# prologue, state store and merge) counts as 8 key tiles.
+# The split tail (common/split_tail.py) for plain calls whose last round leaves SMs idle: long
+# walks on the 128-row tile only (NOTES "Experiment 122": S4k gained nothing, and the 192-row D64
+# tile lost to the split code alone). A piece's fixed cost counts as 8 key tiles.
 _SPLIT_MIN_KEY_TILES = 64
 _SPLIT_PIECE_COST_TILES = 8.0
 
@@ -250,16 +230,14 @@ def _plain(call: AttentionCall) -> bool:
     return _dense(call) and call.mods is None and not call.causal
 
 
-# D96 plain calls of 4096 keys or more rescale O after the P V wait (D64's default) instead of
-# early (NOTES "Experiment 120"); the early rescale stays where the late one lost or was level
-# (causal, S1k) and where it was not measured (mods, softcap, windows, varlen).
+# D96 plain calls of 4096+ keys rescale O after the P V wait (D64's default) instead of early
+# (NOTES "Experiment 120"); elsewhere the late rescale lost, was level, or is unmeasured.
 _D96_LATE_RESCALE_MIN_SEQLEN_K = 4096
 
 
 def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
-    """Whether O is rescaled just before P V is issued (early) rather than after the P V wait.
-    The early rescale goes with always rescaling, where the head dim has it; the conditional
-    rescale decides per tile whether O moves at all, after that tile's softmax."""
+    """Whether O is rescaled just before P V is issued rather than after the P V wait: only with
+    always rescaling (the conditional rescale decides after the tile's softmax)."""
     if cfg.rescale_threshold is not None or not _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False):
         return False
     d96_long_plain = call.head_dim == call.head_dim_v == 96 and _plain(call) and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K
@@ -267,20 +245,17 @@ def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool
 
 
 def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
-    """D=128 plain and causal calls take FA4's conditional rescale (O moves only when a row's max
-    grows by more than 2^8) instead of the early rescale, at every length (NOTES "Experiments 96,
-    130"; D=64 lost with it). Only the rows measured take it: mods, softcap and windows keep the
-    early rescale (both are exact)."""
+    """D=128 plain and causal calls rescale O only when a row's max grows by more than 2^8, not
+    early (NOTES "Experiments 96, 130"; D=64 lost with it); unmeasured rows (mods, softcap,
+    windows) keep the early rescale (both are exact)."""
     return (call.head_dim == call.head_dim_v == 128
             and call.mods is None and call.softcap <= 0 and not call.has_window)
 
 
-# CTA pairs multicasting each K / V tile (`FwdConfig.kv_multicast`). The H100 runs these kernels
-# at its power limit, so the energy of the ring's L2-to-SM traffic costs clock (NOTES "Experiments
-# 99, 137"); short walks and D64's 192-row tile (less traffic per FLOP) keep single CTAs, and so
-# do D96's 192-row tiles (level with it, "Experiment 138"). Plain calls only: the pair must walk
-# the same key tiles (no causal / window mask, varlen or block mask); mods and softcap have not
-# been measured with it.
+# CTA pairs multicasting each K / V tile (`FwdConfig.kv_multicast`): the H100 runs these kernels
+# at its power limit, so the ring's L2-to-SM traffic costs clock (NOTES "Experiments 99, 137").
+# Short walks and the 192-row tiles (less traffic per FLOP; "Experiment 138") keep single CTAs.
+# Plain calls only: the pair must walk the same key tiles.
 _KV_MULTICAST_HEAD_DIMS = (96, 128, 192, 256)
 _KV_MULTICAST_MIN_SEQLEN_K = 4096
 
@@ -292,17 +267,14 @@ def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
 
 def _persistent_fits(call: AttentionCall) -> bool:
     """Whether the persistent loop compiles without wgmma serialization (the CPU compile tests
-    count the waits). A mask_mod's loads and a score_mod beside softcap each kept too much alive
-    across the outer loop at D=128, so calls with mods (the margin is small) run the one-shot
-    kernel. Windows (with or without softcap) compile clean at every head dim since the split key
-    loops (one wait per committed group, no spills)."""
+    count the waits): a mask_mod's loads and a score_mod beside softcap kept too much alive across
+    the outer loop at D=128, so calls with mods run one-shot."""
     return call.mods is None
 
 
 # Persistent CTAs taking items from a counter (`FwdConfig.dynamic_schedule`) where items are short
-# or unequal: causal walks at every length and head dim (NOTES "Experiments 63, 137, 139"), with a
-# score_mod too where the loop fits (`_dynamic_fits`, "Experiment 140"), windowed walks (items of a
-# few key tiles each, "Experiment 73"), and D=256 up to 2048 keys ("Experiment 63").
+# or unequal: causal walks (NOTES "Experiments 63, 137, 139, 140"), windowed walks ("Experiment
+# 73"), and D=256 up to 2048 keys ("Experiment 63").
 _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
@@ -312,17 +284,14 @@ def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
 
 
-# Q's buffer freed after the walk's last Q K^T (`FwdConfig.early_q_release`) for short walks, whose
-# persistent CTAs start a new item every few key tiles (NOTES "Experiment 65"; past S1k level or
-# lower).
+# Q's buffer freed after the walk's last Q K^T (`FwdConfig.early_q_release`) for short walks,
+# whose persistent CTAs start a new item every few key tiles (NOTES "Experiment 65").
 _EARLY_Q_MAX_SEQLEN = 2048
 
 
 def _dynamic_fits(call: AttentionCall) -> bool:
     """Whether the dynamic schedule's persistent loop compiles clean: where the static one does,
-    and for calls whose only mod is a score_mod (no mask_mod, softcap, window or block mask) at
-    D <= 128 -- ALiBi and a per-head bias table compile there with one wait per committed group
-    and no spills (CPU compile tests)."""
+    and at D <= 128 for calls whose only mod is a score_mod (CPU compile tests)."""
     if _persistent_fits(call):
         return True
     mods = call.mods
@@ -336,14 +305,9 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
 
 
 def _fake_int32(rank: int):
-    """A stand-in int32 tensor of `rank` symbolic dims with a unit last stride (block-mask lists,
-    the item counter, the split counters)."""
     import cutlass
-    import cutlass.cute as cute
 
-    return cute.runtime.make_fake_tensor(
-        cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
-        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+    return fwd_launch.fake_packed(cutlass.Int32, rank)
 
 
 def _fake_block_mask(cfg: FwdConfig) -> list:
@@ -359,9 +323,8 @@ def _fake_aux(cfg: FwdConfig) -> list:
 
 
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
-    """Compile (or fetch) the kernel for cfg; returns the TVM-FFI callable.
-
-    dump_dir: also write the cubin there (always compiles, bypassing the cache)."""
+    """Compile (or fetch) the kernel for cfg; dump_dir: also write the cubin and PTX there (always
+    compiles, bypassing the cache)."""
     options = fwd_launch.compile_options(arch, dump_dir, cfg.ptxas_options)
 
     def build(jit: bool = True):  # jit=False: only to be exported (compile_cache.get_or_compile)
@@ -395,19 +358,17 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
 
 
 def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split: Optional[tuple]) -> None:
-    """The one launch of a forward kernel, for the general path and the launch records alike:
-    `leading` as fwd_launch.leading_args gives it, then the call's block mask and captured tensors
-    (new values every call) and the per-launch buffers; `split` from `split_spec`."""
+    """Launch a forward kernel (general path and launch records): `leading` from
+    fwd_launch.leading_args, `split` from `split_spec`."""
     device = call.q.device
     kernel(*leading, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), item_counter(cfg, device),
            *split_buffers(split, device))
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
-    """(split items, ways) for this call's grid (kernels/common/split_tail.py): its items, the
-    CTAs that run them at once (one per SM, or the persistent grid's size) and an item's key
-    tiles decide it; (0, 1) where splitting would not shorten the last round. Plain calls only,
-    whose items all walk the same key tiles."""
+    """(split items, ways) for this call's grid (common/split_plan.choose); (0, 1) where
+    splitting would not shorten the last round. Plain calls only (every item walks the same key
+    tiles)."""
     if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
@@ -436,7 +397,7 @@ def split_spec(cfg: FwdConfig, call: AttentionCall) -> Optional[tuple]:
 
 def split_buffers(spec: Optional[tuple], device: torch.device) -> list:
     """The split tail's launch arguments from `split_spec`: every piece's state (written before it
-    is read) and the piece counters, which start at zero."""
+    is read) and the zeroed piece counters."""
     if spec is None:
         return [None, None, 0]
     ws_shape, slots, items = spec
@@ -467,15 +428,13 @@ def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:
 
 
 def _launch_aux(cfg: FwdConfig, call: AttentionCall) -> list:
-    # as mod_lowering.kernel_aux_tensors (bool as uint8 views, 0-d as (1,)), without importing CuTe DSL
-    # here: a kernel loaded from the disk cache needs no DSL import at all
+    # as mod_lowering.kernel_aux_tensors, without importing CuTe DSL (a kernel from the disk cache)
     aux = []
     for t in call.aux_tensors[: len(cfg.aux_specs)]:
         if t.dtype == torch.bool:
             t = t.view(torch.uint8)
         if t.dim() == 0:
             t = t.reshape(1)
-        # the compiled kernel assumes a unit stride in the last dim (a copy only for odd views)
         if t.stride(-1) != 1:
             t = t.clone(memory_format=torch.contiguous_format)
         aux.append(t)

@@ -1,20 +1,16 @@
-"""The forward's repeated calls: a launch record per shape, so a repeated call only
-allocates its per-launch buffers and launches.
+"""The forward's repeated calls: a launch record per shape, so a repeated call only allocates
+its per-launch buffers and launches (bwd_launch_record.py does the same for the backward).
 
-fwd_host.forward derives the same things on every call of a shape: the variant (default_config's
-~20 decisions), the compiled kernel's cache key, the L2 grouping, the tail group, the grid and the
-split plan, most of the forward's host time below dispatch. `run` keeps one LaunchRecord per
-everything the derivation reads (shapes and strides of q, k, v, out and lse, dtypes, device,
-scale, causal / window / softcap; for calls with mods, block masks or variable lengths also the
-mods' key, the captured tensors' dtypes and ranks, the block mask's tile sizes, the given maxima
-and the offsets' shapes) and replays it. The call's own tensors -- q, k, v, the offsets, the
-block mask, the captured tensors -- are launch arguments taken from each call.
+`run` keeps one LaunchRecord per everything fwd_host.forward's derivation (variant, cache key, L2
+grouping, grid, split plan) reads -- shapes and strides of q, k, v, out and lse, dtypes, device,
+scale, causal / window / softcap; with mods, block masks or variable lengths also the mods' key,
+the captured tensors' dtypes and ranks, the block mask's tile sizes, the given maxima and the
+offsets' shapes -- and replays it with the call's own tensors.
 
-Not recorded (the general path every time): packed varlen calls without max_seqlen_q (its
-derivation reads the offsets on the device), config overrides, and a negative scale without
-softcap (that call runs on -q, a copy made per call: `fwd_launch.nonnegative_scale`). A record
-checks nothing the general path does not: dispatch has already asked `unsupported_reason` of this
-call, alignment included.
+Not recorded: packed varlen calls without max_seqlen_q (the derivation reads the offsets), config
+overrides, and a negative scale without softcap (it runs on -q, a copy made per call:
+`fwd_launch.nonnegative_scale`). Dispatch has already asked `unsupported_reason`, alignment
+included.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ class LaunchRecord(NamedTuple):
     split: Optional[tuple]  # (workspace shape, counter slots, split items); None: no split tail
 
 
-_NOT_RECORDED = shape_memo.NOT_RECORDED  # a call shape whose forward takes the general path every time
+_NOT_RECORDED = shape_memo.NOT_RECORDED
 _records = shape_memo.table()
 
 
@@ -63,8 +59,7 @@ def run(call, out: torch.Tensor, lse: torch.Tensor) -> bool:
 
 
 def _derive(call, out, lse):
-    """The LaunchRecord of this call's shape, or _NOT_RECORDED: what fwd_host.forward would
-    launch, derived once with its own functions."""
+    """The LaunchRecord of this call's shape (with fwd_host's own functions), or _NOT_RECORDED."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     if fwd_launch.nonnegative_scale(call) is not call:  # (runs on -q, made per call)
