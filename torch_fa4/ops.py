@@ -16,23 +16,20 @@ from torch_fa4 import dispatch
 from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 
-def _resolve_mods(mod_key: str):
-    if not mod_key:
-        return None
-    from torch_fa4.mods import registry
-
-    return registry.lookup(mod_key)
-
-
 def make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
               max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
               block_mask_kv) -> AttentionCall:
+    mods = None
+    if mod_key:
+        from torch_fa4.mods import registry
+
+        mods = registry.lookup(mod_key)
     return AttentionCall(
         q=q, k=k, v=v, scale=scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mod_key=mod_key,
-        mods=_resolve_mods(mod_key), aux_tensors=tuple(aux_tensors), block_mask=tuple(block_mask),
-        block_mask_q=block_mask_q, block_mask_kv=block_mask_kv,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mod_key=mod_key, mods=mods,
+        aux_tensors=tuple(aux_tensors), block_mask=tuple(block_mask), block_mask_q=block_mask_q,
+        block_mask_kv=block_mask_kv,
     )
 
 
@@ -44,27 +41,20 @@ def fwd(
     window_right: int, softcap: float, mod_key: str, block_mask_q: int, block_mask_kv: int,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like).
-    `deterministic` is kept for the backward."""
+    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like)."""
     return fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
                     mod_key, block_mask_q, block_mask_kv, deterministic)
 
 
-def fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
-             max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
-             block_mask_kv, deterministic):
-    """The fwd op's body (eager_autograd calls it directly when nothing could intercept the op)."""
-    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
-                     mod_key, block_mask_q, block_mask_kv)
-    return dispatch.forward(call)
+def fwd_impl(q, k, v, *rest):
+    """The fwd op's body (eager_autograd calls it directly when nothing could intercept the op).
+    The last argument, deterministic, is only kept for the backward."""
+    return dispatch.forward(make_call(q, k, v, *rest[:-1]))
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
-              max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
-              block_mask_kv, deterministic):
+def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, *rest):
     out = empty_laid_out_like(q, (*q.shape[:-1], v.shape[-1]))
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
@@ -89,14 +79,9 @@ def bwd(
                     softcap, mod_key, block_mask_q, block_mask_kv, deterministic)
 
 
-def bwd_impl(dout, q, k, v, out, lse, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-             max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key,
-             block_mask_q, block_mask_kv, deterministic):
+def bwd_impl(dout, q, k, v, out, lse, *rest):
     """The bwd op's body (eager_autograd calls it directly when nothing could intercept the op)."""
-    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
-                     mod_key, block_mask_q, block_mask_kv)
-    return dispatch.backward(call, dout, out, lse, deterministic)
+    return dispatch.backward(make_call(q, k, v, *rest[:-1]), dout, out, lse, rest[-1])
 
 
 @bwd.register_fake
@@ -114,12 +99,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
     # The API returns LSE detached, so no gradient reaches it through torch_fa4's public functions.
-    rest = ctx.rest
-    dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out.contiguous(), q, k, v, out, lse, *rest)
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.rest)
     # Autograd wants one entry per input with the input's structure: lists get lists of None.
-    return (dq, dk, dv) + tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in rest)
+    return (dq, dk, dv) + tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in ctx.rest)
 
 
 torch.library.register_autograd("torch_fa4::fwd", _backward, setup_context=_setup_context)
