@@ -18,20 +18,9 @@ wrap), naming (names for messages).
 
 from torch_fa4.mods.block_mask import BlockMask, as_block_mask, create_block_mask
 from torch_fa4.mods.index_bounds import ModIndexError
-from torch_fa4.mods.library import (
-    alibi,
-    alibi_slopes,
-    and_masks,
-    causal_mask,
-    chunked_mask,
-    document_ids_from_lengths,
-    document_mask,
-    or_masks,
-    prefix_lm_mask,
-    relative_bias,
-    sliding_window_mask,
-    softcap_score,
-)
+from torch_fa4.mods.library import (alibi, alibi_slopes, and_masks, causal_mask, chunked_mask,
+                                    document_ids_from_lengths, document_mask, or_masks, prefix_lm_mask,
+                                    relative_bias, sliding_window_mask, softcap_score)
 from torch_fa4.mods.prepare import prepare
 from torch_fa4.mods.trace import SUPPORTED_OPS_DOC, ModTraceError
 

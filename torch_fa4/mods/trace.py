@@ -16,18 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torch_fa4.mods.graph import (
-    AUX_DTYPE_KINDS,
-    BOOL,
-    FLOAT,
-    INPUT_KINDS,
-    INT,
-    MASK_INPUTS,
-    SCORE_INPUTS,
-    AuxSpec,
-    ModGraph,
-    Node,
-)
+from torch_fa4.mods.graph import (AUX_DTYPE_KINDS, BOOL, FLOAT, INPUT_KINDS, INT, MASK_INPUTS, SCORE_INPUTS, AuxSpec,
+                                  ModGraph, Node)
 
 SUPPORTED_OPS_DOC = (
     "arithmetic (+, -, *, /, unary -), comparisons (==, !=, <, <=, >, >=), "
