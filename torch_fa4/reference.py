@@ -23,10 +23,6 @@ from torch_fa4.call import AttentionCall, empty_laid_out_like
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @dataclass
 class _Segment:
     """One dense piece of work: a batch (or one varlen sequence) in (B, H, S, D) layout."""
@@ -39,7 +35,7 @@ class _Segment:
 
 def _segments(call: AttentionCall):
     """Yield (segment, q_slice) pairs covering the call; q_slice locates its rows in the output."""
-    cdt = _compute_dtype(call.q.dtype)
+    cdt = call.lse_dtype  # the compute dtype as well
     dev = call.q.device
 
     def to_bhsd(x):
@@ -88,19 +84,17 @@ class _ScoreBlock:
 
     def __init__(self, call: AttentionCall, seg: _Segment, q0: int, q1: int, k0: int, k1: int):
         self.call, self.seg = call, seg
-        sq, sk = seg.q.shape[2], seg.k.shape[2]
         dev = seg.q.device
         self.q_idx = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
         self.kv_idx = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
         self.h_idx = torch.arange(seg.q.shape[1], device=dev).view(1, -1, 1, 1)
-        self.visible = self._visibility(sq, sk)
+        self.visible = self._visibility(seg.q.shape[2], seg.k.shape[2])
 
     def raw_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return torch.matmul(q, k.transpose(-1, -2)) * self.call.scale
 
-    def modded_scores(self, raw: torch.Tensor) -> torch.Tensor:
+    def modded_scores(self, s: torch.Tensor) -> torch.Tensor:
         """softcap then score_mod."""
-        s = raw
         if self.call.softcap > 0:
             s = self.call.softcap * torch.tanh(s / self.call.softcap)
         return self._score_mod(s)
@@ -139,8 +133,7 @@ class _ScoreBlock:
     def _visibility(self, sq: int, sk: int) -> Optional[torch.Tensor]:
         call = self.call
         vis = None
-        offset = sk - sq  # bottom-right alignment
-        diag = self.q_idx + offset
+        diag = self.q_idx + (sk - sq)  # bottom-right alignment
         right = 0 if call.causal else call.window_right
         if call.causal or call.window_right >= 0:
             vis = self.kv_idx <= diag + right
@@ -149,8 +142,7 @@ class _ScoreBlock:
             vis = left if vis is None else vis & left
         mods = call.mods
         if mods is not None and mods.mask_graph is not None:
-            m = mods.mask_torch(self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, call.mask_aux)
-            m = m.to(torch.bool)
+            m = mods.mask_torch(self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, call.mask_aux).bool()
             vis = m if vis is None else vis & m
         return vis
 
@@ -225,10 +217,8 @@ def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: to
             seg_lse = lse[:, rows].unsqueeze(0)
         else:
             seg_lse = lse[rows : rows + 1]
-        gq, gk, gv = _backward_segment(call, seg, gseg.q, oseg.q, seg_lse.to(seg.q.dtype))
-        gq = gq.transpose(1, 2)
-        gk = gk.transpose(1, 2)
-        gv = gv.transpose(1, 2)
+        grads = _backward_segment(call, seg, gseg.q, oseg.q, seg_lse.to(seg.q.dtype))
+        gq, gk, gv = (g.transpose(1, 2) for g in grads)
         if rows is None:
             dq.copy_(gq)
             dk.copy_(gk)
@@ -268,9 +258,8 @@ def _backward_segment(call: AttentionCall, seg: _Segment, dout, out, lse):
             p = torch.exp(blk.masked(s) - lse[:, :, q0:q1].unsqueeze(-1))
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do)
             dp = torch.matmul(do, v[:, :, k0:k1].transpose(-1, -2))
-            ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
-            ds = score_vjp(ds)  # chain rule through score_mod and softcap, elementwise
-            ds = ds * call.scale
+            # chain rule through score_mod and softcap, elementwise
+            ds = score_vjp(p * (dp - delta[:, :, q0:q1].unsqueeze(-1))) * call.scale
             dq[:, :, q0:q1] += torch.matmul(ds, k[:, :, k0:k1])
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q)
     if H != Hkv:  # GQA: sum the gradients of the query heads that share a KV head
