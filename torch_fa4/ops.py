@@ -55,13 +55,8 @@ def fwd_impl(q, k, v, *rest):
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, *rest):
-    out = empty_laid_out_like(q, (*q.shape[:-1], v.shape[-1]))
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
-    else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
-    return out, lse
+    call = AttentionCall(q, k, v, scale=0.0, cu_seqlens_q=cu_seqlens_q)  # for its shapes and dtypes
+    return empty_laid_out_like(q, call.out_shape()), q.new_empty(call.lse_shape(), dtype=call.lse_dtype)
 
 
 @torch.library.custom_op("torch_fa4::bwd", mutates_args=())

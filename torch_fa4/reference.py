@@ -160,12 +160,9 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         if rows is None:
             out.copy_(o)
             lse.copy_(l)
-        elif isinstance(rows, slice):
+        else:  # a varlen slice of total_q (lse (H, total_q)) or a dense batch index
             out[rows] = o[0]
-            lse[:, rows] = l[0]
-        else:
-            out[rows] = o[0]
-            lse[rows] = l[0]
+            lse[(slice(None), rows) if isinstance(rows, slice) else rows] = l[0]
     return out, lse
 
 

@@ -172,7 +172,7 @@ def _rebuild(desc: tuple, ph: list) -> Any:
         return tuple(items) if desc[1] == "tuple" else items
     if tag == "dict":
         return {k: _rebuild(d, ph) for k, d in desc[1:]}
-    if tag == "partial":  # rebuilt in _walk's order (func, args, keywords), so slots line up
+    if tag == "partial":
         _, func, args, kw = desc
         f = _rebuild(func, ph)
         return functools.partial(f, *[_rebuild(d, ph) for d in args], **{name: _rebuild(d, ph) for name, d in kw})
@@ -208,7 +208,7 @@ def _namespace(attrs: tuple, ph: list) -> types.SimpleNamespace:
 
 def _rebuild_function(desc: tuple, ph: list) -> types.FunctionType:
     _, code, module, name, cells, defaults, global_parts = desc
-    cell_values = [_rebuild(d, ph) for d in cells]  # in _walk_function's order: cells, defaults, globals
+    cell_values = [_rebuild(d, ph) for d in cells]
     default_values = None if defaults is None else tuple(_rebuild(d, ph) for d in defaults)
     mod = sys.modules.get(module) if module is not None else None
     fn_globals = dict(mod.__dict__) if mod is not None else {"__builtins__": __builtins__}

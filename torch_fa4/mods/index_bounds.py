@@ -50,7 +50,6 @@ class _GraphPlan:
     role: str
     graph: ModGraph
     aux_offset: int  # where this graph's captured tensors start in the call's list
-    loads: tuple[int, ...]  # loads with at least one index, in node order
     order: tuple[int, ...]  # the loads and every node an index depends on, in node order
     feeds: dict  # index-cone node -> (load, dimension) it first feeds, for messages
     value_slots: tuple[int, ...]  # slots of integer tensors whose values feed an index
@@ -87,7 +86,7 @@ def _graph_plan(key: str, role: str, graph: ModGraph, aux_offset: int) -> Option
     value_slots = sorted({graph.nodes[i].attr for i in feeds
                           if graph.nodes[i].op == "load" and graph.nodes[i].kind == INT})
     order = tuple(sorted(set(feeds) | set(loads)))
-    return _GraphPlan(key, role, graph, aux_offset, loads, order, feeds, tuple(value_slots))
+    return _GraphPlan(key, role, graph, aux_offset, order, feeds, tuple(value_slots))
 
 
 def _mods_plan(mods) -> _ModsPlan:

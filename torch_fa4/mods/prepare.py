@@ -2,12 +2,9 @@
 
 How this stays cheap in eager mode and graph-break free under torch.compile(fullgraph=True):
 
-1. `capture.collect(mod)` walks the mod's closure cells, the globals its code names, attributes of
-   a captured object / bound method's self, and functools.partial arguments. It returns a `desc`
-   (a tuple of Python constants: code objects, numbers, dtypes, ranks) and the captured tensors.
-   It is plain attribute access, so Dynamo traces it: the tensors become graph inputs (new values,
-   or a new closure over new tensors, never recompile) and each constant read gets a guard (a
-   closure over a different window size recompiles rather than reusing a stale key).
+1. `capture.collect(mod)` returns a `desc` (a tuple of Python constants: code objects, numbers,
+   dtypes, ranks) and the captured tensors, by plain attribute access that Dynamo traces: tensors
+   become graph inputs, constants get guards (capture.py).
 2. `_key_for_descs(score_desc, mask_desc)` is marked `torch.compiler.assume_constant_result`:
    Dynamo runs it once at trace time on the constant descs and bakes the returned key string into
    the graph. It rebuilds a callable from the desc alone (placeholder tensors), traces it into a
@@ -43,11 +40,11 @@ _LOCK = threading.Lock()
 def _assume_constant_result(fn):
     """`torch.compiler.assume_constant_result`, without importing torch._dynamo when nothing has.
 
-    That decorator imports Dynamo (~2 s on the 2-core CPU machine) only to set one attribute on
-    `fn`; importing this module is on the path of every kernel compile (the kernels' mod lowering
-    imports torch_fa4.mods.graph, which runs this package's __init__), so a plain first call paid
-    it. While Dynamo is not loaded, nothing can be tracing yet: setting the same attribute is
-    equivalent, and tests/test_mods_trace.py checks it against the real decorator."""
+    That decorator imports Dynamo (seconds) only to set one attribute on `fn`, and importing this
+    module is on the path of every kernel compile (the kernels' mod lowering imports
+    torch_fa4.mods.graph, which runs this package's __init__). While Dynamo is not loaded, nothing
+    can be tracing yet: setting the same attribute is equivalent (tests/test_mods_trace.py checks
+    it against the real decorator)."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True

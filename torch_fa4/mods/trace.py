@@ -129,33 +129,28 @@ class GraphBuilder:
             return self.add(op, (a.idx, b.idx), kind=INT)
         if a.kind == BOOL and b.kind == BOOL and op in ("eq", "ne"):
             return self.add(op, (a.idx, b.idx), kind=BOOL)
-        # numeric promotion: bool -> int -> float
         kind = FLOAT if FLOAT in (a.kind, b.kind) or op == "div" else INT
-        if kind == FLOAT:
-            a, b = self.unary("to_float", a), self.unary("to_float", b)
-        else:
-            a, b = self._to_int(a), self._to_int(b)
-        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
-            return self.add(op, (a.idx, b.idx), kind=BOOL)
-        return self.add(op, (a.idx, b.idx), kind=kind)
+        a, b = self._promoted(a, kind), self._promoted(b, kind)
+        return self.add(op, (a.idx, b.idx), kind=BOOL if op in ("eq", "ne", "lt", "le", "gt", "ge") else kind)
 
     def _to_int(self, v: "TraceValue") -> "TraceValue":
         if v.kind == BOOL:
             return self.add("where", (v.idx, self.value(1).idx, self.value(0).idx), kind=INT)
         return v
 
+    def _promoted(self, v: "TraceValue", kind: str) -> "TraceValue":
+        """v as `kind` (FLOAT or INT): numeric promotion, bool -> int -> float."""
+        return self.unary("to_float", v) if kind == FLOAT else self._to_int(v)
+
     def where(self, cond: Any, x: Any, y: Any) -> "TraceValue":
         c = self.value(cond)
         if c.kind != BOOL:
             raise ModTraceError("torch.where needs a boolean condition")
         a, b = self.value(x), self.value(y)
-        if a.kind == b.kind:
-            kind = a.kind
-        else:
+        if a.kind != b.kind:
             kind = FLOAT if FLOAT in (a.kind, b.kind) else INT
-            a = self.unary("to_float", a) if kind == FLOAT else self._to_int(a)
-            b = self.unary("to_float", b) if kind == FLOAT else self._to_int(b)
-        return self.add("where", (c.idx, a.idx, b.idx), kind=kind)
+            a, b = self._promoted(a, kind), self._promoted(b, kind)
+        return self.add("where", (c.idx, a.idx, b.idx), kind=a.kind)
 
     def clamp(self, x: Any, min: Any = None, max: Any = None) -> "TraceValue":
         v = self.value(x)
@@ -179,10 +174,6 @@ _UNARY_NAMES = {
     "sigmoid": "sigmoid", "logical_not": "not", "bitwise_not": "not", "invert": "not", "float": "to_float",
 }
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _func_name(func: Any) -> str:
-    return getattr(func, "__name__", repr(func))
 
 
 class TraceValue:
@@ -293,7 +284,7 @@ class TraceValue:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         g = next(a.g for a in _flat(args, kwargs) if isinstance(a, TraceValue))
-        name = _func_name(func)
+        name = getattr(func, "__name__", repr(func))
         if name == "__getitem__":
             tensor, index = args
             if not isinstance(tensor, torch.Tensor):
