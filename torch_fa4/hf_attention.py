@@ -3,16 +3,15 @@
 Models hand over query/key/value as (B, H, S, D) (keys and values possibly longer than the queries:
 a KV cache) and expect (B, Sq, H, Dv) back. The (B, S, H, D) views go to `torch_fa4.attention`
 without copies; GQA is native; `scaling`, logit softcapping (Gemma 2) and sliding windows
-(Mistral, Gemma 2/3) become attention arguments. Masks arrive from `hf_mask.fa4_mask`:
+(Mistral, Gemma 2/3) become attention arguments. Masks arrive from `hf_mask.fa4_mask` (whose
+docstring gives their convention):
 
-- None: every key is real. Dense call; causal is bottom-right aligned, so decoding (Sq = 1) and
-  chunked prefill against a longer cache need nothing more.
-- a (B, S) int32 tensor: document ids of packed sequences (several documents in one row, which
-  Transformers detects from position_ids): one variable-length sequence per document.
-- a (B, M) bool mask: keys beyond M are unwritten cache slots (a static cache): the keys are cut to
-  M (a view). If some of the M are padding, real queries and keys are gathered into
-  variable-length sequences (`cu_seqlens`), as flash-attn's own Transformers path does, and the
-  output is scattered back with zeros in padded query rows.
+- None: a dense call; causal is bottom-right aligned, so decoding (Sq = 1) and chunked prefill
+  against a longer cache need nothing more.
+- int32 document ids of packed sequences: one variable-length sequence per document.
+- a (B, M) bool mask: the keys are cut to M (a view). If some of the M are padding, real queries
+  and keys are gathered into variable-length sequences, as flash-attn's own Transformers path
+  does, and the output is scattered back with zeros in padded query rows.
 
 Anything else (dropout, attention sinks, a position bias, a dense 4-D mask) raises an error that
 names the feature.
