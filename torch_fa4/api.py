@@ -152,8 +152,7 @@ def _prepare_mods(score_mod, mask_mod):
         return "", []
     from torch_fa4.mods import prepare
 
-    mod_key, aux = prepare(score_mod, mask_mod)
-    return mod_key, list(aux)
+    return prepare(score_mod, mask_mod)
 
 
 def _check_aux_tensors(aux_tensors, device) -> None:

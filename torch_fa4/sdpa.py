@@ -1,19 +1,17 @@
 """Route `F.scaled_dot_product_attention`'s flash backend to torch_fa4 (opt-in).
 
 PyTorch (2.11 and later, `torch.nn.attention._registry`) keeps a registry of flash-attention
-providers: a provider registers a name and a function that installs its kernels into the dispatcher;
-`torch.nn.attention.activate_flash_attention_impl(name)` runs that function, and
-`restore_flash_attention_impl()` removes them again. Importing this module only registers the name
-"torch_fa4"; nothing changes until `enable()` (or `activate_flash_attention_impl("torch_fa4")`, or
-TORCH_FA4_SDPA=1 in the environment when torch_fa4 is imported).
+providers, each a name and a function that installs its kernels into the dispatcher
+(`activate_flash_attention_impl(name)` runs it, `restore_flash_attention_impl()` removes them).
+Importing this module only registers "torch_fa4"; nothing changes until `enable()` (or activating
+"torch_fa4" directly, or TORCH_FA4_SDPA=1 in the environment when torch_fa4 is imported).
 
 Once enabled, the CUDA kernels of `aten::_scaled_dot_product_flash_attention` and its backward (the
 ops SDPA's flash backend calls, eagerly and from torch.compile'd code alike) are replaced by the
-functions below. Each call is checked (`forward_reason` / `backward_reason`): a call torch_fa4's GPU
-kernels take runs on them, reading SDPA's (B, H, S, D) tensors as (B, S, H, D) views without copies;
-any other call (dropout, fp32, sm_80, a head dim the kernels lack, ...) runs exactly what PyTorch's
-own kernel runs, `aten::_flash_attention_forward` / `_backward`, so its results do not change.
-Only the CUDA dispatch key is touched: CPU behaviour never changes.
+functions below. A call torch_fa4's GPU kernels take (`forward_reason` / `backward_reason`) runs on
+them, reading SDPA's (B, H, S, D) tensors as (B, S, H, D) views without copies; any other call
+(dropout, fp32, sm_80, a head dim the kernels lack, ...) runs exactly what PyTorch's own kernel
+runs, `aten::_flash_attention_forward` / `_backward`. Only the CUDA dispatch key is touched.
 
 Both directions keep PyTorch's conventions (LSE (B, H, Sq) float32 in natural log, output strides
 of `empty_like(query)`, what the meta kernels promise torch.compile), so a forward run by one

@@ -10,16 +10,11 @@ How this stays cheap in eager mode and graph-break free under torch.compile(full
    the graph. It rebuilds a callable from the desc alone (placeholder tensors), traces it into a
    ModGraph, registers the ModSet and memoises desc -> key, so eager calls trace a mod once too.
 
-Because the trace depends only on `desc`, equal descs always mean equal graphs, whichever function
-object they came from.
-
 Closures created *inside* the compiled function: Dynamo does not expose their cells as
-attributes, so capture.py asks Dynamo for them at trace time (torch._dynamo.comptime, using
-Dynamo internals that carry no compatibility promise; tested in tests/test_mods_attention.py). If
-that ever stops working, a closure whose cells are all constants still works (Dynamo hands the
-function itself to `_key_for_descs`), and one capturing tensors can be written as
-`functools.partial(module_level_mod, tensor=...)` -- the torch_fa4.mods built-ins are partials --
-or be created outside the compiled function.
+attributes, so capture.py asks Dynamo for them at trace time (Dynamo internals without a
+compatibility promise; tested in tests/test_mods_attention.py). Should that stop working, closures
+over constants still work, and a mod capturing tensors can be a
+`functools.partial(module_level_mod, tensor=...)` (as the built-ins are) or be created outside.
 """
 
 from __future__ import annotations
