@@ -37,8 +37,7 @@ def _unsupported(what: str) -> ModTraceError:
 
 
 class GraphBuilder:
-    def __init__(self, role: str, captured: Sequence[torch.Tensor]):
-        self.role = role
+    def __init__(self, captured: Sequence[torch.Tensor]):
         self.nodes: list[Node] = []
         self._memo: dict[tuple, int] = {}  # common-subexpression elimination keeps graphs canonical
         self.captured = list(captured)
@@ -53,10 +52,6 @@ class GraphBuilder:
             self._memo[key] = idx
         return TraceValue(self, idx)
 
-    def kind(self, idx: int) -> str:
-        return self.nodes[idx].kind
-
-    # ---- operands ----------------------------------------------------------------------------
     def value(self, x: Any) -> "TraceValue":
         """Turn an operand (TraceValue, Python number, 0-d captured tensor) into a TraceValue."""
         if isinstance(x, TraceValue):
@@ -102,7 +97,6 @@ class GraphBuilder:
             args.append(v.idx)
         return self.add("load", tuple(args), attr=slot, kind=AUX_DTYPE_KINDS[str(tensor.dtype)])
 
-    # ---- ops ---------------------------------------------------------------------------------
     def unary(self, op: str, x: Any) -> "TraceValue":
         v = self.value(x)
         if op == "not":
@@ -187,7 +181,7 @@ class TraceValue:
 
     @property
     def kind(self) -> str:
-        return self.g.kind(self.idx)
+        return self.g.nodes[self.idx].kind
 
     def __repr__(self) -> str:
         return f"TraceValue(%{self.idx}: {self.kind})"
@@ -221,7 +215,6 @@ class TraceValue:
     def __matmul__(self, other):
         raise _unsupported("@ (matmul)")
 
-    # arithmetic
     def __add__(self, o): return self.g.binary("add", self, o)
     def __radd__(self, o): return self.g.binary("add", o, self)
     def __sub__(self, o): return self.g.binary("sub", self, o)
@@ -238,7 +231,6 @@ class TraceValue:
     def __pos__(self): return self
     def __abs__(self): return self.g.unary("abs", self)
 
-    # comparisons
     def __eq__(self, o): return self.g.binary("eq", self, o)  # type: ignore[override]
     def __ne__(self, o): return self.g.binary("ne", self, o)  # type: ignore[override]
     def __lt__(self, o): return self.g.binary("lt", self, o)
@@ -246,7 +238,6 @@ class TraceValue:
     def __gt__(self, o): return self.g.binary("gt", self, o)
     def __ge__(self, o): return self.g.binary("ge", self, o)
 
-    # logic on booleans
     def __and__(self, o): return self.g.binary("and", self, o)
     def __rand__(self, o): return self.g.binary("and", o, self)
     def __or__(self, o): return self.g.binary("or", self, o)
@@ -255,7 +246,6 @@ class TraceValue:
     def __rxor__(self, o): return self.g.binary("xor", o, self)
     def __invert__(self): return self.g.unary("not", self)
 
-    # tensor-like methods
     def exp(self): return self.g.unary("exp", self)
     def log(self): return self.g.unary("log", self)
     def tanh(self): return self.g.unary("tanh", self)
@@ -341,7 +331,7 @@ def _bind(args, kwargs, names):
 
 def trace_mod(fn: Callable, role: str, captured: Sequence[torch.Tensor]) -> ModGraph:
     """Trace `fn` as a score_mod (role "score") or mask_mod (role "mask")."""
-    g = GraphBuilder(role, captured)
+    g = GraphBuilder(captured)
     names = SCORE_INPUTS if role == "score" else MASK_INPUTS
     inputs = [g.add("input", attr=n, kind=INPUT_KINDS[n]) for n in names]
     result = fn(*inputs)
