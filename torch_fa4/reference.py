@@ -50,17 +50,9 @@ def _segments(call: AttentionCall):
     cu_k = call.cu_seqlens_k.tolist() if call.cu_seqlens_k is not None else None
     used = call.seqused_k.tolist() if call.seqused_k is not None else None
     for bi in range(call.batch):
-        if cu_q is not None:
-            rows = slice(cu_q[bi], cu_q[bi + 1])
-            q = call.q[rows].unsqueeze(0)
-        else:
-            rows = bi
-            q = call.q[bi : bi + 1]
-        if cu_k is not None:
-            k = call.k[cu_k[bi] : cu_k[bi + 1]].unsqueeze(0)
-            v = call.v[cu_k[bi] : cu_k[bi + 1]].unsqueeze(0)
-        else:
-            k, v = call.k[bi : bi + 1], call.v[bi : bi + 1]
+        rows = slice(cu_q[bi], cu_q[bi + 1]) if cu_q is not None else bi
+        keys = slice(cu_k[bi], cu_k[bi + 1]) if cu_k is not None else bi
+        q, k, v = call.q[rows].unsqueeze(0), call.k[keys].unsqueeze(0), call.v[keys].unsqueeze(0)
         if used is not None:
             k, v = k[:, : used[bi]], v[:, : used[bi]]
         b = torch.full((1, 1, 1, 1), bi, device=dev, dtype=torch.int64)
@@ -210,10 +202,8 @@ def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: to
     for bi, ((seg, rows), (gseg, _), (oseg, _)) in enumerate(segs):
         if rows is None:
             seg_lse = lse
-        elif isinstance(rows, slice):
-            seg_lse = lse[:, rows].unsqueeze(0)
-        else:
-            seg_lse = lse[rows : rows + 1]
+        else:  # varlen: lse is (H, total_q)
+            seg_lse = (lse[:, rows] if isinstance(rows, slice) else lse[rows]).unsqueeze(0)
         grads = _backward_segment(call, seg, gseg.q, oseg.q, seg_lse.to(seg.q.dtype))
         gq, gk, gv = (g.transpose(1, 2) for g in grads)
         if rows is None:
@@ -222,13 +212,10 @@ def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: to
             dv.copy_(gv)
             continue
         dq[rows] = gq[0].to(dq.dtype)  # rows: a varlen slice or a dense batch index
-        n = gk.shape[1]
-        if cu_k is not None:
-            dk[cu_k[bi] : cu_k[bi] + n] += gk[0].to(dk.dtype)
-            dv[cu_k[bi] : cu_k[bi] + n] += gv[0].to(dv.dtype)
-        else:
-            dk[bi, :n] += gk[0].to(dk.dtype)
-            dv[bi, :n] += gv[0].to(dv.dtype)
+        n = gk.shape[1]  # the keys used (seqused_k)
+        keys = slice(cu_k[bi], cu_k[bi] + n) if cu_k is not None else (bi, slice(0, n))
+        dk[keys] += gk[0].to(dk.dtype)
+        dv[keys] += gv[0].to(dv.dtype)
     return dq, dk, dv
 
 
