@@ -62,7 +62,7 @@ def attention(
     checks.check_max_seqlen(max_seqlen_q, max_seqlen_k)
     window_left, window_right = checks.check_scalars(scale, softcap, window_size)
     if causal:
-        window_right = 0 if window_right < 0 else min(window_right, 0)
+        window_right = 0  # causal bounds the right side at the diagonal (flash-attn's convention)
     if not torch.compiler.is_compiling():
         checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     if scale is None:

@@ -62,7 +62,12 @@ def _plain(*tensors) -> bool:
 def _tensors(rest) -> list:
     """The tensors among the op arguments after v: the captured tensors (rest[0]), the varlen
     offsets and seqused_k (rest[1:4]) and the block mask's (rest[4]); the others are scalars."""
-    return [*rest[0], *rest[4], *(t for t in rest[1:4] if t is not None)]
+    aux, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask = rest[:5]
+    found = [*aux, *block_mask]
+    for t in (cu_seqlens_q, cu_seqlens_k, seqused_k):
+        if t is not None:
+            found.append(t)
+    return found
 
 
 def route(q, k, v, rest) -> str:

@@ -47,10 +47,14 @@ def fwd(
                     mod_key, block_mask_q, block_mask_kv, deterministic)
 
 
-def fwd_impl(q, k, v, *rest):
+def fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+             max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+             block_mask_kv, deterministic):
     """The fwd op's body (eager_autograd calls it directly when nothing could intercept the op).
-    The last argument, deterministic, is only kept for the backward."""
-    return dispatch.forward(make_call(q, k, v, *rest[:-1]))
+    `deterministic` is kept for the backward. Explicit parameters: `*args` re-packing costs host time."""
+    return dispatch.forward(make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
+                                      max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
+                                      softcap, mod_key, block_mask_q, block_mask_kv))
 
 
 @fwd.register_fake
@@ -74,9 +78,14 @@ def bwd(
                     softcap, mod_key, block_mask_q, block_mask_kv, deterministic)
 
 
-def bwd_impl(dout, q, k, v, out, lse, *rest):
+def bwd_impl(dout, q, k, v, out, lse, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
+             max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key,
+             block_mask_q, block_mask_kv, deterministic):
     """The bwd op's body (eager_autograd calls it directly when nothing could intercept the op)."""
-    return dispatch.backward(make_call(q, k, v, *rest[:-1]), dout, out, lse, rest[-1])
+    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+                     max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+                     block_mask_kv)
+    return dispatch.backward(call, dout, out, lse, deterministic)
 
 
 @bwd.register_fake

@@ -58,7 +58,7 @@ def _walk(obj: Any, tensors: list, names: tuple, depth: int) -> tuple:
                 _walk_attrs(obj.__self__, code.co_names, tensors, depth + 1))
     if isinstance(obj, types.FunctionType):
         return _walk_function(obj, tensors, depth)
-    if isinstance(obj, (types.ModuleType, type, torch.dtype, types.BuiltinFunctionType)):
+    if isinstance(obj, _SHARED_GLOBAL_TYPES):
         return ("opaque", obj)  # modules (torch), classes, dtypes, builtins: fixed objects
     if isinstance(obj, torch.nn.Module):
         # A module a mod captures (`self` in `self.slopes[h]`) is where its data lives; calling a

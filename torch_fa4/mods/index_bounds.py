@@ -288,7 +288,8 @@ def check(mods, aux: Sequence[torch.Tensor], bounds: tuple[int, int, int, int]) 
 def check_call(call) -> None:
     """`check` for an AttentionCall, bounds from `call_bounds` (dispatch runs it before the
     reference or a kernel). On the path of every call with mods: a repeated call is a dict lookup."""
-    if call.mods is not None and (plan := _plan(call.mods)).graphs:
+    mods = call.mods
+    if mods is not None and (plan := _PLANS.get(mods.key) or _plan(mods)).graphs:
         _check(plan, call.aux_tensors, call_bounds(call))
 
 
@@ -311,7 +312,7 @@ def call_bounds(call) -> tuple[int, int, int, int]:
 def _check(plan: _ModsPlan, aux: Sequence[torch.Tensor], bounds: tuple) -> None:
     if len(aux) != plan.num_aux:
         raise ValueError(f"torch_fa4: the mods of key {plan.key} capture {plan.num_aux} tensors, got {len(aux)}")
-    ranges = tuple([_value_range(aux[i]) for i in plan.value_aux])
+    ranges = tuple([_value_range(aux[i]) for i in plan.value_aux]) if plan.value_aux else ()
     memo = (plan.key, bounds, ranges, *[t.shape for t in aux])
     if memo in _PASSED or min(bounds) <= 0:  # passed before with these shapes and value ranges / nothing runs
         return
