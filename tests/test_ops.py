@@ -119,7 +119,8 @@ def test_eager_function_matches_op_autograd(kw):
     # no autograd to record: the op is called directly
     with torch.no_grad():
         assert torch_fa4.attention(q, k, v, **kw).grad_fn is None
-    assert not eager_autograd.use_function(q.detach(), k.detach(), v.detach())
+    rest = ([], None, None, None, [], 9, 12, 0.25, False, -1, -1, 0.0, "", 128, 128, False)
+    assert eager_autograd.route(q.detach(), k.detach(), v.detach(), rest) != "function"
     # the lse output carries no gradient
     _, lse = torch_fa4.attention(q, k, v, return_lse=True, **kw)
     assert not lse.requires_grad
@@ -156,29 +157,29 @@ def test_eager_backward_shows_the_op_to_dispatch_modes():
 
 
 def test_eager_inference_skips_only_an_unobserved_op_entry():
-    """Eager calls with nothing to record run the fwd op's body directly (eager_autograd.direct);
+    """Eager calls with nothing to record run the fwd op's body directly (eager_autograd.route);
     the result equals the op's, and a dispatch mode, the meta device or an input that requires grad
     still go through the op."""
     from torch_fa4 import eager_autograd
 
     q, k, v = torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
     rest = ([], None, None, None, [], 9, 12, 0.25, True, -1, 0, 0.0, "", 128, 128, False)
-    assert eager_autograd.direct(q, k, v, rest)
+    assert eager_autograd.route(q, k, v, rest) == "direct"
     op_out, op_lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
     out, lse = torch_fa4.attention(q, k, v, causal=True, return_lse=True)
     assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
     with _record_ops() as mode:
-        assert not eager_autograd.direct(q, k, v, rest)
+        assert eager_autograd.route(q, k, v, rest) != "direct"
         seen = torch_fa4.attention(q, k, v, causal=True)
     assert any(name.startswith("torch_fa4.fwd") for name in mode.ops), mode.ops[:5]
     assert torch.equal(seen, out)
     meta = [t.to("meta") for t in (q, k, v)]
-    assert not eager_autograd.direct(*meta, rest)
+    assert eager_autograd.route(*meta, rest) != "direct"
     assert torch_fa4.attention(*meta, causal=True).shape == out.shape  # the op's fake kernel
     bias = torch.randn(4, requires_grad=True)
-    assert not eager_autograd.direct(q, k, v, ([bias], *rest[1:]))
+    assert eager_autograd.route(q, k, v, ([bias], *rest[1:])) != "direct"
     with torch.no_grad():
-        assert eager_autograd.direct(q, k, v, ([bias], *rest[1:]))
+        assert eager_autograd.route(q, k, v, ([bias], *rest[1:])) == "direct"
     # the API's one routing question: direct here, the Function once q records autograd
     assert eager_autograd.route(q, k, v, rest) == "direct"
     assert eager_autograd.route(q.requires_grad_(), k, v, rest) == "function"

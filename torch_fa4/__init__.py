@@ -20,13 +20,9 @@ __all__ = ["attention", "flex_attention", "create_block_mask", "BlockMask", "mod
 
 
 def __getattr__(name):
-    # Mods pull in torch.fx tracing and SDPA/HF glue pull in their own modules; load them on use.
-    if name in ("create_block_mask", "BlockMask"):
-        from torch_fa4 import mods
+    if name in ("create_block_mask", "BlockMask", "mods"):  # mods pull in their tracer: loaded on use
+        import importlib  # not `from torch_fa4 import mods`: that asks this __getattr__ for "mods" again
 
-        return getattr(mods, name)
-    if name == "mods":
-        import importlib
-
-        return importlib.import_module(f"torch_fa4.{name}")
+        mods = importlib.import_module("torch_fa4.mods")
+        return mods if name == "mods" else getattr(mods, name)
     raise AttributeError(f"module 'torch_fa4' has no attribute {name!r}")

@@ -2,13 +2,12 @@
 code as torch_fa4 itself.
 
 pyproject.toml maps it (package-dir) for regular and modern editable installs. Older installers
-(a legacy `setup.py develop`-style editable install, or a bare PYTHONPATH pointing at the
-repository) lose that mapping, so when the name does not resolve and the folder sits beside this
-package, register it by hand. A second checkout on PYTHONPATH (a git worktree, say) while another
-checkout is installed editable is the subtle case: its torch_fa4 comes from PYTHONPATH, but the
-editable install's finder answers for torch_fa4.kernels, so that checkout would run the other
-one's kernels without a word. The folder beside this package wins then. Never a top-level
-`kernels` module: that would shadow the `kernels` package Transformers imports.
+(a legacy `setup.py develop`-style editable install, a bare PYTHONPATH pointing at the repository)
+lose that mapping, so when the name does not resolve and the folder sits beside this package,
+register it by hand. That folder also wins over another checkout's editable install, whose finder
+would otherwise answer for torch_fa4.kernels when this checkout comes from PYTHONPATH (a git
+worktree, say) and run the other checkout's kernels without a word. Never a top-level `kernels`
+module: that would shadow the `kernels` package Transformers imports.
 """
 
 import importlib.util

@@ -57,14 +57,12 @@ def attention(
 
     Returns out, shaped like q with head dim Dv (and lse if return_lse).
     """
-    varlen_q = cu_seqlens_q is not None
-    varlen_k = cu_seqlens_k is not None
-    checks.check_qkv(q, k, v, varlen_q=varlen_q, varlen_k=varlen_k)
+    checks.check_qkv(q, k, v, varlen_q=cu_seqlens_q is not None, varlen_k=cu_seqlens_k is not None)
     checks.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
     checks.check_max_seqlen(max_seqlen_q, max_seqlen_k)
     window_left, window_right = checks.check_scalars(scale, softcap, window_size)
     if causal:
-        window_right = 0 if window_right < 0 else min(window_right, 0)
+        window_right = 0  # causal bounds the right side at the diagonal (flash-attn's convention)
     if not torch.compiler.is_compiling():
         checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     if scale is None:
@@ -74,8 +72,8 @@ def attention(
     mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
     _check_aux_tensors(aux_tensors, q.device)
 
-    max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q, seq_dim=1)
-    max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k, seq_dim=1)
+    max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q)
+    max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
     rest = (aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
             float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv,
             bool(deterministic))
@@ -127,11 +125,11 @@ def flex_attention(
     return result.transpose(1, 2)
 
 
-def _max_seqlen(given, cu_seqlens, t, seq_dim):
+def _max_seqlen(given, cu_seqlens, t):
     if given is not None:
         return int(given)
     if cu_seqlens is None:
-        return t.shape[seq_dim] if t.dim() == 4 else t.shape[0]
+        return t.shape[1] if t.dim() == 4 else t.shape[0]
     if cu_seqlens.numel() < 2:
         return 0
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
@@ -154,8 +152,7 @@ def _prepare_mods(score_mod, mask_mod):
         return "", []
     from torch_fa4.mods import prepare
 
-    mod_key, aux = prepare(score_mod, mask_mod)
-    return mod_key, list(aux)
+    return prepare(score_mod, mask_mod)
 
 
 def _check_aux_tensors(aux_tensors, device) -> None:

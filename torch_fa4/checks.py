@@ -34,8 +34,7 @@ def check_qkv(q, k, v, *, varlen_q: bool, varlen_k: bool) -> None:
         _fail(TypeError, f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         _fail(ValueError, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    want_q = 3 if varlen_q else 4
-    want_k = 3 if varlen_k else 4
+    want_q, want_k = (3 if varlen_q else 4), (3 if varlen_k else 4)
     layout_q = "(total_q, H, D) with cu_seqlens_q" if varlen_q else "(B, S, H, D)"
     layout_k = "(total_k, H_kv, D) with cu_seqlens_k" if varlen_k else "(B, S_k, H_kv, D)"
     if q.dim() != want_q:
@@ -126,7 +125,7 @@ def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen
         _check_cumulative("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     if seqused_k is not None:
         if cu_seqlens_k is not None:
-            cap = (cu_seqlens_k[1:] - cu_seqlens_k[:-1])
+            cap = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         else:
             cap = torch.full_like(seqused_k, k.shape[-3])
         if bool(((seqused_k < 0) | (seqused_k > cap)).any()):

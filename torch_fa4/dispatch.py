@@ -13,7 +13,6 @@ import functools
 import importlib
 import os
 import warnings
-from typing import Optional
 
 import torch
 
@@ -34,10 +33,6 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _arch_package(device: torch.device) -> Optional[str]:
-    return _ARCH_PACKAGES.get(capability(device)[0])
-
-
 _modules: dict[tuple[str, str], object] = {}
 
 
@@ -46,19 +41,13 @@ def _kernel_module(name: str, direction: str):
     once: this sits on every call's path."""
     key = (name, direction)
     if key not in _modules:
-        # The architecture package's forward lives in the package itself; its backward in `<pkg>.bwd`.
-        try:
+        try:  # the forward lives in the architecture package itself, the backward in `<pkg>.bwd`
             _modules[key] = importlib.import_module(name if direction == "forward" else name + ".bwd")
         except ModuleNotFoundError as e:
             if not e.name or not e.name.startswith(name):
                 raise
             _modules[key] = None
     return _modules[key]
-
-
-def _is_empty(call: AttentionCall) -> bool:
-    seq_k = call.k.shape[-3]
-    return call.q.numel() == 0 or seq_k == 0 or call.batch == 0
 
 
 def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
@@ -69,9 +58,9 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
     """
     if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
         return None
-    if call.q.device.type != "cuda" or _is_empty(call):
+    if call.q.device.type != "cuda" or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
         return None
-    name = _arch_package(call.q.device)
+    name = _ARCH_PACKAGES.get(capability(call.q.device)[0])
     if name is None:
         return None
     module = _kernel_module(name, direction)

@@ -4,14 +4,13 @@ The `torch_fa4::fwd` op carries its own autograd (ops.py, `register_autograd`), 
 torch.compile and direct op callers use. In eager mode that generic wrapper is costly on the host:
 because the op takes `list[Tensor]` arguments, torch wraps its autograd.Function to flatten and
 rebuild all 19 arguments through pytree on every forward and backward, and the bwd op's own entry
-and exit add more. On the GPU host one `autograd.grad` through it took ~570 us, of which the
-backward op call was ~220 us (benchmarks/NOTES.md, "the backward's fixed costs", 2026-11-22): at 1k
-tokens the host then fell behind the kernels.
+and exit add more; at 1k tokens the host fell behind the kernels (benchmarks/NOTES.md, "the
+backward's fixed costs").
 
 This Function saves the same tensors and runs the same forward (below autograd, so its wrapper is
 not entered); its backward runs the bwd op's implementation directly unless something could
 intercept the op (a dispatch mode, a tensor subclass), then the op itself. Eager calls with no
-autograd to record skip the fwd op's entry the same way (`direct`). Eager and compiled runs compute
+autograd to record skip the fwd op's entry the same way (`route`). Eager and compiled runs compute
 the same thing; only the bookkeeping differs.
 """
 
@@ -71,35 +70,14 @@ def _tensors(rest) -> list:
     return found
 
 
-def _traced() -> bool:
-    """Under torch.compile or a functorch transform: they must see the op itself."""
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-
-
-def direct(q, k, v, rest) -> bool:
-    """Whether an eager call may run the fwd op's body without the op's entry (~40 us of host time
-    on the CPU machine): no autograd to record (no input requires grad, or grad mode is off), not
-    under torch.compile or functorch, and nothing that could intercept the op (`_plain`)."""
-    return route(q, k, v, rest) == "direct"
-
-
-def use_function(q, k, v) -> bool:
-    """Whether this call goes through AttentionFunction: eager, with autograd to record. Under
-    torch.compile or functorch transforms the op's own autograd runs (they trace it)."""
-    return not _traced() and _records_autograd(q, k, v)
-
-
-def _records_autograd(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-
-
 def route(q, k, v, rest) -> str:
-    """How an eager API call reaches the fwd op, deciding `use_function` and `direct` at once
-    (this sits on every call's path): "function" (AttentionFunction), "direct" (the op's body) or
-    "op" (the op itself)."""
-    if _traced():
-        return "op"
-    if _records_autograd(q, k, v):
+    """How an eager API call reaches the fwd op (this sits on every call's path): "function"
+    (AttentionFunction: eager, with autograd to record), "direct" (the op's body, ~40 us less host
+    time: no autograd to record, and nothing that could intercept the op, `_plain`) or "op" (the op
+    itself: under torch.compile or functorch, which trace it, or when something could intercept)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return "op"  # they trace the op itself
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "function"
     extra = _tensors(rest)
     if torch.is_grad_enabled() and any(t.requires_grad for t in extra):

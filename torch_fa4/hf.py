@@ -18,42 +18,33 @@ import importlib.util
 import sys
 import threading
 import warnings
-from typing import Callable
 
 ATTN_IMPLEMENTATION = "fa4"
 
-# module that defines the interface -> function registering our half in it
-_ATTENTION_MODULE = "transformers.modeling_utils"
-_MASK_MODULE = "transformers.masking_utils"
+# module that defines an interface -> (the interface, where our entry for it lives)
+_ENTRIES = {
+    "transformers.modeling_utils": ("AttentionInterface", "torch_fa4.hf_attention", "fa4_attention_forward"),
+    "transformers.masking_utils": ("AttentionMaskInterface", "torch_fa4.hf_mask", "fa4_mask"),
+}
 
 
-def _register_attention(module) -> None:
-    from torch_fa4.hf_attention import fa4_attention_forward
-
-    module.AttentionInterface.register(ATTN_IMPLEMENTATION, fa4_attention_forward)
-
-
-def _register_mask(module) -> None:
-    from torch_fa4.hf_mask import fa4_mask
-
-    module.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, fa4_mask)
-
-
-_REGISTRARS: dict[str, Callable] = {_ATTENTION_MODULE: _register_attention, _MASK_MODULE: _register_mask}
+def _register_in(module) -> None:
+    interface, source, function = _ENTRIES[module.__name__]
+    getattr(module, interface).register(ATTN_IMPLEMENTATION, getattr(importlib.import_module(source), function))
 
 
 def register() -> None:
     """Register "fa4" now (imports Transformers)."""
-    for name, registrar in _REGISTRARS.items():
-        registrar(importlib.import_module(name))
+    for name in _ENTRIES:
+        _register_in(importlib.import_module(name))
 
 
 def is_registered() -> bool:
     """Whether "fa4" is in each interface Transformers has loaded, with the hook waiting for the
     others (False when Transformers is not loaded at all)."""
-    if _ATTENTION_MODULE not in sys.modules and _MASK_MODULE not in sys.modules:
+    if not any(name in sys.modules for name in _ENTRIES):
         return False
-    for name, interface in ((_ATTENTION_MODULE, "AttentionInterface"), (_MASK_MODULE, "AttentionMaskInterface")):
+    for name, (interface, _, _) in _ENTRIES.items():
         module = sys.modules.get(name)
         if module is not None:
             if ATTN_IMPLEMENTATION not in getattr(module, interface)._global_mapping:
@@ -65,25 +56,16 @@ def is_registered() -> bool:
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for the watched modules it asks the other finders, then makes the
-    loader call our registrar once the module has executed."""
+    loader register our entry once the module has executed."""
 
-    def __init__(self, registrars: dict[str, Callable]):
-        self._pending = dict(registrars)
+    def __init__(self, names: set[str]):
+        self.pending = set(names)
         self._lock = threading.Lock()
-
-    @property
-    def pending(self) -> set[str]:
-        return set(self._pending)
-
-    @property
-    def done(self) -> bool:
-        return not self._pending
 
     def find_spec(self, fullname, path=None, target=None):
         with self._lock:
-            registrar = self._pending.get(fullname)
-        if registrar is None:
-            return None
+            if fullname not in self.pending:
+                return None
         spec = None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -94,18 +76,18 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         with self._lock:
-            self._pending.pop(fullname, None)
+            self.pending.discard(fullname)
         run_module = spec.loader.exec_module
 
         def exec_module(module):
             run_module(module)
             try:
-                registrar(module)
+                _register_in(module)
             except Exception as e:  # never break the user's `import transformers`
                 warnings.warn(f'torch_fa4: could not register attn_implementation="fa4" with Transformers: {e!r}')
 
         spec.loader.exec_module = exec_module  # this loader instance serves this one module
-        if self.done and self in sys.meta_path:
+        if not self.pending and self in sys.meta_path:
             sys.meta_path.remove(self)
         return spec
 
@@ -119,20 +101,16 @@ def register_if_available() -> None:
     global _hook
     if importlib.util.find_spec("transformers") is None:
         return
-    pending = {}
-    for name, registrar in _REGISTRARS.items():
+    pending = set()
+    for name in _ENTRIES:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "__spec__", None) is not None and _finished(module):
-            registrar(module)
+        spec = getattr(module, "__spec__", None)
+        # a module in sys.modules may still be executing (we are imported from inside it)
+        if module is not None and spec is not None and not getattr(spec, "_initializing", False):
+            _register_in(module)
         else:
-            pending[name] = registrar
+            pending.add(name)
     if not pending or (_hook is not None and _hook in sys.meta_path):
         return
     _hook = _RegisterAfterImport(pending)
     sys.meta_path.insert(0, _hook)
-
-
-def _finished(module) -> bool:
-    # A module in sys.modules may still be executing (we are imported from inside it).
-    spec = module.__spec__
-    return not getattr(spec, "_initializing", False)

@@ -3,16 +3,15 @@
 Models hand over query/key/value as (B, H, S, D) (keys and values possibly longer than the queries:
 a KV cache) and expect (B, Sq, H, Dv) back. The (B, S, H, D) views go to `torch_fa4.attention`
 without copies; GQA is native; `scaling`, logit softcapping (Gemma 2) and sliding windows
-(Mistral, Gemma 2/3) become attention arguments. Masks arrive from `hf_mask.fa4_mask`:
+(Mistral, Gemma 2/3) become attention arguments. Masks arrive from `hf_mask.fa4_mask` (whose
+docstring gives their convention):
 
-- None: every key is real. Dense call; causal is bottom-right aligned, so decoding (Sq = 1) and
-  chunked prefill against a longer cache need nothing more.
-- a (B, S) int32 tensor: document ids of packed sequences (several documents in one row, which
-  Transformers detects from position_ids): one variable-length sequence per document.
-- a (B, M) bool mask: keys beyond M are unwritten cache slots (a static cache): the keys are cut to
-  M (a view). If some of the M are padding, real queries and keys are gathered into
-  variable-length sequences (`cu_seqlens`), as flash-attn's own Transformers path does, and the
-  output is scattered back with zeros in padded query rows.
+- None: a dense call; causal is bottom-right aligned, so decoding (Sq = 1) and chunked prefill
+  against a longer cache need nothing more.
+- int32 document ids of packed sequences: one variable-length sequence per document.
+- a (B, M) bool mask: the keys are cut to M (a view). If some of the M are padding, real queries
+  and keys are gathered into variable-length sequences, as flash-attn's own Transformers path
+  does, and the output is scattered back with zeros in padded query rows.
 
 Anything else (dropout, attention sinks, a position bias, a dense 4-D mask) raises an error that
 names the feature.
@@ -57,9 +56,8 @@ def _window(sliding_window: Optional[int], causal: bool) -> tuple[Optional[int],
         return (None, None)
     # Transformers' masks: causal layers see kv > q - w (w - 1 keys back, plus the diagonal);
     # bidirectional ones see |q - kv| <= w.
-    if causal:
-        return (int(sliding_window) - 1, 0)
-    return (int(sliding_window), int(sliding_window))
+    w = int(sliding_window)
+    return (w - 1, 0) if causal else (w, w)
 
 
 def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -71,9 +69,7 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if kwargs.get("output_attentions"):
         warnings.warn('attn_implementation="fa4" never materialises attention weights; they are returned as None',
                       stacklevel=2)
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     options = dict(scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
                    softcap=float(softcap or 0.0))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) views: no copies
@@ -118,11 +114,6 @@ def _packed_documents(q, k, v, doc_ids, options):
     starts[:, 1:] = doc_ids[:, 1:].to(q.device) != doc_ids[:, :-1].to(q.device)
     begin = torch.nonzero(starts.reshape(-1)).reshape(-1)
     cu_seqlens = torch.cat([begin, begin.new_tensor([b * s])]).to(torch.int32)
-    return _varlen_flat(q, k, v, cu_seqlens, options)
-
-
-def _varlen_flat(q, k, v, cu_seqlens, options):
-    b, s = q.shape[:2]
     flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
     out = torch_fa4.attention(*flat, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, **options)
     return out.reshape(b, s, *out.shape[1:])

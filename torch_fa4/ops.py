@@ -16,23 +16,20 @@ from torch_fa4 import dispatch
 from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 
-def _resolve_mods(mod_key: str):
-    if not mod_key:
-        return None
-    from torch_fa4.mods import registry
-
-    return registry.lookup(mod_key)
-
-
 def make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
               max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
               block_mask_kv) -> AttentionCall:
+    mods = None
+    if mod_key:
+        from torch_fa4.mods import registry
+
+        mods = registry.lookup(mod_key)
     return AttentionCall(
         q=q, k=k, v=v, scale=scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mod_key=mod_key,
-        mods=_resolve_mods(mod_key), aux_tensors=tuple(aux_tensors), block_mask=tuple(block_mask),
-        block_mask_q=block_mask_q, block_mask_kv=block_mask_kv,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mod_key=mod_key, mods=mods,
+        aux_tensors=tuple(aux_tensors), block_mask=tuple(block_mask), block_mask_q=block_mask_q,
+        block_mask_kv=block_mask_kv,
     )
 
 
@@ -44,8 +41,7 @@ def fwd(
     window_right: int, softcap: float, mod_key: str, block_mask_q: int, block_mask_kv: int,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like).
-    `deterministic` is kept for the backward."""
+    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like)."""
     return fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
                     mod_key, block_mask_q, block_mask_kv, deterministic)
@@ -54,24 +50,17 @@ def fwd(
 def fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
              max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
              block_mask_kv, deterministic):
-    """The fwd op's body (eager_autograd calls it directly when nothing could intercept the op)."""
-    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
-                     mod_key, block_mask_q, block_mask_kv)
-    return dispatch.forward(call)
+    """The fwd op's body (eager_autograd calls it directly when nothing could intercept the op).
+    `deterministic` is kept for the backward. Explicit parameters: `*args` re-packing costs host time."""
+    return dispatch.forward(make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
+                                      max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
+                                      softcap, mod_key, block_mask_q, block_mask_kv))
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
-              max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
-              block_mask_kv, deterministic):
-    out = empty_laid_out_like(q, (*q.shape[:-1], v.shape[-1]))
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
-    else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
-    return out, lse
+def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, *rest):
+    call = AttentionCall(q, k, v, scale=0.0, cu_seqlens_q=cu_seqlens_q)  # for its shapes and dtypes
+    return empty_laid_out_like(q, call.out_shape()), q.new_empty(call.lse_shape(), dtype=call.lse_dtype)
 
 
 @torch.library.custom_op("torch_fa4::bwd", mutates_args=())
@@ -93,9 +82,9 @@ def bwd_impl(dout, q, k, v, out, lse, aux_tensors, cu_seqlens_q, cu_seqlens_k, s
              max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key,
              block_mask_q, block_mask_kv, deterministic):
     """The bwd op's body (eager_autograd calls it directly when nothing could intercept the op)."""
-    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-                     max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
-                     mod_key, block_mask_q, block_mask_kv)
+    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+                     max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+                     block_mask_kv)
     return dispatch.backward(call, dout, out, lse, deterministic)
 
 
@@ -114,12 +103,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
     # The API returns LSE detached, so no gradient reaches it through torch_fa4's public functions.
-    rest = ctx.rest
-    dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out.contiguous(), q, k, v, out, lse, *rest)
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.rest)
     # Autograd wants one entry per input with the input's structure: lists get lists of None.
-    return (dq, dk, dv) + tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in rest)
+    return (dq, dk, dv) + tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in ctx.rest)
 
 
 torch.library.register_autograd("torch_fa4::fwd", _backward, setup_context=_setup_context)

@@ -12,14 +12,6 @@ copy and readers never see half of one. `sha256_file` lets callers record what t
 it before loading it again: a truncated or replaced file is refused. The folder's ownership is what
 keeps a checked file from being swapped between the check and the load: only this user can rename
 files in it.
-
-For comparison: pip disables its cache with a warning when the cache folder is not owned by the
-current user (the `sudo pip` case), and checks downloads against hashes only when asked to. Triton
-and PyTorch's inductor name cached kernels by a hash of their inputs and write them atomically
-through a temporary file and a rename, inductor by default in a per-user folder under the shared
-/tmp; neither checks, before loading a cached library, who owns it or its folder, nor that its
-bytes are still the ones written. This module does all three: atomic writes, pip's ownership check
-and bypass (per entry as well as per folder), and a content hash verified before every first load.
 """
 
 from __future__ import annotations
@@ -81,29 +73,25 @@ def _dir_fix(path: Path, reason: str) -> str:
             "or set TORCH_FA4_CACHE_DIR to a folder of your own.")
 
 
-def trusted_dir(path: Path) -> bool:
-    """Whether the folder exists and is private to this user; warns once if it exists but is not."""
+def _trusted(path: Path, fix) -> bool:
     try:
         reason = untrusted_reason(path)
     except OSError:
         return False
     if reason is not None:
-        warn_once(path, reason, _dir_fix(path, reason))
-        return False
-    return True
+        warn_once(path, reason, fix(reason))
+    return reason is None
+
+
+def trusted_dir(path: Path) -> bool:
+    """Whether the folder exists and is private to this user; warns once if it exists but is not."""
+    return _trusted(path, lambda reason: _dir_fix(path, reason))
 
 
 def trusted_file(path: Path) -> bool:
     """Whether the file exists and is private to this user (call after trusted_dir on its folder);
     warns once if it exists but is not."""
-    try:
-        reason = untrusted_reason(path)
-    except OSError:
-        return False
-    if reason is not None:
-        warn_once(path, reason, f"It is ignored and rebuilt; `rm {path}` clears it.")
-        return False
-    return True
+    return _trusted(path, lambda reason: f"It is ignored and rebuilt; `rm {path}` clears it.")
 
 
 def make_private_dir(path: Path) -> bool:
@@ -146,14 +134,12 @@ def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
 
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest() if hasattr(hashlib, "file_digest") else _sha256_chunks(f)
-
-
-def _sha256_chunks(f) -> str:
-    h = hashlib.sha256()
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-        h.update(chunk)
-    return h.hexdigest()
+        if hasattr(hashlib, "file_digest"):
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()  # Python 3.10
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+        return h.hexdigest()
 
 
 def matches_sha256(path: Path, expected: object, recorded_in: Path) -> bool:

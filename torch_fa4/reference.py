@@ -23,10 +23,6 @@ from torch_fa4.call import AttentionCall, empty_laid_out_like
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @dataclass
 class _Segment:
     """One dense piece of work: a batch (or one varlen sequence) in (B, H, S, D) layout."""
@@ -39,7 +35,7 @@ class _Segment:
 
 def _segments(call: AttentionCall):
     """Yield (segment, q_slice) pairs covering the call; q_slice locates its rows in the output."""
-    cdt = _compute_dtype(call.q.dtype)
+    cdt = call.lse_dtype  # the compute dtype as well
     dev = call.q.device
 
     def to_bhsd(x):
@@ -54,17 +50,9 @@ def _segments(call: AttentionCall):
     cu_k = call.cu_seqlens_k.tolist() if call.cu_seqlens_k is not None else None
     used = call.seqused_k.tolist() if call.seqused_k is not None else None
     for bi in range(call.batch):
-        if cu_q is not None:
-            rows = slice(cu_q[bi], cu_q[bi + 1])
-            q = call.q[rows].unsqueeze(0)
-        else:
-            rows = bi
-            q = call.q[bi : bi + 1]
-        if cu_k is not None:
-            k = call.k[cu_k[bi] : cu_k[bi + 1]].unsqueeze(0)
-            v = call.v[cu_k[bi] : cu_k[bi + 1]].unsqueeze(0)
-        else:
-            k, v = call.k[bi : bi + 1], call.v[bi : bi + 1]
+        rows = slice(cu_q[bi], cu_q[bi + 1]) if cu_q is not None else bi
+        keys = slice(cu_k[bi], cu_k[bi + 1]) if cu_k is not None else bi
+        q, k, v = call.q[rows].unsqueeze(0), call.k[keys].unsqueeze(0), call.v[keys].unsqueeze(0)
         if used is not None:
             k, v = k[:, : used[bi]], v[:, : used[bi]]
         b = torch.full((1, 1, 1, 1), bi, device=dev, dtype=torch.int64)
@@ -88,19 +76,17 @@ class _ScoreBlock:
 
     def __init__(self, call: AttentionCall, seg: _Segment, q0: int, q1: int, k0: int, k1: int):
         self.call, self.seg = call, seg
-        sq, sk = seg.q.shape[2], seg.k.shape[2]
         dev = seg.q.device
         self.q_idx = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
         self.kv_idx = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
         self.h_idx = torch.arange(seg.q.shape[1], device=dev).view(1, -1, 1, 1)
-        self.visible = self._visibility(sq, sk)
+        self.visible = self._visibility(seg.q.shape[2], seg.k.shape[2])
 
     def raw_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return torch.matmul(q, k.transpose(-1, -2)) * self.call.scale
 
-    def modded_scores(self, raw: torch.Tensor) -> torch.Tensor:
+    def modded_scores(self, s: torch.Tensor) -> torch.Tensor:
         """softcap then score_mod."""
-        s = raw
         if self.call.softcap > 0:
             s = self.call.softcap * torch.tanh(s / self.call.softcap)
         return self._score_mod(s)
@@ -139,8 +125,7 @@ class _ScoreBlock:
     def _visibility(self, sq: int, sk: int) -> Optional[torch.Tensor]:
         call = self.call
         vis = None
-        offset = sk - sq  # bottom-right alignment
-        diag = self.q_idx + offset
+        diag = self.q_idx + (sk - sq)  # bottom-right alignment
         right = 0 if call.causal else call.window_right
         if call.causal or call.window_right >= 0:
             vis = self.kv_idx <= diag + right
@@ -149,8 +134,7 @@ class _ScoreBlock:
             vis = left if vis is None else vis & left
         mods = call.mods
         if mods is not None and mods.mask_graph is not None:
-            m = mods.mask_torch(self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, call.mask_aux)
-            m = m.to(torch.bool)
+            m = mods.mask_torch(self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, call.mask_aux).bool()
             vis = m if vis is None else vis & m
         return vis
 
@@ -168,12 +152,9 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         if rows is None:
             out.copy_(o)
             lse.copy_(l)
-        elif isinstance(rows, slice):
+        else:  # a varlen slice of total_q (lse (H, total_q)) or a dense batch index
             out[rows] = o[0]
-            lse[:, rows] = l[0]
-        else:
-            out[rows] = o[0]
-            lse[rows] = l[0]
+            lse[(slice(None), rows) if isinstance(rows, slice) else rows] = l[0]
     return out, lse
 
 
@@ -221,27 +202,20 @@ def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: to
     for bi, ((seg, rows), (gseg, _), (oseg, _)) in enumerate(segs):
         if rows is None:
             seg_lse = lse
-        elif isinstance(rows, slice):
-            seg_lse = lse[:, rows].unsqueeze(0)
-        else:
-            seg_lse = lse[rows : rows + 1]
-        gq, gk, gv = _backward_segment(call, seg, gseg.q, oseg.q, seg_lse.to(seg.q.dtype))
-        gq = gq.transpose(1, 2)
-        gk = gk.transpose(1, 2)
-        gv = gv.transpose(1, 2)
+        else:  # varlen: lse is (H, total_q)
+            seg_lse = (lse[:, rows] if isinstance(rows, slice) else lse[rows]).unsqueeze(0)
+        grads = _backward_segment(call, seg, gseg.q, oseg.q, seg_lse.to(seg.q.dtype))
+        gq, gk, gv = (g.transpose(1, 2) for g in grads)
         if rows is None:
             dq.copy_(gq)
             dk.copy_(gk)
             dv.copy_(gv)
             continue
         dq[rows] = gq[0].to(dq.dtype)  # rows: a varlen slice or a dense batch index
-        n = gk.shape[1]
-        if cu_k is not None:
-            dk[cu_k[bi] : cu_k[bi] + n] += gk[0].to(dk.dtype)
-            dv[cu_k[bi] : cu_k[bi] + n] += gv[0].to(dv.dtype)
-        else:
-            dk[bi, :n] += gk[0].to(dk.dtype)
-            dv[bi, :n] += gv[0].to(dv.dtype)
+        n = gk.shape[1]  # the keys used (seqused_k)
+        keys = slice(cu_k[bi], cu_k[bi] + n) if cu_k is not None else (bi, slice(0, n))
+        dk[keys] += gk[0].to(dk.dtype)
+        dv[keys] += gv[0].to(dv.dtype)
     return dq, dk, dv
 
 
@@ -268,9 +242,8 @@ def _backward_segment(call: AttentionCall, seg: _Segment, dout, out, lse):
             p = torch.exp(blk.masked(s) - lse[:, :, q0:q1].unsqueeze(-1))
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do)
             dp = torch.matmul(do, v[:, :, k0:k1].transpose(-1, -2))
-            ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
-            ds = score_vjp(ds)  # chain rule through score_mod and softcap, elementwise
-            ds = ds * call.scale
+            # chain rule through score_mod and softcap, elementwise
+            ds = score_vjp(p * (dp - delta[:, :, q0:q1].unsqueeze(-1))) * call.scale
             dq[:, :, q0:q1] += torch.matmul(ds, k[:, :, k0:k1])
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q)
     if H != Hkv:  # GQA: sum the gradients of the query heads that share a KV head

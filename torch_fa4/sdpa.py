@@ -1,19 +1,17 @@
 """Route `F.scaled_dot_product_attention`'s flash backend to torch_fa4 (opt-in).
 
 PyTorch (2.11 and later, `torch.nn.attention._registry`) keeps a registry of flash-attention
-providers: a provider registers a name and a function that installs its kernels into the dispatcher;
-`torch.nn.attention.activate_flash_attention_impl(name)` runs that function, and
-`restore_flash_attention_impl()` removes them again. Importing this module only registers the name
-"torch_fa4"; nothing changes until `enable()` (or `activate_flash_attention_impl("torch_fa4")`, or
-TORCH_FA4_SDPA=1 in the environment when torch_fa4 is imported).
+providers, each a name and a function that installs its kernels into the dispatcher
+(`activate_flash_attention_impl(name)` runs it, `restore_flash_attention_impl()` removes them).
+Importing this module only registers "torch_fa4"; nothing changes until `enable()` (or activating
+"torch_fa4" directly, or TORCH_FA4_SDPA=1 in the environment when torch_fa4 is imported).
 
 Once enabled, the CUDA kernels of `aten::_scaled_dot_product_flash_attention` and its backward (the
 ops SDPA's flash backend calls, eagerly and from torch.compile'd code alike) are replaced by the
-functions below. Each call is checked (`forward_reason` / `backward_reason`): a call torch_fa4's GPU
-kernels take runs on them, reading SDPA's (B, H, S, D) tensors as (B, S, H, D) views without copies;
-any other call (dropout, fp32, sm_80, a head dim the kernels lack, ...) runs exactly what PyTorch's
-own kernel runs, `aten::_flash_attention_forward` / `_backward`, so its results do not change.
-Only the CUDA dispatch key is touched: CPU behaviour never changes.
+functions below. A call torch_fa4's GPU kernels take (`forward_reason` / `backward_reason`) runs on
+them, reading SDPA's (B, H, S, D) tensors as (B, S, H, D) views without copies; any other call
+(dropout, fp32, sm_80, a head dim the kernels lack, ...) runs exactly what PyTorch's own kernel
+runs, `aten::_flash_attention_forward` / `_backward`. Only the CUDA dispatch key is touched.
 
 Both directions keep PyTorch's conventions (LSE (B, H, Sq) float32 in natural log, output strides
 of `empty_like(query)`, what the meta kernels promise torch.compile), so a forward run by one
@@ -31,20 +29,18 @@ from typing import Optional
 
 import torch
 
+from torch_fa4.checks import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+
 SDPA_IMPL_NAME = "torch_fa4"
 ENV_VAR = "TORCH_FA4_SDPA"
 
 # Compute-capability majors torch_fa4 has kernels for: 9 = Hopper (sm_90), 10 = Blackwell (sm_100).
 SUPPORTED_MAJORS = (9, 10)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
-HEAD_DIM_MULTIPLE = 8
 
 
-# ----------------------------------------------------------------------------------------------
-# Routing: which calls torch_fa4 takes. Pure functions of tensor metadata, so they are unit-tested
-# on CPU; `forward_reason` / `backward_reason` add the device and kernel checks.
-# ----------------------------------------------------------------------------------------------
+# ---- Routing: which calls torch_fa4 takes. Pure functions of tensor metadata (unit-tested on CPU);
+# `forward_reason` / `backward_reason` add the device and kernel checks.
 
 
 def input_reason(query, key, value, dropout_p: float = 0.0, return_debug_mask: bool = False) -> Optional[str]:
@@ -53,8 +49,7 @@ def input_reason(query, key, value, dropout_p: float = 0.0, return_debug_mask: b
         return f"dropout_p={dropout_p} (torch_fa4 has no dropout)"
     if return_debug_mask:
         return "return_debug_mask=True"
-    tensors = (("query", query), ("key", key), ("value", value))
-    for name, t in tensors:
+    for name, t in (("query", query), ("key", key), ("value", value)):
         if t is None or t.dim() != 4:
             return f"{name} is not a dense 4-D (B, H, S, D) tensor"
         if t.is_nested:
@@ -150,9 +145,7 @@ def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, 
     return _kernel_reason(q, k, v, _op_args(q, k, v, scale, is_causal), "backward")
 
 
-# ----------------------------------------------------------------------------------------------
-# The two kernels installed into aten's CUDA dispatch key, and their halves.
-# ----------------------------------------------------------------------------------------------
+# ---- The two kernels installed into aten's CUDA dispatch key, and their halves.
 
 
 @functools.lru_cache(maxsize=256)
@@ -188,11 +181,9 @@ def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=Fal
                       deterministic=False):
     """torch_fa4's half of `_scaled_dot_product_flash_attention_backward`: (dq, dk, dv) shaped and
     strided like query, key, value."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     # (B, S, H, D) views of SDPA's tensors, whatever their memory order: the kernels read strided
     # dO and O (the backward copies only a layout its loads cannot take)
-    dout = grad_out.transpose(1, 2)
-    o = out.transpose(1, 2)
+    q, k, v, dout, o = (t.transpose(1, 2) for t in (query, key, value, grad_out, out))
     dq, dk, dv = torch.ops.torch_fa4.bwd(
         dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, v, scale, is_causal), bool(deterministic)
     )
@@ -235,9 +226,7 @@ def _routed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum
                              torch.are_deterministic_algorithms_enabled())
 
 
-# ----------------------------------------------------------------------------------------------
-# Installing and removing the kernels; the registry entry; enable() / disable().
-# ----------------------------------------------------------------------------------------------
+# ---- Installing and removing the kernels; the registry entry; enable() / disable().
 
 
 class _Installed:

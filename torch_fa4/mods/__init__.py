@@ -8,30 +8,13 @@ closures over tensors included. Each mod is traced once into a ModGraph (trace.p
 op set is `SUPPORTED_OPS_DOC`), keyed by a structural hash (registry.py), lowered to PyTorch for
 the reference path and the block-mask builder (lower_torch.py) and to CuTe DSL inside the kernels
 (torch_fa4.kernels.common.mod_lowering).
-
-Modules: graph (IR), trace (callable -> ModGraph), capture (what a mod captures), prepare (the API
-entry point, torch.compile friendly), registry (key -> ModSet), lower_torch, derivative
-(d score_mod / d score for backward), block_mask (tile classification), library (built-ins),
-index_bounds (the host check of captured-tensor indices), index_sign (which indices the kernels
-wrap), naming (names for messages).
 """
 
 from torch_fa4.mods.block_mask import BlockMask, as_block_mask, create_block_mask
 from torch_fa4.mods.index_bounds import ModIndexError
-from torch_fa4.mods.library import (
-    alibi,
-    alibi_slopes,
-    and_masks,
-    causal_mask,
-    chunked_mask,
-    document_ids_from_lengths,
-    document_mask,
-    or_masks,
-    prefix_lm_mask,
-    relative_bias,
-    sliding_window_mask,
-    softcap_score,
-)
+from torch_fa4.mods.library import (alibi, alibi_slopes, and_masks, causal_mask, chunked_mask,
+                                    document_ids_from_lengths, document_mask, or_masks, prefix_lm_mask,
+                                    relative_bias, sliding_window_mask, softcap_score)
 from torch_fa4.mods.prepare import prepare
 from torch_fa4.mods.trace import SUPPORTED_OPS_DOC, ModTraceError
 

@@ -37,8 +37,7 @@ class BlockMask:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        B, H = self.kv_num_blocks.shape[:2]
-        return (B, H, *self.seq_lengths)
+        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
 
     @property
     def B(self) -> int:
@@ -60,8 +59,7 @@ class BlockMask:
         return [self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices]
 
     def to(self, device) -> "BlockMask":
-        t = [x.to(device) for x in self.as_tensors()]
-        return BlockMask(*t, self.BLOCK_SIZE, self.mask_mod, self.seq_lengths)
+        return BlockMask(*[x.to(device) for x in self.as_tensors()], self.BLOCK_SIZE, self.mask_mod, self.seq_lengths)
 
     def tile_classes(self) -> torch.Tensor:
         """(B, H, nq, nkv) int8: 0 empty, 1 partial, 2 full (for inspection and tests)."""
@@ -76,8 +74,7 @@ class BlockMask:
 
     def sparsity(self) -> float:
         """Percentage of tiles skipped."""
-        classes = self.tile_classes()
-        return 100.0 * float((classes == 0).float().mean())
+        return 100.0 * float((self.tile_classes() == 0).float().mean())
 
     def __repr__(self) -> str:
         return (f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
@@ -216,10 +213,8 @@ def create_block_mask(
         any_, all_ = torch.broadcast_to(any_, shape), torch.broadcast_to(all_, shape)
     else:
         any_, all_ = _evaluate_tiles(mods, aux, Bn, Hn, Q_LEN, KV_LEN, bq, bkv, device)
-    full = any_ & all_
-    partial = any_ & ~all_
-    kv_num, kv_idx = _compress(partial)
-    full_num, full_idx = _compress(full)
+    kv_num, kv_idx = _compress(any_ & ~all_)  # partial tiles
+    full_num, full_idx = _compress(any_ & all_)
     return BlockMask(kv_num, kv_idx, full_num, full_idx, (bq, bkv), mask_mod, (int(Q_LEN), int(KV_LEN)))
 
 
@@ -227,11 +222,9 @@ def as_block_mask(block_mask) -> BlockMask:
     """Accept a torch_fa4 BlockMask or torch's own flex_attention BlockMask."""
     if isinstance(block_mask, BlockMask):
         return block_mask
-    try:
-        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
-    except ImportError:  # pragma: no cover
-        TorchBlockMask = None
-    if TorchBlockMask is not None and isinstance(block_mask, TorchBlockMask):
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    if isinstance(block_mask, TorchBlockMask):
         kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
         full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
         if full_num is None:  # torch built it without full blocks: every visited tile is partial

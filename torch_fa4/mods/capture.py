@@ -29,8 +29,7 @@ _SHARED_GLOBAL_TYPES = (types.ModuleType, type, types.BuiltinFunctionType, torch
 
 def collect(fn: Any) -> tuple[tuple, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
-    desc = _walk(fn, tensors, (), 0)
-    return desc, tensors
+    return _walk(fn, tensors, (), 0), tensors
 
 
 def _walk(obj: Any, tensors: list, names: tuple, depth: int) -> tuple:
@@ -59,7 +58,7 @@ def _walk(obj: Any, tensors: list, names: tuple, depth: int) -> tuple:
                 _walk_attrs(obj.__self__, code.co_names, tensors, depth + 1))
     if isinstance(obj, types.FunctionType):
         return _walk_function(obj, tensors, depth)
-    if isinstance(obj, (types.ModuleType, type, torch.dtype, types.BuiltinFunctionType)):
+    if isinstance(obj, _SHARED_GLOBAL_TYPES):
         return ("opaque", obj)  # modules (torch), classes, dtypes, builtins: fixed objects
     if isinstance(obj, torch.nn.Module):
         # A module a mod captures (`self` in `self.slopes[h]`) is where its data lives; calling a
@@ -94,17 +93,13 @@ def _walk_function(fn: types.FunctionType, tensors: list, depth: int) -> tuple:
         values = [c.cell_contents for c in fn.__closure__] if code.co_freevars else []
     cells = tuple(_walk(v, tensors, names, depth + 1) for v in values)
     defaults = fn.__defaults__
-    defaults_desc = None
-    if defaults is not None:
-        defaults_desc = tuple(_walk(d, tensors, names, depth + 1) for d in defaults)
+    defaults_desc = None if defaults is None else tuple(_walk(d, tensors, names, depth + 1) for d in defaults)
     global_parts = []
     for name in names:
-        if name in fn_globals:
-            value = fn_globals[name]
-            # modules (torch, math), classes and builtins are fixed objects the rebuilt function can
-            # share; anything else may hold tensors or constants the trace depends on
-            if not isinstance(value, _SHARED_GLOBAL_TYPES):
-                global_parts.append((name, _walk(value, tensors, names, depth + 1)))
+        # modules (torch, math), classes and builtins are fixed objects the rebuilt function can
+        # share; anything else may hold tensors or constants the trace depends on
+        if name in fn_globals and not isinstance(fn_globals[name], _SHARED_GLOBAL_TYPES):
+            global_parts.append((name, _walk(fn_globals[name], tensors, names, depth + 1)))
     return ("function", code, module, fn.__name__, cells, defaults_desc, tuple(global_parts))
 
 
@@ -139,11 +134,8 @@ def _nested_function_under_dynamo(fn: types.FunctionType):
 
 
 def _walk_attrs(obj: Any, names: tuple, tensors: list, depth: int) -> tuple:
-    parts = []
-    for name in names:
-        if _has_instance_attr(obj, name):
-            parts.append((name, _walk(getattr(obj, name), tensors, names, depth + 1)))
-    return tuple(parts)
+    return tuple((name, _walk(getattr(obj, name), tensors, names, depth + 1))
+                 for name in names if _has_instance_attr(obj, name))
 
 
 def _has_instance_attr(obj: Any, name: str) -> bool:
@@ -183,17 +175,12 @@ def _rebuild(desc: tuple, ph: list) -> Any:
     if tag == "partial":
         _, func, args, kw = desc
         f = _rebuild(func, ph)
-        a = [_rebuild(d, ph) for d in args]
-        k = {name: _rebuild(d, ph) for name, d in kw}
-        return functools.partial(f, *a, **k)
+        return functools.partial(f, *[_rebuild(d, ph) for d in args], **{name: _rebuild(d, ph) for name, d in kw})
     if tag == "method":
-        _, func, attrs = desc
-        f = _rebuild(func, ph)
-        return types.MethodType(f, _namespace(attrs, ph))
+        f = _rebuild(desc[1], ph)
+        return types.MethodType(f, _namespace(desc[2], ph))
     if tag == "function":
         return _rebuild_function(desc, ph)
-    if tag == "function_object":
-        return desc[1]
     if tag == "opaque":
         return desc[1]
     if tag == "callable":

@@ -20,7 +20,7 @@ from torch_fa4.mods.trace import GraphBuilder, _drop_dead_nodes
 def score_derivative(graph: ModGraph) -> ModGraph:
     if graph.role != "score":
         raise ValueError("only a score_mod graph has a derivative with respect to the score")
-    g = GraphBuilder("score_grad", [])
+    g = GraphBuilder([])
     new: list[int] = []  # original node -> node in g
     for n in graph.nodes:
         new.append(g.add(n.op, tuple(new[a] for a in n.args), n.attr, n.kind).idx)

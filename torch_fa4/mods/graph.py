@@ -13,7 +13,6 @@ kernels; index values), or "bool".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import operator
@@ -77,9 +76,7 @@ def _const_to_json(value: Any) -> Any:
 
 
 def _const_from_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        return float(value["float"])
-    return value
+    return float(value["float"]) if isinstance(value, dict) else value
 
 
 @dataclass(frozen=True)
@@ -92,10 +89,6 @@ class ModGraph:
     @property
     def input_names(self) -> tuple[str, ...]:
         return MASK_INPUTS if self.role == "mask" else SCORE_INPUTS
-
-    @property
-    def used_inputs(self) -> frozenset[str]:
-        return frozenset(n.attr for n in self.nodes if n.op == "input")
 
     # ---- canonical forms -------------------------------------------------------------------
     def to_json(self) -> str:
@@ -116,9 +109,6 @@ class ModGraph:
         aux = tuple(AuxSpec(d, n) for d, n in doc["aux"])
         return ModGraph(doc["role"], nodes, doc["output"], aux)
 
-    def structural_hash(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:24]
-
     def text(self) -> str:
         """Readable listing (kept as golden text in the tests)."""
         aux = ", ".join(f"aux{i}: {a.dtype.replace('torch.', '')}[{a.ndim}d]" for i, a in enumerate(self.aux))
@@ -136,5 +126,4 @@ class ModGraph:
         lines.append(f"  return %{self.output}")
         return "\n".join(lines) + "\n"
 
-    def __str__(self) -> str:
-        return self.text()
+    __str__ = text

@@ -50,7 +50,6 @@ class _GraphPlan:
     role: str
     graph: ModGraph
     aux_offset: int  # where this graph's captured tensors start in the call's list
-    loads: tuple[int, ...]  # loads with at least one index, in node order
     order: tuple[int, ...]  # the loads and every node an index depends on, in node order
     feeds: dict  # index-cone node -> (load, dimension) it first feeds, for messages
     value_slots: tuple[int, ...]  # slots of integer tensors whose values feed an index
@@ -87,7 +86,7 @@ def _graph_plan(key: str, role: str, graph: ModGraph, aux_offset: int) -> Option
     value_slots = sorted({graph.nodes[i].attr for i in feeds
                           if graph.nodes[i].op == "load" and graph.nodes[i].kind == INT})
     order = tuple(sorted(set(feeds) | set(loads)))
-    return _GraphPlan(key, role, graph, aux_offset, loads, order, feeds, tuple(value_slots))
+    return _GraphPlan(key, role, graph, aux_offset, order, feeds, tuple(value_slots))
 
 
 def _mods_plan(mods) -> _ModsPlan:
@@ -215,8 +214,8 @@ def _check_load(plan: _GraphPlan, i: int, t: torch.Tensor, env: dict, bounds: tu
     n = plan.graph.nodes[i]
     if t.dim() != len(n.args):
         raise ValueError(
-            f"torch_fa4: {_mod_label(plan)} indexes captured tensor #{n.attr} with {len(n.args)} indices, but "
-            f"the tensor passed for it has shape {tuple(t.shape)}"
+            f"torch_fa4: {naming.mod_name(plan.key, plan.role)} indexes captured tensor #{n.attr} with "
+            f"{len(n.args)} indices, but the tensor passed for it has shape {tuple(t.shape)}"
         )
     for d, (a, size) in enumerate(zip(n.args, t.shape)):
         lo, hi = env[a]
@@ -229,16 +228,13 @@ def _check_load(plan: _GraphPlan, i: int, t: torch.Tensor, env: dict, bounds: tu
             )
 
 
-def _mod_label(plan: _GraphPlan) -> str:
-    return naming.mod_name(plan.key, plan.role)
-
-
 def _where(plan: _GraphPlan, load: int, t: torch.Tensor, dim: int) -> str:
     """"score_mod 'f' indexes captured tensor #0 'tab' (shape (8, 50)) at dimension 1"."""
     slot = plan.graph.nodes[load].attr
     name = naming.tensor_name(plan.key, plan.role, slot)
     label = f"#{slot}" + (f" {name}" if name else "")
-    return f"{_mod_label(plan)} indexes captured tensor {label} (shape {tuple(t.shape)}) at dimension {dim}"
+    return (f"{naming.mod_name(plan.key, plan.role)} indexes captured tensor {label} (shape {tuple(t.shape)}) "
+            f"at dimension {dim}")
 
 
 _PLANS: dict[str, _ModsPlan] = {}
@@ -249,11 +245,9 @@ _RANGES_CAPACITY = 256
 
 
 def _value_range(t: torch.Tensor) -> Optional[Interval]:
-    """[min, max] of an integer tensor (None when empty), read once per tensor version.
-
-    Kept by id with a weak reference (a dead tensor's id may be reused), the version counter
-    (bumped by in-place writes) and the data pointer, as torch_fa4.tensor_memo does, in a leaner
-    form: this sits on every call of a mod that indexes with a tensor's values."""
+    """[min, max] of an integer tensor (None when empty), read once per tensor version: kept as
+    torch_fa4.tensor_memo keeps values, in a leaner form (this sits on every call of a mod that
+    indexes with a tensor's values)."""
     try:
         stamp = (t._version, t.data_ptr())
     except RuntimeError:  # an inference tensor has no version counter: read it every time
@@ -276,7 +270,7 @@ def _read_range(t: torch.Tensor) -> Optional[Interval]:
     return lo, hi
 
 
-def plan_for(mods) -> _ModsPlan:
+def _plan(mods) -> _ModsPlan:
     plan = _PLANS.get(mods.key)
     if plan is None:
         plan = _PLANS[mods.key] = _mods_plan(mods)
@@ -286,7 +280,7 @@ def plan_for(mods) -> _ModsPlan:
 def check(mods, aux: Sequence[torch.Tensor], bounds: tuple[int, int, int, int]) -> None:
     """Raise ModIndexError unless every captured-tensor index of `mods` stays in range for a call
     whose b, h, q_idx, kv_idx lie in [0, B), [0, H), [0, Sq), [0, Sk) (bounds = (B, H, Sq, Sk))."""
-    plan = _PLANS.get(mods.key) or plan_for(mods)
+    plan = _plan(mods)
     if plan.graphs:
         _check(plan, aux, bounds)
 
@@ -295,10 +289,7 @@ def check_call(call) -> None:
     """`check` for an AttentionCall, bounds from `call_bounds` (dispatch runs it before the
     reference or a kernel). On the path of every call with mods: a repeated call is a dict lookup."""
     mods = call.mods
-    if mods is None:
-        return
-    plan = _PLANS.get(mods.key) or plan_for(mods)
-    if plan.graphs:
+    if mods is not None and (plan := _PLANS.get(mods.key) or _plan(mods)).graphs:
         _check(plan, call.aux_tensors, call_bounds(call))
 
 
@@ -306,11 +297,10 @@ def call_bounds(call) -> tuple[int, int, int, int]:
     """(B, Hq, Sq, Sk) bounding b, h, q_idx, kv_idx of an AttentionCall, without a device read:
     packed varlen sides use max_seqlen_q / max_seqlen_k (no longer than the packed total)."""
     q_shape = call.q.shape
-    cu_q = call.cu_seqlens_q
-    if cu_q is None:  # q (B, Sq, Hq, D)
+    if call.cu_seqlens_q is None:  # q (B, Sq, Hq, D)
         batch, q_len = q_shape[0], q_shape[1]
     else:  # q (total_q, Hq, D)
-        batch, q_len = cu_q.shape[0] - 1, q_shape[0]
+        batch, q_len = call.cu_seqlens_q.shape[0] - 1, q_shape[0]
         if call.max_seqlen_q:
             q_len = min(q_len, call.max_seqlen_q)
     k_len = call.k.shape[-3]  # Sk, or total_k when packed
@@ -320,18 +310,11 @@ def call_bounds(call) -> tuple[int, int, int, int]:
 
 
 def _check(plan: _ModsPlan, aux: Sequence[torch.Tensor], bounds: tuple) -> None:
-    if plan.value_aux:
-        if len(aux) != plan.num_aux:
-            raise ValueError(f"torch_fa4: the mods of key {plan.key} capture {plan.num_aux} tensors, got {len(aux)}")
-        ranges = tuple([_value_range(aux[i]) for i in plan.value_aux])
-    else:
-        ranges = ()
-    memo = (plan.key, bounds, ranges, *[t.shape for t in aux])
-    if memo in _PASSED:  # a repeated call: passed before with these shapes and value ranges
-        return
     if len(aux) != plan.num_aux:
         raise ValueError(f"torch_fa4: the mods of key {plan.key} capture {plan.num_aux} tensors, got {len(aux)}")
-    if min(bounds) <= 0:  # nothing is evaluated
+    ranges = tuple([_value_range(aux[i]) for i in plan.value_aux]) if plan.value_aux else ()
+    memo = (plan.key, bounds, ranges, *[t.shape for t in aux])
+    if memo in _PASSED or min(bounds) <= 0:  # passed before with these shapes and value ranges / nothing runs
         return
     by_position = dict(zip(plan.value_aux, ranges))
     for g in plan.graphs:

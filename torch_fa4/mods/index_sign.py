@@ -1,10 +1,9 @@
 """Which indices of a mod's captured-tensor reads may be negative, decided once per graph.
 
-Captured tensors are indexed as in PyTorch: an index i in [-size, -1] reads element i + size, and
-the host check (index_bounds.py) refuses, before a call runs, any index that may leave
-[-size, size - 1]. The PyTorch lowering gets the wrap from tensor indexing itself; the CuTe DSL
-lowering has to emit it (`i < 0 ? i + size : i`). It does so only where this pure-Python pass
-cannot prove the index non-negative, so reads such as slopes[h], doc[q_idx] or
+Captured tensors are indexed as in PyTorch, negative indices counting from the end (index_bounds.py
+refuses any index that may leave [-size, size - 1]). The PyTorch lowering gets the wrap from tensor
+indexing itself; the CuTe DSL lowering has to emit it (`i < 0 ? i + size : i`), and does so only
+where this pass cannot prove the index non-negative, so reads such as slopes[h], doc[q_idx] or
 table[h, clamp(q_idx - kv_idx + 4, 0, 8)] compile to the same code as without the rule.
 
 Provably >= 0: the inputs b, h, q_idx, kv_idx; constants >= 0; loads from uint8 tensors and bool

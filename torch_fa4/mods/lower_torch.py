@@ -24,16 +24,6 @@ def _is_py(x: Value) -> bool:
     return not isinstance(x, torch.Tensor)
 
 
-def _float(x: Value) -> Value:
-    return float(x) if _is_py(x) else x.float()
-
-
-def _unary_float(fn_torch: Callable, fn_py: Callable) -> Callable:
-    def apply(x: Value) -> Value:
-        return fn_py(x) if _is_py(x) else fn_torch(x)
-    return apply
-
-
 def _py_sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
@@ -62,32 +52,22 @@ def _minmax(pick: Callable, torch_fn: Callable) -> Callable:
     return apply
 
 
-def _not(x: Value) -> Value:
-    return (not x) if _is_py(x) else torch.logical_not(x)
-
-
-def _where(c: Value, a: Value, b: Value) -> Value:
-    if _is_py(c):
-        return a if c else b
-    return torch.where(c, a, b)
-
-
 _OPS: dict[str, Callable] = {
     **PYTHON_OPERATORS,
     "abs": abs,
-    "exp": _unary_float(torch.exp, _py_exp),
-    "log": _unary_float(torch.log, _py_log),
-    "tanh": _unary_float(torch.tanh, math.tanh),
-    "sigmoid": _unary_float(torch.sigmoid, _py_sigmoid),
-    "not": _not,
-    "to_float": _float,
+    "exp": lambda x: _py_exp(x) if _is_py(x) else torch.exp(x),
+    "log": lambda x: _py_log(x) if _is_py(x) else torch.log(x),
+    "tanh": lambda x: math.tanh(x) if _is_py(x) else torch.tanh(x),
+    "sigmoid": lambda x: _py_sigmoid(x) if _is_py(x) else torch.sigmoid(x),
+    "not": lambda x: (not x) if _is_py(x) else torch.logical_not(x),
+    "to_float": lambda x: float(x) if _is_py(x) else x.float(),
     "floordiv": operator.floordiv,  # floor semantics in both Python and torch, as the kernels do
     "mod": operator.mod,  # sign of the divisor, as Python
     "minimum": _minmax(min, torch.minimum),
     "maximum": _minmax(max, torch.maximum),
     "and": operator.and_,
     "or": operator.or_,
-    "where": _where,
+    "where": lambda c, a, b: (a if c else b) if _is_py(c) else torch.where(c, a, b),
 }
 
 

@@ -49,7 +49,7 @@ def mod_name(key: str, role: str) -> str:
         return f"{role}_mod"
     if len(names) == 1:
         return f"{role}_mod {names[0]!r}"
-    return f"{role}_mod (one of {_listed(names)}, which trace to the same graph)"
+    return f"{role}_mod (one of {', '.join(map(repr, names))}, which trace to the same graph)"
 
 
 def tensor_name(key: str, role: str, slot: int) -> Optional[str]:
@@ -58,28 +58,17 @@ def tensor_name(key: str, role: str, slot: int) -> Optional[str]:
     if not slots or slot >= len(slots) or not slots[slot]:
         return None
     names = slots[slot]
-    return repr(names[0]) if len(names) == 1 else f"(one of {_listed(names)})"
-
-
-def _listed(names: list) -> str:
-    return ", ".join(repr(n) for n in names)
+    return repr(names[0]) if len(names) == 1 else f"(one of {', '.join(map(repr, names))})"
 
 
 def _mod_name(desc: Any) -> Optional[str]:
     tag = desc[0]
     if tag == "function":
-        return _short_qualname(getattr(desc[1], "co_qualname", None) or desc[3])
+        # "make.<locals>.rel_bias" -> "rel_bias"; "RelBias.__call__" stays (the class says which)
+        return (getattr(desc[1], "co_qualname", None) or desc[3]).rsplit("<locals>.", 1)[-1]
     if tag in ("partial", "method", "callable"):
         return _mod_name(desc[1])
-    if tag == "function_object":
-        fn = desc[1]
-        return _short_qualname(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "?"))
     return None
-
-
-def _short_qualname(qualname: str) -> str:
-    """"make.<locals>.rel_bias" -> "rel_bias"; "RelBias.__call__" stays (the class says which)."""
-    return qualname.rsplit("<locals>.", 1)[-1]
 
 
 def _tensor_names(desc: Any, name: Optional[str], out: list, depth: int) -> None:
@@ -120,7 +109,7 @@ def _tensor_names(desc: Any, name: Optional[str], out: list, depth: int) -> None
                 _tensor_names(d, var, out, depth + 1)
         for var, d in global_parts:
             _tensor_names(d, var, out, depth + 1)
-    elif tag in ("const", "opaque", "function_object", "deep"):
+    elif tag in ("const", "opaque", "deep"):
         pass
     else:
         raise ValueError(f"unknown description {tag!r}")

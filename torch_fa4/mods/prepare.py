@@ -2,27 +2,19 @@
 
 How this stays cheap in eager mode and graph-break free under torch.compile(fullgraph=True):
 
-1. `capture.collect(mod)` walks the mod's closure cells, the globals its code names, attributes of
-   a captured object / bound method's self, and functools.partial arguments. It returns a `desc`
-   (a tuple of Python constants: code objects, numbers, dtypes, ranks) and the captured tensors.
-   It is plain attribute access, so Dynamo traces it: the tensors become graph inputs (new values,
-   or a new closure over new tensors, never recompile) and each constant read gets a guard (a
-   closure over a different window size recompiles rather than reusing a stale key).
+1. `capture.collect(mod)` returns a `desc` (a tuple of Python constants: code objects, numbers,
+   dtypes, ranks) and the captured tensors, by plain attribute access that Dynamo traces: tensors
+   become graph inputs, constants get guards (capture.py).
 2. `_key_for_descs(score_desc, mask_desc)` is marked `torch.compiler.assume_constant_result`:
    Dynamo runs it once at trace time on the constant descs and bakes the returned key string into
    the graph. It rebuilds a callable from the desc alone (placeholder tensors), traces it into a
    ModGraph, registers the ModSet and memoises desc -> key, so eager calls trace a mod once too.
 
-Because the trace depends only on `desc`, equal descs always mean equal graphs, whichever function
-object they came from.
-
 Closures created *inside* the compiled function: Dynamo does not expose their cells as
-attributes, so capture.py asks Dynamo for them at trace time (torch._dynamo.comptime, using
-Dynamo internals that carry no compatibility promise; tested in tests/test_mods_attention.py). If
-that ever stops working, a closure whose cells are all constants still works (Dynamo hands the
-function itself to `_key_for_descs`), and one capturing tensors can be written as
-`functools.partial(module_level_mod, tensor=...)` -- the torch_fa4.mods built-ins are partials --
-or be created outside the compiled function.
+attributes, so capture.py asks Dynamo for them at trace time (Dynamo internals without a
+compatibility promise; tested in tests/test_mods_attention.py). Should that stop working, closures
+over constants still work, and a mod capturing tensors can be a
+`functools.partial(module_level_mod, tensor=...)` (as the built-ins are) or be created outside.
 """
 
 from __future__ import annotations
@@ -43,11 +35,11 @@ _LOCK = threading.Lock()
 def _assume_constant_result(fn):
     """`torch.compiler.assume_constant_result`, without importing torch._dynamo when nothing has.
 
-    That decorator imports Dynamo (~2 s on the 2-core CPU machine) only to set one attribute on
-    `fn`; importing this module is on the path of every kernel compile (the kernels' mod lowering
-    imports torch_fa4.mods.graph, which runs this package's __init__), so a plain first call paid
-    it. While Dynamo is not loaded, nothing can be tracing yet: setting the same attribute is
-    equivalent, and tests/test_mods_trace.py checks it against the real decorator."""
+    That decorator imports Dynamo (seconds) only to set one attribute on `fn`, and importing this
+    module is on the path of every kernel compile (the kernels' mod lowering imports
+    torch_fa4.mods.graph, which runs this package's __init__). While Dynamo is not loaded, nothing
+    can be tracing yet: setting the same attribute is equivalent (tests/test_mods_trace.py checks
+    it against the real decorator)."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True

@@ -15,11 +15,12 @@ something else.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -38,7 +39,6 @@ class ModSet:
     key: str
     score_graph: Optional[ModGraph]
     mask_graph: Optional[ModGraph]
-    _grad: list = field(default_factory=list, repr=False)
 
     @property
     def num_score_aux(self) -> int:
@@ -48,16 +48,14 @@ class ModSet:
     def num_mask_aux(self) -> int:
         return len(self.mask_graph.aux) if self.mask_graph is not None else 0
 
-    @property
+    @functools.cached_property
     def score_grad_graph(self) -> Optional[ModGraph]:
         """d score_mod / d score as a graph over the same inputs and captured tensors (for backward)."""
         if self.score_graph is None:
             return None
-        if not self._grad:
-            from torch_fa4.mods.derivative import score_derivative
+        from torch_fa4.mods.derivative import score_derivative
 
-            self._grad.append(score_derivative(self.score_graph))
-        return self._grad[0]
+        return score_derivative(self.score_graph)
 
     def score_torch(self, score: torch.Tensor, b, h, q_idx, kv_idx, score_aux: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.score_graph is None:
@@ -68,12 +66,6 @@ class ModSet:
         if self.mask_graph is None:
             raise ValueError(f"ModSet {self.key} has no mask_mod")
         return lower_torch.mask_torch(self.mask_graph, b, h, q_idx, kv_idx, mask_aux)
-
-    def score_grad_torch(self, score, b, h, q_idx, kv_idx, score_aux) -> torch.Tensor:
-        g = self.score_grad_graph
-        if g is None:
-            return torch.ones_like(score)
-        return lower_torch.score_torch(g, score, b, h, q_idx, kv_idx, score_aux)
 
     def to_json(self) -> str:
         return json.dumps({

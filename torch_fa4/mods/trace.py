@@ -16,18 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torch_fa4.mods.graph import (
-    AUX_DTYPE_KINDS,
-    BOOL,
-    FLOAT,
-    INPUT_KINDS,
-    INT,
-    MASK_INPUTS,
-    SCORE_INPUTS,
-    AuxSpec,
-    ModGraph,
-    Node,
-)
+from torch_fa4.mods.graph import (AUX_DTYPE_KINDS, BOOL, FLOAT, INPUT_KINDS, INT, MASK_INPUTS, SCORE_INPUTS, AuxSpec,
+                                  ModGraph, Node)
 
 SUPPORTED_OPS_DOC = (
     "arithmetic (+, -, *, /, unary -), comparisons (==, !=, <, <=, >, >=), "
@@ -47,8 +37,7 @@ def _unsupported(what: str) -> ModTraceError:
 
 
 class GraphBuilder:
-    def __init__(self, role: str, captured: Sequence[torch.Tensor]):
-        self.role = role
+    def __init__(self, captured: Sequence[torch.Tensor]):
         self.nodes: list[Node] = []
         self._memo: dict[tuple, int] = {}  # common-subexpression elimination keeps graphs canonical
         self.captured = list(captured)
@@ -63,10 +52,6 @@ class GraphBuilder:
             self._memo[key] = idx
         return TraceValue(self, idx)
 
-    def kind(self, idx: int) -> str:
-        return self.nodes[idx].kind
-
-    # ---- operands ----------------------------------------------------------------------------
     def value(self, x: Any) -> "TraceValue":
         """Turn an operand (TraceValue, Python number, 0-d captured tensor) into a TraceValue."""
         if isinstance(x, TraceValue):
@@ -112,7 +97,6 @@ class GraphBuilder:
             args.append(v.idx)
         return self.add("load", tuple(args), attr=slot, kind=AUX_DTYPE_KINDS[str(tensor.dtype)])
 
-    # ---- ops ---------------------------------------------------------------------------------
     def unary(self, op: str, x: Any) -> "TraceValue":
         v = self.value(x)
         if op == "not":
@@ -139,33 +123,28 @@ class GraphBuilder:
             return self.add(op, (a.idx, b.idx), kind=INT)
         if a.kind == BOOL and b.kind == BOOL and op in ("eq", "ne"):
             return self.add(op, (a.idx, b.idx), kind=BOOL)
-        # numeric promotion: bool -> int -> float
         kind = FLOAT if FLOAT in (a.kind, b.kind) or op == "div" else INT
-        if kind == FLOAT:
-            a, b = self.unary("to_float", a), self.unary("to_float", b)
-        else:
-            a, b = self._to_int(a), self._to_int(b)
-        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
-            return self.add(op, (a.idx, b.idx), kind=BOOL)
-        return self.add(op, (a.idx, b.idx), kind=kind)
+        a, b = self._promoted(a, kind), self._promoted(b, kind)
+        return self.add(op, (a.idx, b.idx), kind=BOOL if op in ("eq", "ne", "lt", "le", "gt", "ge") else kind)
 
     def _to_int(self, v: "TraceValue") -> "TraceValue":
         if v.kind == BOOL:
             return self.add("where", (v.idx, self.value(1).idx, self.value(0).idx), kind=INT)
         return v
 
+    def _promoted(self, v: "TraceValue", kind: str) -> "TraceValue":
+        """v as `kind` (FLOAT or INT): numeric promotion, bool -> int -> float."""
+        return self.unary("to_float", v) if kind == FLOAT else self._to_int(v)
+
     def where(self, cond: Any, x: Any, y: Any) -> "TraceValue":
         c = self.value(cond)
         if c.kind != BOOL:
             raise ModTraceError("torch.where needs a boolean condition")
         a, b = self.value(x), self.value(y)
-        if a.kind == b.kind:
-            kind = a.kind
-        else:
+        if a.kind != b.kind:
             kind = FLOAT if FLOAT in (a.kind, b.kind) else INT
-            a = self.unary("to_float", a) if kind == FLOAT else self._to_int(a)
-            b = self.unary("to_float", b) if kind == FLOAT else self._to_int(b)
-        return self.add("where", (c.idx, a.idx, b.idx), kind=kind)
+            a, b = self._promoted(a, kind), self._promoted(b, kind)
+        return self.add("where", (c.idx, a.idx, b.idx), kind=a.kind)
 
     def clamp(self, x: Any, min: Any = None, max: Any = None) -> "TraceValue":
         v = self.value(x)
@@ -191,10 +170,6 @@ _UNARY_NAMES = {
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _func_name(func: Any) -> str:
-    return getattr(func, "__name__", repr(func))
-
-
 class TraceValue:
     """A scalar value of a mod during tracing (an index, the score, or something derived)."""
 
@@ -206,7 +181,7 @@ class TraceValue:
 
     @property
     def kind(self) -> str:
-        return self.g.kind(self.idx)
+        return self.g.nodes[self.idx].kind
 
     def __repr__(self) -> str:
         return f"TraceValue(%{self.idx}: {self.kind})"
@@ -240,7 +215,6 @@ class TraceValue:
     def __matmul__(self, other):
         raise _unsupported("@ (matmul)")
 
-    # arithmetic
     def __add__(self, o): return self.g.binary("add", self, o)
     def __radd__(self, o): return self.g.binary("add", o, self)
     def __sub__(self, o): return self.g.binary("sub", self, o)
@@ -257,7 +231,6 @@ class TraceValue:
     def __pos__(self): return self
     def __abs__(self): return self.g.unary("abs", self)
 
-    # comparisons
     def __eq__(self, o): return self.g.binary("eq", self, o)  # type: ignore[override]
     def __ne__(self, o): return self.g.binary("ne", self, o)  # type: ignore[override]
     def __lt__(self, o): return self.g.binary("lt", self, o)
@@ -265,7 +238,6 @@ class TraceValue:
     def __gt__(self, o): return self.g.binary("gt", self, o)
     def __ge__(self, o): return self.g.binary("ge", self, o)
 
-    # logic on booleans
     def __and__(self, o): return self.g.binary("and", self, o)
     def __rand__(self, o): return self.g.binary("and", o, self)
     def __or__(self, o): return self.g.binary("or", self, o)
@@ -274,7 +246,6 @@ class TraceValue:
     def __rxor__(self, o): return self.g.binary("xor", o, self)
     def __invert__(self): return self.g.unary("not", self)
 
-    # tensor-like methods
     def exp(self): return self.g.unary("exp", self)
     def log(self): return self.g.unary("log", self)
     def tanh(self): return self.g.unary("tanh", self)
@@ -303,7 +274,7 @@ class TraceValue:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         g = next(a.g for a in _flat(args, kwargs) if isinstance(a, TraceValue))
-        name = _func_name(func)
+        name = getattr(func, "__name__", repr(func))
         if name == "__getitem__":
             tensor, index = args
             if not isinstance(tensor, torch.Tensor):
@@ -360,7 +331,7 @@ def _bind(args, kwargs, names):
 
 def trace_mod(fn: Callable, role: str, captured: Sequence[torch.Tensor]) -> ModGraph:
     """Trace `fn` as a score_mod (role "score") or mask_mod (role "mask")."""
-    g = GraphBuilder(role, captured)
+    g = GraphBuilder(captured)
     names = SCORE_INPUTS if role == "score" else MASK_INPUTS
     inputs = [g.add("input", attr=n, kind=INPUT_KINDS[n]) for n in names]
     result = fn(*inputs)
