@@ -113,7 +113,7 @@ def compile_probe(score_graph, mask_graph, arch: str = "sm_90a", dump_dir=None, 
     """cute.compile ModProbeKernel (ModTileProbeKernel with tile=True) against fake tensors: shapes
     stay symbolic. Call the result as fn(score, out, keep, *aux) with aux padded by None to MAX_AUX
     entries (mod_lowering.kernel_aux_tensors)."""
-    from torch_fa4.kernels.common.fwd_launch import compile_options
+    from torch_fa4.kernels.host.fwd_launch import compile_options
 
     def fake(dt):
         return cute.runtime.make_fake_tensor(dt, tuple(cute.sym_int() for _ in range(4)),

@@ -46,10 +46,10 @@ def _fresh_seed(request):
 
 @pytest.fixture(autouse=True)
 def _no_launch_records_across_tests():
-    """Launch records and plans (kernels/common/shape_memo.py) keep what a call shape launched: a
+    """Launch records and plans (kernels/host/shape_memo.py) keep what a call shape launched: a
     test that patched the derivation (a stub kernel, a forced split) must not hand its record to
     the next test with the same shapes."""
-    shape_memo = sys.modules.get("torch_fa4.kernels.common.shape_memo")
+    shape_memo = sys.modules.get("torch_fa4.kernels.host.shape_memo")
     if shape_memo is not None:
         shape_memo.clear_all()
     yield

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from torch_fa4.call import AttentionCall
-from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.host import fwd_launch
 
 
 def _reason(q, k, v, **kw):

@@ -1,6 +1,6 @@
 """CPU: how mods are lowered to CuTe DSL.
 
-- The hoisting plan (kernels/common/mod_hoisting.py, pure Python): the level of every graph node
+- The hoisting plan (kernels/host/mod_hoisting.py, pure Python): the level of every graph node
   (tile / row / col / elem), which indices are clamped, integer ranges, and when an int -> float
   conversion is rewritten in fp32 -- with the exactness of each rewrite checked numerically in
   numpy float32 at the extremes of the assumed position range.
@@ -22,7 +22,7 @@ import torch
 from _mod_cases import alibi_abs, cases
 
 from torch_fa4 import mods as M
-from torch_fa4.kernels.common import mod_hoisting as H
+from torch_fa4.kernels.host import mod_hoisting as H
 from torch_fa4.mods.prepare import trace_graphs
 
 

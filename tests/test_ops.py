@@ -234,7 +234,7 @@ def test_kernels_get_a_nonnegative_scale():
     -scale (the same scores; the kernels' row max needs scale >= 0); softcap and score_mod calls,
     whose softmax runs on already scaled scores, and calls with scale >= 0 pass unchanged."""
     from torch_fa4 import mods as M
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.call import AttentionCall
     from torch_fa4.mods import registry
 

@@ -343,7 +343,7 @@ def test_split_tail_selection():
 
 
 def test_split_plan():
-    """The last round's tiles and their pieces (common.split_plan.choose with the backward's
+    """The last round's tiles and their pieces (host.split_plan.choose with the backward's
     costs): the grid's D64 rows have 4096 tiles, 4 of them in a last round on 132 SMs."""
     from torch_fa4.kernels.sm90 import bwd_variant as bwd
 
@@ -366,7 +366,7 @@ def test_persistent_grid_size(monkeypatch):
     assert bwd_variant.persistent_ctas(7, cpu) == 7 and bwd_variant.persistent_ctas(500, cpu) == 500
     assert bwd_variant.persistent_ctas(0, cpu) == 1
     assert bwd_variant.persistent_ctas(500, cpu, 3) == 3 and bwd_variant.persistent_ctas(2, cpu, 3) == 2
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "sm_count", lambda device: 132)
     assert bwd_variant.persistent_ctas(4096, torch.device("cuda", 0)) == 132

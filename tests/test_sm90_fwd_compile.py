@@ -411,7 +411,7 @@ def test_l2_grouping_policy():
     """Causal / windowed calls group (batch, head) pairs so a group's K and V take a sixth of L2;
     the others run one pair per group (NOTES "Experiments 71, 72"). The group size is the launch
     argument after max_q."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     def heads_per_group(**kw):
         q = torch.empty(4, 4096, 32, 64, dtype=torch.bfloat16)  # K + V: 1 MB per (batch, head)
@@ -428,7 +428,7 @@ def test_tail_group_policy(monkeypatch):
     after the group size: the fewest pairs whose work holds TAIL_FILL times every SM's share of the
     longest walk, unless their K and V would pass TAIL_MAX_BYTES; none where that is no more than
     an ordinary group, without a causal mask or with a left window."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "_sm_count_of", lambda call: 132)
 
@@ -460,7 +460,7 @@ def test_tail_group_policy(monkeypatch):
 def test_grid_policy(monkeypatch):
     """D <= 128 and plain D192 calls compile the persistent loop; causal calls take items from
     the counter at every length (with mods: where the loop fits, a score_mod alone)."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 132)
@@ -716,7 +716,7 @@ def test_split_tail_launch_arguments(monkeypatch):
     """A split-tail launch passes the pieces' workspace, its zeroed counters and the split item
     count the compiled kernel expects (checked as in test_launch_arguments_match_the_compiled_signature),
     sized for the plan: (items x warpgroups x ways) slots of Dv / 2 + 4 values for 128 threads."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
     # the plan for a D128 S16k grid (2048 items on 132 SMs)
@@ -754,10 +754,10 @@ def test_split_tail_launch_arguments(monkeypatch):
 
 
 def test_split_plan():
-    """kernels/common/split_plan.choose: a split only where it shortens the last round by at least
+    """kernels/host/split_plan.choose: a split only where it shortens the last round by at least
     min_gain of an item, counting each piece's fixed cost; pieces of at least min_tiles key tiles;
     an even item count for multicast pairs; nothing when the grid divides evenly."""
-    from torch_fa4.kernels.common.split_plan import choose
+    from torch_fa4.kernels.host.split_plan import choose
 
     assert choose(2048, 132, 128) == (68, 7)  # D128 S16k: 15.5 rounds of work in 16
     assert choose(2048, 132, 32) == (68, 5)  # D128 S4k: shorter items, fewer pieces pay

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torch_fa4.call import AttentionCall
-from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.host import fwd_launch
 from torch_fa4.kernels.sm90 import fwd_host, fwd_launch_record
 
 

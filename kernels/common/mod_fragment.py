@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from torch_fa4.kernels.common.mod_hoisting import (COL, ROW, TILE, HoistPlan, ancestors, hoist_plan,
+from torch_fa4.kernels.host.mod_hoisting import (COL, ROW, TILE, HoistPlan, ancestors, hoist_plan,
                                                    scaled_affine_operands, sign_split_form)
 from torch_fa4.kernels.common.mod_lowering import CUTE_OPS, as_kind, emit_nodes, emit_op, select, select_min_max
 from torch_fa4.mods.graph import BOOL, FLOAT, ModGraph

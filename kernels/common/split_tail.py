@@ -4,7 +4,7 @@ different SMs, their partial results merged by whichever piece finishes last.
 A grid of N equal items on C SMs runs ceil(N / C) rounds; the last holds r = N mod C items and
 leaves the other SMs idle. Split into k pieces of consecutive key tiles each, those r items
 spread over r * k SMs and the last round takes ceil(r * k / C) / k of an item. The host picks r
-and k (`common.split_plan`); the tile scheduler numbers the pieces after the whole items.
+and k (`host.split_plan`); the tile scheduler numbers the pieces after the whole items.
 
 A piece runs the ordinary key loop over its key tiles and ends holding unnormalised O and its
 online-softmax state (reference max and row sums per row): exactly what merging two pieces needs,

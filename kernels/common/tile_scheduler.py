@@ -3,7 +3,7 @@
 Work items are numbered 0 .. num_tiles-1. A one-shot grid has one CTA per item; a persistent grid
 of `num_ctas` CTAs (about one per SM) takes items c, c + num_ctas, ... (or, dynamically, from a
 global counter: kernels/common/tile_mailbox.py). Items are grouped by `heads_per_group` (batch,
-head) pairs, sized on the host (common.fwd_launch.l2_group_bytes), so the CTAs in flight read the
+head) pairs, sized on the host (host.fwd_launch.l2_group_bytes), so the CTAs in flight read the
 K and V of only a few heads. Inside a group the query tile index is the slowest coordinate and,
 with `longest_first`, runs from the last tile down: under causal masking the last query tiles see
 the most keys, so the longest work starts first and the short tail fills the gaps (LPT).
@@ -12,7 +12,7 @@ Under a causal mask that order alone leaves a long item for the end of the grid:
 pairs holds less work per SM than its longest item (D256 S4k causal: two pairs, 13 key steps per
 SM against a longest walk of 52), so the last group's longest items start when every other SM is
 about to finish and run on alone. The last `tail_pairs` pairs therefore form one group of their
-own, sized on the host (common.fwd_launch.tail_pairs) so its work holds every SM's share of the
+own, sized on the host (host.fwd_launch.tail_pairs) so its work holds every SM's share of the
 longest walk; the backward orders its key tiles the same way (`grouped_order`).
 
 Work units: with a split tail (kernels/common/split_tail.py) the last `split_items` items run as

@@ -14,7 +14,7 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
-from torch_fa4.kernels.common import fwd_launch
+from torch_fa4.kernels.host import fwd_launch
 from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT, TMEM_COLUMNS, Sm100FwdConfig
 
 L2_BYTES = 126 * 1024 * 1024  # B200

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from torch_fa4.kernels.common.fwd_launch import fake_packed
+from torch_fa4.kernels.host.fwd_launch import fake_packed
 from torch_fa4.kernels.sm90.bwd_config import BwdConfig
 
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from torch_fa4.kernels.common import shape_memo
+from torch_fa4.kernels.host import shape_memo
 from torch_fa4.kernels.sm90 import bwd_buffers, bwd_dq_convert, bwd_prepare
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
+from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall

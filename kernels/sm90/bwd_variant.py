@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from torch_fa4.kernels.common import fwd_launch, shape_memo
+from torch_fa4.kernels.host import fwd_launch, shape_memo
 from torch_fa4.kernels.sm90.bwd_config import SMEM_LIMIT, TILE_M, BwdConfig, smem_bytes
 
 if TYPE_CHECKING:
@@ -171,8 +171,8 @@ def runs_per_sequence(call: "AttentionCall", deterministic: bool, tuning: BwdTun
 
 def split_plan(tiles: int, ctas: int, steps: int) -> tuple[int, int]:
     """(split tiles, ways) for `tiles` work tiles of `steps` steps each on `ctas` persistent CTAs
-    (common.split_plan.choose)."""
-    from torch_fa4.kernels.common import split_plan as plan
+    (host.split_plan.choose)."""
+    from torch_fa4.kernels.host import split_plan as plan
 
     return plan.choose(tiles, ctas, steps, min_tiles=SPLIT_MIN_STEPS, max_ways=SPLIT_MAX_WAYS,
                        piece_cost_tiles=SPLIT_PIECE_COST_STEPS)

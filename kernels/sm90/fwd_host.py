@@ -14,9 +14,9 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
-from torch_fa4.kernels.common import fwd_launch
-from torch_fa4.kernels.common import split_plan as split_plan_mod
-from torch_fa4.kernels.common.block_mask_layout import block_mask_tensors_reason
+from torch_fa4.kernels.host import fwd_launch
+from torch_fa4.kernels.host import split_plan as split_plan_mod
+from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm90 import fwd_launch_record
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
@@ -58,7 +58,7 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
         if t.device != call.q.device:
             return "a captured tensor is not on q's device"
     if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
-        # the mod lowering's fp32 index arithmetic is exact below 2^23 (common/mod_hoisting.py)
+        # the mod lowering's fp32 index arithmetic is exact below 2^23 (host/mod_hoisting.py)
         return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
     if _uses_block_mask(call):
         reason = _block_mask_reason(call)
@@ -366,7 +366,7 @@ def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
-    """(split items, ways) for this call's grid (common/split_plan.choose); (0, 1) where
+    """(split items, ways) for this call's grid (host/split_plan.choose); (0, 1) where
     splitting would not shorten the last round. Plain calls only (every item walks the same key
     tiles)."""
     if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:

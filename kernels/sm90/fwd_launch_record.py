@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from torch_fa4.kernels.common import fwd_launch, shape_memo
+from torch_fa4.kernels.host import fwd_launch, shape_memo
 
 
 class LaunchRecord(NamedTuple):

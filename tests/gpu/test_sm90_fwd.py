@@ -247,7 +247,7 @@ def test_persistent_grid_covers_every_item(monkeypatch, max_ctas):
     """A persistent grid of `max_ctas` CTAs (rounds alternating direction, a last partial round)
     writes every work item exactly once: 3 x 5 heads x 7 query tiles = 105 items. Outputs start
     as NaN, so a skipped item fails; 10_000 CTAs is more than items (a single partial round)."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
     call = _dense_call(3, 833, 900, 5, 5, 128, causal=True)
@@ -262,7 +262,7 @@ def test_dynamic_schedule_covers_every_item(monkeypatch, max_ctas, shape):
     fewer CTAs than items (each CTA loops over many, in the order the counter hands them out) and
     with more. Causal items of unequal length, ragged query and key tiles, GQA; NaN-poisoned
     outputs fail a skipped item. Two calls in a row: the counter starts from zero each time."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: max_ctas)
     tiles = {"192x128": dict(tile_m=192, tile_n=128), "d96_192x112": dict(tile_m=192, tile_n=112)}.get(shape, {})
@@ -293,7 +293,7 @@ def test_l2_groups_of_every_size(monkeypatch, group):
     the dynamic persistent grid, causal (longest first) and not. The L2 size is set so
     fwd_launch.l2_group_bytes gives `group` pairs; non-causal calls are grouped the same way
     (their default is one pair per group)."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
     kv_bytes = 900 * (128 + 128) * 2  # one pair's K and V (Sk = 900, D = 128, bf16)
@@ -314,7 +314,7 @@ def test_tail_groups(monkeypatch, tail):
     .grouped_order; 15 pairs: a tail of 1, 3 or 4 leaves a partial ordinary group before it, 15
     makes one group of all): every item written once on the one-shot grid and the static and
     dynamic persistent grids, causal (longest first) and not."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "heads_per_l2_group", lambda call, seqlen_k, l2_bytes: 2)
     monkeypatch.setattr(fwd_launch, "tail_pairs", lambda call, seqlen_q, seqlen_k, tile_m, group, num_sms: tail)
@@ -335,7 +335,7 @@ def test_split_tail(monkeypatch, split):
     partial last key tile (masked in the last piece). On a persistent grid of 7 CTAs, one CTA per
     item, K / V multicast (r even) and the 192-row D64 tile with an idle warpgroup in each head's
     last tile; fp16 once. Every row written once: outputs start as NaN."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.kernels.sm90 import fwd_host
 
     r, k = split
@@ -357,7 +357,7 @@ def test_early_q_release(monkeypatch, tiles):
     """Q's buffer released after the walk's last Q K^T (`early_q_release`): walks of many tiles,
     of one tile (Sk <= 128), and empty ones (causal, Sq > Sk: the first query rows see no key), on
     a persistent grid of 5 CTAs (static and dynamic) so the next items' Q loads early."""
-    from torch_fa4.kernels.common import fwd_launch
+    from torch_fa4.kernels.host import fwd_launch
 
     monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 5)
     D = 64 if tiles else 128
@@ -382,7 +382,7 @@ def test_three_consumer_warpgroups_128_key_tiles(monkeypatch, causal, persistent
     # Sk = 650 leaves a ragged last key tile; 700 query rows a ragged last query tile. Persistent:
     # 5 CTAs, so each loops over several work items (32 and 6 items here).
     if persistent:
-        from torch_fa4.kernels.common import fwd_launch
+        from torch_fa4.kernels.host import fwd_launch
 
         monkeypatch.setattr(fwd_launch, "max_ctas", lambda call: 5)
     _check(_dense_call(2, 700, 650, 4, 2, 64, causal=causal), tile_m=192, tile_n=128, persistent=persistent)
