@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from torch_fa4.mods.graph import INT, ModGraph
+from torch_fa4.mods.graph import INT, ModGraph, ancestors
 
 TILE, ROW, COL, ELEM = 0, 1, 2, 3
 LEVEL_NAMES = {TILE: "tile", ROW: "row", COL: "col", ELEM: "elem"}
@@ -71,17 +71,6 @@ def node_levels(graph: ModGraph) -> tuple[int, ...]:
                 lv |= levels[a]
             levels.append(lv)
     return tuple(levels)
-
-
-def ancestors(graph: ModGraph, roots) -> set[int]:
-    """The roots and every node they depend on."""
-    seen, stack = set(), list(roots)
-    while stack:
-        i = stack.pop()
-        if i not in seen:
-            seen.add(i)
-            stack.extend(graph.nodes[i].args)
-    return seen
 
 
 def live_nodes(graph: ModGraph) -> frozenset[int]:

@@ -127,3 +127,14 @@ class ModGraph:
         return "\n".join(lines) + "\n"
 
     __str__ = text
+
+
+def ancestors(graph: ModGraph, roots) -> set[int]:
+    """The nodes `roots` (node indices) and every node they depend on."""
+    seen, stack = set(), list(roots)
+    while stack:
+        i = stack.pop()
+        if i not in seen:
+            seen.add(i)
+            stack.extend(graph.nodes[i].args)
+    return seen

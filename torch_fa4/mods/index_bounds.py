@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from torch_fa4.mods import naming
-from torch_fa4.mods.graph import BOOL, FLOAT, INT, ModGraph
+from torch_fa4.mods.graph import BOOL, FLOAT, INT, ModGraph, ancestors
 
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 Interval = tuple[int, int]
@@ -63,25 +63,15 @@ class _ModsPlan:
     value_aux: tuple[int, ...]  # positions in the call's captured tensors read for value ranges
 
 
-def _ancestors(graph: ModGraph, root: int) -> set[int]:
-    seen, stack = set(), [root]
-    while stack:
-        i = stack.pop()
-        if i not in seen:
-            seen.add(i)
-            stack.extend(graph.nodes[i].args)
-    return seen
-
-
 def _graph_plan(key: str, role: str, graph: ModGraph, aux_offset: int) -> Optional[_GraphPlan]:
-    live = _ancestors(graph, graph.output)
+    live = ancestors(graph, [graph.output])
     loads = tuple(i for i in sorted(live) if graph.nodes[i].op == "load" and graph.nodes[i].args)
     if not loads:
         return None
     feeds: dict[int, tuple[int, int]] = {}
     for load in loads:
         for d, a in enumerate(graph.nodes[load].args):
-            for x in _ancestors(graph, a):
+            for x in ancestors(graph, [a]):
                 feeds.setdefault(x, (load, d))
     value_slots = sorted({graph.nodes[i].attr for i in feeds
                           if graph.nodes[i].op == "load" and graph.nodes[i].kind == INT})
