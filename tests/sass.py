@@ -105,8 +105,7 @@ def key_loops(sass: str) -> list:
 def issued_when_ready(loop: list) -> int:
     """Instructions a warp issues per pass of `loop` (key_loops) when every ring stage it waits
     for has already landed: a try-wait followed by a forward `@P BRA` is a peeked wait and skips
-    to that label; everything else issues, predicated
-    off or not."""
+    to that label; everything else issues, predicated off or not."""
     labels = {m.group(1): i for i, line in enumerate(loop) if (m := _LABEL.match(line))}
     count, i, prev = 0, 0, ""
     while i < len(loop):
