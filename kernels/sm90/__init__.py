@@ -23,6 +23,18 @@ def forward(call: "AttentionCall", out: "torch.Tensor", lse: "torch.Tensor") -> 
     fwd_host.forward(call, out, lse)
 
 
+def variant(call: "AttentionCall", direction: str, deterministic: bool):
+    """The compiled variant that runs `call` (what the first-use self-check verifies)."""
+    if direction == "forward":
+        return fwd_host.default_config(call)
+    from torch_fa4.kernels.sm90 import bwd
+
+    key = bwd.variant_key(call, deterministic)
+    if bwd.runs_per_sequence(call, deterministic):
+        return ("per_sequence", key)
+    return bwd.launch_plan(call, key).key
+
+
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
     from torch_fa4.kernels.sm90 import bwd
 
