@@ -79,9 +79,9 @@ def _call(B=3, S=1000, H=4, Hkv=2, D=64, dtype=torch.bfloat16, **kw):
 def test_a_right_variant_is_checked_once_and_trusted(direction):
     kernel = StandIn(noise=1.0)
     call = _call(causal=True)
-    assert self_check.trusted(kernel, call, direction, False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, call, direction, False, BLACKWELL)
     assert self_check.checks_run == 1 and [c[0] for c in kernel.calls] == [direction]
-    assert self_check.trusted(kernel, call, direction, False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, call, direction, False, BLACKWELL)
     assert self_check.checks_run == 1, "a known verdict is not checked again"
 
 
@@ -91,30 +91,30 @@ def test_a_wrong_variant_is_refused_with_one_warning(wrong):
     direction = "backward" if wrong == "backward" else "forward"
     call = _call(softcap=20.0)
     with pytest.warns(self_check.SelfCheckWarning) as record:
-        assert not self_check.trusted(kernel, call, direction, False, BLACKWELL)
+        assert not self_check.trusted(kernel, kernel, call, direction, False, BLACKWELL)
     message = str(record[0].message)
     assert "sm100" in message and direction in message and "cpu" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not self_check.trusted(kernel, call, direction, False, BLACKWELL)  # no second warning
+        assert not self_check.trusted(kernel, kernel, call, direction, False, BLACKWELL)  # no second warning
     # a variant that differs in a feature is checked on its own, and passes where it is right
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        other = self_check.trusted(kernel, _call(), "forward" if wrong == "backward" else "backward", False,
-                                   BLACKWELL)
+        other_direction = "forward" if wrong == "backward" else "backward"
+        other = self_check.trusted(kernel, kernel, _call(), other_direction, False, BLACKWELL)
     assert other == (wrong not in ("nan", "raise"))
 
 
 def test_verified_capability_and_the_setting(monkeypatch):
     kernel = StandIn(wrong="forward")
-    assert self_check.trusted(kernel, _call(), "forward", False, (9, 0))  # verified: not checked
+    assert self_check.trusted(kernel, kernel, _call(), "forward", False, (9, 0))  # verified: not checked
     assert self_check.checks_run == 0
     monkeypatch.setenv(self_check.ENV, "0")
-    assert self_check.trusted(kernel, _call(), "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, _call(), "forward", False, BLACKWELL)
     assert self_check.checks_run == 0
     monkeypatch.setenv(self_check.ENV, "1")
     with pytest.warns(self_check.SelfCheckWarning):
-        assert not self_check.trusted(kernel, _call(), "forward", False, (9, 0))
+        assert not self_check.trusted(kernel, kernel, _call(), "forward", False, (9, 0))
 
 
 def test_the_small_problem_keeps_the_features_and_the_variant():
@@ -126,7 +126,7 @@ def test_the_small_problem_keeps_the_features_and_the_variant():
     call = AttentionCall(q=q, k=k, v=v, scale=0.1, causal=True, window_left=100, window_right=0,
                          softcap=5.0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000, max_seqlen_k=1000,
                          seqused_k=torch.tensor([300, 900, 100], dtype=torch.int32))
-    assert self_check.trusted(kernel, call, "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, call, "forward", False, BLACKWELL)
     (_, small), = kernel.calls
     assert small.q.dtype == torch.float16 and small.q.shape[1:] == (4, 128) and small.k.shape[1:] == (1, 128)
     assert small.v.shape[-1] == 64 and small.is_varlen and small.batch == 2
@@ -140,17 +140,17 @@ def test_the_call_shape_is_used_when_no_smaller_one_has_the_variant():
     kernel = StandIn()
     kernel.variant = lambda call, direction, det: (call.batch, call.num_heads)  # needs B 3, H 4
     call = _call(S=200)
-    assert self_check.trusted(kernel, call, "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, call, "forward", False, BLACKWELL)
     (_, small), = kernel.calls
     assert small.q.shape == call.q.shape and small.k.shape == call.k.shape
 
 
 def test_a_family_without_variant_names_is_checked_per_feature_set():
     kernel = StandIn(named=False)
-    assert self_check.trusted(kernel, _call(), "forward", False, BLACKWELL)
-    assert self_check.trusted(kernel, _call(B=1, S=64), "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, _call(), "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, _call(B=1, S=64), "forward", False, BLACKWELL)
     assert self_check.checks_run == 1
-    assert self_check.trusted(kernel, _call(causal=True), "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, _call(causal=True), "forward", False, BLACKWELL)
     assert self_check.checks_run == 2
 
 
@@ -169,7 +169,7 @@ def test_a_mask_mod_with_a_block_mask_gets_a_block_mask_of_the_small_shape():
     call = _call(B=1, S=2048, H=2, Hkv=1, mod_key=key, mods=lookup(key), aux_tensors=tuple(aux),
                  block_mask=tuple(bm.as_tensors()))
     kernel = StandIn()
-    assert self_check.trusted(kernel, call, "forward", False, BLACKWELL)
+    assert self_check.trusted(kernel, kernel, call, "forward", False, BLACKWELL)
     (_, small), = kernel.calls
     want = mods.create_block_mask(mask_mod, None, None, small.q.shape[1], small.k.shape[1], device="cpu")
     for got, expected in zip(small.block_mask, want.as_tensors()):
@@ -185,8 +185,9 @@ def test_verdicts_persist_across_processes(tmp_path):
         torch.manual_seed(0)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            ok = self_check.trusted(StandIn(wrong="forward"), _call(softcap=3.0), "forward", False, BLACKWELL)
-            good = self_check.trusted(StandIn(), _call(), "forward", False, BLACKWELL)
+            wrong, right = StandIn(wrong="forward"), StandIn()
+            ok = self_check.trusted(wrong, wrong, _call(softcap=3.0), "forward", False, BLACKWELL)
+            good = self_check.trusted(right, right, _call(), "forward", False, BLACKWELL)
         print(ok, good, self_check.checks_run, sum(issubclass(x.category, self_check.SelfCheckWarning) for x in w))
     """)
     env = {**os.environ, "TORCH_FA4_CACHE_DIR": str(tmp_path)}

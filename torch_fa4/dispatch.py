@@ -75,7 +75,7 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
             _warned.add(reason)
             warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to the PyTorch reference: {reason}", stacklevel=3)
         return None
-    if not self_check.trusted(module, call, direction, deterministic, cap):
+    if not self_check.trusted(_kernel_module(name, "forward"), module, call, direction, deterministic, cap):
         return None
     return module
 

@@ -66,10 +66,10 @@ def needed(capability: tuple[int, int]) -> bool:
     return m == "force" or (m == "auto" and tuple(capability) not in VERIFIED)
 
 
-def variant_of(module, call: AttentionCall, direction: str, deterministic: bool) -> Hashable:
+def variant_of(family, call: AttentionCall, direction: str, deterministic: bool) -> Hashable:
     """The kernel family's name for the variant that would run `call`; the call's features where
     the family names none."""
-    named = getattr(module, "variant", None)
+    named = getattr(family, "variant", None)
     if named is not None:
         return named(call, direction, deterministic)
     return _features(call, direction, deterministic)
@@ -82,19 +82,20 @@ def _features(call: AttentionCall, direction: str, deterministic: bool) -> tuple
             call.mod_key, bool(call.block_mask), direction == "backward" and deterministic)
 
 
-def trusted(module, call: AttentionCall, direction: str, deterministic: bool, capability) -> bool:
-    """Whether `module` may run `call` on this device: True without a check where the capability
-    is verified, else the variant's verdict (checked now if no verdict is known)."""
+def trusted(family, module, call: AttentionCall, direction: str, deterministic: bool, capability) -> bool:
+    """Whether `module` (the `direction` kernels of kernel family `family`, an architecture package)
+    may run `call` on this device: True without a check where the capability is verified, else the
+    variant's verdict (checked now if no verdict is known)."""
     if not needed(capability):
         return True
-    variant = variant_of(module, call, direction, deterministic)
-    name = getattr(module, "__name__", type(module).__name__)
+    variant = variant_of(family, call, direction, deterministic)
+    name = getattr(family, "__name__", type(family).__name__)
     key = (name, direction, repr(variant), _device_identity(call.q.device))
     verdict = _verdicts.get(key)
     if verdict is None:
         stored = None if mode() == "force" else _load(key)
         if stored is None:
-            ok, detail = _check(module, call, direction, deterministic, variant)
+            ok, detail = _check(family, module, call, direction, deterministic, variant)
             _store(key, ok, detail)
         else:
             ok, detail = stored
@@ -111,12 +112,12 @@ def trusted(module, call: AttentionCall, direction: str, deterministic: bool, ca
 
 # ---- the check ------------------------------------------------------------------------------------
 
-def _check(module, call, direction, deterministic, variant) -> tuple[bool, str]:
+def _check(family, module, call, direction, deterministic, variant) -> tuple[bool, str]:
     global checks_run
     checks_run += 1
     start = time.perf_counter()
     try:
-        small = _small_call(module, call, direction, deterministic, variant)
+        small = _small_call(family, call, direction, deterministic, variant)
         if direction == "forward":
             detail = _check_forward(module, small)
         else:
@@ -177,11 +178,11 @@ def _check_backward(module, call: AttentionCall, deterministic: bool) -> Optiona
 
 # ---- the small problem ----------------------------------------------------------------------------
 
-def _small_call(module, call: AttentionCall, direction, deterministic, variant) -> AttentionCall:
+def _small_call(family, call: AttentionCall, direction, deterministic, variant) -> AttentionCall:
     """The smallest candidate problem the family runs with `variant`, else the call's own shape."""
     candidates = [_shrunk(call, length) for length in _LENGTHS] + [_shrunk(call, None)]
     for small in candidates:
-        if variant_of(module, small, direction, deterministic) == variant:
+        if variant_of(family, small, direction, deterministic) == variant:
             return small
     return _fresh(call, call.q.shape, call.k.shape, call.v.shape, call.cu_seqlens_q, call.cu_seqlens_k,
                   call.seqused_k, call.max_seqlen_q, call.max_seqlen_k)
