@@ -197,3 +197,50 @@ def test_verdicts_persist_across_processes(tmp_path):
     assert run() == ["False", "True", "2", "1"]
     assert run() == ["False", "True", "0", "1"], "the second process reads both verdicts from disk"
     assert len(list((tmp_path / "self_check").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("features", [
+    dict(D=64), dict(D=96, causal=True), dict(D=128, dtype=torch.float16, window_size=(64, 0)),
+    dict(D=128, softcap=10.0, Hkv=1), dict(D=64, varlen=True, causal=True), dict(D=128, seqused=True),
+])
+def test_dispatch_on_a_faked_blackwell_runs_the_sm100_forward_after_its_check(monkeypatch, features):
+    """With compute capability 10.0 faked, a call reaches the sm100 forward, whose variant is first
+    checked (a launch on a small problem) and then launched on the call; the sm100 forward is
+    stood in by the reference, since nothing launches on a CPU."""
+    import torch_fa4
+    from torch_fa4 import dispatch
+    from torch_fa4.kernels import sm100
+
+    launches = []
+
+    def stand_in(call, out, lse):
+        launches.append(call)
+        o, l = reference.forward(call)
+        out.copy_(o)
+        lse.copy_(l)
+
+    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
+    monkeypatch.setattr(dispatch, "capability", lambda device: BLACKWELL)
+    monkeypatch.setattr(sm100, "forward", stand_in)
+    f = dict(features)
+    D, dtype, Hkv = f.pop("D"), f.pop("dtype", torch.bfloat16), f.pop("Hkv", 2)
+    kw = {}
+    if f.pop("varlen", False):
+        q = torch.randn(900, 4, D, dtype=dtype)
+        k, v = (torch.randn(900, Hkv, D, dtype=dtype) for _ in range(2))
+        cu = torch.tensor([0, 200, 900], dtype=torch.int32)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700, max_seqlen_k=700)
+    else:
+        q = torch.randn(2, 600, 4, D, dtype=dtype)
+        k, v = (torch.randn(2, 600, Hkv, D, dtype=dtype) for _ in range(2))
+    if f.pop("seqused", False):
+        kw["seqused_k"] = torch.tensor([600, 17], dtype=torch.int32)
+    out = torch_fa4.attention(q, k, v, **f, **kw)
+    assert len(launches) == 2 and self_check.checks_run == 1, "one check, then the call's own launch"
+    check, real = launches
+    assert real.q is q and check.q is not q and check.q.shape[-1] == D and check.q.dtype == dtype
+    assert (check.causal, check.softcap, check.window_left) == (real.causal, real.softcap, real.window_left)
+    ref = torch_fa4.attention(q.double(), k.double(), v.double(), **f, **kw)  # float64: the reference
+    assert (out.double() - ref).abs().max() < 0.05
+    torch_fa4.attention(q, k, v, **f, **kw)
+    assert len(launches) == 3 and self_check.checks_run == 1, "a checked variant launches directly"

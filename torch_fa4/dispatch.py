@@ -50,6 +50,10 @@ def _kernel_module(name: str, direction: str):
     return _modules[key]
 
 
+def on_gpu(call: AttentionCall) -> bool:
+    return call.q.device.type == "cuda"
+
+
 def kernel_for(call: AttentionCall, direction: str, warn: bool = True, deterministic: bool = False):
     """Return the kernel module that runs `call` ("forward" or "backward"), or None for the reference.
 
@@ -59,7 +63,7 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
     """
     if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
         return None
-    if call.q.device.type != "cuda" or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
+    if not on_gpu(call) or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
         return None
     cap = capability(call.q.device)
     name = _ARCH_PACKAGES.get(cap[0])
