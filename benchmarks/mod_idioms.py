@@ -69,8 +69,8 @@ def main() -> None:
         ]
         if args.flash:
             try:
-                times.append(rate(lambda: flex_attention(qt, kt, vt, score_mod=score_mod, block_mask=torch_bm,
-                                                         kernel_options={"BACKEND": "FLASH"})))
+                times.append(rate(lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=torch_bm,
+                                               kernel_options={"BACKEND": "FLASH"})))
             except Exception as e:  # noqa: BLE001  (a peer that cannot run this row)
                 print(f"  (flex FLASH: {type(e).__name__}: {str(e)[:80]})")
                 times.append(float("nan"))
