@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from torch_fa4.kernels.host import packed_gqa
 from torch_fa4.kernels.sm90 import fwd_host  # (on every forward call's path: bound once)
 
 if TYPE_CHECKING:
@@ -20,13 +21,16 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
 
 
 def forward(call: "AttentionCall", out: "torch.Tensor", lse: "torch.Tensor") -> None:
+    if packed_gqa.applies(call):  # decode: each K/V tile read once per KV head
+        out, lse = packed_gqa.pack_results(out, lse, call.num_heads_kv)
+        call = packed_gqa.pack(call)
     fwd_host.forward(call, out, lse)
 
 
 def variant(call: "AttentionCall", direction: str, deterministic: bool):
     """The compiled variant that runs `call` (what the first-use self-check verifies)."""
     if direction == "forward":
-        return fwd_host.default_config(call)
+        return fwd_host.default_config(packed_gqa.pack(call) if packed_gqa.applies(call) else call)
     from torch_fa4.kernels.sm90 import bwd
 
     key = bwd.variant_key(call, deterministic)
