@@ -259,11 +259,8 @@ def _put_flash_before_cudnn() -> Optional[list]:
 
 
 def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backward=_routed_backward) -> _Installed:
-    """Put `forward`/`backward` in place of aten's SDPA flash kernels for `dispatch_key`.
-
-    The registry's activation function (with the defaults). Tests use other keys and functions to
-    exercise the dispatcher and autograd wiring on CPU.
-    """
+    """Put `forward`/`backward` in place of aten's SDPA flash kernels for `dispatch_key`: with the
+    defaults, the registry's activation function (tests install on CPU to exercise the wiring)."""
     priority_before = _put_flash_before_cudnn() if dispatch_key == "CUDA" else None
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     with warnings.catch_warnings():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-import threading
 import warnings
 
 ATTN_IMPLEMENTATION = "fa4"
@@ -54,12 +53,10 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, names: set[str]):
         self.pending = set(names)
-        self._lock = threading.Lock()
 
     def find_spec(self, fullname, path=None, target=None):
-        with self._lock:
-            if fullname not in self.pending:
-                return None
+        if fullname not in self.pending:
+            return None
         spec = None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -69,8 +66,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        with self._lock:
-            self.pending.discard(fullname)
+        self.pending.discard(fullname)
         run_module = spec.loader.exec_module
 
         def exec_module(module):
@@ -98,11 +94,10 @@ def register_if_available() -> None:
         return
     pending = set()
     for name in _ENTRIES:
-        module = sys.modules.get(name)
-        spec = getattr(module, "__spec__", None)
+        spec = getattr(sys.modules.get(name), "__spec__", None)
         # a module in sys.modules may still be executing (we are imported from inside it)
-        if module is not None and spec is not None and not getattr(spec, "_initializing", False):
-            _register_in(module)
+        if spec is not None and not getattr(spec, "_initializing", False):
+            _register_in(sys.modules[name])
         else:
             pending.add(name)
     if not pending or (_hook is not None and _hook in sys.meta_path):

@@ -23,9 +23,9 @@ import torch
 
 from torch_fa4.integrations.transformers_attention import refuse
 
-# Transformers' mask building blocks (masking_utils, by qualified name) that the function above
-# represents faithfully: causality and windows travel as attention arguments, padding as the 2-D
-# mask, packed sequences as position_ids (see transformers_attention), offsets as the cache alignment.
+# Transformers' mask building blocks (masking_utils, by qualified name) that `fa4_mask` represents
+# faithfully: causality and windows travel as attention arguments, padding as the 2-D mask, packed
+# sequences as document ids, offsets as the cache alignment.
 _SERVED = {
     "causal_mask_function",
     "bidirectional_mask_function",
