@@ -289,8 +289,8 @@ def test_registration_is_lazy_and_order_independent():
     )
     assert after == ["False", "True", "True"]
     before = _run(
-        "import transformers.modeling_utils; import torch_fa4; from torch_fa4.integrations import transformers as hf; "
-        "hf.register_if_available(); "
+        "import transformers.modeling_utils; import torch_fa4; "
+        "from torch_fa4.integrations import transformers as hf; hf.register_if_available(); "
         "print(hf.is_registered()); import transformers; "
         "model = transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(vocab_size=8, hidden_size=16, "
         "intermediate_size=16, num_hidden_layers=1, num_attention_heads=1, head_dim=16), attn_implementation='fa4'); "

@@ -182,11 +182,13 @@ def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=Fal
     return tuple(_with_layout_of(g.transpose(1, 2), like) for g, like in ((dq, query), (dk, key), (dv, value)))
 
 
-def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                    scale=None):
     """CUDA kernel of `_scaled_dot_product_flash_attention`: torch_fa4's half when it takes the call,
     else what PyTorch's own kernel computes."""
     if forward_reason(query, key, value, dropout_p, return_debug_mask, is_causal, scale) is None:
-        return fa4_sdpa_forward(query, key, value, is_causal, scale, torch.are_deterministic_algorithms_enabled())
+        return fa4_sdpa_forward(query, key, value, is_causal, scale,
+                                torch.are_deterministic_algorithms_enabled())
     q, k, v = _transposed(query, key, value)
     sq, sk = q.shape[1], k.shape[1]
     out, lse, seed, offset, debug_mask = torch.ops.aten._flash_attention_forward(
