@@ -71,8 +71,8 @@ def naive_varlen(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=Non
                  mask_mod=None, **kw):
     """naive_attention on a batch laid out as torch_fa4.attention takes it: q (Tq, H, D) packed,
     sequence b at rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (or (B, Sq, H, D) without cu_seqlens_q),
-    k / v likewise with cu_seqlens_k; seqused_k: the keys each sequence uses. A packed batch runs
-    one sequence at a time, its mods seeing b = the sequence's index. Returns out in q's layout
+    k / v likewise with cu_seqlens_k; seqused_k: the keys each sequence uses. A packed batch (of
+    one sequence or more) runs one sequence at a time, its mods seeing b = the sequence's index. Returns out in q's layout
     (Dv last) and lse (H, Tq) packed or (B, H, Sq); `kw` as naive_attention's."""
     used = None if seqused_k is None else [int(n) for n in seqused_k]
     if cu_seqlens_q is None and cu_seqlens_k is None:
