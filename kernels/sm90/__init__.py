@@ -1,23 +1,21 @@
 """Hopper (sm_90a) kernels: entry points per docs/INTERNALS.md (forward: fwd_host.py; backward:
-bwd.py). Neither this package nor the host modules import CuTe DSL: the kernel modules load it
-when a variant compiles, and a kernel from the disk cache launches without it.
+bwd.py, which dispatch imports itself). Neither this package nor the host modules import CuTe DSL:
+the kernel modules load it when a variant compiles, and a kernel from the disk cache launches
+without it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from torch_fa4.kernels.host import packed_gqa
 from torch_fa4.kernels.sm90 import fwd_host  # (on every forward call's path: bound once)
+from torch_fa4.kernels.sm90.fwd_host import unsupported_reason  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
 
     from torch_fa4.call import AttentionCall
-
-
-def unsupported_reason(call: "AttentionCall") -> Optional[str]:
-    return fwd_host.unsupported_reason(call)
 
 
 def forward(call: "AttentionCall", out: "torch.Tensor", lse: "torch.Tensor") -> None:
@@ -37,9 +35,3 @@ def variant(call: "AttentionCall", direction: str, deterministic: bool):
     if bwd.runs_per_sequence(call, deterministic):
         return ("per_sequence", key)
     return bwd.launch_plan(call, key).key
-
-
-def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
-    from torch_fa4.kernels.sm90 import bwd
-
-    bwd.backward(call, dout, out, lse, dq, dk, dv, deterministic)
