@@ -340,9 +340,14 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         else:
             cute.arch.sync_threads()
 
-        # read by consume_item's split-tail path (saves threading them through every role)
+        # the CTA's operands, read by the roles' methods (fwd_producer.py, fwd_consumer.py,
+        # fwd_epilogue.py) rather than passed down every call
         self._split = (mSplitWs, mSplitCount, storage.split_flags.get_tensor(cute.make_layout(4)))
-        self._sched = sched
+        self._sched, self._brange, self._block_mask, self._mailbox = sched, brange, block_mask, mailbox
+        self._mQ, self._mK, self._mV, self._mO_tma, self._mO, self._mLSE = mQ, mK, mV, mO_tma, mO, mLSE
+        self._seqlen_args = (mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        self._tma_loads, self._tma_O = (tma_Q, tma_K, tma_V), tma_O
+        self._pipes, self._mmas = (pipe_q, pipe_k, pipe_v), (tiled_mma_qk, tiled_mma_pv)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -357,31 +362,29 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         # V^T view (Dv, tile_n, stages): the B operand of O += P V
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.hdimv, self.tile_n, cfg.num_stages), order=(1, 0, 2)))
+        self._sQ, self._sK, self._sV, self._sVt, self._sO, self._sO_mn = sQ, sK, sV, sVt, sO, sO_mn
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
-                             tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched, brange, block_mask,
-                             bidx, mailbox)
+                self.produce(bidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(
-                mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
-                tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale,
-                softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, bidx,
-                tidx - 128, mailbox)
+            self.consume(score_scale, softmax_scale_log2, score_aux, mask_aux, bidx, tidx - 128)
 
     @cute.jit
-    def _unit(self, sched: TileScheduler, tile):
+    def _unit(self, tile):
         """(m_block, head, batch, piece) of work unit `tile`; piece -1: a whole item (always
         without split_ways)."""
         if const_expr(self.cfg.grid3d):
             m_block, head, batch = cute.arch.block_idx()
             return m_block, head, batch, Int32(-1)
-        m_block, head, batch = sched.work(tile)
-        piece, _ = sched.piece(tile)
+        m_block, head, batch = self._sched.work(tile)
+        piece, _ = self._sched.piece(tile)
         return m_block, head, batch, piece
+
+    def _seqlen(self, batch) -> SeqlenInfo:
+        return SeqlenInfo(batch, self._mQ.shape[0], self._mK.shape[0], *self._seqlen_args)
 
     @cute.jit
     def _takes_part(self, m_block, seqlen: SeqlenInfo):
@@ -396,12 +399,13 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         return live
 
     @cute.jit
-    def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch, piece):
+    def _kv_walk(self, seqlen: SeqlenInfo, m_block, head, batch, piece):
         """The key tiles work unit (m_block, piece) visits: all of the item's, or with split_ways
         = k piece `piece` >= 0 of its k consecutive shares."""
-        if const_expr(self.cfg.block_sparse):
-            return SparseKvWalk(*block_mask, batch, head, m_block, self.cfg.bm_tiles_m, self.cfg.bm_tiles_n)
-        n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        cfg = self.cfg
+        if const_expr(cfg.block_sparse):
+            return SparseKvWalk(*self._block_mask, batch, head, m_block, cfg.bm_tiles_m, cfg.bm_tiles_n)
+        n_min, n_max = self._brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
         if const_expr(self.cfg.split_ways):
             k = self.cfg.split_ways
             count = n_max - n_min

@@ -3,10 +3,11 @@ or from registers with a row predicate for varlen), and the LSE."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from torch_fa4.kernels.common.acc_layout import rows_cols
+from torch_fa4.kernels.common.online_softmax import scale_rows
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.sm90.fwd_consumer import BAR_EPI_ALL, BAR_EPI_WG
 
@@ -15,12 +16,17 @@ class FwdEpilogue:
     """Epilogue methods of FlashFwdSm90 (a mixin: they read its configuration)."""
 
     @cute.jit
-    def epilogue(self, acc_o, lse, coords, mO_tma, mO, mLSE, sO, sO_mn, tma_O, tiled_mma_pv,
-                 seqlen: SeqlenInfo, m_block, head, batch_q, wg, tidx):
-        cfg = self.cfg
+    def epilogue(self, acc_o, softmax, row_scale, num_rows, coords, seqlen: SeqlenInfo, m_block, head,
+                 batch_q, wg):
+        """O normalised by the row sums and written with the LSE."""
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.finalize(row_scale, lse)
+        scale_rows(acc_o, row_scale)
+        cfg, tidx = self.cfg, self._tidx
+        mO, sO, sO_mn, tma_O, tiled_mma_pv = self._mO, self._sO, self._sO_mn, self._tma_O, self._mmas[1]
         # LSE: the lane holding column 0 of a row writes it
         c = rows_cols(coords)
-        mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
+        mLSE_cur = seqlen.q_rows(self._mLSE[None, head, batch_q])
         if c[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + c[r, 0][0]
@@ -46,7 +52,7 @@ class FwdEpilogue:
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> TMA reads
             cute.arch.barrier(barrier_id=BAR_EPI_WG + wg, number_of_threads=128)
             if tidx % 128 < 32:
-                gO = cute.local_tile(mO_tma[None, None, head, batch_q], (64, self.hdimv),
+                gO = cute.local_tile(self._mO_tma[None, None, head, batch_q], (64, self.hdimv),
                                      (m_block * self.num_wg + wg, 0))
                 tOsO, tOgO = cpasync.tma_partition(
                     tma_O, 0, cute.make_layout(1), cute.group_modes(sO[None, None, wg], 0, 2),

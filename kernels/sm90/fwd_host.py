@@ -302,8 +302,8 @@ def _fake_trailing_args(cfg: FwdConfig) -> list:
     counter = int32s(1) if cfg.dynamic_schedule else None
     split = [None, None]
     if cfg.split_ways:
-        ws = cute.runtime.make_fake_tensor(
-            cutlass.Float32, (cute.sym_int(), cute.sym_int(), 128), (cute.sym_int64(), 128, 1), assumed_align=16)
+        ws = cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int(), 128),
+                                           (cute.sym_int64(), 128, 1), assumed_align=16)
         split = [ws, int32s(1)]
     return [*block_mask, *aux, counter, *split, cutlass.Int32(0)]
 
