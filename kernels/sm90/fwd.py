@@ -31,12 +31,9 @@ the next item's first K and Q while the consumers finish the current one), in a 
 round-robin or, with `dynamic_schedule`, from a global counter as it frees
 (kernels/common/tile_mailbox.py).
 
-Epilogue: O is normalised in registers, converted, staged in shared memory and stored with TMA,
-64 rows per warpgroup; varlen tiles, whose last rows would spill into the next sequence, store
-from registers with a row predicate instead. LSE goes straight from registers.
-
 The roles are mixins: fwd_producer.py (TMA loads), fwd_consumer.py (a consumer warpgroup's key
-loop), fwd_epilogue.py (O and LSE out).
+loop), fwd_epilogue.py (O, 64 rows per warpgroup through shared memory and TMA, or from registers
+for varlen tiles, and the LSE).
 """
 
 from typing import Optional
@@ -84,8 +81,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         assert self.hdim == self.hdimv, "O reuses Q's shared memory"
         self.num_wg = cfg.num_consumer_wg
-        assert self.num_wg in (1, 2, 3)
-        self.num_threads = 128 * (self.num_wg + 1)
         # registers per thread after setmaxnreg: producer gives up what the consumers take
         self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         self.pingpong = self.num_wg >= 2  # consumer warpgroups take turns issuing their matmuls
@@ -114,10 +109,9 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
         # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
         # Q's buffer and the next Q waits for the O store.
-        elem = 2
-        ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
-        q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
-        self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
+        # Q, O and the K/V rings of 2-byte elements, plus 4 KB for the barriers
+        stage_rows = cfg.tile_m + cfg.num_stages * cfg.tile_n
+        self.separate_o = stage_rows * (self.hdim + self.hdimv) * 2 + 4 * 1024 <= SMEM_BYTES
         self._early_q_release = cfg.early_q_release and self.separate_o
 
     # ------------------------------------------------------------------ layouts
@@ -142,12 +136,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         return qk, pv
 
     def _storage_class(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        stages, dt = self.cfg.num_stages, self.dtype
+        stages, dt, separate_o = self.cfg.num_stages, self.dtype, self.separate_o
 
         def buffer(layout):
             return cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(layout)], 1024]
-
-        separate_o = self.separate_o
 
         @cute.struct
         class Shared:
@@ -174,33 +166,25 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         mV: cute.Tensor,
         mO: cute.Tensor,  # like mQ, contiguous
         mLSE: cute.Tensor,  # (B, Hq, Sq) or (Hq, Tq), fp32
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSequsedK: Optional[cute.Tensor],
         score_scale: Float32,  # multiplies q.k before softmax (scale, or scale/softcap)
         softmax_scale_log2: Float32,  # log2(e) * (scale, or softcap)
-        window_left: Int32,
-        window_right: Int32,
-        num_batch: Int32,
-        max_seqlen_q: Int32,
-        heads_per_group: Int32,
+        window_left: Int32, window_right: Int32,
+        num_batch: Int32, max_seqlen_q: Int32, heads_per_group: Int32,
         tail_pairs: Int32,  # the last this many (batch, head) pairs as one group (0: none)
         max_ctas: Int32,  # persistent grid size (about one CTA per SM)
         # block mask (block_sparse only, else None): kv_num_blocks, kv_indices, full_kv_num_blocks,
         # full_kv_indices, int32, FlexAttention layout
-        mBmNum: Optional[cute.Tensor],
-        mBmIdx: Optional[cute.Tensor],
-        mBmFullNum: Optional[cute.Tensor],
-        mBmFullIdx: Optional[cute.Tensor],
+        mBmNum: Optional[cute.Tensor], mBmIdx: Optional[cute.Tensor],
+        mBmFullNum: Optional[cute.Tensor], mBmFullIdx: Optional[cute.Tensor],
         # captured tensors of the mods, ModSet order, None past the last (TVM-FFI takes no tuples)
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         mSched: Optional[cute.Tensor],  # (1,) int32, zero at launch (cfg.dynamic_schedule), else None
         # cfg.split_ways (kernels/common/split_tail.py), else None / None / 0: the pieces' states
         # (slots, values, 128) fp32, their counters (split items * warpgroups,) int32 zero at
         # launch, and how many of the last items are split
-        mSplitWs: Optional[cute.Tensor],
-        mSplitCount: Optional[cute.Tensor],
-        split_items: Int32,
+        mSplitWs: Optional[cute.Tensor], mSplitCount: Optional[cute.Tensor], split_items: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -264,7 +248,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             mSplitCount, split_items,
         ).launch(
             grid=grid,
-            block=[self.num_threads, 1, 1],
+            block=[128 * (self.num_wg + 1), 1, 1],
             cluster=cluster,
             stream=stream,
             min_blocks_per_mp=1,

@@ -63,10 +63,7 @@ class FwdConsumer:
         elif const_expr(masked):
             apply_mask(acc_s, coords, brange, m_block, n_block, seqlen.seqlen_q, seqlen.seqlen_k, True)
         if const_expr(self.mask_graph is not None):
-            if const_expr(self.cfg.block_sparse):
-                if partial:
-                    mods.mask_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
-            else:
+            if partial:  # (a Python True without a block mask: resolved at compile time)
                 mods.mask_mod(acc_s, coords, m_block * self.tile_m, n_block * self.tile_n)
 
     def _is_partial(self, walk, t):

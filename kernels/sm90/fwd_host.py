@@ -45,29 +45,24 @@ _DEFAULT_OPTIONS = {
 
 
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
-    reason = fwd_launch.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)
-    if reason is not None:
+    if (reason := fwd_launch.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)) is not None:
         return reason
     if call.mod_key and call.mods is None:
         return "mod_key given without its resolved ModSet"
     if len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm90 kernel: at most {MAX_AUX})"
-    for t in call.aux_tensors:
-        if t.device != call.q.device:
-            return "a captured tensor is not on q's device"
+    if any(t.device != call.q.device for t in call.aux_tensors):
+        return "a captured tensor is not on q's device"
     if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
         # the mod lowering's fp32 index arithmetic is exact below 2^23 (host/mod_hoisting.py)
         return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
-    if _uses_block_mask(call):
-        reason = _block_mask_reason(call)
-        if reason is not None:
-            return reason
+    if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
+        return reason
     return fwd_launch.layout_reason(call)
 
 
 def _dense(call: AttentionCall) -> bool:
-    """Every query sees every key of its (fixed-length) sequence up to masks: no softcap, window
-    or variable lengths."""
+    """No softcap, window or variable lengths (a causal mask and mods allowed)."""
     return call.softcap <= 0 and not call.has_window and not call.is_varlen and call.cu_seqlens_k is None
 
 
@@ -87,8 +82,7 @@ def _block_tile_n(call: AttentionCall) -> Optional[int]:
 
 
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
-    reason = block_mask_tensors_reason(call)
-    if reason is not None:
+    if (reason := block_mask_tensors_reason(call)) is not None:
         return reason
     num, idx = call.block_mask[0], call.block_mask[1]
     tile_m = _TILES[call.head_dim][0]
@@ -119,15 +113,14 @@ _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
 def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
-    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops, ...)."""
-    tile_m, tile_n = _TILES[call.head_dim]
+    """The options that go with the shape over the head dim's (wide tiles, stages, grid, split key
+    loops, ...)."""
     if call.head_dim == 192:
         # plain calls persistent; causal ones lost on the static loop (dynamic schedule instead,
         # NOTES "Experiment 136")
-        return dict(tile_m=tile_m, tile_n=tile_n, persistent=_plain(call))
+        return dict(persistent=_plain(call))
     if call.head_dim == 256:
-        return dict(tile_m=tile_m, tile_n=tile_n,
-                    split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
+        return dict(split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
     dense = _dense(call)
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
     if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _WIDE_MIN_SEQLEN_Q:
@@ -140,14 +133,16 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
         return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
         return _D96_WIDE
-    return dict(tile_m=tile_m, tile_n=tile_n)
+    return {}
 
 
 def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     max_q, max_k = fwd_launch.max_seqlens(call)  # (varlen without the maxima given: a device read)
     longest = max(max_q, max_k)
     # the head dim's options, then the tile shape's (its stages, chains, ptxas flags and grid win)
-    opts = {**_DEFAULT_OPTIONS[call.head_dim], **_tiles(call, max_q, max_k)}
+    tile_m, tile_n = _TILES[call.head_dim]
+    opts = dict(tile_m=tile_m, tile_n=tile_n, **_DEFAULT_OPTIONS[call.head_dim])
+    opts.update(_tiles(call, max_q, max_k))
     # with mods the persistent loop kept too much alive (a mask_mod's loads, a score_mod beside
     # softcap at D=128: ptxas serialized the wgmmas; the CPU compile tests count the waits)
     opts["persistent"] = opts["persistent"] and call.mods is None
@@ -233,8 +228,8 @@ def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool
     always rescaling (the conditional rescale decides after the tile's softmax)."""
     if cfg.rescale_threshold is not None or not _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False):
         return False
-    d96_long_plain = call.head_dim == call.head_dim_v == 96 and _plain(call) and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K
-    return not d96_long_plain
+    d96_long = call.head_dim == call.head_dim_v == 96 and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K
+    return not (d96_long and _plain(call))
 
 
 def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
@@ -287,8 +282,7 @@ def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
 
 
 def _fake_trailing_args(cfg: FwdConfig) -> list:
-    """Stand-ins for what `launch` passes after the leading arguments: block mask, captured
-    tensors, item counter, split tail."""
+    """Stand-ins for what `launch` passes after fwd_launch.leading_args."""
     import cutlass
     import cutlass.cute as cute
 
@@ -352,9 +346,8 @@ def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
-    """(split items, ways) for this call's grid (host/split_plan.choose); (0, 1) where
-    splitting would not shorten the last round. Plain calls only (every item walks the same key
-    tiles)."""
+    """(split items, ways) for this call's grid (host/split_plan.choose); (0, 1) where splitting
+    would not shorten the last round. Plain calls only (every item walks the same key tiles)."""
     if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
