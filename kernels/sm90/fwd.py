@@ -31,9 +31,9 @@ the next item's first K and Q while the consumers finish the current one), in a 
 round-robin or, with `dynamic_schedule`, from a global counter as it frees
 (kernels/common/tile_mailbox.py).
 
-The roles are mixins: fwd_producer.py (TMA loads), fwd_consumer.py (a consumer warpgroup's key
-loop), fwd_epilogue.py (O, 64 rows per warpgroup through shared memory and TMA, or from registers
-for varlen tiles, and the LSE).
+The roles are mixins: fwd_producer.py (TMA loads) and fwd_consumer.py (a consumer warpgroup's key
+loop and epilogue: O, 64 rows per warpgroup, through shared memory and TMA, or from registers for
+varlen tiles; the LSE).
 """
 
 from typing import Optional
@@ -53,9 +53,8 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mailbox import init_mailbox
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.common import wgmma_desc
-from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
+from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 from torch_fa4.kernels.sm90.fwd_consumer import FwdConsumer
-from torch_fa4.kernels.sm90.fwd_epilogue import FwdEpilogue
 from torch_fa4.kernels.sm90.fwd_producer import FwdProducer
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
@@ -73,7 +72,7 @@ def _sequence_major(t: cute.Tensor, varlen: bool) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
-class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
+class FlashFwdSm90(FwdProducer, FwdConsumer):
     def __init__(self, cfg: FwdConfig):
         self.cfg = cfg
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
@@ -106,15 +105,13 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             cfg.causal or cfg.has_window or cfg.varlen_q or cfg.varlen_k or cfg.block_sparse
             or cfg.dynamic_schedule or self.num_wg < 2), "kv_multicast: plain calls"
         self.cluster_size = 2 if cfg.kv_multicast else 1
-        # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
-        # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
-        # Q's buffer and the next Q waits for the O store.
-        # Q, O and the K/V rings of 2-byte elements, plus 4 KB for the barriers
+        # O gets its own shared-memory tile when it fits beside Q and the K/V rings (2-byte elements,
+        # 4 KB for the barriers; D <= 128): the next work item's Q then loads while this one's
+        # epilogue runs. Otherwise O is staged over Q's buffer and the next Q waits for the O store.
         stage_rows = cfg.tile_m + cfg.num_stages * cfg.tile_n
         self.separate_o = stage_rows * (self.hdim + self.hdimv) * 2 + 4 * 1024 <= SMEM_BYTES
         self._early_q_release = cfg.early_q_release and self.separate_o
 
-    # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
         atom = warpgroup.make_smem_layout_atom(
             hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
@@ -157,7 +154,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
         return Shared
 
-    # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(
         self,
@@ -192,8 +188,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         block_mask = (mBmNum, mBmIdx, mBmFullNum, mBmFullIdx) if const_expr(cfg.block_sparse) else None
         # sequence-major views: (S, D, H, B), LSE (S, H, B)
-        mQ, mO = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO))
-        mLSE = _sequence_major(mLSE, cfg.varlen_q)
+        mQ, mO, mLSE = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO, mLSE))
         mK, mV = (_sequence_major(t, cfg.varlen_k) for t in (mK, mV))
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -207,9 +202,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
         tma_Q, tQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.hdim))
-        kv_load = cpasync.CopyBulkTensorTileG2SOp()
-        if const_expr(cfg.kv_multicast):
-            kv_load = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        kv_load = (cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.kv_multicast
+                   else cpasync.CopyBulkTensorTileG2SOp())
         tma_K, tK = cpasync.make_tiled_tma_atom(
             kv_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim),
             num_multicast=self.cluster_size)
@@ -254,7 +248,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             min_blocks_per_mp=1,
         )
 
-    # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
         self,
@@ -324,10 +317,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         else:
             cute.arch.sync_threads()
 
-        # the CTA's operands, read by the roles' methods (fwd_producer.py, fwd_consumer.py,
-        # fwd_epilogue.py) rather than passed down every call
+        # the CTA's operands, read by the roles' methods (fwd_producer.py, fwd_consumer.py) rather
+        # than passed down every call
         self._split = (mSplitWs, mSplitCount, storage.split_flags.get_tensor(cute.make_layout(4)))
         self._sched, self._brange, self._block_mask, self._mailbox = sched, brange, block_mask, mailbox
+        self._score_scale, self._softmax_scale_log2 = score_scale, softmax_scale_log2
+        self._score_aux, self._mask_aux = score_aux, mask_aux
         self._mQ, self._mK, self._mV, self._mO_tma, self._mO, self._mLSE = mQ, mK, mV, mO_tma, mO, mLSE
         self._seqlen_args = (mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         self._tma_loads, self._tma_O = (tma_Q, tma_K, tma_V), tma_O
@@ -354,7 +349,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
                 self.produce(bidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(score_scale, softmax_scale_log2, score_aux, mask_aux, bidx, tidx - 128)
+            self._tidx = tidx - 128  # (within the consumer warpgroups)
+            self.consume(bidx)
 
     @cute.jit
     def _unit(self, tile):

@@ -1,12 +1,13 @@
 """The sm90 forward's consumer warpgroups: per work item the online-softmax key loop (S = Q K^T
-beside P V, masks and mods, turn-taking between warpgroups), then the epilogue (fwd_epilogue.py).
-fwd.py has the whole picture."""
+beside P V, masks and mods, turn-taking between warpgroups), then the epilogue: O normalised,
+converted and stored (through shared memory and TMA, or from registers with a row predicate for
+varlen), and the LSE. fwd.py has the whole picture."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from torch_fa4.kernels.common.acc_layout import a_operand, rows_cols
 from torch_fa4.kernels.common.convert import convert_pairs
@@ -20,7 +21,7 @@ from torch_fa4.kernels.common import split_tail, wgmma, wgmma_desc
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
-# named barrier ids (0 is __syncthreads), also used by the epilogue
+# named barrier ids (0 is __syncthreads)
 BAR_SCHED = 1  # 1..3: consumer warpgroup turn-taking
 BAR_EPI_ALL = 4  # all consumers: every wgmma reading Q is done before O overwrites it
 BAR_EPI_WG = 5  # 5..7: one warpgroup's O tile is in shared memory
@@ -146,15 +147,12 @@ class FwdConsumer:
             pipe_k.consumer_release(state)
 
     @cute.jit
-    def consume(self, score_scale, softmax_scale_log2, score_aux, mask_aux, bidx, tidx):
+    def consume(self, bidx):
         """A consumer warpgroup: its 64 rows of every work item of this CTA."""
         cfg, sched = self.cfg, self._sched
         sQ, sK, sVt = self._sQ, self._sK, self._sVt
         tiled_mma_qk, tiled_mma_pv = self._mmas
-        # read by the methods below (not passed down every call)
-        self._score_scale, self._softmax_scale_log2 = score_scale, softmax_scale_log2
-        self._score_aux, self._mask_aux, self._tidx = score_aux, mask_aux, tidx
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg = cute.arch.make_warp_uniform(self._tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
@@ -220,12 +218,11 @@ class FwdConsumer:
 
     @cute.jit
     def _idle_item(self, walk, q_state, state):
-        """A work item for a warpgroup whose 64 rows all lie past the sequence's end (the last
-        query tile of a sequence that is not a multiple of tile_m: 4096 = 21 x 192 + 64 leaves two
-        of the three warpgroups idle there). It issues no matmul, so the tensor cores serve the
-        other warpgroups, but stays in step with them: a turn at every matmul issue point of
-        consume_item, every Q / K / V slot waited for and released once, and the barrier before O
-        overwrites Q. Returns the K/V ring position after the item."""
+        """A work item for a warpgroup whose 64 rows all lie past the sequence's end (4096 = 21 x
+        192 + 64 leaves two of three warpgroups idle in the last tile). It issues no matmul, so the
+        tensor cores serve the other warpgroups, but stays in step with them: a turn at every
+        matmul issue point of consume_item, every Q / K / V slot waited for and released once, and
+        the barrier before O overwrites Q. Returns the K/V ring position after the item."""
         pipe_q, pipe_k, pipe_v = self._pipes
         wg = self._wg_operands[3]
         pipe_q.consumer_wait(q_state)
@@ -370,3 +367,61 @@ class FwdConsumer:
             # O was staged over Q's buffer: Q may load again once the O store has read it out
             pipe_q.consumer_release(q_state)
         return state
+
+    @cute.jit
+    def epilogue(self, acc_o, softmax, row_scale, num_rows, coords, seqlen: SeqlenInfo, m_block, head,
+                 batch_q, wg):
+        """O normalised by the row sums and written with the LSE."""
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.finalize(row_scale, lse)
+        scale_rows(acc_o, row_scale)
+        cfg, tidx = self.cfg, self._tidx
+        mO, sO, sO_mn, tma_O, tiled_mma_pv = self._mO, self._sO, self._sO_mn, self._tma_O, self._mmas[1]
+        # LSE: the lane holding column 0 of a row writes it
+        c = rows_cols(coords)
+        mLSE_cur = seqlen.q_rows(self._mLSE[None, head, batch_q])
+        if c[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + c[r, 0][0]
+                if row < seqlen.seqlen_q:
+                    mLSE_cur[row] = lse[r]
+
+        r_o = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        if const_expr(not cfg.varlen_q):
+            if const_expr(self.separate_o):
+                # this warpgroup's previous O store has read its tile out (its issuing warp waits
+                # for that before it gets here)
+                cute.arch.barrier(barrier_id=BAR_EPI_WG + wg, number_of_threads=128)
+            else:
+                # every consumer's Q reads are done before O overwrites Q's buffer
+                cute.arch.barrier(barrier_id=BAR_EPI_ALL, number_of_threads=128 * self.num_wg)
+            # stmatrix: one shared-memory address per 8x8 block of four (a per-element copy keeps
+            # an address per store live and starves the wgmma pipeline of registers)
+            stsm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_pv).get_slice(tidx)
+            cute.copy(thr_stsm, thr_stsm.retile(r_o), thr_stsm.partition_D(sO_mn))
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> TMA reads
+            cute.arch.barrier(barrier_id=BAR_EPI_WG + wg, number_of_threads=128)
+            if tidx % 128 < 32:
+                gO = cute.local_tile(self._mO_tma[None, None, head, batch_q], (64, self.hdimv),
+                                     (m_block * self.num_wg + wg, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_O, 0, cute.make_layout(1), cute.group_modes(sO[None, None, wg], 0, 2),
+                    cute.group_modes(gO, 0, 2))
+                cute.copy(tma_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.separate_o):
+                # the caller releases Q's buffer next: the store must have read it out
+                cute.arch.barrier(barrier_id=BAR_EPI_WG + wg, number_of_threads=128)
+        else:
+            mO_cur = seqlen.q_rows(mO[None, None, head, batch_q])
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_block, 0))
+            tOgO = thr_pv.partition_C(gO)
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdimv)))
+            limit = seqlen.seqlen_q - m_block * self.tile_m
+            for i in cutlass.range_constexpr(cute.size(r_o)):
+                if tOcO[i][0] < limit:
+                    tOgO[i] = r_o[i]

@@ -335,8 +335,7 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
 
 def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split: Optional[tuple]) -> None:
     """Launch a forward kernel (general path and launch records): `leading` from
-    fwd_launch.leading_args, `split` from `split_spec`; the dynamic scheduler's item counter is
-    zero at the start of every launch."""
+    fwd_launch.leading_args, `split` from `split_spec`, a zeroed item counter for each launch."""
     device = call.q.device
     block_mask = [None] * 4
     if cfg.block_sparse:

@@ -9,8 +9,6 @@ recorded: packed varlen calls without max_seqlen_q (the derivation reads the off
 overrides, and a negative scale without softcap (it runs on -q, a copy made per call).
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple, Optional
 
 import torch
