@@ -349,8 +349,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
                 self.produce(bidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._tidx = tidx - 128  # (within the consumer warpgroups)
-            self.consume(bidx)
+            self.consume(bidx, tidx - 128)
 
     @cute.jit
     def _unit(self, tile):
@@ -386,8 +385,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         if const_expr(cfg.block_sparse):
             return SparseKvWalk(*self._block_mask, batch, head, m_block, cfg.bm_tiles_m, cfg.bm_tiles_n)
         n_min, n_max = self._brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
-        if const_expr(self.cfg.split_ways):
-            k = self.cfg.split_ways
+        if const_expr(cfg.split_ways):
+            k = cfg.split_ways
             count = n_max - n_min
             share = cutlass.max(piece, 0)
             n_lo = n_min + count * share // k

@@ -147,8 +147,10 @@ class FwdConsumer:
             pipe_k.consumer_release(state)
 
     @cute.jit
-    def consume(self, bidx):
-        """A consumer warpgroup: its 64 rows of every work item of this CTA."""
+    def consume(self, bidx, tidx):
+        """A consumer warpgroup: its 64 rows of every work item of this CTA (tidx: the thread's index
+        among the consumers)."""
+        self._tidx = tidx  # (not set in kernel(): there it would be written under a run-time if)
         cfg, sched = self.cfg, self._sched
         sQ, sK, sVt = self._sQ, self._sK, self._sVt
         tiled_mma_qk, tiled_mma_pv = self._mmas

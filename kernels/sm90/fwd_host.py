@@ -99,10 +99,10 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 
 
 # D=64 calls past 2048 queries without mods (a score_mod alone is fine, "Experiment 90"), softcap,
-# window or varlen run 192 x 128 tiles: three consumer warpgroups at 160 registers, 1.5x the query
-# rows per K/V load (NOTES "Experiment 17"; at S=1k the ragged last 192-row tile loses). A third K/V
-# stage pays without causal masking only. Left out: softcap and mask_mods spill, block masks'
-# 128-row tiles cannot be split, window and varlen are unmeasured at this shape.
+# window or varlen run 192 x 128 tiles: three consumer warpgroups at 160 registers (P converted by
+# packed pairs), 1.5x the query rows per K/V load (NOTES "Experiment 17"; at S=1k the ragged last
+# 192-row tile loses). A third K/V stage pays without causal masking only. Left out: softcap and
+# mask_mods spill, block masks' 128-row tiles cannot be split, window and varlen are unmeasured.
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
 _WIDE_MIN_SEQLEN_Q = 2048
 # D=96 likewise, with 112-key tiles (128 spill at 160 registers; NOTES "Experiment 138").
