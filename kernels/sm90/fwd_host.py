@@ -260,11 +260,10 @@ _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
-    mods = call.mods
     # its persistent loop compiles clean where the static one does (no mods), and at D <= 128
     # for calls whose only mod is a score_mod (CPU compile tests)
-    if mods is not None and not (call.head_dim <= 128 and mods.mask_graph is None and call.softcap <= 0
-                                 and not call.has_window and not call.block_mask):
+    if call.mods is not None and not (call.head_dim <= 128 and call.mods.mask_graph is None
+                                      and call.softcap <= 0 and not call.has_window and not call.block_mask):
         return False
     if call.has_window or call.causal:
         return True
