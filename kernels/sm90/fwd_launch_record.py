@@ -5,8 +5,8 @@ A record is keyed on everything fwd_host.forward's derivation (variant, L2 group
 plan) reads: shapes, strides and dtypes of q, k, v, out and lse, device, scale, causal / window /
 softcap; with mods, block masks or variable lengths also the mods' key, the captured tensors'
 dtypes and ranks, the block mask's tile sizes, the given maxima and the offsets' shapes. Not
-recorded: packed varlen calls without max_seqlen_q (the derivation reads the offsets), config
-overrides, and a negative scale without softcap (it runs on -q, a copy made per call).
+recorded: packed varlen calls without max_seqlen_q (the derivation reads the offsets), overrides,
+and a negative scale without softcap (it runs on -q, made per call). Dispatch checked alignment.
 """
 
 from typing import NamedTuple, Optional
