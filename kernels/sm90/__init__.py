@@ -4,28 +4,19 @@ the kernel modules load it when a variant compiles, and a kernel from the disk c
 without it.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
 from torch_fa4.kernels.host import packed_gqa
 from torch_fa4.kernels.sm90 import fwd_host  # (on every forward call's path: bound once)
 from torch_fa4.kernels.sm90.fwd_host import unsupported_reason  # noqa: F401
 
-if TYPE_CHECKING:
-    import torch
 
-    from torch_fa4.call import AttentionCall
-
-
-def forward(call: "AttentionCall", out: "torch.Tensor", lse: "torch.Tensor") -> None:
+def forward(call, out, lse) -> None:
     if packed_gqa.applies(call):  # decode: each K/V tile read once per KV head
         out, lse = packed_gqa.pack_results(out, lse, call.num_heads_kv)
         call = packed_gqa.pack(call)
     fwd_host.forward(call, out, lse)
 
 
-def variant(call: "AttentionCall", direction: str, deterministic: bool):
+def variant(call, direction: str, deterministic: bool):
     """The compiled variant that runs `call` (what the first-use self-check verifies)."""
     if direction == "forward":
         return fwd_host.default_config(packed_gqa.pack(call) if packed_gqa.applies(call) else call)

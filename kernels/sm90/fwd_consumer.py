@@ -132,14 +132,12 @@ class FwdConsumer:
 
     @cute.jit
     def _release_after_softmax(self, pipe_k, state, softmax):
-        """Release the K slot once the softmax is done, as a data dependence ptxas can see.
-
-        ptxas moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic, and
-        put it right after the row max: the warpgroup then waited for P V before its
-        exponentials, which no longer ran under the matmul. It does not move the wait above a
-        memory operation such as this mbarrier arrive, so the arrive is predicated on the row
-        sums (never negative, so the predicate is always true; NaN compares false too): it cannot
-        issue before the last exponential, and the wait follows it."""
+        """Release the K slot once the softmax is done, as a data dependence ptxas can see: ptxas
+        moves the P V wait (WARPGROUP.DEPBAR) freely among the softmax's arithmetic and put it
+        right after the row max, so the exponentials no longer ran under the matmul. It does not
+        move the wait above a memory operation such as this mbarrier arrive, so the arrive is
+        predicated on the row sums (never negative, so always true; NaN compares false too): it
+        cannot issue before the last exponential, and the wait follows it."""
         total = softmax.row_sum[0]
         for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
             total = total + softmax.row_sum[r]
