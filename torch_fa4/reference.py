@@ -93,10 +93,9 @@ class _ScoreBlock:
 
     def _score_mod(self, s: torch.Tensor) -> torch.Tensor:
         mods = self.call.mods
-        if mods is None or mods.score_graph is None:
+        if mods is None:
             return s
-        out = mods.score_torch(s, self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, self.call.score_aux)
-        return out.to(s.dtype).expand(s.shape)
+        return mods.score_torch(s, self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, self.call.score_aux)
 
     def scores_and_vjp(self, raw: torch.Tensor):
         """modded_scores(raw) and a function mapping dL/ds to dL/draw (elementwise chain rule).

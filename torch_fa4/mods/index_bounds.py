@@ -154,8 +154,6 @@ def _interval(graph: ModGraph, i: int, env: dict, inputs: dict, value_range) -> 
     if rule is None:
         raise _Unbounded(f"no bound is known for {n.op}")
     args = [env.get(a) for a in n.args]
-    if n.op == "where":
-        args[0] = (0, 1)
     if any(a is None for a in args):
         raise _Unbounded(f"{n.op} of a value without a bound")
     return rule(*args)

@@ -34,13 +34,9 @@ _LOCK = threading.Lock()
 
 
 def _assume_constant_result(fn):
-    """`torch.compiler.assume_constant_result`, without importing torch._dynamo when nothing has.
-
-    That decorator imports Dynamo (seconds) only to set one attribute on `fn`, and importing this
-    module is on the path of every kernel compile (the kernels' mod lowering imports
-    torch_fa4.mods.graph, which runs this package's __init__). While Dynamo is not loaded, nothing
-    can be tracing yet: setting the same attribute is equivalent (tests/test_mods_trace.py checks
-    it against the real decorator)."""
+    """`torch.compiler.assume_constant_result`, without importing torch._dynamo (seconds, on the
+    path of every kernel compile) when nothing has: while Dynamo is not loaded nothing can be
+    tracing, and setting the attribute the decorator sets is equivalent (tests check it)."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True

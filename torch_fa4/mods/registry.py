@@ -110,9 +110,7 @@ def register(score_graph: Optional[ModGraph], mask_graph: Optional[ModGraph]) ->
 def _load(key: str) -> Optional[ModSet]:
     d = _cache_dir()
     path = d / f"{key}.json"
-    if not path.exists():
-        return None
-    if not (private_cache.trusted_dir(d) and private_cache.trusted_file(path)):
+    if not (path.exists() and private_cache.trusted_dir(d) and private_cache.trusted_file(path)):
         return None
     try:
         doc = json.loads(path.read_text())
