@@ -79,9 +79,7 @@ bwd = torch.library.custom_op("torch_fa4::bwd", bwd_impl, mutates_args=())
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, *args):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):

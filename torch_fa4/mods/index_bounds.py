@@ -120,12 +120,8 @@ def _floordiv(a: Interval, b: Interval) -> Interval:
 
 
 def _abs(a: Interval) -> Interval:
-    lo, hi = a
-    if lo >= 0:
-        return a
-    if hi <= 0:
-        return -hi, -lo
-    return 0, max(-lo, hi)
+    lo, hi = sorted((abs(a[0]), abs(a[1])))
+    return (0 if a[0] <= 0 <= a[1] else lo), hi
 
 
 _RULES = {

@@ -56,12 +56,9 @@ class GraphBuilder:
         """Turn an operand (TraceValue, Python number, 0-d captured tensor) into a TraceValue."""
         if isinstance(x, TraceValue):
             return x
-        if isinstance(x, bool):
-            return self.add("const", attr=x, kind=BOOL)
-        if isinstance(x, int):
-            return self.add("const", attr=x, kind=INT)
-        if isinstance(x, float):
-            return self.add("const", attr=x, kind=FLOAT)
+        for py_type, kind in ((bool, BOOL), (int, INT), (float, FLOAT)):  # bool first: it is an int too
+            if isinstance(x, py_type):
+                return self.add("const", attr=x, kind=kind)
         if isinstance(x, torch.Tensor):
             if x.dim() != 0:
                 raise ModTraceError(
