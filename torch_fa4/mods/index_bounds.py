@@ -79,18 +79,23 @@ def _graph_plan(key: str, role: str, graph: ModGraph, aux_offset: int) -> Option
     return _GraphPlan(key, role, graph, aux_offset, order, feeds, tuple(value_slots))
 
 
-def _mods_plan(mods) -> _ModsPlan:
+def _plan(mods) -> _ModsPlan:
+    """What checking `mods` needs, derived once per mod key."""
+    plan = _PLANS.get(mods.key)
+    if plan is not None:
+        return plan
     graphs, value_aux = [], []
     offset = 0
     for role, graph in (("score", mods.score_graph), ("mask", mods.mask_graph)):
         if graph is None:
             continue
-        plan = _graph_plan(mods.key, role, graph, offset)
-        if plan is not None:
-            graphs.append(plan)
-            value_aux += [offset + s for s in plan.value_slots]
+        graph_plan = _graph_plan(mods.key, role, graph, offset)
+        if graph_plan is not None:
+            graphs.append(graph_plan)
+            value_aux += [offset + s for s in graph_plan.value_slots]
         offset += len(graph.aux)
-    return _ModsPlan(mods.key, tuple(graphs), offset, tuple(value_aux))
+    plan = _PLANS[mods.key] = _ModsPlan(mods.key, tuple(graphs), offset, tuple(value_aux))
+    return plan
 
 
 # ---- interval arithmetic ------------------------------------------------------------------------
@@ -252,13 +257,6 @@ def _read_range(t: torch.Tensor) -> Optional[Interval]:
     lo, hi = torch.aminmax(t.detach())
     lo, hi = torch.stack((lo.long(), hi.long())).tolist()  # one device read
     return lo, hi
-
-
-def _plan(mods) -> _ModsPlan:
-    plan = _PLANS.get(mods.key)
-    if plan is None:
-        plan = _PLANS[mods.key] = _mods_plan(mods)
-    return plan
 
 
 def check(mods, aux: Sequence[torch.Tensor], bounds: tuple[int, int, int, int]) -> None:

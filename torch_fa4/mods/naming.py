@@ -27,11 +27,10 @@ def record(key: str, role: str, desc: Any, tensors: Sequence[Optional[str]]) -> 
             seen = _MOD_NAMES.setdefault((key, role), [])
             if mod not in seen:
                 seen.append(mod)
-        slots = _TENSOR_NAMES.setdefault((key, role), [[] for _ in tensors])
-        if len(slots) == len(tensors):
-            for seen, name in zip(slots, tensors):
-                if name is not None and name not in seen:
-                    seen.append(name)
+        slots = _TENSOR_NAMES.setdefault((key, role), [[] for _ in tensors])  # the key fixes the count
+        for seen, name in zip(slots, tensors):
+            if name is not None and name not in seen:
+                seen.append(name)
 
 
 def mod_name(key: str, role: str) -> str:
