@@ -255,8 +255,7 @@ def _read_range(t: torch.Tensor) -> Optional[Interval]:
     if t.numel() == 0:
         return None
     lo, hi = torch.aminmax(t.detach())
-    lo, hi = torch.stack((lo.long(), hi.long())).tolist()  # one device read
-    return lo, hi
+    return tuple(torch.stack((lo.long(), hi.long())).tolist())  # one device read
 
 
 def check(mods, aux: Sequence[torch.Tensor], bounds: tuple[int, int, int, int]) -> None:

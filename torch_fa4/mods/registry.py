@@ -68,10 +68,8 @@ class ModSet:
         return lower_torch.mask_torch(self.mask_graph, b, h, q_idx, kv_idx, mask_aux)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "score": self.score_graph.to_json() if self.score_graph is not None else None,
-            "mask": self.mask_graph.to_json() if self.mask_graph is not None else None,
-        })
+        graphs = {"score": self.score_graph, "mask": self.mask_graph}
+        return json.dumps({role: g.to_json() if g is not None else None for role, g in graphs.items()})
 
 
 def key_for(score_graph: Optional[ModGraph], mask_graph: Optional[ModGraph]) -> str:
