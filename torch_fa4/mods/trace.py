@@ -90,8 +90,7 @@ class GraphBuilder:
             v = self.value(i)
             if v.kind == FLOAT:
                 raise ModTraceError("captured tensors must be indexed by integer values, got a float value")
-            v = self._to_int(v)
-            args.append(v.idx)
+            args.append(self._to_int(v).idx)
         return self.add("load", tuple(args), attr=slot, kind=AUX_DTYPE_KINDS[str(tensor.dtype)])
 
     def unary(self, op: str, x: Any) -> "TraceValue":
@@ -103,7 +102,7 @@ class GraphBuilder:
         if op == "to_float":
             return v if v.kind == FLOAT else self.add("to_float", (v.idx,), kind=FLOAT)
         if op in ("neg", "abs"):
-            v = v if v.kind == FLOAT else self._to_int(v)
+            v = self._to_int(v)  # a bool as 0 / 1
             return self.add(op, (v.idx,), kind=v.kind)
         # transcendental: always float
         return self.add(op, (self.unary("to_float", v).idx,), kind=FLOAT)
