@@ -183,16 +183,13 @@ def _rebuild(desc: tuple, ph: list, names: list, name: Optional[str]) -> Any:
         params = code.co_varnames[:code.co_argcount] if code is not None else ()
         args = [_rebuild(d, ph, names, _at(params, i)) for i, d in enumerate(args)]
         return functools.partial(f, *args, **{k: _rebuild(d, ph, names, k) for k, d in kw})
-    if tag == "method":
+    if tag in ("method", "callable"):  # a bound method, or a callable object's __call__ bound to it
         f = _rebuild(desc[1], ph, names, None)
         return types.MethodType(f, types.SimpleNamespace(**_attrs(desc[2], ph, names, "self")))
     if tag == "function":
         return _rebuild_function(desc, ph, names)
     if tag == "opaque":
         return desc[1]
-    if tag == "callable":
-        _, call, attrs = desc
-        return _CallableNamespace(_rebuild(call, ph, names, None), _attrs(attrs, ph, names, "self"))
     if tag == "object":
         return types.SimpleNamespace(**_attrs(desc[1], ph, names, name))
     raise ValueError(f"a mod captures values nested more than {_MAX_DEPTH} levels deep")
@@ -204,17 +201,6 @@ def _at(seq: tuple, i: int) -> Optional[str]:
 
 def _attrs(attrs: tuple, ph: list, names: list, owner: Optional[str]) -> dict:
     return {a: _rebuild(d, ph, names, f"{owner}.{a}" if owner else a) for a, d in attrs}
-
-
-class _CallableNamespace:
-    """A captured callable object rebuilt: its attributes, and its class's __call__ code bound to it."""
-
-    def __init__(self, call, attrs: dict):
-        self.__dict__.update(attrs)
-        self._call = call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(self, *args, **kwargs)
 
 
 def _rebuild_function(desc: tuple, ph: list, names: list) -> types.FunctionType:
