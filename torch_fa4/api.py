@@ -92,9 +92,7 @@ def attention(
         out, lse = ops.fwd_impl(q, k, v, *rest)
     else:
         out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
-    if return_lse:
-        return out, lse.detach()
-    return out
+    return (out, lse.detach()) if return_lse else out
 
 
 def flex_attention(
