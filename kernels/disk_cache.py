@@ -37,7 +37,6 @@ from torch_fa4 import private_cache
 
 _FUNCTION = "torch_fa4_kernel"  # the exported TVM-FFI function's name inside each library
 _loaded_modules: list = []  # keep loaded libraries alive for the process
-_source_digest: list[str] = []
 ENV = "TORCH_FA4_KERNEL_CACHE"
 
 
@@ -60,15 +59,14 @@ def _source_roots() -> list[Path]:
     return [kernels] + ([package] if package.is_dir() else [])
 
 
+@functools.lru_cache(maxsize=None)
 def _sources() -> str:
-    if not _source_digest:
-        h = hashlib.sha256()
-        for root in _source_roots():
-            for path in sorted(root.rglob("*.py")):
-                h.update(f"{root.name}/{path.relative_to(root)}".encode())
-                h.update(path.read_bytes())
-        _source_digest.append(h.hexdigest())
-    return _source_digest[0]
+    h = hashlib.sha256()
+    for root in _source_roots():
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root)}".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,12 +155,10 @@ def _link(compiled: Any, folder: str) -> tuple[str, list[str]]:
 
 def store(key: Hashable, compiled: Any) -> bool:
     """Export, link and store a compiled kernel; whether it was stored (best effort: never raises)."""
-    if _compiler() is None:
+    if not can_store():
         return False
     try:
         d = cache_dir()
-        if not private_cache.make_private_dir(d):
-            return False
         name = digest(key)
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             so, libs = _link(compiled, tmp)

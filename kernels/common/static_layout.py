@@ -10,6 +10,8 @@ back to the DSL when a layout is not static.
 
 from __future__ import annotations
 
+import math
+
 import cutlass.cute as cute
 
 
@@ -20,12 +22,7 @@ def _all_int(x) -> bool:
 
 
 def _size(shape) -> int:
-    if isinstance(shape, tuple):
-        n = 1
-        for s in shape:
-            n *= _size(s)
-        return n
-    return shape
+    return math.prod(_size(s) for s in shape) if isinstance(shape, tuple) else shape
 
 
 def _crd2idx(coord, shape, stride) -> int:
@@ -33,16 +30,8 @@ def _crd2idx(coord, shape, stride) -> int:
         if not isinstance(shape, tuple) or len(coord) != len(shape):
             raise ValueError("coordinate not congruent with the shape")
         return sum(_crd2idx(c, s, d) for c, s, d in zip(coord, shape, stride))
-    if isinstance(shape, tuple):  # a flat index into a hierarchical mode: colexicographic
-        idx = 0
-        for i, (s, d) in enumerate(zip(shape, stride)):
-            if i == len(shape) - 1:
-                idx += _crd2idx(coord, s, d)
-            else:
-                n = _size(s)
-                idx += _crd2idx(coord % n, s, d)
-                coord //= n
-        return idx
+    if isinstance(shape, tuple):  # a flat index into a hierarchical mode
+        return _crd2idx(_idx2crd(coord, shape), shape, stride)
     return coord * stride
 
 
@@ -82,12 +71,6 @@ def indexer(layout):
         return _crd2idx(coord, *ss)
 
     return index
-
-
-def crd2idx(coord, layout) -> int:
-    """int(cute.crd2idx(coord, layout)) for a static coordinate and layout (one-off; in a loop,
-    build an `indexer` once)."""
-    return indexer(layout)(coord)
 
 
 def _static_tiler(tiler):

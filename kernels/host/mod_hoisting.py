@@ -37,6 +37,7 @@ Clamping (tile_mods.py): only indices that feed loads are clamped, so the others
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,46 +111,39 @@ def _clip(lo: int, hi: int) -> tuple[int, int]:
     return (lo, hi) if INT32[0] <= lo and hi <= INT32[1] else INT32
 
 
+# int op -> the interval of its result from its arguments' intervals (ops not listed: all of int32)
+_OP_RANGES = {
+    "neg": lambda x: (-x[1], -x[0]),
+    "abs": lambda x: (0 if x[0] <= 0 <= x[1] else min(map(abs, x)), max(map(abs, x))),
+    "add": lambda x, y: (x[0] + y[0], x[1] + y[1]),
+    "sub": lambda x, y: (x[0] - y[1], x[1] - y[0]),
+    "mul": lambda x, y: (min(a * b for a in x for b in y), max(a * b for a in x for b in y)),
+    "minimum": lambda x, y: (min(x[0], y[0]), min(x[1], y[1])),
+    "maximum": lambda x, y: (max(x[0], y[0]), max(x[1], y[1])),
+    "where": lambda cond, x, y: (min(x[0], y[0]), max(x[1], y[1])),
+    # by a constant divisor > 0 only
+    "floordiv": lambda x, y: (x[0] // y[0], x[1] // y[0]) if y[0] == y[1] > 0 else INT32,
+    "mod": lambda x, y: (0, y[0] - 1) if y[0] == y[1] > 0 else INT32,
+}
+
+
 def int_ranges(graph: ModGraph) -> tuple[Optional[tuple[int, int]], ...]:
     """Interval [lo, hi] of every int node (None for float / bool nodes), from INPUT_RANGES."""
     out: list = []
     for n in graph.nodes:
         if n.kind != INT:
-            out.append(None)
-            continue
-        a = [out[i] for i in n.args]
-        op = n.op
-        if op == "input":
+            r = None
+        elif n.op == "input":
             r = INPUT_RANGES[n.attr]
-        elif op == "const":
+        elif n.op == "const":
             r = (int(n.attr), int(n.attr))
-        elif op == "load":
+        elif n.op == "load":
             r = _DTYPE_RANGES.get(graph.aux[n.attr].dtype, INT32)
-        elif op == "neg":
-            r = (-a[0][1], -a[0][0])
-        elif op == "abs":
-            lo, hi = a[0]
-            r = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
-        elif op == "add":
-            r = (a[0][0] + a[1][0], a[0][1] + a[1][1])
-        elif op == "sub":
-            r = (a[0][0] - a[1][1], a[0][1] - a[1][0])
-        elif op == "mul":
-            p = [x * y for x in a[0] for y in a[1]]
-            r = (min(p), max(p))
-        elif op == "minimum":
-            r = (min(a[0][0], a[1][0]), min(a[0][1], a[1][1]))
-        elif op == "maximum":
-            r = (max(a[0][0], a[1][0]), max(a[0][1], a[1][1]))
-        elif op == "where":
-            r = (min(a[1][0], a[2][0]), max(a[1][1], a[2][1]))
-        elif op == "floordiv" and a[1][0] == a[1][1] and a[1][0] > 0:
-            r = (a[0][0] // a[1][0], a[0][1] // a[1][0])
-        elif op == "mod" and a[1][0] == a[1][1] and a[1][0] > 0:
-            r = (0, a[1][0] - 1)
+        elif n.op in _OP_RANGES:
+            r = _OP_RANGES[n.op](*[out[i] for i in n.args])
         else:
             r = INT32
-        out.append(_clip(*r))
+        out.append(None if r is None else _clip(*r))
     return tuple(out)
 
 
@@ -183,10 +177,8 @@ class Affine:
         return self.q * row_off + self.kv * col_off
 
 
-def affine_forms(graph: ModGraph, levels=None, clamped=None) -> tuple[Optional[Affine], ...]:
+def affine_forms(graph: ModGraph, levels, clamped) -> tuple[Optional[Affine], ...]:
     """The affine form of each int node, or None. Clamped inputs are not affine (min(., last))."""
-    levels = levels or node_levels(graph)
-    clamped = clamped_inputs(graph) if clamped is None else clamped
     out: list = []
     for i, n in enumerate(graph.nodes):
         a = [out[j] for j in n.args]
@@ -225,7 +217,7 @@ def _affine_range(f: Affine, ranges) -> tuple[int, int]:
 
 # ---- float forms of int expressions ------------------------------------------------------------------
 
-# How mod_lowering computes the fp32 value of an int node exactly:
+# How mod_fragment computes the fp32 value of an int node exactly:
 #   ("affine",)        convert the fragment-wide dynamic part once, add the element's offset
 #   ("convert",)       convert the node's value (at its own level: cheap for TILE and ROW)
 #   ("const", value)   an fp32 constant
@@ -274,9 +266,10 @@ def _float_form(graph: ModGraph, i: int, plan: dict, levels, ranges, affine, all
     return False
 
 
+@functools.lru_cache(maxsize=None)
 def hoist_plan(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
-    """Everything mod_lowering needs to emit `graph` on a fragment. allow_affine=False when the
-    fragment's position offsets are not compile-time constants."""
+    """Everything mod_fragment needs to emit `graph` on a fragment (once per graph). allow_affine=False
+    when the fragment's position offsets are not compile-time constants."""
     levels = node_levels(graph)
     clamped = clamped_inputs(graph)
     ranges = int_ranges(graph)
