@@ -105,9 +105,7 @@ def load(key: Hashable) -> Optional[Any]:
     """The stored kernel for key as a TVM-FFI function, or None (not stored, or refused)."""
     d = cache_dir()
     meta_path = d / f"{digest(key)}.json"
-    if not meta_path.exists():
-        return None
-    if not (private_cache.trusted_dir(d) and private_cache.trusted_file(meta_path)):
+    if not (meta_path.exists() and private_cache.trusted_dir(d) and private_cache.trusted_file(meta_path)):
         return None
     try:
         meta = json.loads(meta_path.read_text())

@@ -301,21 +301,15 @@ class FragmentEmitter:
         node itself, or abs / neg of one whose sign this emitter knows (abs(x) = x where x >= 0).
         Only for nodes on the exact fp32 path (plan.float_forms)."""
         form = self.plan.float_forms.get(i)
-        if form is None:
-            return None
-        if form[0] == "affine":
+        if form == ("affine",):
             return self.plan.affine[i]
-        n = self.graph.nodes[i]
-        if form == ("op", "neg"):
-            f = self.resolved_affine(n.args[0])
+        if form not in (("op", "neg"), ("op", "abs")):
+            return None
+        f = self.resolved_affine(self.graph.nodes[i].args[0])
+        if f is None or form == ("op", "neg"):
             return None if f is None else f.scaled(-1)
-        if form == ("op", "abs"):
-            f = self.resolved_affine(n.args[0])
-            if f is None:
-                return None
-            sign = self.signs.get(f) or -(self.signs.get(f.scaled(-1)) or 0)
-            return f.scaled(sign) if sign else None
-        return None
+        sign = self.signs.get(f) or -(self.signs.get(f.scaled(-1)) or 0)
+        return f.scaled(sign) if sign else None
 
     def _scaled_affine_mul(self, i: int):
         """(tile value node, int node) when float node i is t * to_float(x) with t the same for the

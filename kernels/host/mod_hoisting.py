@@ -93,12 +93,8 @@ def tile_frontier(graph: ModGraph, levels=None) -> tuple[int, ...]:
     """TILE nodes, other than constants and the inputs b / h, whose values a non-TILE node or the
     output reads: what a kernel computes once per tile of work and keeps in registers."""
     levels = levels or node_levels(graph)
-    live = live_nodes(graph)
-    needed = set()
-    for i in live:
-        n = graph.nodes[i]
-        if levels[i] != TILE:
-            needed.update(a for a in n.args if levels[a] == TILE)
+    needed = {a for i in live_nodes(graph) if levels[i] != TILE
+              for a in graph.nodes[i].args if levels[a] == TILE}
     if levels[graph.output] == TILE:
         needed.add(graph.output)
     return tuple(sorted(i for i in needed if graph.nodes[i].op not in ("const", "input")))
