@@ -48,8 +48,7 @@ def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
     elements (2i, 2i+1). dst must be a compact register fragment (its pairs share a register)."""
     assert const_expr(_is_compact(dst.layout)), "destination fragment is not compact"
     assert const_expr(cute.size(dst) % 2 == 0)
-    kind = "bf16" if const_expr(dst.element_type == cutlass.BFloat16) else "f16"
-    assert const_expr(dst.element_type in (cutlass.BFloat16, cutlass.Float16))
+    kind = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}[dst.element_type]
     dst32 = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst) // 2):
         dst32[i] = cvt_pair(src[2 * i], src[2 * i + 1], kind)

@@ -96,21 +96,19 @@ def _separable_offsets(offs: dict, rows: int, cols: int):
     return None, None
 
 
-class _Lazy:
+class _Lazy(dict):
     """index -> value, each emitted on first use (unused positions cost no instruction)."""
 
-    def __init__(self, make):
-        self._make, self._values = make, {}
+    def __init__(self, make, values=()):
+        super().__init__(values)
+        self._make = make
 
-    def __getitem__(self, k):
-        if k not in self._values:
-            self._values[k] = self._make(k)
-        return self._values[k]
+    def __missing__(self, k):
+        self[k] = self._make(k)
+        return self[k]
 
     def fork(self) -> "_Lazy":
-        other = _Lazy(self._make)
-        other._values = dict(self._values)
-        return other
+        return _Lazy(self._make, self)
 
 
 class FragmentEmitter:

@@ -54,10 +54,8 @@ def _static_shape_stride(layout):
     """(shape, stride) as Python ints, or None if the layout is not a static plain layout."""
     if not isinstance(layout, cute.Layout) or not cute.is_static(layout):
         return None
-    shape, stride = layout.shape, layout.stride
-    if not (_all_int(shape) and _all_int(stride)):
-        return None
-    return shape, stride
+    shape_stride = (layout.shape, layout.stride)
+    return shape_stride if _all_int(shape_stride) else None
 
 
 def indexer(layout):
@@ -78,16 +76,10 @@ def _static_tiler(tiler):
     None if some mode is neither."""
     if not isinstance(tiler, tuple):
         return None
-    out = []
-    for t in tiler:
-        if type(t) is int:
-            out.append(t)
-            continue
-        ss = _static_shape_stride(t)
-        if ss is None:
-            return None
-        out.append((_size(ss[0]), *ss))
-    return tuple(out)
+    modes = [t if type(t) is int else _static_shape_stride(t) for t in tiler]
+    if any(m is None for m in modes):
+        return None
+    return tuple(m if type(m) is int else (_size(m[0]), *m) for m in modes)
 
 
 def _tile_coord(idx: int, tiler):

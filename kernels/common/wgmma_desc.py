@@ -69,16 +69,14 @@ def _opaque(x: Int64, *, loc: Optional[ir.Location] = None, ip: Optional[ir.Inse
 @dsl_user_op
 def _mma_asm(acc_vals: list, head: str, a_ops: list, a_constraints: str, desc_b: Int64, accumulate: bool, tail: str,
              *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None) -> list:
-    n = len(acc_vals)
+    n, b = len(acc_vals), len(acc_vals) + len(a_ops)  # operands: accumulators, A, B's descriptor, scale-d
     outs = ", ".join(f"${i}" for i in range(n))
-    a_refs = ", ".join(f"${n + i}" for i in range(len(a_ops)))
+    a_refs = ", ".join(f"${i}" for i in range(n, b))
     if len(a_ops) > 1:
         a_refs = "{" + a_refs + "}"
-    b_ref = f"${n + len(a_ops)}"
-    scale_ref = f"${n + len(a_ops) + 1}"
     asm = ("{\n.reg .pred p;\n"
-           f"setp.ne.b32 p, {scale_ref}, 0;\n"
-           f"{head} {{{outs}}}, {a_refs}, {b_ref}, p, {tail};\n}}\n")
+           f"setp.ne.b32 p, ${b + 1}, 0;\n"
+           f"{head} {{{outs}}}, {a_refs}, ${b}, p, {tail};\n}}\n")
     constraints = ",".join(["=f"] * n) + "," + a_constraints + ",l,r," + ",".join(str(i) for i in range(n))
     operands = [x.ir_value(loc=loc, ip=ip) for x in a_ops] + [Int64(desc_b).ir_value(loc=loc, ip=ip),
                                                              Int32(1 if accumulate else 0).ir_value(loc=loc, ip=ip)]

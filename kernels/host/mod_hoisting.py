@@ -64,13 +64,10 @@ INPUT_RANGES = {"q_idx": (0, MAX_SEQLEN - 1), "kv_idx": (0, MAX_SEQLEN - 1), "b"
 def node_levels(graph: ModGraph) -> tuple[int, ...]:
     levels: list[int] = []
     for n in graph.nodes:
-        if n.op == "input":
-            levels.append(INPUT_LEVELS[n.attr])
-        else:
-            lv = TILE
-            for a in n.args:
-                lv |= levels[a]
-            levels.append(lv)
+        lv = INPUT_LEVELS[n.attr] if n.op == "input" else TILE  # (inputs have no arguments)
+        for a in n.args:
+            lv |= levels[a]
+        levels.append(lv)
     return tuple(levels)
 
 
@@ -82,8 +79,7 @@ def live_nodes(graph: ModGraph) -> frozenset[int]:
 def clamped_inputs(graph: ModGraph) -> frozenset[str]:
     """The index inputs that some load's index depends on: the kernel clamps these (and only these)
     into the sequence so every load stays inside its tensor."""
-    live = live_nodes(graph)
-    roots = [a for i in live if graph.nodes[i].op == "load" for a in graph.nodes[i].args]
+    roots = [a for i in live_nodes(graph) if graph.nodes[i].op == "load" for a in graph.nodes[i].args]
     cone = ancestors(graph, roots)
     return frozenset(graph.nodes[i].attr for i in cone
                      if graph.nodes[i].op == "input" and graph.nodes[i].attr in ("q_idx", "kv_idx"))
