@@ -82,13 +82,6 @@ def digest(key: Hashable) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _library_name(meta: dict) -> str:
-    name = meta["library"]
-    if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".so"):
-        raise ValueError(f"not a library file name: {name!r}")
-    return name
-
-
 def _open_library(lib: Path) -> Any:
     """The kernel's TVM-FFI function from a checked library (raises if it does not load)."""
     # resolve every symbol now: a library that no longer links fails here, not inside a launch
@@ -109,8 +102,10 @@ def load(key: Hashable) -> Optional[Any]:
         return None
     try:
         meta = json.loads(meta_path.read_text())
-        lib = d / _library_name(meta)
-        expected = meta["sha256"]
+        name, expected = meta["library"], meta["sha256"]
+        if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".so"):
+            raise ValueError(f"not a library file name: {name!r}")
+        lib = d / name
     except (OSError, ValueError, KeyError, TypeError) as e:
         private_cache.warn_once(meta_path, f"is not a readable cache entry ({e})",
                                 f"It is ignored and rebuilt; `rm {meta_path}` clears it.")

@@ -160,8 +160,7 @@ CUTE_OPS: dict[str, Callable] = {
 
 
 def _wrap_index(i, size, how: int):
-    """PyTorch's index rule: i in [-size, -1] reads element i + size (the host check keeps every
-    index in [-size, size - 1]; torch_fa4.mods.index_sign decides which indices need this)."""
+    """PyTorch's index rule: i in [-size, -1] reads element i + size (see the module docstring)."""
     if how == SHIFT:
         return i + size
     return select(i < Int32(0), i + size, i, INT)
@@ -172,11 +171,9 @@ def _load(n, a: list, aux: Sequence, wraps: tuple):
     if wraps:
         a = [x if how == KEEP else _wrap_index(x, t.shape[d], how) for d, (x, how) in enumerate(zip(a, wraps))]
     v = t[tuple(a) if len(a) > 1 else a[0]] if a else t[0]
-    if n.kind == FLOAT:
-        return v.to(Float32)
-    if n.kind == INT:
-        return v.to(Int32)
-    return v.to(Int32) != Int32(0)  # bool tensors arrive as uint8
+    if n.kind == BOOL:
+        return v.to(Int32) != Int32(0)  # bool tensors arrive as uint8
+    return v.to(Float32 if n.kind == FLOAT else Int32)
 
 
 def emit_op(n, a: list, aux: Sequence, wraps: tuple = ()):

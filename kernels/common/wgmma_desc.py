@@ -116,8 +116,7 @@ class KeyLoopDescriptors:
         self.ab = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}[dtype]
         self.tile_n, self.hdim, self.hdimv = tile_n, hdim, cute.size(sVt, mode=[0])
         self.stage_units = tile_n * ROW_BYTES >> 4  # a ring stage in descriptor units (16 bytes)
-        q_addr = Int32(sQ.iterator.toint()) + wg * (64 * ROW_BYTES)
-        self.q = descriptor(q_addr)
+        self.q = descriptor(Int32(sQ.iterator.toint()) + wg * (64 * ROW_BYTES))
         self.k0 = descriptor(Int32(sK.iterator.toint()))
         self.v0 = descriptor(Int32(sVt.iterator.toint()))
 

@@ -232,30 +232,27 @@ def _float_form(graph: ModGraph, i: int, plan: dict, levels, ranges, affine, all
     """Record in `plan` how to compute node i exactly in fp32; False when that is not possible."""
     if i in plan:
         return True
-    n = graph.nodes[i]
     if not _exact(ranges[i]):
         return False
+    n, f = graph.nodes[i], affine[i]
+    sub: dict = {}  # the arguments' forms, for ("op", name)
     if n.op == "const":
-        plan[i] = ("const", float(n.attr))
-        return True
-    f = affine[i]
-    if allow_affine and f is not None and levels[i] != TILE and _exact(_affine_range(f, ranges)):
-        plan[i] = ("affine",)
-        return True
-    if levels[i] in (TILE, ROW):  # converting once per tile or row is cheap
-        plan[i] = ("convert",)
-        return True
-    if n.op in ("neg", "abs", "add", "sub", "mul", "minimum", "maximum", "where"):
-        args = n.args[1:] if n.op == "where" else n.args
-        sub: dict = {}
-        if all(_float_form(graph, a, sub, levels, ranges, affine, allow_affine) for a in args):
-            plan.update(sub)
-            plan[i] = ("op", n.op)
-            return True
-    if levels[i] == COL:  # still once per column rather than per element
-        plan[i] = ("convert",)
-        return True
-    return False
+        form = ("const", float(n.attr))
+    elif allow_affine and f is not None and levels[i] != TILE and _exact(_affine_range(f, ranges)):
+        form = ("affine",)
+    elif levels[i] in (TILE, ROW):  # converting once per tile or row is cheap
+        form = ("convert",)
+    elif n.op in ("neg", "abs", "add", "sub", "mul", "minimum", "maximum", "where") and all(
+            _float_form(graph, a, sub, levels, ranges, affine, allow_affine)
+            for a in (n.args[1:] if n.op == "where" else n.args)):
+        form = ("op", n.op)
+    elif levels[i] == COL:  # still once per column rather than per element
+        form, sub = ("convert",), {}
+    else:
+        return False
+    plan.update(sub)
+    plan[i] = form
+    return True
 
 
 @functools.lru_cache(maxsize=None)
