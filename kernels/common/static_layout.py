@@ -16,9 +16,7 @@ import cutlass.cute as cute
 
 
 def _all_int(x) -> bool:
-    if isinstance(x, tuple):
-        return all(_all_int(e) for e in x)
-    return type(x) is int
+    return all(map(_all_int, x)) if isinstance(x, tuple) else type(x) is int
 
 
 def _size(shape) -> int:

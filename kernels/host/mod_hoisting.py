@@ -266,12 +266,9 @@ def hoist_plan(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
     forms: dict = {}
     rewritten = set()
     for i in live_nodes(graph):
-        n = graph.nodes[i]
-        if n.op != "to_float" or graph.nodes[n.args[0]].kind != INT:
-            continue
-        x = n.args[0]
-        if levels[x] == TILE:
-            continue  # one conversion per tile of work: nothing to gain
+        x = graph.nodes[i].args[0] if graph.nodes[i].op == "to_float" else None
+        if x is None or graph.nodes[x].kind != INT or levels[x] == TILE:
+            continue  # (to_float of a TILE value: converted once per tile of work, nothing to gain)
         sub: dict = {}
         # a plain conversion at the node's own level is what the integer path does anyway
         if _float_form(graph, x, sub, levels, ranges, affine, allow_affine) and sub[x] != ("convert",):
