@@ -350,13 +350,16 @@ def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
     tiles = -(-max_k // cfg.tile_n)
-    if cfg.num_consumer_wg != 2 or tiles < _SPLIT_MIN_KEY_TILES:
-        return 0, 1
     pair = 2 if cfg.kv_multicast else 1  # (a pair's CTAs take adjacent query tiles: an even count)
     num_m_blocks = -(-max_q // cfg.tile_m)
     items = (num_m_blocks + num_m_blocks % pair) * call.num_heads * call.batch
-    return split_plan_mod.choose(items, fwd_launch.max_ctas(call), tiles, pair=pair,
-                                 piece_cost_tiles=_SPLIT_PIECE_COST_TILES)
+    ctas = fwd_launch.max_ctas(call)
+    # a grid that fills the SMs splits only long tails; one that leaves SMs idle (decode) splits
+    # wherever the pieces' fixed cost pays
+    if cfg.num_consumer_wg != 2 or (tiles < _SPLIT_MIN_KEY_TILES and items >= ctas):
+        return 0, 1
+    return split_plan_mod.choose(items, ctas, tiles, pair=pair, piece_cost_tiles=_SPLIT_PIECE_COST_TILES,
+                                 single_round=True)
 
 
 def split_spec(cfg: FwdConfig, call: AttentionCall) -> Optional[tuple]:
