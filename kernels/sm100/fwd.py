@@ -56,6 +56,7 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.sm100.fwd_config import Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.sm100.fwd_softmax import RowOnlineSoftmax, as_wgmma_row
+from torch_fa4.kernels.sm90.fwd import _sequence_major
 
 _SOFTMAX_WARPS = (0, 4)  # first warp of softmax warpgroup 0 / 1
 _CORRECTION_WARP0 = 8
@@ -143,23 +144,11 @@ class FlashFwdSm100:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        unit = cute.make_layout(1, stride=0)
-        # (S, D, H, B) views for Q, K, O and (D, S, H, B) for V (the B operand of O += P V is
-        # V^T, D x keys); varlen gets a unit batch mode so indexing is uniform
-        if const_expr(cfg.varlen_q):
-            mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
-            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
-        else:
-            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        if const_expr(cfg.varlen_k):
-            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
-            mV = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
-        else:
-            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        # sequence-major views as sm90's: (S, D, H, B), LSE (S, H, B); V as V^T (D, S, H, B), the
+        # B operand of O += P V
+        mQ, mO, mLSE = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO, mLSE))
+        mK, mV = (_sequence_major(t, cfg.varlen_k) for t in (mK, mV))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0, 2, 3]))
 
         qk_mma, pv_mma = self._tiled_mmas()
         sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, self.dtype, 2)
