@@ -269,15 +269,14 @@ class FlashFwdSm100:
         pipe_kv = pipeline.PipelineTmaUmma.create(
             num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
             barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
-        pipe_s = [pipeline.PipelineUmmaAsync.create(
-            num_stages=1, producer_group=one, consumer_group=wg, barrier_storage=b.data_ptr(), defer_sync=True)
-            for b in (storage.mbar_s0, storage.mbar_s1)]
-        pipe_o = [pipeline.PipelineUmmaAsync.create(
-            num_stages=1, producer_group=one, consumer_group=wg, barrier_storage=b.data_ptr(), defer_sync=True)
-            for b in (storage.mbar_o0, storage.mbar_o1)]
-        pipe_c = [pipeline.PipelineAsync.create(
-            num_stages=1, producer_group=wg, consumer_group=wg, barrier_storage=b.data_ptr(), defer_sync=True)
-            for b in (storage.mbar_c0, storage.mbar_c1)]
+
+        def per_tile(kind, bars, producer, consumer):  # one single-stage pipeline per query tile
+            return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
+                                barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
+
+        pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1), one, wg)
+        pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1), one, wg)
+        pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1), wg, wg)
 
         if warp_idx == _MMA_WARP:
             cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
@@ -358,33 +357,24 @@ class FlashFwdSm100:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.kv_stages)
             # order of need: Q0, K_last, Q1, V_last, then K, V pairs from right to left
-            for t in cutlass.range_constexpr(2):
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_Q, tQg[None, 2 * m_block + t], tQs[None, q_state.index],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                if const_expr(t == 0):
-                    pipe_kv.producer_acquire(kv_state)
-                    cute.copy(tma_K, tKg[None, n_max - 1], tKs[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                    kv_state.advance()
-            pipe_kv.producer_acquire(kv_state)
-            cute.copy(tma_V, tVg[None, n_max - 1], tVs[None, kv_state.index],
-                      tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            kv_state.advance()
+            q_state = self._load(tma_Q, tQg, 2 * m_block, tQs, pipe_q, q_state)
+            kv_state = self._load(tma_K, tKg, n_max - 1, tKs, pipe_kv, kv_state)
+            q_state = self._load(tma_Q, tQg, 2 * m_block + 1, tQs, pipe_q, q_state)
+            kv_state = self._load(tma_V, tVg, n_max - 1, tVs, pipe_kv, kv_state)
             for i in cutlass.range(1, n_count, unroll=1):
-                n = n_max - 1 - i
-                pipe_kv.producer_acquire(kv_state)
-                cute.copy(tma_K, tKg[None, n], tKs[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                kv_state.advance()
-                pipe_kv.producer_acquire(kv_state)
-                cute.copy(tma_V, tVg[None, n], tVs[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                kv_state.advance()
+                kv_state = self._load(tma_K, tKg, n_max - 1 - i, tKs, pipe_kv, kv_state)
+                kv_state = self._load(tma_V, tVg, n_max - 1 - i, tVs, pipe_kv, kv_state)
             # wait until the MMA warp has released every slot: its releases are tcgen05.commit
             # arrivals, which must not land after the CTA has exited
             pipe_kv.producer_tail(kv_state)
+
+    @staticmethod
+    def _load(tma, src, tile, dst, pipe, state):
+        """TMA: tile `tile` of src -> the ring slot `state` of dst; returns the next slot."""
+        pipe.producer_acquire(state)
+        cute.copy(tma, src[None, tile], dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
 
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
