@@ -397,17 +397,16 @@ class FlashFwdSm100:
             pipe_kv.consumer_wait(k_state)
             kv_state.advance()
             tSrK0 = tSrK[None, None, None, k_state.index]
-            self._qk(qk_mma, tS[0], tSrQ[None, None, None, 0], tSrK0, pipe_s[0], s0_state, True)
+            self._qk(qk_mma, 0, tS, tSrQ, tSrK0, pipe_s, s0_state, True)
             s0_state.advance()
             pipe_q.consumer_wait(q_state)
-            self._qk(qk_mma, tS[1], tSrQ[None, None, None, 1], tSrK0, pipe_s[1], s1_state, True)
+            self._qk(qk_mma, 1, tS, tSrQ, tSrK0, pipe_s, s1_state, True)
             s1_state.advance()
             pipe_kv.consumer_release(k_state)
             v_state = kv_state.clone()
             pipe_kv.consumer_wait(v_state)
             kv_state.advance()
-            self._pv(pv_mma, tO[0], tOrP[0], tOrV[None, None, None, v_state.index], False,
-                     pipe_s[0], s0_state, pipe_o[0], o0_state)
+            self._pv(pv_mma, 0, tO, tOrP, tOrV, v_state, False, pipe_s, s0_state, pipe_o, o0_state)
             o0_state.advance()
 
             for i in cutlass.range(1, n_count, unroll=1):
@@ -416,47 +415,48 @@ class FlashFwdSm100:
                 kv_state.advance()
                 tSrKi = tSrK[None, None, None, k_state.index]
                 # S0 = Q0 K_i^T (S0 came back with P0 before the last O0 += P0 V)
-                self._qk(qk_mma, tS[0], tSrQ[None, None, None, 0], tSrKi, pipe_s[0], s0_state, False)
+                self._qk(qk_mma, 0, tS, tSrQ, tSrKi, pipe_s, s0_state, False)
                 s0_state.advance()
                 # O1 += P1 V_{i-1}; the first P1 V starts O1 afresh
-                self._pv(pv_mma, tO[1], tOrP[1], tOrV[None, None, None, v_state.index], i > 1,
-                         pipe_s[1], s1_state, pipe_o[1], o1_state)
+                self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, i > 1, pipe_s, s1_state, pipe_o, o1_state)
                 o1_state.advance()
                 pipe_kv.consumer_release(v_state)
                 # S1 = Q1 K_i^T
-                self._qk(qk_mma, tS[1], tSrQ[None, None, None, 1], tSrKi, pipe_s[1], s1_state, False)
+                self._qk(qk_mma, 1, tS, tSrQ, tSrKi, pipe_s, s1_state, False)
                 s1_state.advance()
                 pipe_kv.consumer_release(k_state)
                 # O0 += P0 V_i
                 v_state = kv_state.clone()
                 pipe_kv.consumer_wait(v_state)
                 kv_state.advance()
-                self._pv(pv_mma, tO[0], tOrP[0], tOrV[None, None, None, v_state.index], True,
-                         pipe_s[0], s0_state, pipe_o[0], o0_state)
+                self._pv(pv_mma, 0, tO, tOrP, tOrV, v_state, True, pipe_s, s0_state, pipe_o, o0_state)
                 o0_state.advance()
 
-            self._pv(pv_mma, tO[1], tOrP[1], tOrV[None, None, None, v_state.index], n_count > 1,
-                     pipe_s[1], s1_state, pipe_o[1], o1_state)
+            self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, n_count > 1, pipe_s, s1_state, pipe_o, o1_state)
             pipe_kv.consumer_release(v_state)
 
     @cute.jit
-    def _qk(self, qk_mma, acc_s, tSrQt, tSrKi, pipe_s, s_state, acquire: cutlass.Constexpr[bool]):
-        """S = Q K^T into S's columns, then signal the softmax. The first S of a tile acquires the
-        buffer here; later ones were acquired with P before the previous O += P V."""
+    def _qk(self, qk_mma, t: cutlass.Constexpr[int], tS, tSrQ, tSrKi, pipe_s, s_state,
+            acquire: cutlass.Constexpr[bool]):
+        """S_t = Q_t K^T, then signal softmax t. The first S_t acquires the buffer here; later ones
+        were acquired with P_t before the previous O_t += P_t V."""
+        tSrQt = tSrQ[None, None, None, t]
         if const_expr(acquire):
-            pipe_s.producer_acquire(s_state)
+            pipe_s[t].producer_acquire(s_state)
             _tcgen05_fence_after_sync()
-        _umma(qk_mma, acc_s, tSrQt, tSrKi, False)
-        pipe_s.producer_commit(s_state)
+        _umma(qk_mma, tS[t], tSrQt, tSrKi, False)
+        pipe_s[t].producer_commit(s_state)
 
     @cute.jit
-    def _pv(self, pv_mma, acc_o, tOrP, tOrVi, accumulate, pipe_s, s_state, pipe_o, o_state):
-        """O += P V once the correction has rescaled O and the softmax has written P; signals O."""
-        pipe_o.producer_acquire(o_state)
-        pipe_s.producer_acquire(s_state)
+    def _pv(self, pv_mma, t: cutlass.Constexpr[int], tO, tOrP, tOrV, v_state, accumulate, pipe_s, s_state,
+            pipe_o, o_state):
+        """O_t += P_t V once the correction has rescaled O_t and softmax t has written P_t; signals O_t."""
+        tOrVi = tOrV[None, None, None, v_state.index]
+        pipe_o[t].producer_acquire(o_state)
+        pipe_s[t].producer_acquire(s_state)
         _tcgen05_fence_after_sync()
-        _umma(pv_mma, acc_o, tOrP, tOrVi, accumulate)
-        pipe_o.producer_commit(o_state)
+        _umma(pv_mma, tO[t], tOrP[t], tOrVi, accumulate)
+        pipe_o[t].producer_commit(o_state)
 
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
