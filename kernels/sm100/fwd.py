@@ -225,114 +225,91 @@ class FlashFwdSm100:
             seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
         # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
         if m_block * cfg.cta_tile_m < seqlen_q:
-            self.run_tile(
-                mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
-                score_scale, softmax_scale_log2, window_left, window_right,
-                sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
-                bytes_q, bytes_kv, Storage, m_block, head, batch)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tidx, _, _ = cute.arch.thread_idx()
+            seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+            batch_q = batch if const_expr(not cfg.varlen_q) else 0
+            batch_k = batch if const_expr(not cfg.varlen_k) else 0
+            head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
+            # key tiles are chosen for the whole CTA (both query tiles); masks per 128-row tile
+            limits = (self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
+            cta_range = BlockRange(cfg.cta_tile_m, *limits)
+            tile_range = BlockRange(Q_TILE_ROWS, *limits)
+            n_min, n_max = cta_range.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+            n_count = cutlass.max(n_max - n_min, 0)
 
-    @cute.jit
-    def run_tile(
-        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
-        score_scale, softmax_scale_log2, window_left, window_right,
-        sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
-        bytes_q: cutlass.Constexpr[int], bytes_kv: cutlass.Constexpr[int], Storage: cutlass.Constexpr,
-        m_block, head, batch,
-    ):
-        cfg = self.cfg
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        batch_q = batch if const_expr(not cfg.varlen_q) else 0
-        batch_k = batch if const_expr(not cfg.varlen_k) else 0
-        head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
-        # key tiles are chosen for the whole CTA (both query tiles); masks per 128-row tile
-        cta_range = BlockRange(cfg.cta_tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
-        tile_range = BlockRange(Q_TILE_ROWS, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
-        n_min, n_max = cta_range.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
-        n_count = cutlass.max(n_max - n_min, 0)
+            if warp_idx == _LOAD_WARP:
+                for atom in (tma_Q, tma_K, tma_V):
+                    cpasync.prefetch_descriptor(atom)
 
-        if warp_idx == _LOAD_WARP:
-            for atom in (tma_Q, tma_K, tma_V):
-                cpasync.prefetch_descriptor(atom)
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(Storage)
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(Storage)
+            def group(n):
+                return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
-        def group(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+            one, wg = group(1), group(128)
+            pipe_q = pipeline.PipelineTmaUmma.create(
+                num_stages=2, producer_group=one, consumer_group=one, tx_count=bytes_q,
+                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
+            pipe_kv = pipeline.PipelineTmaUmma.create(
+                num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
+                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
 
-        one, wg = group(1), group(128)
-        pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=2, producer_group=one, consumer_group=one, tx_count=bytes_q,
-            barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
-        pipe_kv = pipeline.PipelineTmaUmma.create(
-            num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-            barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+            def per_tile(kind, bars, producer, consumer):  # one single-stage pipeline per query tile
+                return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
+                                    barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
 
-        def per_tile(kind, bars, producer, consumer):  # one single-stage pipeline per query tile
-            return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
-                                barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
+            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1), one, wg)
+            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1), one, wg)
+            pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1), wg, wg)
 
-        pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1), one, wg)
-        pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1), one, wg)
-        pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1), wg, wg)
-
-        if warp_idx == _MMA_WARP:
-            cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
-            cute.arch.relinquish_tmem_alloc_permit()
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()  # barriers initialised and the TMEM address published
-
-        tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_base)
-        thr_qk = qk_mma.get_slice(0)
-        thr_pv = pv_mma.get_slice(0)
-        s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout
-        o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
-        tS = [cute.make_tensor(tmem + c, s_layout) for c in self.cols["s"]]
-        tO = [cute.make_tensor(tmem + c, o_layout) for c in self.cols["o"]]
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        # V tiles live in the same ring as K tiles, viewed through V's (MN-major) layout
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-        msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, 2)))  # (row, field, q tile)
-
-        if warp_idx < _SOFTMAX_WARPS[1]:
-            cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
-            self.softmax_role(0, tS[0], thr_qk, pipe_s[0], pipe_c[0], msg, tile_range,
-                              score_scale, softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
-        elif warp_idx < _CORRECTION_WARP0:
-            cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
-            self.softmax_role(1, tS[1], thr_qk, pipe_s[1], pipe_c[1], msg, tile_range,
-                              score_scale, softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
-        elif warp_idx < _MMA_WARP:
-            cute.arch.setmaxregister_decrease(_REGS_CORRECTION)
-            self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
-                                 batch_q, n_count, tidx % 128)
-        else:
-            cute.arch.setmaxregister_decrease(_REGS_OTHER)
             if warp_idx == _MMA_WARP:
-                tSrQ = thr_qk.make_fragment_A(sQ)
-                tSrK = thr_qk.make_fragment_B(sK)
-                tOrV = thr_pv.make_fragment_B(sV)
-                # P_t: the 16-bit A operand in TMEM over the first half of S_t's columns (the
-                # fragment counts 16-bit elements, two per 32-bit column). Its addresses are
-                # relative to column 0: right because the kernel allocates all 512 columns, whose
-                # base is always lane 0, column 0 (the PTX shows P at columns 0.. and 128..)
-                tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
-                p_per_col = Float32.width // self.dtype.width
-                tOrPs = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
-                self.mma_role(qk_mma, pv_mma, tSrQ, tSrK, tOrV, tS, tO, tOrPs,
-                              pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
-            elif warp_idx == _LOAD_WARP:
-                self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q, pipe_kv,
-                               seqlen, m_block, head, head_kv, batch_q, batch_k, n_max, n_count)
+                cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
+                cute.arch.relinquish_tmem_alloc_permit()
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()  # barriers initialised and the TMEM address published
 
-        # every TMEM reader/writer is done: give the columns back
-        cute.arch.sync_threads()
-        if warp_idx == _MMA_WARP:
-            cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
+            tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
+                                               ptr_to_buffer_holding_addr=storage.tmem_base)
+            thr_qk = qk_mma.get_slice(0)
+            thr_pv = pv_mma.get_slice(0)
+            s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout
+            o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
+            tS = [cute.make_tensor(tmem + c, s_layout) for c in self.cols["s"]]
+            tO = [cute.make_tensor(tmem + c, o_layout) for c in self.cols["o"]]
+
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            # V tiles live in the same ring as K tiles, viewed through V's (MN-major) layout
+            sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+            msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, 2)))  # (row, field, q tile)
+
+            if warp_idx < _SOFTMAX_WARPS[1]:
+                cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
+                self.softmax_role(0, tS[0], thr_qk, pipe_s[0], pipe_c[0], msg, tile_range, score_scale,
+                                  softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
+            elif warp_idx < _CORRECTION_WARP0:
+                cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
+                self.softmax_role(1, tS[1], thr_qk, pipe_s[1], pipe_c[1], msg, tile_range, score_scale,
+                                  softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
+            elif warp_idx < _MMA_WARP:
+                cute.arch.setmaxregister_decrease(_REGS_CORRECTION)
+                self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
+                                     batch_q, n_count, tidx % 128)
+            else:
+                cute.arch.setmaxregister_decrease(_REGS_OTHER)
+                if warp_idx == _MMA_WARP:
+                    self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
+                                  pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
+                elif warp_idx == _LOAD_WARP:
+                    self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q,
+                                   pipe_kv, seqlen, m_block, head, head_kv, batch_q, batch_k, n_max, n_count)
+
+            # every TMEM reader/writer is done: give the columns back
+            cute.arch.sync_threads()
+            if warp_idx == _MMA_WARP:
+                cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
@@ -378,7 +355,18 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
-    def mma_role(self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, tS, tO, tOrP, pipe_q, pipe_kv, pipe_s, pipe_o, n_count):
+    def mma_role(self, qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
+                 pipe_q, pipe_kv, pipe_s, pipe_o, n_count):
+        tSrQ = thr_qk.make_fragment_A(sQ)
+        tSrK = thr_qk.make_fragment_B(sK)
+        tOrV = thr_pv.make_fragment_B(sV)
+        # P_t: the 16-bit A operand in TMEM over the first half of S_t's columns (the fragment
+        # counts 16-bit elements, two per 32-bit column). Its addresses are relative to column 0:
+        # right because the kernel allocates all 512 columns, whose base is always lane 0, column 0
+        # (the PTX shows P at columns 0.. and 128..)
+        tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
+        p_per_col = Float32.width // self.dtype.width
+        tOrP = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
         # pipeline states are plain locals advanced in the loop body: the DSL carries them
         # through its loops only that way
         if n_count > 0:
