@@ -540,30 +540,27 @@ class FlashFwdSm100:
         c0_state = pipeline.make_pipeline_state(Consumer, 1)
         c1_state = pipeline.make_pipeline_state(Consumer, 1)
         for i in cutlass.range(1, n_count, unroll=1):
-            self._rescale(0, tOt[0], tOt_st[0], chunk_regs, copy_ld, copy_st, pipe_o[0], o0_state,
-                          pipe_c[0], c0_state, msg, tid)
+            self._rescale(0, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o0_state, pipe_c, c0_state,
+                          msg, tid)
             o0_state.advance()
             c0_state.advance()
-            self._rescale(1, tOt[1], tOt_st[1], chunk_regs, copy_ld, copy_st, pipe_o[1], o1_state,
-                          pipe_c[1], c1_state, msg, tid)
+            self._rescale(1, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o1_state, pipe_c, c1_state,
+                          msg, tid)
             o1_state.advance()
             c1_state.advance()
 
-        for t in cutlass.range_constexpr(2):
-            o_state = o0_state if const_expr(t == 0) else o1_state
-            c_state = c0_state if const_expr(t == 0) else c1_state
+        for t, o_state, c_state in ((0, o0_state, c0_state), (1, o1_state, c1_state)):
             if n_count > 0:
                 pipe_o[t].consumer_wait(o_state)  # the last O_t += P_t V is done
             pipe_c[t].consumer_wait(c_state)
-            inv_sum = msg[tid, 0, t]
-            lse = msg[tid, 1, t]
-            self.epilogue(t, tOt[t], chunk_regs, copy_ld, thr_ld, inv_sum, lse, mO, mLSE, seqlen, m_block,
-                          head, batch_q, n_count, tid)
+            self.epilogue(t, tOt[t], chunk_regs, copy_ld, thr_ld, msg[tid, 0, t], msg[tid, 1, t], mO, mLSE,
+                          seqlen, m_block, head, batch_q, n_count, tid)
 
     @cute.jit
     def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld, copy_st,
                  pipe_o, o_state, pipe_c, c_state, msg, tid):
         """Bring O_t (key tiles before this one) to the softmax's new reference, then hand it back."""
+        tOt, tOt_st, pipe_o, pipe_c = tOt[t], tOt_st[t], pipe_o[t], pipe_c[t]
         pipe_o.consumer_wait(o_state)
         pipe_c.consumer_wait(c_state)
         scale = msg[tid, 0, t]
