@@ -168,12 +168,10 @@ class FlashFwdSm100:
         bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=one_stage))
         bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=one_stage))
 
-        stages = cfg.kv_stages
-
         @cute.struct
         class Storage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 4]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
             mbar_s0: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_s1: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o0: cute.struct.MemRange[cutlass.Int64, 2]
@@ -187,14 +185,13 @@ class FlashFwdSm100:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
         num_m_blocks = (max_seqlen_q + cfg.cta_tile_m - 1) // cfg.cta_tile_m
-        num_heads = cute.size(mQ.shape[2])
         self.kernel(
             tQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
             num_m_blocks, num_batch, heads_per_group, tail_pairs, bytes_q, bytes_kv, Storage,
         ).launch(
-            grid=TileScheduler.grid(num_m_blocks, num_heads, num_batch),
+            grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
             block=[_NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -244,11 +241,8 @@ class FlashFwdSm100:
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(Storage)
-
-            def group(n):
-                return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-            one, wg = group(1), group(128)
+            one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
             pipe_q = pipeline.PipelineTmaUmma.create(
                 num_stages=2, producer_group=one, consumer_group=one, tx_count=bytes_q,
                 barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
