@@ -442,16 +442,6 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
-    def _scores(self, rS, tSc, tile_range: BlockRange, m_tile, n_block, seqlen: SeqlenInfo, score_scale):
-        """Raw q.k -> softmax units (softcap) and masks, in place (as sm90's, on one row)."""
-        if const_expr(self.cfg.softcap):
-            for j in cutlass.range_constexpr(cute.size(rS)):
-                rS[j] = cute.math.tanh(rS[j] * score_scale, fastmath=True)
-        if tile_range.needs_mask(n_block, m_tile, seqlen.seqlen_q, seqlen.seqlen_k):
-            apply_mask(as_wgmma_row(rS), as_wgmma_row(tSc), tile_range, m_tile, n_block,
-                       seqlen.seqlen_q, seqlen.seqlen_k)
-
-    @cute.jit
     def softmax_role(self, t: cutlass.Constexpr[int], tS_t, thr_qk, pipe_s, pipe_c, msg, tile_range: BlockRange,
                      score_scale, softmax_scale_log2, seqlen: SeqlenInfo, m_block, n_min, n_max, tid):
         cfg = self.cfg
@@ -483,7 +473,13 @@ class FlashFwdSm100:
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
             cute.copy(load_s, tSt, rS)
             cute.arch.fence_view_async_tmem_load()
-            self._scores(rS, tSc, tile_range, m_tile, n_block, seqlen, score_scale)
+            # raw q.k -> softmax units (softcap) and masks, as sm90's FwdConsumer._scores on one row
+            if const_expr(cfg.softcap):
+                for j in cutlass.range_constexpr(cute.size(rS)):
+                    rS[j] = cute.math.tanh(rS[j] * score_scale, fastmath=True)
+            if tile_range.needs_mask(n_block, m_tile, seqlen.seqlen_q, seqlen.seqlen_k):
+                apply_mask(as_wgmma_row(rS), as_wgmma_row(tSc), tile_range, m_tile, n_block,
+                           seqlen.seqlen_q, seqlen.seqlen_k)
             softmax.step(rS, row_scale)
             # rS holds the row in column order (flat index = column)
             for c in cutlass.range_constexpr(self.tile_n // s_per_chunk):
