@@ -49,6 +49,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 
 from torch_fa4.kernels.common.block_range import BlockRange
 from torch_fa4.kernels.common.masking import apply_mask
@@ -81,6 +82,11 @@ def _tcgen05_fence_before_sync():
 def _tcgen05_fence_after_sync():
     """Order this thread's later tcgen05 ops (mma/ld/st) after the barrier wait that preceded."""
     cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
+
+
+def _tmem_copy(op, repetition, tmem: cute.Tensor):
+    """A 32x32b tcgen05.ld/st (thread i of a warpgroup: TMEM lane i) over the fp32 columns of tmem."""
+    return tcgen05.make_tmem_copy(cute.make_copy_atom(op(repetition), Float32), tmem)
 
 
 @cute.jit
@@ -158,15 +164,12 @@ class FlashFwdSm100:
 
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,)).shape
         load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        one_stage = [0, 1, 2]
-        tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, mQ, cute.select(sQ_layout, mode=one_stage), self.qk_tiler, qk_mma, cluster_vmnk)
-        tma_K, tK = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mK, cute.select(sK_layout, mode=one_stage), self.qk_tiler, qk_mma, cluster_vmnk)
-        tma_V, tV = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mV, cute.select(sV_layout, mode=one_stage), self.pv_tiler, pv_mma, cluster_vmnk)
-        bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=one_stage))
-        bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=one_stage))
+        sQ1, sK1, sV1 = (cute.select(layout, mode=[0, 1, 2]) for layout in (sQ_layout, sK_layout, sV_layout))
+        tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_A(load_op, mQ, sQ1, self.qk_tiler, qk_mma, cluster_vmnk)
+        tma_K, tK = cute.nvgpu.make_tiled_tma_atom_B(load_op, mK, sK1, self.qk_tiler, qk_mma, cluster_vmnk)
+        tma_V, tV = cute.nvgpu.make_tiled_tma_atom_B(load_op, mV, sV1, self.pv_tiler, pv_mma, cluster_vmnk)
+        bytes_q = cute.size_in_bytes(self.dtype, sQ1)
+        bytes_kv = cute.size_in_bytes(self.dtype, sK1)
 
         @cute.struct
         class Storage:
@@ -442,24 +445,23 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
-    def softmax_role(self, t: cutlass.Constexpr[int], tS_t, thr_qk, pipe_s, pipe_c, msg, tile_range: BlockRange,
-                     score_scale, softmax_scale_log2, seqlen: SeqlenInfo, m_block, n_min, n_max, tid):
+    def softmax_role(self, t: cutlass.Constexpr[int], tS_t, thr_qk, pipe_s, pipe_c, msg,
+                     tile_range: BlockRange, score_scale, softmax_scale_log2, seqlen: SeqlenInfo,
+                     m_block, n_min, n_max, tid):
         cfg = self.cfg
-        load_s = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32), tS_t)
+        load_s = _tmem_copy(Ld32x32bOp, Repetition.x32, tS_t)
         thr_load = load_s.get_slice(tid)
         tSt = thr_load.partition_S(tS_t)
         tSc = thr_load.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
         # P: 16-bit values packed two per 32-bit column over the first tile_n/2 columns of S_t,
         # written in chunks of _P_CHUNK columns so only one chunk of P is live in registers
         p_chunk = cute.composition(tS_t.layout, cute.make_layout((Q_TILE_ROWS, _P_CHUNK)))
-        store_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x16), Float32),
-            cute.make_tensor(tS_t.iterator, p_chunk))
+        store_p = _tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS_t.iterator, p_chunk))
         thr_store = store_p.get_slice(tid)
         tPt = thr_store.partition_D(cute.make_tensor(tS_t.iterator, p_chunk))
         p_regs = thr_store.partition_S(cute.make_identity_tensor((Q_TILE_ROWS, _P_CHUNK))).shape
         s_per_chunk = 2 * _P_CHUNK  # scores per P chunk (two 16-bit values per column)
+        chunk_scores = cute.make_layout(s_per_chunk)
 
         m_tile = 2 * m_block + t
         softmax = RowOnlineSoftmax(softmax_scale_log2, cfg.rescale_threshold, cfg.exp2_emulate_every)
@@ -484,8 +486,8 @@ class FlashFwdSm100:
             # rS holds the row in column order (flat index = column)
             for c in cutlass.range_constexpr(self.tile_n // s_per_chunk):
                 rP = cute.make_rmem_tensor(p_regs, Float32)
-                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(s_per_chunk))
-                p_vals = cute.make_tensor(rS.iterator + c * s_per_chunk, cute.make_layout(s_per_chunk))
+                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), chunk_scores)
+                p_vals = cute.make_tensor(rS.iterator + c * s_per_chunk, chunk_scores)
                 rP16.store(p_vals.load().to(self.dtype))
                 cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_CHUNK, tPt.layout))
             cute.arch.fence_view_async_tmem_store()
@@ -511,16 +513,13 @@ class FlashFwdSm100:
                         m_block, head, batch_q, n_count, tid):
         # one O chunk of _CHUNK columns; the others are the same view shifted along columns
         chunk = cute.composition(tO[0].layout, cute.make_layout((Q_TILE_ROWS, _CHUNK)))
-        copy_ld = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32),
-            cute.make_tensor(tO[0].iterator, chunk))
-        copy_st = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x32), Float32),
-            cute.make_tensor(tO[0].iterator, chunk))
+        chunks = [cute.make_tensor(o.iterator, chunk) for o in tO]
+        copy_ld = _tmem_copy(Ld32x32bOp, Repetition.x32, chunks[0])
+        copy_st = _tmem_copy(St32x32bOp, Repetition.x32, chunks[0])
         thr_ld = copy_ld.get_slice(tid)
         thr_st = copy_st.get_slice(tid)
-        tOt = [thr_ld.partition_S(cute.make_tensor(tO[t].iterator, chunk)) for t in range(2)]
-        tOt_st = [thr_st.partition_D(cute.make_tensor(tO[t].iterator, chunk)) for t in range(2)]
+        tOt = [thr_ld.partition_S(c) for c in chunks]
+        tOt_st = [thr_st.partition_D(c) for c in chunks]
         # the registers of one chunk: this thread's row, _CHUNK columns
         chunk_regs = thr_ld.partition_D(cute.make_identity_tensor((Q_TILE_ROWS, _CHUNK))).shape
 
@@ -547,8 +546,8 @@ class FlashFwdSm100:
                           seqlen, m_block, head, batch_q, n_count, tid)
 
     @cute.jit
-    def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld, copy_st,
-                 pipe_o, o_state, pipe_c, c_state, msg, tid):
+    def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld,
+                 copy_st, pipe_o, o_state, pipe_c, c_state, msg, tid):
         """Bring O_t (key tiles before this one) to the softmax's new reference, then hand it back."""
         tOt, tOt_st, pipe_o, pipe_c = tOt[t], tOt_st[t], pipe_o[t], pipe_c[t]
         pipe_o.consumer_wait(o_state)
@@ -571,9 +570,9 @@ class FlashFwdSm100:
         pipe_o.consumer_release(o_state)
 
     @cute.jit
-    def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld, inv_sum, lse, mO, mLSE,
-                 seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
-        """Row tid of query tile t: O / rowsum to global memory (a row past the end writes nothing)."""
+    def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld, inv_sum,
+                 lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
+        """Row tid of query tile t: O / rowsum to global memory (a row past the end writes none)."""
         row = (2 * m_block + t) * Q_TILE_ROWS + tid
         in_bounds = row < seqlen.seqlen_q
         mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
