@@ -570,9 +570,9 @@ class FlashFwdSm100:
         pipe_o.consumer_release(o_state)
 
     @cute.jit
-    def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld, inv_sum,
-                 lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
-        """Row tid of query tile t: O / rowsum to global memory (a row past the end writes none)."""
+    def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld,
+                 inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
+        """Row tid of query tile t: O / rowsum to global memory (a row past the end writes nothing)."""
         row = (2 * m_block + t) * Q_TILE_ROWS + tid
         in_bounds = row < seqlen.seqlen_q
         mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
