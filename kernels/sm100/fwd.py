@@ -220,11 +220,8 @@ class FlashFwdSm100:
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
                               cfg.causal)
         m_block, head, batch = sched.work(bidx)
-        seqlen_q = mQ.shape[0]
-        if const_expr(cfg.varlen_q):
-            seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
         # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
-        if m_block * cfg.cta_tile_m < seqlen_q:
+        if m_block * cfg.cta_tile_m < SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ).seqlen_q:
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
