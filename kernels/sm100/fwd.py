@@ -367,10 +367,8 @@ class FlashFwdSm100:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             q_state = pipeline.make_pipeline_state(Consumer, 2)
             kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
-            s0_state = pipeline.make_pipeline_state(Producer, 1)
-            s1_state = pipeline.make_pipeline_state(Producer, 1)
-            o0_state = pipeline.make_pipeline_state(Producer, 1)
-            o1_state = pipeline.make_pipeline_state(Producer, 1)
+            s0_state, s1_state, o0_state, o1_state = (
+                pipeline.make_pipeline_state(Producer, 1) for _ in range(4))
 
             # first key tile: S0 = Q0 K^T, S1 = Q1 K^T, then O0 = P0 V
             pipe_q.consumer_wait(q_state)
@@ -521,10 +519,7 @@ class FlashFwdSm100:
         chunk_regs = thr_ld.partition_D(cute.make_identity_tensor((Q_TILE_ROWS, _CHUNK))).shape
 
         Consumer = pipeline.PipelineUserType.Consumer
-        o0_state = pipeline.make_pipeline_state(Consumer, 1)
-        o1_state = pipeline.make_pipeline_state(Consumer, 1)
-        c0_state = pipeline.make_pipeline_state(Consumer, 1)
-        c1_state = pipeline.make_pipeline_state(Consumer, 1)
+        o0_state, o1_state, c0_state, c1_state = (pipeline.make_pipeline_state(Consumer, 1) for _ in range(4))
         for i in cutlass.range(1, n_count, unroll=1):
             self._rescale(0, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o0_state, pipe_c, c0_state,
                           msg, tid)
