@@ -9,9 +9,6 @@ import torch
 import transformers
 
 import torch_fa4  # noqa: F401  (makes attn_implementation="fa4" available)
-from torch_fa4 import hf
-
-hf.register_if_available()  # a no-op once `import torch_fa4` does it
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32

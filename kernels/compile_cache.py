@@ -50,11 +50,10 @@ def get_or_compile(key: Hashable, build: Callable[..., Any], persist: bool = Fal
             fn = disk_cache.load(key) if use_disk else None
             if fn is not None:
                 _from_disk.add(key)
-            else:
-                if use_disk and disk_cache.can_store() and disk_cache.store(key, build(jit=False)):
-                    fn = disk_cache.load(key)
-                if fn is None:
-                    fn = build()
+            elif use_disk and disk_cache.can_store() and disk_cache.store(key, build(jit=False)):
+                fn = disk_cache.load(key)
+            if fn is None:
+                fn = build()
             _compile_seconds[key] = time.perf_counter() - t0
             _compiled[key] = fn
     return fn

@@ -37,7 +37,6 @@ from torch_fa4 import private_cache
 
 _FUNCTION = "torch_fa4_kernel"  # the exported TVM-FFI function's name inside each library
 _loaded_modules: list = []  # keep loaded libraries alive for the process
-_source_digest: list[str] = []
 ENV = "TORCH_FA4_KERNEL_CACHE"
 
 
@@ -60,15 +59,14 @@ def _source_roots() -> list[Path]:
     return [kernels] + ([package] if package.is_dir() else [])
 
 
+@functools.lru_cache(maxsize=None)
 def _sources() -> str:
-    if not _source_digest:
-        h = hashlib.sha256()
-        for root in _source_roots():
-            for path in sorted(root.rglob("*.py")):
-                h.update(f"{root.name}/{path.relative_to(root)}".encode())
-                h.update(path.read_bytes())
-        _source_digest.append(h.hexdigest())
-    return _source_digest[0]
+    h = hashlib.sha256()
+    for root in _source_roots():
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root)}".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,13 +80,6 @@ def _version(dist: str) -> str:
 def digest(key: Hashable) -> str:
     text = "|".join([repr(key), _version("nvidia-cutlass-dsl"), _version("apache-tvm-ffi"), _sources()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _library_name(meta: dict) -> str:
-    name = meta["library"]
-    if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".so"):
-        raise ValueError(f"not a library file name: {name!r}")
-    return name
 
 
 def _open_library(lib: Path) -> Any:
@@ -107,14 +98,14 @@ def load(key: Hashable) -> Optional[Any]:
     """The stored kernel for key as a TVM-FFI function, or None (not stored, or refused)."""
     d = cache_dir()
     meta_path = d / f"{digest(key)}.json"
-    if not meta_path.exists():
-        return None
-    if not (private_cache.trusted_dir(d) and private_cache.trusted_file(meta_path)):
+    if not (meta_path.exists() and private_cache.trusted_dir(d) and private_cache.trusted_file(meta_path)):
         return None
     try:
         meta = json.loads(meta_path.read_text())
-        lib = d / _library_name(meta)
-        expected = meta["sha256"]
+        name, expected = meta["library"], meta["sha256"]
+        if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".so"):
+            raise ValueError(f"not a library file name: {name!r}")
+        lib = d / name
     except (OSError, ValueError, KeyError, TypeError) as e:
         private_cache.warn_once(meta_path, f"is not a readable cache entry ({e})",
                                 f"It is ignored and rebuilt; `rm {meta_path}` clears it.")
@@ -157,12 +148,10 @@ def _link(compiled: Any, folder: str) -> tuple[str, list[str]]:
 
 def store(key: Hashable, compiled: Any) -> bool:
     """Export, link and store a compiled kernel; whether it was stored (best effort: never raises)."""
-    if _compiler() is None:
+    if not can_store():
         return False
     try:
         d = cache_dir()
-        if not private_cache.make_private_dir(d):
-            return False
         name = digest(key)
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             so, libs = _link(compiled, tmp)

@@ -5,8 +5,8 @@ with float64 attention.
 A case is a `FuzzCase` (one-line repr); `case_from_seed(seed, space)` rebuilds it exactly, and
 `build` its tensors (drawn on the device from the seed: a seed replays on the same kind of device).
 `check_case` calls the API, computes the float64 oracle and a low-precision eager run with the same
-oracle (`_attend64` of tests/gpu/test_sm90_bwd.py: per sequence, FlexAttention's mod semantics,
-autograd), and compares out, LSE, dQ, dK and dV, each over the whole tensor:
+oracle (tests/naive.py: per sequence, FlexAttention's mod semantics, autograd), and compares out,
+LSE, dQ, dK and dV, each over the whole tensor:
 ||x - ref|| <= 2 ||eager - ref|| + floor, NaN never passing.
 
 Mods come from a small generator of random expression graphs over the op set the tracer supports
@@ -33,8 +33,7 @@ import torch
 
 import torch_fa4
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-from test_sm90_bwd import _attend64, _visible  # noqa: E402  (the GPU tests' float64 autograd oracle)
+from naive import naive_varlen
 
 # ---- the spaces -------------------------------------------------------------------------------------
 
@@ -782,24 +781,15 @@ def float64_scalars(on: bool = True):
         torch.set_default_dtype(before)
 
 
-def _round_to(dtype):
-    def wrap(mod):
-        def rounded(score, b, h, q_idx, kv_idx):
-            s = score if mod is None else mod(score, b, h, q_idx, kv_idx)
-            return s.to(dtype)
-        return rounded
-    return wrap
-
-
 def _row_sums_to_lse_layout(case: FuzzCase, x: torch.Tensor) -> torch.Tensor:
     return x.t() if case.varlen else x.transpose(1, 2)
 
 
 def oracle(case: FuzzCase, inp: Inputs, dtype: torch.dtype) -> Result:
-    """_attend64 per sequence. dtype float64: the reference. Else a low-precision eager attention:
-    q, k and the scores (softcap, score_mod) in `dtype`, the softmax and P V in float64 on v's
-    `dtype` values, the results rounded to `dtype`; in the backward dS reaches dQ / dK in `dtype`
-    (autograd), and the row sums D_i = dO_i . O_i of dS = P (dP - D) come from the rounded O, as in
+    """tests/naive.py per sequence, with autograd. dtype float64: the reference. Else a low-precision
+    eager attention: q, k and the scores (softcap, score_mod) in `dtype`, the softmax and P V in
+    float64 on v's `dtype` values, the results rounded to `dtype`; in the backward dS reaches dQ / dK
+    in `dtype` (autograd), and the row sums D_i = dO_i . O_i of dS = P (dP - D) come from the rounded O, as in
     every flash-attention backward.
 
     That last error dominates dQ / dK on peaked rows and is one rounding's luck per row, so on a
@@ -813,32 +803,17 @@ def oracle(case: FuzzCase, inp: Inputs, dtype: torch.dtype) -> Result:
     q = q.to(dtype).requires_grad_()
     k = k.to(dtype).requires_grad_()
     v = v.to(torch.float64).requires_grad_()
-    score_mod = _round_to(dtype)(inp.score_mod) if lowp else inp.score_mod64
-    mask_mod = inp.mask_mod if lowp else inp.mask_mod64
-    scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.head_dim)
-    wl, wr = (-1 if w is None else w for w in case.window)
-    outs, lses = [], []
-    for b in range(case.batch):
-        if case.varlen:
-            qs = q[inp.cu_q[b]:inp.cu_q[b + 1]]
-            ks, vs = (k[inp.cu_k[b]:inp.cu_k[b + 1]], v[inp.cu_k[b]:inp.cu_k[b + 1]]) if inp.cu_k else (k[b], v[b])
-        else:
-            qs, ks, vs = q[b], k[b], v[b]
-        if case.seqused_k is not None:
-            ks, vs = ks[:case.seqused_k[b]], vs[:case.seqused_k[b]]
-        vis = _visible(qs.shape[0], ks.shape[0], case.causal, wl, wr, dev)
+    mods = (inp.score_mod, inp.mask_mod) if lowp else (inp.score_mod64, inp.mask_mod64)
+    window = tuple(-1 if w is None else w for w in case.window)
+    if case.batch:
         with float64_scalars(not lowp):
-            o, l = _attend64(qs, ks, vs, scale, case.softcap, vis, score_mod, mask_mod, b)
-        outs.append(o)
-        lses.append(l)
-    Dv = case.head_dim_v
-    if case.varlen:
-        out = torch.cat(outs, 0) if outs else v.new_zeros(0, case.heads, Dv)
-        lse = torch.cat(lses, 1) if lses else v.new_zeros(case.heads, 0)
-    else:
-        sq = case.lens_q[0] if case.batch else 0
-        out = torch.stack(outs, 0) if outs else v.new_zeros(0, sq, case.heads, Dv)
-        lse = torch.stack(lses, 0) if lses else v.new_zeros(0, case.heads, sq)
+            out, lse = naive_varlen(q, k, v, cu_seqlens_q=inp.cu_q, cu_seqlens_k=inp.cu_k,
+                                    seqused_k=case.seqused_k, scale=case.scale, causal=case.causal, window=window,
+                                    softcap=case.softcap, score_mod=mods[0], mask_mod=mods[1],
+                                    differentiable=True, softmax_dtype=torch.float64)
+    else:  # no sequence
+        out = v.new_zeros(*q.shape[:-1], case.head_dim_v)
+        lse = v.new_zeros(case.heads, 0) if case.varlen else v.new_zeros(0, case.heads, 0)
     grads = None
     if case.grad:
         dout = _to_attention_layout(case, inp.dout).to(torch.float64)

@@ -11,8 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torch_fa4 import hf  # noqa: E402
-from torch_fa4.hf_mask import unserved_mask_feature  # noqa: E402
+from torch_fa4.integrations import transformers as hf  # noqa: E402
+from torch_fa4.integrations.transformers_mask import unserved_mask_feature  # noqa: E402
 
 hf.register_if_available()
 
@@ -152,7 +152,8 @@ def test_generate_with_static_cache_matches_eager():
     model = _build("llama")
     # Token 0 is the pad token and no attention mask is passed, so generate() would read a drawn 0
     # as padding (a right-padded last prompt token's row is zero under flash-attention's convention,
-    # see hf_attention, while eager attends it): draw real tokens only, this test is about the cache.
+    # see transformers_attention, while eager attends it): draw real tokens only, this test is about
+    # the cache.
     ids = torch.randint(1, VOCAB, (2, 6))
     outs = {}
     for impl in ("eager", "fa4"):
@@ -244,7 +245,7 @@ def test_attention_dropout_in_training_is_refused():
 
 
 def test_dense_4d_mask_is_refused():
-    from torch_fa4.hf_attention import fa4_attention_forward
+    from torch_fa4.integrations.transformers_attention import fa4_attention_forward
 
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(NotImplementedError, match="4-D attention mask"):
@@ -264,7 +265,7 @@ def test_mask_functions_are_inspected():
 
 
 def test_mask_overlay_raises_when_building_masks():
-    from torch_fa4.hf_mask import fa4_mask
+    from torch_fa4.integrations.transformers_mask import fa4_mask
     mu = pytest.importorskip("transformers.masking_utils")
     with pytest.raises(NotImplementedError, match="fa4"):
         fa4_mask(1, 4, 4, mask_function=mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 2))
@@ -281,14 +282,15 @@ def _run(code):
 
 def test_registration_is_lazy_and_order_independent():
     after = _run(
-        "import sys; import torch_fa4; from torch_fa4 import hf; hf.register_if_available(); "
-        "print('transformers' in sys.modules); "
+        "import sys; import torch_fa4; from torch_fa4.integrations import transformers as hf; "
+        "hf.register_if_available(); print('transformers' in sys.modules); "
         "from transformers import AttentionInterface; from transformers.masking_utils import AttentionMaskInterface; "
         "print('fa4' in AttentionInterface._global_mapping, 'fa4' in AttentionMaskInterface._global_mapping)"
     )
     assert after == ["False", "True", "True"]
     before = _run(
-        "import transformers.modeling_utils; import torch_fa4; from torch_fa4 import hf; hf.register_if_available(); "
+        "import transformers.modeling_utils; import torch_fa4; "
+        "from torch_fa4.integrations import transformers as hf; hf.register_if_available(); "
         "print(hf.is_registered()); import transformers; "
         "model = transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(vocab_size=8, hidden_size=16, "
         "intermediate_size=16, num_hidden_layers=1, num_attention_heads=1, head_dim=16), attn_implementation='fa4'); "

@@ -166,8 +166,8 @@ def test_cpu_tensors_are_never_routed():
 def test_kernel_question_reaches_the_dispatcher(direction):
     """The AttentionCall built for the dispatcher's question matches the op's signature; on CPU the
     answer is always "no kernel" (the reference would run), so SDPA would keep PyTorch's kernel."""
-    q = _bhsd().transpose(1, 2)
-    reason = sdpa._kernel_reason(q, q, q, sdpa._op_args(q, q, q, None, True), direction)
+    q = _bhsd()
+    reason = sdpa._kernel_reason(q, q, q, None, True, direction)
     assert reason is not None and direction in reason
 
 

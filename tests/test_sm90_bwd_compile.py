@@ -13,6 +13,7 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
+from naive import call_options, naive_attention, naive_varlen  # noqa: E402
 from sass import hinted_loads, sass_of  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 
@@ -842,39 +843,10 @@ def test_host_wrapper_with_emulated_kernel(case, d, monkeypatch):
     if case in ("dense_causal_gqa", "plain_split_gqa"):
         assert bwd.variant_key(call, False).fused_dq is (d == 64)
 
-    # float64 reference, one sequence at a time (dense or packed)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    cuq = kw.get("cu_seqlens_q")
-    cuk = kw.get("cu_seqlens_k")
-    outs, lses = [], []
-    for b in range(call.batch):
-        qs = q64[cuq[b]:cuq[b + 1]] if cuq is not None else q64[b]
-        ks = k64[cuk[b]:cuk[b + 1]] if cuk is not None else k64[b]
-        vs = v64[cuk[b]:cuk[b + 1]] if cuk is not None else v64[b]
-        if call.seqused_k is not None:
-            ks, vs = ks[: int(call.seqused_k[b])], vs[: int(call.seqused_k[b])]
-        sq, sk = qs.shape[0], ks.shape[0]
-        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-        vis = torch.ones(sq, sk, dtype=torch.bool)
-        if call.causal:
-            vis &= j <= i + sk - sq
-        if call.window_right >= 0:
-            vis &= j <= i + sk - sq + call.window_right
-        if call.window_left >= 0:
-            vis &= j >= i + sk - sq - call.window_left
-        kk, vv = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
-        s = torch.einsum("qhd,khd->hqk", qs, kk) * call.scale
-        if call.softcap:
-            s = call.softcap * torch.tanh(s / call.softcap)
-        anyk = vis.any(-1, keepdim=True)
-        s = torch.where(anyk, s.masked_fill(~vis, -math.inf), torch.zeros_like(s))
-        lse = torch.logsumexp(s, -1)
-        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]) * vis, vv))
-        lses.append(lse.masked_fill(~anyk[..., 0], -math.inf))
-    packed = cuq is not None
-    out64 = torch.cat(outs, 0) if packed else torch.stack(outs)
-    lse = (torch.cat(lses, 1) if packed else torch.stack(lses)).float()
+    out64, lse = naive_varlen(q64, k64, v64, **call_options(call), differentiable=True)
     ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+    lse = lse.detach().float()
 
     grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
     _LAST_SPLIT.clear()
@@ -945,21 +917,11 @@ def test_sparse_host_path_with_emulated_kernel(case, monkeypatch):
     assert bwd.variant_key(call, False).tile_m == want_tile_m
     assert bwd.variant_key(call, True).sparse is None  # deterministic: dense walk
 
-    # float64 reference
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    h_idx = torch.arange(hq)[:, None, None]
-    vis = mask_mod(torch.tensor(0), h_idx, i[None], j[None]).expand(hq, sq, sk)
-    if causal:
-        vis = vis & (j <= i + sk - sq)
-    kk, vv = k64.repeat_interleave(hq // hkv, 2), v64.repeat_interleave(hq // hkv, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q64, kk) * call.scale
-    anyk = vis.any(-1, keepdim=True)
-    s = torch.where(anyk, s.masked_fill(~vis, -math.inf), torch.zeros_like(s))
-    lse = torch.logsumexp(s, -1)
-    out64 = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]) * vis, vv)
-    lse = lse.masked_fill(~anyk[..., 0], -math.inf).float()
+    out64, lse = naive_attention(q64, k64, v64, scale=call.scale, causal=causal, mask_mod=mask_mod,
+                                 differentiable=True)
     ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
+    lse = lse.detach().float()
 
     grads = [torch.full(t.shape, math.nan, dtype=t.dtype) for t in (q, k, v)]
     bwd.backward(call, do, out64.detach().to(torch.bfloat16), lse, *grads, False)
@@ -1224,7 +1186,6 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
 
     import test_sm90_bwd_prepare_compile as prepare_tests
 
-    from torch_fa4 import reference
     from torch_fa4.kernels.sm90 import bwd, bwd_dq_convert, bwd_launch_record, bwd_prepare
 
     monkeypatch.setattr(bwd, "compile_variant", _emulated_kernel)
@@ -1258,7 +1219,7 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         q, k, v, do = rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d), rnd(b, sq, hq, d)
     call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out64, lse = reference.forward(AttentionCall(q=q64, k=k64, v=v64, scale=d**-0.5, **kw))
+    out64, lse = naive_varlen(q64, k64, v64, **call_options(call), differentiable=True)
     ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
     out, lse = out64.detach().to(torch.bfloat16), lse.detach().float()
 
@@ -1293,7 +1254,7 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         cu_q2, cu_k2 = torch.tensor([0, 100, 101, 171], dtype=torch.int32), torch.tensor([0, 40, 170, 230], dtype=torch.int32)
         kw2 = dict(kw, cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k2)
         call = AttentionCall(q=q, k=k, v=v, scale=d**-0.5, **kw2)
-        out64, lse = reference.forward(AttentionCall(q=q64, k=k64, v=v64, scale=d**-0.5, **kw2))
+        out64, lse = naive_varlen(q64, k64, v64, **call_options(call), differentiable=True)
         ref = torch.autograd.grad(out64, (q64, k64, v64), do.double())
         out, lse = out64.detach().to(torch.bfloat16), lse.detach().float()
         for name, got, r in zip(("dq", "dk", "dv"), grads(record=True), ref):

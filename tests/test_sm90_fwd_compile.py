@@ -71,7 +71,7 @@ def _doc_mask(S=256):
 MOD_VARIANTS = {
     "d128_alibi": lambda: _mod_call(128, score_mod=_alibi()),
     "d128_alibi_softcap_causal": lambda: _mod_call(128, score_mod=_alibi(), softcap=20.0, causal=True),
-    # causal score_mod-only calls run the dynamic schedule's persistent loop (fwd_host._dynamic_fits)
+    # causal score_mod-only calls run the dynamic schedule's persistent loop (fwd_host._dynamic_schedule_pays)
     "d128_alibi_causal": lambda: _mod_call(128, score_mod=_alibi(), causal=True),
     "d64_bias_table_causal": lambda: _mod_call(64, score_mod=_bias_table(), causal=True),
     "d128_document_mask": lambda: _mod_call(128, mask_mod=_doc_mask()),
@@ -489,7 +489,7 @@ def test_grid_policy(monkeypatch):
     assert ctas(16384, window_left=100) == ctas(16384, D=64, causal=True, window_left=1024) == 132
     assert ctas(16384, D=256, causal=True, window_left=1024) == ctas(4096, D=192, window_left=100) == 132
     assert fwd_host.default_config(_call(128, window_left=100)).dynamic_schedule
-    # plain D192 calls on the static persistent loop (fwd_host._d192_persistent_pays)
+    # plain D192 calls on the static persistent loop (fwd_host._tiles)
     assert ctas(4096, D=192) == 132
     q = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
     assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1)).persistent

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torch_fa4.call import AttentionCall
-from torch_fa4.kernels.host import fwd_launch
+from torch_fa4.kernels.host import fwd_launch, shape_memo
 from torch_fa4.kernels.sm90 import fwd_host, fwd_launch_record
 
 
@@ -155,7 +155,7 @@ def test_calls_the_record_does_not_take(launches):
     negative = AttentionCall(q=q, k=k, v=v, scale=-0.1)
     for _ in range(2):
         fwd_host.forward(negative, out, lse)
-    assert list(fwd_launch_record._records.values()) == [fwd_launch_record._NOT_RECORDED]
+    assert list(fwd_launch_record._records.values()) == [shape_memo.NOT_RECORDED]
     assert all(torch.equal(args[0], -q) and args[8] == pytest.approx(0.1) for _, args in launches)
 
     cu = torch.tensor([0, 100, 256], dtype=torch.int32)

@@ -4,16 +4,19 @@ Importing this package registers the `torch_fa4::fwd` / `torch_fa4::bwd` ops and
 CuTe DSL kernels load on the first CUDA call, and no CUDA context is created here.
 """
 
+import sys
+
 from torch_fa4 import _kernels_package
 from torch_fa4 import ops as _ops  # noqa: F401  (registers the torch.library ops)
-from torch_fa4 import hf as _hf, sdpa as _sdpa
 from torch_fa4.api import attention, flex_attention
+from torch_fa4.integrations import sdpa, transformers as _transformers
 
 _kernels_package.ensure_importable()
+sys.modules[__name__ + ".sdpa"] = sdpa  # so that `import torch_fa4.sdpa` finds the same module
 
 # Both are light: neither imports CuTe DSL or Transformers, and neither activates anything unasked.
-_sdpa.setup_on_import()  # lists "torch_fa4" among SDPA's flash providers; enabled only by TORCH_FA4_SDPA=1
-_hf.register_if_available()  # attn_implementation="fa4", now if Transformers is loaded, else when it loads
+sdpa.setup_on_import()  # lists "torch_fa4" among SDPA's flash providers; enabled only by TORCH_FA4_SDPA=1
+_transformers.register_if_available()  # attn_implementation="fa4", at once or when Transformers loads
 
 __version__ = "0.1.0"
 __all__ = ["attention", "flex_attention", "create_block_mask", "BlockMask", "mods", "sdpa", "__version__"]

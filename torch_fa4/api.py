@@ -71,6 +71,14 @@ def attention(
     mask_mod, bm_tensors, bm_q, bm_kv = _unpack_block_mask(block_mask, mask_mod)
     mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
     _check_aux_tensors(aux_tensors, q.device)
+    if mod_key:
+        builtin = _as_builtins(mod_key, aux_tensors, q, k, cu_seqlens_q is not None or cu_seqlens_k is not None,
+                               seqused_k is not None, window_left, window_right, softcap)
+        if builtin is not None:
+            mod_key, aux_tensors, mask_folded, window_left, window_right, softcap = builtin
+            if mask_folded:
+                causal = window_right == 0
+                bm_tensors, bm_q, bm_kv = [], 128, 128
 
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q)
     max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
@@ -84,9 +92,7 @@ def attention(
         out, lse = ops.fwd_impl(q, k, v, *rest)
     else:
         out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
-    if return_lse:
-        return out, lse.detach()
-    return out
+    return (out, lse.detach()) if return_lse else out
 
 
 def flex_attention(
@@ -153,6 +159,28 @@ def _prepare_mods(score_mod, mask_mod):
     from torch_fa4.mods import prepare
 
     return prepare(score_mod, mask_mod)
+
+
+def _as_builtins(mod_key, aux, q, k, varlen, has_seqused, window_left, window_right, softcap):
+    """Mods that are causal, a sliding window or a tanh softcap, as the built-in arguments
+    (torch_fa4.mods.idioms): (mod_key, aux, mask folded, window_left, window_right, softcap), or
+    None where nothing folds."""
+    from torch_fa4.mods.idioms import builtins_of, window_for
+
+    found = builtins_of(mod_key)
+    if found is None:
+        return None
+    window = None
+    if found.band is not None and not varlen and not has_seqused:  # one diagonal for the whole call
+        window = window_for(found.band, q.shape[1], k.shape[1], window_left, window_right)
+    fold_cap = bool(found.softcap) and not softcap  # (a built-in softcap already comes first)
+    if window is None and not fold_cap:
+        return None
+    if window is not None and fold_cap:
+        return "", [], True, *window, found.softcap
+    if window is not None:
+        return found.key_without_mask, list(aux[:found.score_aux]), True, *window, softcap
+    return found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right, found.softcap
 
 
 def _check_aux_tensors(aux_tensors, device) -> None:

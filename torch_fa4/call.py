@@ -80,8 +80,7 @@ class AttentionCall:
     def has_window(self) -> bool:
         """A sliding-window bound beyond the causal one. Causal calls come with window_right = 0
         (torch_fa4.attention and the SDPA route set it, flash-attn's convention), which bounds
-        nothing the causal mask does not; counting it as a window sent every public causal
-        forward to the windowed kernel variants (NOTES "Experiment 91")."""
+        nothing the causal mask does not, so it must not pick the windowed kernel variants."""
         return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
 
     @property

@@ -73,8 +73,8 @@ def check_offsets(name: str, t: Optional[torch.Tensor], device: torch.device, le
         _fail(ValueError, f"{name} must have {length} entries, got {t.numel()}")
 
 
-def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> int:
-    """Check the varlen tensors' shapes; return the batch size."""
+def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
+    """Check the varlen tensors' shapes."""
     if cu_seqlens_k is not None and cu_seqlens_q is None:
         _fail(ValueError, "cu_seqlens_k needs cu_seqlens_q (varlen keys come with varlen queries)")
     check_offsets("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -85,12 +85,11 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> int:
     if cu_seqlens_q is not None and cu_seqlens_k is None and k.shape[0] != batch:
         _fail(ValueError, f"with cu_seqlens_q and dense k, k's batch ({k.shape[0]}) must equal len(cu_seqlens_q) - 1 ({batch})")
     check_offsets("seqused_k", seqused_k, q.device, batch)
-    return batch
 
 
 # Varlen arguments whose values passed check_varlen_values: a model hands the same cu_seqlens to
-# every layer, and reading them is a device sync that leaves the GPU idle (2-3x the time of a short
-# varlen call, NOTES Experiment 161), so each set of tensors is read once while it lives unmodified.
+# every layer, and reading them is a device sync that leaves the GPU idle, so each set of tensors is
+# read once while it lives unmodified.
 _PASSED = TensorMemo(capacity=64)
 
 

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from torch_fa4 import reference
+from torch_fa4 import reference, self_check
 from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 _ARCH_PACKAGES = {9: "torch_fa4.kernels.sm90", 10: "torch_fa4.kernels.sm100"}
@@ -50,17 +50,23 @@ def _kernel_module(name: str, direction: str):
     return _modules[key]
 
 
-def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
+def on_gpu(call: AttentionCall) -> bool:
+    return call.q.device.type == "cuda"
+
+
+def kernel_for(call: AttentionCall, direction: str, warn: bool = True, deterministic: bool = False):
     """Return the kernel module that runs `call` ("forward" or "backward"), or None for the reference.
 
-    With warn=False (SDPA routing, which falls back to PyTorch's own kernel instead) a refusal is
+    On a capability where the kernel family is not verified, its variant runs only once it has
+    passed its first-use self-check (torch_fa4/self_check.py). With warn=False (SDPA routing, which falls back to PyTorch's own kernel instead) a refusal is
     neither warned about nor remembered as warned.
     """
     if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
         return None
-    if call.q.device.type != "cuda" or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
+    if not on_gpu(call) or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
         return None
-    name = _ARCH_PACKAGES.get(capability(call.q.device)[0])
+    cap = capability(call.q.device)
+    name = _ARCH_PACKAGES.get(cap[0])
     if name is None:
         return None
     module = _kernel_module(name, direction)
@@ -72,6 +78,8 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True):
         if warn and reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to the PyTorch reference: {reason}", stacklevel=3)
+        return None
+    if not self_check.trusted(_kernel_module(name, "forward"), module, call, direction, deterministic, cap):
         return None
     return module
 
@@ -105,7 +113,7 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward(call: AttentionCall, dout, out, lse, deterministic: bool):
     host_checks(call)
-    kernel = kernel_for(call, "backward")
+    kernel = kernel_for(call, "backward", deterministic=deterministic)
     if kernel is None:
         return reference.backward(call, dout, out, lse)
     dq = torch.empty(call.q.shape, dtype=call.q.dtype, device=call.q.device)

@@ -4,8 +4,7 @@ The `torch_fa4::fwd` op carries its own autograd (ops.py, `register_autograd`), 
 torch.compile and direct op callers use. In eager mode that generic wrapper is costly on the host:
 because the op takes `list[Tensor]` arguments, torch wraps its autograd.Function to flatten and
 rebuild all 19 arguments through pytree on every forward and backward, and the bwd op's own entry
-and exit add more; at 1k tokens the host fell behind the kernels (benchmarks/NOTES.md, "the
-backward's fixed costs").
+and exit add more: at short sequences the host falls behind the kernels.
 
 This Function saves the same tensors and runs the same forward (below autograd, so its wrapper is
 not entered); its backward runs the bwd op's implementation directly unless something could

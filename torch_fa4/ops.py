@@ -33,28 +33,23 @@ def make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block
     )
 
 
-@torch.library.custom_op("torch_fa4::fwd", mutates_args=())
-def fwd(
+def fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, aux_tensors: list[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor], block_mask: list[Tensor],
     max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, mod_key: str, block_mask_q: int, block_mask_kv: int,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like)."""
-    return fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-                    max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap,
-                    mod_key, block_mask_q, block_mask_kv, deterministic)
+    """Attention forward: returns (out, lse), out laid out like q (call.empty_laid_out_like).
 
-
-def fwd_impl(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
-             max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
-             block_mask_kv, deterministic):
-    """The fwd op's body (eager_autograd calls it directly when nothing could intercept the op).
+    The fwd op's body (eager_autograd calls it directly when nothing could intercept the op).
     `deterministic` is kept for the backward. Explicit parameters: `*args` re-packing costs host time."""
     return dispatch.forward(make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
                                       max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
                                       softcap, mod_key, block_mask_q, block_mask_kv))
+
+
+fwd = torch.library.custom_op("torch_fa4::fwd", fwd_impl, mutates_args=())
 
 
 @fwd.register_fake
@@ -63,8 +58,7 @@ def _fwd_fake(q, k, v, aux_tensors, cu_seqlens_q, *rest):
     return empty_laid_out_like(q, call.out_shape()), q.new_empty(call.lse_shape(), dtype=call.lse_dtype)
 
 
-@torch.library.custom_op("torch_fa4::bwd", mutates_args=())
-def bwd(
+def bwd_impl(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux_tensors: list[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
     block_mask: list[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
@@ -72,27 +66,20 @@ def bwd(
     block_mask_kv: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention backward: returns (dq, dk, dv), contiguous, shaped like q, k, v (the sm_90 backward
-    is compiled for gradients with packed heads)."""
-    return bwd_impl(dout, q, k, v, out, lse, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                    block_mask, max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
-                    softcap, mod_key, block_mask_q, block_mask_kv, deterministic)
-
-
-def bwd_impl(dout, q, k, v, out, lse, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask,
-             max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key,
-             block_mask_q, block_mask_kv, deterministic):
-    """The bwd op's body (eager_autograd calls it directly when nothing could intercept the op)."""
+    is compiled for gradients with packed heads). The bwd op's body (eager_autograd calls it
+    directly when nothing could intercept the op)."""
     call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
                      max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
                      block_mask_kv)
     return dispatch.backward(call, dout, out, lse, deterministic)
 
 
+bwd = torch.library.custom_op("torch_fa4::bwd", bwd_impl, mutates_args=())
+
+
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, *args):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):

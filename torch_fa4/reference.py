@@ -93,10 +93,10 @@ class _ScoreBlock:
 
     def _score_mod(self, s: torch.Tensor) -> torch.Tensor:
         mods = self.call.mods
-        if mods is None or mods.score_graph is None:
+        if mods is None:
             return s
-        out = mods.score_torch(s, self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx, self.call.score_aux)
-        return out.to(s.dtype).expand(s.shape)
+        return mods.score_torch(s, self.seg.batch_index, self.h_idx, self.q_idx, self.kv_idx,
+                                self.call.score_aux)
 
     def scores_and_vjp(self, raw: torch.Tensor):
         """modded_scores(raw) and a function mapping dL/ds to dL/draw (elementwise chain rule).
@@ -161,8 +161,7 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
 def _forward_segment(call: AttentionCall, seg: _Segment):
     B, H, sq, _ = seg.q.shape
     sk, dv = seg.k.shape[2], seg.v.shape[3]
-    k = _expand_kv_heads(seg.k, H)
-    v = _expand_kv_heads(seg.v, H)
+    k, v = _expand_kv_heads(seg.k, H), _expand_kv_heads(seg.v, H)
     out = seg.q.new_zeros(B, H, sq, dv)
     lse = seg.q.new_full((B, H, sq), -math.inf)
     q_chunk, kv_chunk = _chunk_sizes(B, H, sq, sk)
@@ -192,9 +191,8 @@ def _forward_segment(call: AttentionCall, seg: _Segment):
 
 def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
     """Return (dq, dk, dv) for the torch_fa4::bwd op, recomputing scores chunk by chunk."""
-    dq = torch.zeros_like(call.q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(call.k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(call.v, memory_format=torch.contiguous_format)
+    dq, dk, dv = (torch.zeros_like(x, memory_format=torch.contiguous_format)
+                  for x in (call.q, call.k, call.v))
     grad_call = AttentionCall(**{**call.__dict__, "q": dout})  # same segmentation, walks dout
     out_call = AttentionCall(**{**call.__dict__, "q": out})
     segs = zip(_segments(call), _segments(grad_call), _segments(out_call))
@@ -222,14 +220,11 @@ def backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: to
 def _backward_segment(call: AttentionCall, seg: _Segment, dout, out, lse):
     B, H, sq, _ = seg.q.shape
     Hkv, sk = seg.k.shape[1], seg.k.shape[2]
-    k = _expand_kv_heads(seg.k, H)
-    v = _expand_kv_heads(seg.v, H)
+    k, v = _expand_kv_heads(seg.k, H), _expand_kv_heads(seg.v, H)
     dead = lse == -math.inf
     lse = torch.where(dead, 0.0, lse)  # dead rows have every p = 0 below
     delta = (dout * out).sum(-1)  # (B, H, Sq): the dO·O row sum
-    dq = torch.zeros_like(seg.q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dq, dk, dv = map(torch.zeros_like, (seg.q, k, v))
     q_chunk, kv_chunk = _chunk_sizes(B, H, sq, sk)
     for q0 in range(0, sq, q_chunk):
         q1 = min(sq, q0 + q_chunk)

@@ -17,14 +17,6 @@ from typing import Any, Optional, Sequence
 import torch
 
 
-def _stamp(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
-    return tuple(None if t is None else (t._version, t.data_ptr()) for t in tensors)
-
-
-def _untracked(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-    return any(t is not None and t.is_inference() for t in tensors)
-
-
 class TensorMemo:
     """get / put values keyed by a tuple of tensors (None allowed) and hashable extras."""
 
@@ -34,19 +26,19 @@ class TensorMemo:
 
     def get(self, tensors: Sequence[Optional[torch.Tensor]], extra: tuple = ()) -> Any:
         """The value put for these very tensors, unmodified since, with these extras; else None."""
-        if _untracked(tensors):
-            return None
         entry = self._entries.get((*map(id, tensors), *extra))
         if entry is None:
             return None
-        refs, stamp, value = entry
-        same = all(t is None if r is None else r() is t for r, t in zip(refs, tensors))
-        return value if same and stamp == _stamp(tensors) else None
+        states, value = entry
+        for t, state in zip(tensors, states):  # a None matched a None by id; the others are checked
+            if t is not None and (state[0]() is not t or state[1] != t._version or state[2] != t.data_ptr()):
+                return None
+        return value
 
     def put(self, tensors: Sequence[Optional[torch.Tensor]], extra: tuple, value: Any) -> None:
-        if _untracked(tensors):
+        if any(t is not None and t.is_inference() for t in tensors):
             return
         if len(self._entries) >= self._capacity:  # a bound, not an eviction policy
             self._entries.clear()
-        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-        self._entries[(*map(id, tensors), *extra)] = (refs, _stamp(tensors), value)
+        states = tuple(None if t is None else (weakref.ref(t), t._version, t.data_ptr()) for t in tensors)
+        self._entries[(*map(id, tensors), *extra)] = (states, value)

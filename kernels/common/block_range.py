@@ -54,9 +54,7 @@ class BlockRange(DynamicState):
         last_row = cutlass.min(first_row + self.tile_m, seqlen_q) - 1
         hi = cutlass.max(self.right_limit(last_row, seqlen_q, seqlen_k), 0)
         n_max = (hi + self.tile_n - 1) // self.tile_n
-        lo = self.left_limit(first_row, seqlen_q, seqlen_k)
-        n_min = lo // self.tile_n
-        return n_min, n_max
+        return self.left_limit(first_row, seqlen_q, seqlen_k) // self.tile_n, n_max
 
     @cute.jit
     def masked_ends(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_min: Int32, n_max: Int32):

@@ -20,21 +20,16 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from torch_fa4.kernels.common import static_layout
 
-_CVT_PAIR = {
-    "bf16": "cvt.rn.bf16x2.f32 $0, $1, $2;",
-    "f16": "cvt.rn.f16x2.f32 $0, $1, $2;",
-}
-
-
 @dsl_user_op
 def cvt_pair(lo: Float32, hi: Float32, kind: str, *, loc: Optional[ir.Location] = None,
              ip: Optional[ir.InsertionPoint] = None) -> Int32:
-    """(lo, hi) -> one 32-bit register holding both as 16-bit floats, lo in the low half."""
+    """(lo, hi) -> one 32-bit register holding both as 16-bit floats (kind: bf16 or f16), lo in
+    the low half."""
     # PTX: the first source lands in the upper half. No side effects: ptxas may schedule it freely.
     res = llvm.inline_asm(
         T.i32(),
         [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        _CVT_PAIR[kind], "=r,f,f", loc=loc, ip=ip,
+        f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip,
     )
     return Int32(res)
 
@@ -53,8 +48,7 @@ def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
     elements (2i, 2i+1). dst must be a compact register fragment (its pairs share a register)."""
     assert const_expr(_is_compact(dst.layout)), "destination fragment is not compact"
     assert const_expr(cute.size(dst) % 2 == 0)
-    kind = "bf16" if const_expr(dst.element_type == cutlass.BFloat16) else "f16"
-    assert const_expr(dst.element_type in (cutlass.BFloat16, cutlass.Float16))
+    kind = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}[dst.element_type]
     dst32 = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst) // 2):
         dst32[i] = cvt_pair(src[2 * i], src[2 * i + 1], kind)

@@ -17,8 +17,7 @@ caller treats rows whose max is -inf separately.
 from cutlass import Float32
 import cutlass.cute as cute
 
-# p(f) = 1 + C1 f + C2 f^2 + C3 f^3 ~= 2^f on [0, 1)
-C1, C2, C3 = 0.69511662, 0.2276457, 0.07706641
+# p(f) = 1 + C1 f + C2 f^2 + C3 f^3 ~= 2^f on [0, 1), C1, C2, C3 = 0.69511662, 0.2276457, 0.07706641
 
 _PTX = (
     "{\n"

@@ -4,10 +4,10 @@
 for a (rows, cols) fragment following `mod_hoisting.hoist_plan` (TILE, ROW, COL and ELEM values,
 exact int -> float rewrites). Emission is hash-consed, so e.g. kv_idx - q_idx, which repeats along
 the fragment's diagonals, is computed once per distinct offset. A tile value times such an affine
-expression (ALiBi's slope * (kv_idx - q_idx))
-is one fma per distinct offset; under abs, `emit_score_mod` branches at run time on the
-expression's sign over the fragment so that the one-signed sides get the same. Used by the sm90
-forward (tile_mods.py) and, over the transposed S^T fragment, the sm90 backward (bwd_scores.py).
+expression (ALiBi's slope * (kv_idx - q_idx)) is one fma per distinct offset; under abs,
+`emit_score_mod` branches at run time on the expression's sign over the fragment so that the
+one-signed sides get the same. Used by the sm90 forward (tile_mods.py) and, over the transposed
+S^T fragment, the sm90 backward (bwd_scores.py).
 
 Plain Python helpers called from inside @cute.jit code (like mod_lowering's); graphs and plans are
 compile-time constants.
@@ -15,23 +15,18 @@ compile-time constants.
 
 from __future__ import annotations
 
-import functools
+import copy
 from typing import Optional, Sequence
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from torch_fa4.kernels.host.mod_hoisting import (COL, ROW, TILE, HoistPlan, ancestors, hoist_plan,
+from torch_fa4.kernels.host.mod_hoisting import (COL, ROW, TILE, ancestors, hoist_plan,
                                                    scaled_affine_operands, sign_split_form)
 from torch_fa4.kernels.common.mod_lowering import CUTE_OPS, as_kind, emit_nodes, emit_op, select, select_min_max
 from torch_fa4.mods.graph import BOOL, FLOAT, ModGraph
 from torch_fa4.mods.index_sign import index_wraps
-
-
-@functools.lru_cache(maxsize=None)
-def plan_for(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
-    return hoist_plan(graph, allow_affine)
 
 
 def tile_values(graph: Optional[ModGraph], b, h, aux: Sequence) -> tuple:
@@ -39,7 +34,7 @@ def tile_values(graph: Optional[ModGraph], b, h, aux: Sequence) -> tuple:
     kernel computes once per tile of work and hands to every FragmentEmitter of that tile."""
     if graph is None:
         return ()
-    plan = plan_for(graph)
+    plan = hoist_plan(graph)
     # all TILE: a TILE node has TILE arguments
     env = emit_nodes(graph, {"b": b, "h": h}, aux, ancestors(graph, plan.tile_nodes))
     return tuple(env[i] for i in plan.tile_nodes)
@@ -83,8 +78,7 @@ class FragmentPositions:
 
     def fork(self) -> "FragmentPositions":
         """A copy whose positions emitted from now on stay on one side of a run-time branch."""
-        other = object.__new__(FragmentPositions)
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)
         other.q_rows, other.kv_cols = self.q_rows.fork(), self.kv_cols.fork()
         return other
 
@@ -102,21 +96,19 @@ def _separable_offsets(offs: dict, rows: int, cols: int):
     return None, None
 
 
-class _Lazy:
+class _Lazy(dict):
     """index -> value, each emitted on first use (unused positions cost no instruction)."""
 
-    def __init__(self, make):
-        self._make, self._values = make, {}
+    def __init__(self, make, values=()):
+        super().__init__(values)
+        self._make = make
 
-    def __getitem__(self, k):
-        if k not in self._values:
-            self._values[k] = self._make(k)
-        return self._values[k]
+    def __missing__(self, k):
+        self[k] = self._make(k)
+        return self[k]
 
     def fork(self) -> "_Lazy":
-        other = _Lazy(self._make)
-        other._values = dict(self._values)
-        return other
+        return _Lazy(self._make, self)
 
 
 class FragmentEmitter:
@@ -134,7 +126,7 @@ class FragmentEmitter:
         # this fragment (set by `fork` on one side of emit_score_mod's sign branch)
         self.signs: dict = {}
         self.affine_fma = affine_fma
-        self.plan = plan_for(graph, pos.row_offs is not None)
+        self.plan = hoist_plan(graph, pos.row_offs is not None)
         self.wraps = index_wraps(graph)  # negative indices of loads, wrapped as in PyTorch
         self.pos = pos
         self.b, self.h, self.aux = b, h, aux
@@ -142,10 +134,7 @@ class FragmentEmitter:
         # indices that feed loads are clamped (tile_mods.py says why); emitted where first used
         self._last = {"q_idx": last_q if "q_idx" in self.plan.clamped else None,
                       "kv_idx": last_k if "kv_idx" in self.plan.clamped else None}
-        self._memo: dict = {}
-        self._cons: dict = {}
-        self._score: dict = {}
-        self._fdyn: dict = {}
+        self._memo, self._cons, self._score, self._fdyn = {}, {}, {}, {}
         inputs = [i for i, n in enumerate(graph.nodes) if n.op == "input" and n.attr == "score"]
         self.score_input = inputs[0] if inputs else None
 
@@ -265,16 +254,19 @@ class FragmentEmitter:
 
     def _affine_value(self, i: int, r: int, j: int):
         f = self.plan.affine[i]
+        return self._at_offset(f, r, j, "iadd_imm", [self.form_base(f)], lambda base, off: base + off)
+
+    def _at_offset(self, f, r: int, j: int, tag: str, args: list, make):
+        """make(args[-1], off) for f's compile-time offset off at (r, j), once per distinct offset;
+        args[-1] itself where off is 0 (args: what the value depends on)."""
         off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
-        base = self.form_base(f)
         if off == 0:
-            return base
-        return self._hashcons(("iadd_imm", off), [base], lambda: base + off)
+            return args[-1]
+        return self._hashcons((tag, off), args, lambda: make(args[-1], off))
 
     def form_base(self, f):
         """An affine form's value at the fragment's offsets (0, 0), once per call and per form."""
-        key = ("int", f)
-        if key not in self._fdyn:
+        if f not in self._fdyn:
             acc = None
             terms = [(f.q, self.pos.q_base), (f.kv, self.pos.kv_base)]
             terms += [(c, self.value(t, 0, 0)) for t, c in f.tile]
@@ -287,8 +279,8 @@ class FragmentEmitter:
                 acc = Int32(f.const)
             elif f.const:
                 acc = acc + f.const
-            self._fdyn[key] = as_kind(acc, "int")
-        return self._fdyn[key]
+            self._fdyn[f] = as_kind(acc, "int")
+        return self._fdyn[f]
 
     def _form_base_float(self, f) -> Float32:
         """fp32 of an affine form's fragment-wide part, converted once per call."""
@@ -298,11 +290,8 @@ class FragmentEmitter:
     def _affine_float(self, f, r: int, j: int) -> Float32:
         """The exact fp32 value of affine form f at (r, j): the converted base plus the element's
         offset, one add per distinct offset."""
-        off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
-        base = self._form_base_float(f)
-        if off == 0:
-            return base
-        return self._hashcons(("fadd_imm", off), [base], lambda: base + Float32(off))
+        return self._at_offset(f, r, j, "fadd_imm", [self._form_base_float(f)],
+                               lambda base, off: base + Float32(off))
 
     # ---- sign knowledge and scaled affine values -------------------------------------------------
     def resolved_affine(self, i: int):
@@ -310,21 +299,15 @@ class FragmentEmitter:
         node itself, or abs / neg of one whose sign this emitter knows (abs(x) = x where x >= 0).
         Only for nodes on the exact fp32 path (plan.float_forms)."""
         form = self.plan.float_forms.get(i)
-        if form is None:
-            return None
-        if form[0] == "affine":
+        if form == ("affine",):
             return self.plan.affine[i]
-        n = self.graph.nodes[i]
-        if form == ("op", "neg"):
-            f = self.resolved_affine(n.args[0])
+        if form not in (("op", "neg"), ("op", "abs")):
+            return None
+        f = self.resolved_affine(self.graph.nodes[i].args[0])
+        if f is None or form == ("op", "neg"):
             return None if f is None else f.scaled(-1)
-        if form == ("op", "abs"):
-            f = self.resolved_affine(n.args[0])
-            if f is None:
-                return None
-            sign = self.signs.get(f) or -(self.signs.get(f.scaled(-1)) or 0)
-            return f.scaled(sign) if sign else None
-        return None
+        sign = self.signs.get(f) or -(self.signs.get(f.scaled(-1)) or 0)
+        return f.scaled(sign) if sign else None
 
     def _scaled_affine_mul(self, i: int):
         """(tile value node, int node) when float node i is t * to_float(x) with t the same for the
@@ -342,16 +325,13 @@ class FragmentEmitter:
         t = as_kind(self.value(t_node, r, j), FLOAT)
         base = self._form_base_float(f)
         tb = self._hashcons(("fmul",), [t, base], lambda: t * base)
-        off = f.offset(self.pos.row_offs[r], self.pos.col_offs[j])
-        if off == 0:
-            return tb
-        return self._hashcons(("scaled_affine", off), [t, tb], lambda: cute.math.fma(t, Float32(off), tb))
+        return self._at_offset(f, r, j, "scaled_affine", [t, tb],
+                               lambda tb, off: cute.math.fma(t, Float32(off), tb))
 
     def fork(self, signs: dict) -> "FragmentEmitter":
         """An emitter for one side of a run-time branch: the values emitted so far (which dominate
         the branch) are shared, new ones stay on that side; `signs` adds sign knowledge."""
-        other = object.__new__(FragmentEmitter)
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)
         other.signs = {**self.signs, **signs}
         other.pos = self.pos.fork()
         other._memo, other._cons, other._fdyn = dict(self._memo), dict(self._cons), dict(self._fdyn)
@@ -379,15 +359,18 @@ def emit_score_mod(em: FragmentEmitter, s: cute.Tensor, scale=None):
 
 def emit_mask_mod(em: FragmentEmitter, s: cute.Tensor):
     """s[r, j] = -inf where mask_mod is False, over the (rows, cols) fragment s."""
-    for r in range(cute.size(s, mode=[0])):
-        for j in range(cute.size(s, mode=[1])):
-            s[r, j] = cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf)
+    _each(s, lambda r, j: cutlass.select_(em.keep(r, j), s[r, j], -Float32.inf))
 
 
 def _emit_scores(em: FragmentEmitter, s: cute.Tensor, scale):
+    _each(s, lambda r, j: em.score(r, j, s[r, j], scale))
+
+
+def _each(s: cute.Tensor, value):
+    """s[r, j] = value(r, j) over the (rows, cols) fragment s, row by row."""
     for r in range(cute.size(s, mode=[0])):
         for j in range(cute.size(s, mode=[1])):
-            s[r, j] = em.score(r, j, s[r, j], scale)
+            s[r, j] = value(r, j)
 
 
 @cute.jit
@@ -395,11 +378,10 @@ def _branch_on_sign(lo: Int32, hi: Int32, emit: cutlass.Constexpr):
     """emit(+1) where lo >= 0, emit(-1) where hi <= 0, emit(0) otherwise (a run-time branch)."""
     if lo >= 0:
         emit(1)
+    elif hi <= 0:
+        emit(-1)
     else:
-        if hi <= 0:
-            emit(-1)
-        else:
-            emit(0)
+        emit(0)
 
 
 def _div_with_reciprocal(x, y, rcp):

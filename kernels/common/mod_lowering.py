@@ -45,6 +45,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from torch_fa4.kernels.host.fwd_launch import fake_packed
 from torch_fa4.mods.graph import BOOL, FLOAT, INT, PYTHON_OPERATORS, ModGraph
 from torch_fa4.mods.index_sign import KEEP, SHIFT, index_wraps
 
@@ -82,24 +83,17 @@ def mod_graph_is_identity_grad(grad_graph: ModGraph) -> bool:
 def fake_aux_tensor(dtype_name: str, ndim: int):
     """A fake (symbolic-shape) cute tensor standing for a captured tensor, for cute.compile.
     0-d captured tensors are passed as shape-(1,) views."""
-    rank = max(ndim, 1)
     dtype = getattr(cutlass, _AUX_DSL_DTYPES[dtype_name])
     # element alignment holds for any view of a torch tensor; less would split loads into bytes
-    align = max(1, dtype.width // 8)
-    return cute.runtime.make_fake_tensor(
-        dtype, tuple(cute.sym_int() for _ in range(rank)),
-        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=align)
+    return fake_packed(dtype, max(ndim, 1), align=max(1, dtype.width // 8))
 
 
 # ---- the op table: each op's CuTe DSL code -------------------------------------------------------
 
 def as_kind(x: Any, kind: str):
     """Python constants and DSL values -> the DSL type of the node kind."""
-    if kind == FLOAT:
-        return x if isinstance(x, Float32) else Float32(x)
-    if kind == INT:
-        return x if isinstance(x, Int32) else Int32(x)
-    return x if isinstance(x, Boolean) else Boolean(x)
+    dsl_type = {FLOAT: Float32, INT: Int32}.get(kind, Boolean)
+    return x if isinstance(x, dsl_type) else dsl_type(x)
 
 
 def select(cond, a, b, kind: str):
@@ -144,11 +138,6 @@ def _to_float(kind, x):
     return x if isinstance(x, Float32) else x.to(Float32)
 
 
-def _sigmoid(kind, x):
-    # 1 / (1 + e^-x); exp overflows to inf for very negative x and the quotient is then 0, as torch.
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
-
-
 # op -> emit(kind of the result, *argument values): the CuTe DSL side of graph.OPS
 CUTE_OPS: dict[str, Callable] = {
     **{op: (lambda f: lambda kind, *a: f(*a))(f) for op, f in PYTHON_OPERATORS.items()},
@@ -156,7 +145,8 @@ CUTE_OPS: dict[str, Callable] = {
     "exp": lambda kind, x: cute.math.exp(x, fastmath=False),
     "log": lambda kind, x: cute.math.log(x, fastmath=False),
     "tanh": lambda kind, x: cute.math.tanh(x, fastmath=False),
-    "sigmoid": _sigmoid,
+    # for very negative x, exp overflows to inf and the quotient is 0, as in torch
+    "sigmoid": lambda kind, x: Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False)),
     "not": lambda kind, x: select(x, False, True, BOOL),
     "to_float": _to_float,
     "floordiv": lambda kind, a, b: _floor_quotient_remainder(a, b)[0],
@@ -170,8 +160,7 @@ CUTE_OPS: dict[str, Callable] = {
 
 
 def _wrap_index(i, size, how: int):
-    """PyTorch's index rule: i in [-size, -1] reads element i + size (the host check keeps every
-    index in [-size, size - 1]; torch_fa4.mods.index_sign decides which indices need this)."""
+    """PyTorch's index rule: i in [-size, -1] reads element i + size (see the module docstring)."""
     if how == SHIFT:
         return i + size
     return select(i < Int32(0), i + size, i, INT)
@@ -182,11 +171,9 @@ def _load(n, a: list, aux: Sequence, wraps: tuple):
     if wraps:
         a = [x if how == KEEP else _wrap_index(x, t.shape[d], how) for d, (x, how) in enumerate(zip(a, wraps))]
     v = t[tuple(a) if len(a) > 1 else a[0]] if a else t[0]
-    if n.kind == FLOAT:
-        return v.to(Float32)
-    if n.kind == INT:
-        return v.to(Int32)
-    return v.to(Int32) != Int32(0)  # bool tensors arrive as uint8
+    if n.kind == BOOL:
+        return v.to(Int32) != Int32(0)  # bool tensors arrive as uint8
+    return v.to(Float32 if n.kind == FLOAT else Int32)
 
 
 def emit_op(n, a: list, aux: Sequence, wraps: tuple = ()):
@@ -220,8 +207,7 @@ def score_mod_value(graph: ModGraph, score, b, h, q_idx, kv_idx, score_aux: Sequ
     return as_kind(env[graph.output], FLOAT)
 
 
-def score_grad_value(grad_graph: ModGraph, score, b, h, q_idx, kv_idx, score_aux: Sequence) -> Float32:
-    return score_mod_value(grad_graph, score, b, h, q_idx, kv_idx, score_aux)
+score_grad_value = score_mod_value  # (grad_graph, score, b, h, q_idx, kv_idx, score_aux): the same inlining
 
 
 def mask_mod_value(graph: ModGraph, b, h, q_idx, kv_idx, mask_aux: Sequence) -> Boolean:

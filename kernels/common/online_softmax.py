@@ -16,6 +16,8 @@ column uses the FMA-pipe polynomial (exp2_emulation), the FA4 split between the 
 Rows whose max is still -inf (nothing visible yet) use reference 0, so no -inf - -inf NaN appears.
 """
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
@@ -29,16 +31,10 @@ LN2 = 0.6931471805599453
 
 
 @cute.jit
-def quad_allreduce_max(x: Float32) -> Float32:
+def quad_allreduce(x: Float32, combine: cutlass.Constexpr) -> Float32:
     # the 4 lanes of a quad hold one row: butterfly over lane bits 0 and 1
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-@cute.jit
-def quad_allreduce_sum(x: Float32) -> Float32:
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    x = combine(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return combine(x, cute.arch.shuffle_sync_bfly(x, offset=1))
 
 
 @cute.jit
@@ -99,7 +95,7 @@ class OnlineSoftmax(DynamicState):
         any_moved = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(self.num_rows):
             m = row_max(s[r, None], self.max_chains)
-            m = quad_allreduce_max(m) * self.scale_log2
+            m = quad_allreduce(m, cute.arch.fmax) * self.scale_log2
             old = self.ref[r]
             new = cute.arch.fmax(old, m)
             if const_expr(self.rescale_threshold is not None):
@@ -124,7 +120,7 @@ class OnlineSoftmax(DynamicState):
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):
         """row_scale[r] = 1/sum (0 for rows with nothing visible); lse[r] natural-log LSE or -inf."""
         for r in cutlass.range_constexpr(self.num_rows):
-            total = quad_allreduce_sum(self.row_sum[r])
+            total = quad_allreduce(self.row_sum[r], operator.add)
             empty = (self.ref[r] == -Float32.inf) | (total == Float32(0.0))
             row_scale[r] = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(total))
             lse[r] = cutlass.select_(

@@ -16,39 +16,31 @@ from torch_fa4.kernels.common.dsl_state import DynamicState
 class SeqlenInfo(DynamicState):
     _dynamic_fields = ("offset_q", "seqlen_q", "offset_k", "seqlen_k")
 
-    def __init__(
-        self,
-        batch: Int32,
-        seqlen_q_static: Int32,
-        seqlen_k_static: Int32,
-        cu_seqlens_q: Optional[cute.Tensor] = None,
-        cu_seqlens_k: Optional[cute.Tensor] = None,
-        seqused_k: Optional[cute.Tensor] = None,
-    ):
+    def __init__(self, batch: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32,
+                 cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None,
+                 seqused_k: Optional[cute.Tensor] = None):
         self.has_cu_q = cu_seqlens_q is not None
         self.has_cu_k = cu_seqlens_k is not None
-        if const_expr(cu_seqlens_q is not None):
-            self.offset_q = cu_seqlens_q[batch]
-            self.seqlen_q = cu_seqlens_q[batch + 1] - self.offset_q
-        else:
-            self.offset_q = Int32(0)
-            self.seqlen_q = Int32(seqlen_q_static)
-        if const_expr(cu_seqlens_k is not None):
-            self.offset_k = cu_seqlens_k[batch]
-            self.seqlen_k = cu_seqlens_k[batch + 1] - self.offset_k
-        else:
-            self.offset_k = Int32(0)
-            self.seqlen_k = Int32(seqlen_k_static)
+        self.offset_q, self.seqlen_q = _span(cu_seqlens_q, batch, seqlen_q_static)
+        self.offset_k, self.seqlen_k = _span(cu_seqlens_k, batch, seqlen_k_static)
         if const_expr(seqused_k is not None):
             self.seqlen_k = seqused_k[batch]
 
     def q_rows(self, t: cute.Tensor) -> cute.Tensor:
         """Shift a (seq, ...) tensor so row 0 is this batch's first query (identity when dense)."""
-        if const_expr(not self.has_cu_q):
-            return t
-        return cute.domain_offset((self.offset_q,) + (0,) * (cute.rank(t) - 1), t)
+        return _shifted(t, self.offset_q) if const_expr(self.has_cu_q) else t
 
     def k_rows(self, t: cute.Tensor) -> cute.Tensor:
-        if const_expr(not self.has_cu_k):
-            return t
-        return cute.domain_offset((self.offset_k,) + (0,) * (cute.rank(t) - 1), t)
+        return _shifted(t, self.offset_k) if const_expr(self.has_cu_k) else t
+
+
+def _span(cu_seqlens: Optional[cute.Tensor], batch: Int32, seqlen_static: Int32):
+    """(offset, length) of the batch's rows: packed from cu_seqlens, else 0 and the static length."""
+    if const_expr(cu_seqlens is None):
+        return Int32(0), Int32(seqlen_static)
+    offset = cu_seqlens[batch]
+    return offset, cu_seqlens[batch + 1] - offset
+
+
+def _shifted(t: cute.Tensor, rows: Int32) -> cute.Tensor:
+    return cute.domain_offset((rows,) + (0,) * (cute.rank(t) - 1), t)

@@ -10,22 +10,17 @@ back to the DSL when a layout is not static.
 
 from __future__ import annotations
 
+import math
+
 import cutlass.cute as cute
 
 
 def _all_int(x) -> bool:
-    if isinstance(x, tuple):
-        return all(_all_int(e) for e in x)
-    return type(x) is int
+    return all(map(_all_int, x)) if isinstance(x, tuple) else type(x) is int
 
 
 def _size(shape) -> int:
-    if isinstance(shape, tuple):
-        n = 1
-        for s in shape:
-            n *= _size(s)
-        return n
-    return shape
+    return math.prod(_size(s) for s in shape) if isinstance(shape, tuple) else shape
 
 
 def _crd2idx(coord, shape, stride) -> int:
@@ -33,16 +28,8 @@ def _crd2idx(coord, shape, stride) -> int:
         if not isinstance(shape, tuple) or len(coord) != len(shape):
             raise ValueError("coordinate not congruent with the shape")
         return sum(_crd2idx(c, s, d) for c, s, d in zip(coord, shape, stride))
-    if isinstance(shape, tuple):  # a flat index into a hierarchical mode: colexicographic
-        idx = 0
-        for i, (s, d) in enumerate(zip(shape, stride)):
-            if i == len(shape) - 1:
-                idx += _crd2idx(coord, s, d)
-            else:
-                n = _size(s)
-                idx += _crd2idx(coord % n, s, d)
-                coord //= n
-        return idx
+    if isinstance(shape, tuple):  # a flat index into a hierarchical mode
+        return _crd2idx(_idx2crd(coord, shape), shape, stride)
     return coord * stride
 
 
@@ -65,10 +52,8 @@ def _static_shape_stride(layout):
     """(shape, stride) as Python ints, or None if the layout is not a static plain layout."""
     if not isinstance(layout, cute.Layout) or not cute.is_static(layout):
         return None
-    shape, stride = layout.shape, layout.stride
-    if not (_all_int(shape) and _all_int(stride)):
-        return None
-    return shape, stride
+    shape_stride = (layout.shape, layout.stride)
+    return shape_stride if _all_int(shape_stride) else None
 
 
 def indexer(layout):
@@ -84,27 +69,15 @@ def indexer(layout):
     return index
 
 
-def crd2idx(coord, layout) -> int:
-    """int(cute.crd2idx(coord, layout)) for a static coordinate and layout (one-off; in a loop,
-    build an `indexer` once)."""
-    return indexer(layout)(coord)
-
-
 def _static_tiler(tiler):
     """Per mode: an int (the mode's size, identity) or (size, shape, stride) of a static layout;
     None if some mode is neither."""
     if not isinstance(tiler, tuple):
         return None
-    out = []
-    for t in tiler:
-        if type(t) is int:
-            out.append(t)
-            continue
-        ss = _static_shape_stride(t)
-        if ss is None:
-            return None
-        out.append((_size(ss[0]), *ss))
-    return tuple(out)
+    modes = [t if type(t) is int else _static_shape_stride(t) for t in tiler]
+    if any(m is None for m in modes):
+        return None
+    return tuple(m if type(m) is int else (_size(m[0]), *m) for m in modes)
 
 
 def _tile_coord(idx: int, tiler):

@@ -32,8 +32,7 @@ class TileMods(DynamicState):
 
     score_graph / mask_graph: compile-time ModGraphs (None when absent); score_aux / mask_aux: tuples
     of global-memory tensors; natural_scale: what a raw kernel score (q.k, or tanh(...) with
-    softcap) is multiplied by to get the score in natural units that score_mod expects.
-    A DynamicState so that it can be used inside dynamic `if`s and loops (kernels/common/dsl_state)."""
+    softcap) is multiplied by to get the score in natural units that score_mod expects."""
 
     _dynamic_fields = ("score_aux", "mask_aux", "batch", "head", "last_q", "last_k", "natural_scale",
                        "score_tile", "mask_tile")

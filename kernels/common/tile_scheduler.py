@@ -9,11 +9,10 @@ with `longest_first`, runs from the last tile down: under causal masking the las
 the most keys, so the longest work starts first and the short tail fills the gaps (LPT).
 
 Under a causal mask that order alone leaves a long item for the end of the grid: a group of a few
-pairs holds less work per SM than its longest item (D256 S4k causal: two pairs, 13 key steps per
-SM against a longest walk of 52), so the last group's longest items start when every other SM is
-about to finish and run on alone. The last `tail_pairs` pairs therefore form one group of their
-own, sized on the host (host.fwd_launch.tail_pairs) so its work holds every SM's share of the
-longest walk; the backward orders its key tiles the same way (`grouped_order`).
+pairs holds less work per SM than its longest item, so the last group's longest items start when
+every other SM is about to finish and run on alone. The last `tail_pairs` pairs therefore form one
+group of their own, sized on the host (host.fwd_launch.tail_pairs) so its work holds every SM's
+share of the longest walk; the backward orders its key tiles the same way (`grouped_order`).
 
 Work units: with a split tail (kernels/common/split_tail.py) the last `split_items` items run as
 `split_ways` pieces each, numbered after the whole items, so a grid (or a persistent loop) runs

@@ -50,11 +50,6 @@ def check_layouts(elem_bits: int, tile_n: int, *staged_layouts):
             assert cute.crd2idx((0, 0, 1), outer) * elem_bits // 8 == tile_n * ROW_BYTES
 
 
-def stage_units(rows_per_stage: int) -> int:
-    """A ring stage's size in descriptor units (16 bytes)."""
-    return rows_per_stage * ROW_BYTES >> 4
-
-
 def descriptor(addr: Int32) -> Int64:
     """The descriptor of a 128-byte-swizzled tile at shared-memory byte address `addr` (1024-byte
     aligned), as an opaque value: LLVM would otherwise sink its arithmetic back to every use (the
@@ -71,23 +66,17 @@ def _opaque(x: Int64, *, loc: Optional[ir.Location] = None, ip: Optional[ir.Inse
     return Int64(res)
 
 
-def _acc_list(acc: cute.Tensor) -> list:
-    return [acc[i] for i in range(cute.size(acc))]
-
-
 @dsl_user_op
 def _mma_asm(acc_vals: list, head: str, a_ops: list, a_constraints: str, desc_b: Int64, accumulate: bool, tail: str,
              *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None) -> list:
-    n = len(acc_vals)
+    n, b = len(acc_vals), len(acc_vals) + len(a_ops)  # operands: accumulators, A, B's descriptor, scale-d
     outs = ", ".join(f"${i}" for i in range(n))
-    a_refs = ", ".join(f"${n + i}" for i in range(len(a_ops)))
+    a_refs = ", ".join(f"${i}" for i in range(n, b))
     if len(a_ops) > 1:
         a_refs = "{" + a_refs + "}"
-    b_ref = f"${n + len(a_ops)}"
-    scale_ref = f"${n + len(a_ops) + 1}"
     asm = ("{\n.reg .pred p;\n"
-           f"setp.ne.b32 p, {scale_ref}, 0;\n"
-           f"{head} {{{outs}}}, {a_refs}, {b_ref}, p, {tail};\n}}\n")
+           f"setp.ne.b32 p, ${b + 1}, 0;\n"
+           f"{head} {{{outs}}}, {a_refs}, ${b}, p, {tail};\n}}\n")
     constraints = ",".join(["=f"] * n) + "," + a_constraints + ",l,r," + ",".join(str(i) for i in range(n))
     operands = [x.ir_value(loc=loc, ip=ip) for x in a_ops] + [Int64(desc_b).ir_value(loc=loc, ip=ip),
                                                              Int32(1 if accumulate else 0).ir_value(loc=loc, ip=ip)]
@@ -98,24 +87,23 @@ def _mma_asm(acc_vals: list, head: str, a_ops: list, a_constraints: str, desc_b:
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
-def _shape_name(n: int, ab: str) -> str:
-    return f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}"
+def _mma(acc: cute.Tensor, n: int, ab: str, a_ops: list, a_constraints: str, desc_b: Int64, accumulate: bool,
+         tail: str):
+    head = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}"
+    vals = [acc[i] for i in range(cute.size(acc))]
+    for i, v in enumerate(_mma_asm(vals, head, a_ops, a_constraints, desc_b, accumulate, tail)):
+        acc[i] = v
 
 
 def mma_ss(acc: cute.Tensor, desc_a: Int64, desc_b: Int64, n: int, ab: str, accumulate: bool):
     """acc (+)= A B for one k16 block, A and B K-major in shared memory (S = Q K^T)."""
-    vals = _mma_asm(_acc_list(acc), _shape_name(n, ab), [Int64(desc_a)], "l", desc_b, accumulate, "1, 1, 0, 0")
-    for i, v in enumerate(vals):
-        acc[i] = v
+    _mma(acc, n, ab, [Int64(desc_a)], "l", desc_b, accumulate, "1, 1, 0, 0")
 
 
 def mma_rs(acc: cute.Tensor, a_regs: cute.Tensor, desc_b: Int64, n: int, ab: str):
     """acc += A B for one k16 block, A the four 32-bit registers of a 16-bit fragment, B MN-major
     (transposed) in shared memory (O += P V)."""
-    a_ops = [Int32(a_regs[i]) for i in range(4)]
-    vals = _mma_asm(_acc_list(acc), _shape_name(n, ab), a_ops, "r,r,r,r", desc_b, True, "1, 1, 1")
-    for i, v in enumerate(vals):
-        acc[i] = v
+    _mma(acc, n, ab, [Int32(a_regs[i]) for i in range(4)], "r,r,r,r", desc_b, True, "1, 1, 1")
 
 
 class KeyLoopDescriptors:
@@ -127,19 +115,18 @@ class KeyLoopDescriptors:
         # (operand width, rows and swizzle: check_layouts, run on the kernel's host side first)
         self.ab = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}[dtype]
         self.tile_n, self.hdim, self.hdimv = tile_n, hdim, cute.size(sVt, mode=[0])
-        self.stage_units_ = stage_units(tile_n)
-        q_addr = Int32(sQ.iterator.toint()) + wg * (64 * ROW_BYTES)
-        self.q = descriptor(q_addr)
+        self.stage_units = tile_n * ROW_BYTES >> 4  # a ring stage in descriptor units (16 bytes)
+        self.q = descriptor(Int32(sQ.iterator.toint()) + wg * (64 * ROW_BYTES))
         self.k0 = descriptor(Int32(sK.iterator.toint()))
         self.v0 = descriptor(Int32(sVt.iterator.toint()))
 
     def stage(self, k_index, v_index):
         """A key step's K and V descriptors (k-block 0). The k-blocks' adds are left to the issue:
         formed here too, ptxas split them into 32-bit adds with carries and moved V's descriptor
-        to per-thread registers (425 instructions per D64 key step against 410)."""
+        to per-thread registers (more instructions per key step)."""
         # (stage offsets stay inside the 14-bit address field: no carry into the upper word)
-        return (self.k0 + Int64(cutlass.Uint32(k_index * self.stage_units_)),
-                self.v0 + Int64(cutlass.Uint32(v_index * self.stage_units_)))
+        return (self.k0 + Int64(cutlass.Uint32(k_index * self.stage_units)),
+                self.v0 + Int64(cutlass.Uint32(v_index * self.stage_units)))
 
     def qk(self, acc_s: cute.Tensor, k_desc: Int64):
         """S = Q K^T (one committed group, left in flight)."""

@@ -37,6 +37,7 @@ Clamping (tile_mods.py): only indices that feed loads are clamped, so the others
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,13 +64,10 @@ INPUT_RANGES = {"q_idx": (0, MAX_SEQLEN - 1), "kv_idx": (0, MAX_SEQLEN - 1), "b"
 def node_levels(graph: ModGraph) -> tuple[int, ...]:
     levels: list[int] = []
     for n in graph.nodes:
-        if n.op == "input":
-            levels.append(INPUT_LEVELS[n.attr])
-        else:
-            lv = TILE
-            for a in n.args:
-                lv |= levels[a]
-            levels.append(lv)
+        lv = INPUT_LEVELS[n.attr] if n.op == "input" else TILE  # (inputs have no arguments)
+        for a in n.args:
+            lv |= levels[a]
+        levels.append(lv)
     return tuple(levels)
 
 
@@ -81,8 +79,7 @@ def live_nodes(graph: ModGraph) -> frozenset[int]:
 def clamped_inputs(graph: ModGraph) -> frozenset[str]:
     """The index inputs that some load's index depends on: the kernel clamps these (and only these)
     into the sequence so every load stays inside its tensor."""
-    live = live_nodes(graph)
-    roots = [a for i in live if graph.nodes[i].op == "load" for a in graph.nodes[i].args]
+    roots = [a for i in live_nodes(graph) if graph.nodes[i].op == "load" for a in graph.nodes[i].args]
     cone = ancestors(graph, roots)
     return frozenset(graph.nodes[i].attr for i in cone
                      if graph.nodes[i].op == "input" and graph.nodes[i].attr in ("q_idx", "kv_idx"))
@@ -92,12 +89,8 @@ def tile_frontier(graph: ModGraph, levels=None) -> tuple[int, ...]:
     """TILE nodes, other than constants and the inputs b / h, whose values a non-TILE node or the
     output reads: what a kernel computes once per tile of work and keeps in registers."""
     levels = levels or node_levels(graph)
-    live = live_nodes(graph)
-    needed = set()
-    for i in live:
-        n = graph.nodes[i]
-        if levels[i] != TILE:
-            needed.update(a for a in n.args if levels[a] == TILE)
+    needed = {a for i in live_nodes(graph) if levels[i] != TILE
+              for a in graph.nodes[i].args if levels[a] == TILE}
     if levels[graph.output] == TILE:
         needed.add(graph.output)
     return tuple(sorted(i for i in needed if graph.nodes[i].op not in ("const", "input")))
@@ -110,46 +103,39 @@ def _clip(lo: int, hi: int) -> tuple[int, int]:
     return (lo, hi) if INT32[0] <= lo and hi <= INT32[1] else INT32
 
 
+# int op -> the interval of its result from its arguments' intervals (ops not listed: all of int32)
+_OP_RANGES = {
+    "neg": lambda x: (-x[1], -x[0]),
+    "abs": lambda x: (0 if x[0] <= 0 <= x[1] else min(map(abs, x)), max(map(abs, x))),
+    "add": lambda x, y: (x[0] + y[0], x[1] + y[1]),
+    "sub": lambda x, y: (x[0] - y[1], x[1] - y[0]),
+    "mul": lambda x, y: (min(a * b for a in x for b in y), max(a * b for a in x for b in y)),
+    "minimum": lambda x, y: (min(x[0], y[0]), min(x[1], y[1])),
+    "maximum": lambda x, y: (max(x[0], y[0]), max(x[1], y[1])),
+    "where": lambda cond, x, y: (min(x[0], y[0]), max(x[1], y[1])),
+    # by a constant divisor > 0 only
+    "floordiv": lambda x, y: (x[0] // y[0], x[1] // y[0]) if y[0] == y[1] > 0 else INT32,
+    "mod": lambda x, y: (0, y[0] - 1) if y[0] == y[1] > 0 else INT32,
+}
+
+
 def int_ranges(graph: ModGraph) -> tuple[Optional[tuple[int, int]], ...]:
     """Interval [lo, hi] of every int node (None for float / bool nodes), from INPUT_RANGES."""
     out: list = []
     for n in graph.nodes:
         if n.kind != INT:
-            out.append(None)
-            continue
-        a = [out[i] for i in n.args]
-        op = n.op
-        if op == "input":
+            r = None
+        elif n.op == "input":
             r = INPUT_RANGES[n.attr]
-        elif op == "const":
+        elif n.op == "const":
             r = (int(n.attr), int(n.attr))
-        elif op == "load":
+        elif n.op == "load":
             r = _DTYPE_RANGES.get(graph.aux[n.attr].dtype, INT32)
-        elif op == "neg":
-            r = (-a[0][1], -a[0][0])
-        elif op == "abs":
-            lo, hi = a[0]
-            r = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
-        elif op == "add":
-            r = (a[0][0] + a[1][0], a[0][1] + a[1][1])
-        elif op == "sub":
-            r = (a[0][0] - a[1][1], a[0][1] - a[1][0])
-        elif op == "mul":
-            p = [x * y for x in a[0] for y in a[1]]
-            r = (min(p), max(p))
-        elif op == "minimum":
-            r = (min(a[0][0], a[1][0]), min(a[0][1], a[1][1]))
-        elif op == "maximum":
-            r = (max(a[0][0], a[1][0]), max(a[0][1], a[1][1]))
-        elif op == "where":
-            r = (min(a[1][0], a[2][0]), max(a[1][1], a[2][1]))
-        elif op == "floordiv" and a[1][0] == a[1][1] and a[1][0] > 0:
-            r = (a[0][0] // a[1][0], a[0][1] // a[1][0])
-        elif op == "mod" and a[1][0] == a[1][1] and a[1][0] > 0:
-            r = (0, a[1][0] - 1)
+        elif n.op in _OP_RANGES:
+            r = _OP_RANGES[n.op](*[out[i] for i in n.args])
         else:
             r = INT32
-        out.append(_clip(*r))
+        out.append(None if r is None else _clip(*r))
     return tuple(out)
 
 
@@ -183,10 +169,8 @@ class Affine:
         return self.q * row_off + self.kv * col_off
 
 
-def affine_forms(graph: ModGraph, levels=None, clamped=None) -> tuple[Optional[Affine], ...]:
+def affine_forms(graph: ModGraph, levels, clamped) -> tuple[Optional[Affine], ...]:
     """The affine form of each int node, or None. Clamped inputs are not affine (min(., last))."""
-    levels = levels or node_levels(graph)
-    clamped = clamped_inputs(graph) if clamped is None else clamped
     out: list = []
     for i, n in enumerate(graph.nodes):
         a = [out[j] for j in n.args]
@@ -225,7 +209,7 @@ def _affine_range(f: Affine, ranges) -> tuple[int, int]:
 
 # ---- float forms of int expressions ------------------------------------------------------------------
 
-# How mod_lowering computes the fp32 value of an int node exactly:
+# How mod_fragment computes the fp32 value of an int node exactly:
 #   ("affine",)        convert the fragment-wide dynamic part once, add the element's offset
 #   ("convert",)       convert the node's value (at its own level: cheap for TILE and ROW)
 #   ("const", value)   an fp32 constant
@@ -248,35 +232,33 @@ def _float_form(graph: ModGraph, i: int, plan: dict, levels, ranges, affine, all
     """Record in `plan` how to compute node i exactly in fp32; False when that is not possible."""
     if i in plan:
         return True
-    n = graph.nodes[i]
     if not _exact(ranges[i]):
         return False
+    n, f = graph.nodes[i], affine[i]
+    sub: dict = {}  # the arguments' forms, for ("op", name)
     if n.op == "const":
-        plan[i] = ("const", float(n.attr))
-        return True
-    f = affine[i]
-    if allow_affine and f is not None and levels[i] != TILE and _exact(_affine_range(f, ranges)):
-        plan[i] = ("affine",)
-        return True
-    if levels[i] in (TILE, ROW):  # converting once per tile or row is cheap
-        plan[i] = ("convert",)
-        return True
-    if n.op in ("neg", "abs", "add", "sub", "mul", "minimum", "maximum", "where"):
-        args = n.args[1:] if n.op == "where" else n.args
-        sub: dict = {}
-        if all(_float_form(graph, a, sub, levels, ranges, affine, allow_affine) for a in args):
-            plan.update(sub)
-            plan[i] = ("op", n.op)
-            return True
-    if levels[i] == COL:  # still once per column rather than per element
-        plan[i] = ("convert",)
-        return True
-    return False
+        form = ("const", float(n.attr))
+    elif allow_affine and f is not None and levels[i] != TILE and _exact(_affine_range(f, ranges)):
+        form = ("affine",)
+    elif levels[i] in (TILE, ROW):  # converting once per tile or row is cheap
+        form = ("convert",)
+    elif n.op in ("neg", "abs", "add", "sub", "mul", "minimum", "maximum", "where") and all(
+            _float_form(graph, a, sub, levels, ranges, affine, allow_affine)
+            for a in (n.args[1:] if n.op == "where" else n.args)):
+        form = ("op", n.op)
+    elif levels[i] == COL:  # still once per column rather than per element
+        form, sub = ("convert",), {}
+    else:
+        return False
+    plan.update(sub)
+    plan[i] = form
+    return True
 
 
+@functools.lru_cache(maxsize=None)
 def hoist_plan(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
-    """Everything mod_lowering needs to emit `graph` on a fragment. allow_affine=False when the
-    fragment's position offsets are not compile-time constants."""
+    """Everything mod_fragment needs to emit `graph` on a fragment (once per graph). allow_affine=False
+    when the fragment's position offsets are not compile-time constants."""
     levels = node_levels(graph)
     clamped = clamped_inputs(graph)
     ranges = int_ranges(graph)
@@ -284,12 +266,9 @@ def hoist_plan(graph: ModGraph, allow_affine: bool = True) -> HoistPlan:
     forms: dict = {}
     rewritten = set()
     for i in live_nodes(graph):
-        n = graph.nodes[i]
-        if n.op != "to_float" or graph.nodes[n.args[0]].kind != INT:
-            continue
-        x = n.args[0]
-        if levels[x] == TILE:
-            continue  # one conversion per tile of work: nothing to gain
+        x = graph.nodes[i].args[0] if graph.nodes[i].op == "to_float" else None
+        if x is None or graph.nodes[x].kind != INT or levels[x] == TILE:
+            continue  # (to_float of a TILE value: converted once per tile of work, nothing to gain)
         sub: dict = {}
         # a plain conversion at the node's own level is what the integer path does anyway
         if _float_form(graph, x, sub, levels, ranges, affine, allow_affine) and sub[x] != ("convert",):

@@ -3,4 +3,10 @@ benchmarks/NOTES.md, section "sm_100"; without a `bwd` module dispatch runs the 
 backward). Importing this package does not load CuTe DSL.
 """
 
+from torch_fa4.kernels.sm100 import fwd_host
 from torch_fa4.kernels.sm100.fwd_host import forward, unsupported_reason  # noqa: F401
+
+
+def variant(call, direction: str, deterministic: bool):
+    """The compiled variant that runs `call` (what the first-use self-check verifies)."""
+    return fwd_host.default_config(call)

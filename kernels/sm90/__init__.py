@@ -1,29 +1,28 @@
 """Hopper (sm_90a) kernels: entry points per docs/INTERNALS.md (forward: fwd_host.py; backward:
-bwd.py). Neither this package nor the host modules import CuTe DSL: the kernel modules load it
-when a variant compiles, and a kernel from the disk cache launches without it.
+bwd.py, which dispatch imports itself). Neither this package nor the host modules import CuTe DSL:
+the kernel modules load it when a variant compiles, and a kernel from the disk cache launches
+without it.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Optional
-
+from torch_fa4.kernels.host import packed_gqa
 from torch_fa4.kernels.sm90 import fwd_host  # (on every forward call's path: bound once)
-
-if TYPE_CHECKING:
-    import torch
-
-    from torch_fa4.call import AttentionCall
+from torch_fa4.kernels.sm90.fwd_host import unsupported_reason  # noqa: F401
 
 
-def unsupported_reason(call: "AttentionCall") -> Optional[str]:
-    return fwd_host.unsupported_reason(call)
-
-
-def forward(call: "AttentionCall", out: "torch.Tensor", lse: "torch.Tensor") -> None:
+def forward(call, out, lse) -> None:
+    if packed_gqa.applies(call):  # decode: each K/V tile read once per KV head
+        out, lse = packed_gqa.pack_results(out, lse, call.num_heads_kv)
+        call = packed_gqa.pack(call)
     fwd_host.forward(call, out, lse)
 
 
-def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+def variant(call, direction: str, deterministic: bool):
+    """The compiled variant that runs `call` (what the first-use self-check verifies)."""
+    if direction == "forward":
+        return fwd_host.default_config(packed_gqa.pack(call) if packed_gqa.applies(call) else call)
     from torch_fa4.kernels.sm90 import bwd
 
-    bwd.backward(call, dout, out, lse, dq, dk, dv, deterministic)
+    key = bwd.variant_key(call, deterministic)
+    if bwd.runs_per_sequence(call, deterministic):
+        return ("per_sequence", key)
+    return bwd.launch_plan(call, key).key

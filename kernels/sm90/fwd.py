@@ -31,12 +31,9 @@ the next item's first K and Q while the consumers finish the current one), in a 
 round-robin or, with `dynamic_schedule`, from a global counter as it frees
 (kernels/common/tile_mailbox.py).
 
-Epilogue: O is normalised in registers, converted, staged in shared memory and stored with TMA,
-64 rows per warpgroup; varlen tiles, whose last rows would spill into the next sequence, store
-from registers with a row predicate instead. LSE goes straight from registers.
-
-The roles are mixins: fwd_producer.py (TMA loads), fwd_consumer.py (a consumer warpgroup's key
-loop), fwd_epilogue.py (O and LSE out).
+The roles are mixins: fwd_producer.py (TMA loads) and fwd_consumer.py (a consumer warpgroup's key
+loop and epilogue: O, 64 rows per warpgroup, through shared memory and TMA, or from registers for
+varlen tiles; the LSE).
 """
 
 from typing import Optional
@@ -56,9 +53,8 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mailbox import init_mailbox
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.common import wgmma_desc
-from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig  # noqa: F401  (FwdConfig re-exported)
+from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 from torch_fa4.kernels.sm90.fwd_consumer import FwdConsumer
-from torch_fa4.kernels.sm90.fwd_epilogue import FwdEpilogue
 from torch_fa4.kernels.sm90.fwd_producer import FwdProducer
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_90
@@ -76,7 +72,7 @@ def _sequence_major(t: cute.Tensor, varlen: bool) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
-class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
+class FlashFwdSm90(FwdProducer, FwdConsumer):
     def __init__(self, cfg: FwdConfig):
         self.cfg = cfg
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype_name]
@@ -84,8 +80,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         assert self.hdim == self.hdimv, "O reuses Q's shared memory"
         self.num_wg = cfg.num_consumer_wg
-        assert self.num_wg in (1, 2, 3)
-        self.num_threads = 128 * (self.num_wg + 1)
         # registers per thread after setmaxnreg: producer gives up what the consumers take
         self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
         self.pingpong = self.num_wg >= 2  # consumer warpgroups take turns issuing their matmuls
@@ -111,16 +105,13 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             cfg.causal or cfg.has_window or cfg.varlen_q or cfg.varlen_k or cfg.block_sparse
             or cfg.dynamic_schedule or self.num_wg < 2), "kv_multicast: plain calls"
         self.cluster_size = 2 if cfg.kv_multicast else 1
-        # O gets its own shared-memory tile when it fits beside Q and the K/V rings (D <= 128): the
-        # next work item's Q then loads while this one's epilogue runs. Otherwise O is staged over
-        # Q's buffer and the next Q waits for the O store.
-        elem = 2
-        ring = cfg.num_stages * cfg.tile_n * (self.hdim + self.hdimv) * elem
-        q_o = cfg.tile_m * (self.hdim + self.hdimv) * elem
-        self.separate_o = ring + q_o + 4 * 1024 <= SMEM_BYTES
+        # O gets its own shared-memory tile when it fits beside Q and the K/V rings (2-byte elements,
+        # 4 KB for the barriers; D <= 128): the next work item's Q then loads while this one's
+        # epilogue runs. Otherwise O is staged over Q's buffer and the next Q waits for the O store.
+        stage_rows = cfg.tile_m + cfg.num_stages * cfg.tile_n
+        self.separate_o = stage_rows * (self.hdim + self.hdimv) * 2 + 4 * 1024 <= SMEM_BYTES
         self._early_q_release = cfg.early_q_release and self.separate_o
 
-    # ------------------------------------------------------------------ layouts
     def _smem_layout(self, rows: int, cols: int, stages: Optional[int]):
         atom = warpgroup.make_smem_layout_atom(
             hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
@@ -142,12 +133,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         return qk, pv
 
     def _storage_class(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        stages, dt = self.cfg.num_stages, self.dtype
+        stages, dt, separate_o = self.cfg.num_stages, self.dtype, self.separate_o
 
         def buffer(layout):
             return cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(layout)], 1024]
-
-        separate_o = self.separate_o
 
         @cute.struct
         class Shared:
@@ -165,7 +154,6 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
         return Shared
 
-    # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(
         self,
@@ -174,33 +162,25 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         mV: cute.Tensor,
         mO: cute.Tensor,  # like mQ, contiguous
         mLSE: cute.Tensor,  # (B, Hq, Sq) or (Hq, Tq), fp32
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSequsedK: Optional[cute.Tensor],
         score_scale: Float32,  # multiplies q.k before softmax (scale, or scale/softcap)
         softmax_scale_log2: Float32,  # log2(e) * (scale, or softcap)
-        window_left: Int32,
-        window_right: Int32,
-        num_batch: Int32,
-        max_seqlen_q: Int32,
-        heads_per_group: Int32,
+        window_left: Int32, window_right: Int32,
+        num_batch: Int32, max_seqlen_q: Int32, heads_per_group: Int32,
         tail_pairs: Int32,  # the last this many (batch, head) pairs as one group (0: none)
         max_ctas: Int32,  # persistent grid size (about one CTA per SM)
         # block mask (block_sparse only, else None): kv_num_blocks, kv_indices, full_kv_num_blocks,
         # full_kv_indices, int32, FlexAttention layout
-        mBmNum: Optional[cute.Tensor],
-        mBmIdx: Optional[cute.Tensor],
-        mBmFullNum: Optional[cute.Tensor],
-        mBmFullIdx: Optional[cute.Tensor],
+        mBmNum: Optional[cute.Tensor], mBmIdx: Optional[cute.Tensor],
+        mBmFullNum: Optional[cute.Tensor], mBmFullIdx: Optional[cute.Tensor],
         # captured tensors of the mods, ModSet order, None past the last (TVM-FFI takes no tuples)
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         mSched: Optional[cute.Tensor],  # (1,) int32, zero at launch (cfg.dynamic_schedule), else None
         # cfg.split_ways (kernels/common/split_tail.py), else None / None / 0: the pieces' states
         # (slots, values, 128) fp32, their counters (split items * warpgroups,) int32 zero at
         # launch, and how many of the last items are split
-        mSplitWs: Optional[cute.Tensor],
-        mSplitCount: Optional[cute.Tensor],
-        split_items: Int32,
+        mSplitWs: Optional[cute.Tensor], mSplitCount: Optional[cute.Tensor], split_items: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -208,8 +188,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         block_mask = (mBmNum, mBmIdx, mBmFullNum, mBmFullIdx) if const_expr(cfg.block_sparse) else None
         # sequence-major views: (S, D, H, B), LSE (S, H, B)
-        mQ, mO = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO))
-        mLSE = _sequence_major(mLSE, cfg.varlen_q)
+        mQ, mO, mLSE = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO, mLSE))
         mK, mV = (_sequence_major(t, cfg.varlen_k) for t in (mK, mV))
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -223,9 +202,8 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
 
         tma_Q, tQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.hdim))
-        kv_load = cpasync.CopyBulkTensorTileG2SOp()
-        if const_expr(cfg.kv_multicast):
-            kv_load = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        kv_load = (cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.kv_multicast
+                   else cpasync.CopyBulkTensorTileG2SOp())
         tma_K, tK = cpasync.make_tiled_tma_atom(
             kv_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim),
             num_multicast=self.cluster_size)
@@ -264,13 +242,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
             mSplitCount, split_items,
         ).launch(
             grid=grid,
-            block=[self.num_threads, 1, 1],
+            block=[128 * (self.num_wg + 1), 1, 1],
             cluster=cluster,
             stream=stream,
             min_blocks_per_mp=1,
         )
 
-    # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
         self,
@@ -340,9 +317,16 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         else:
             cute.arch.sync_threads()
 
-        # read by consume_item's split-tail path (saves threading them through every role)
+        # the CTA's operands, read by the roles' methods (fwd_producer.py, fwd_consumer.py) rather
+        # than passed down every call
         self._split = (mSplitWs, mSplitCount, storage.split_flags.get_tensor(cute.make_layout(4)))
-        self._sched = sched
+        self._sched, self._brange, self._block_mask, self._mailbox = sched, brange, block_mask, mailbox
+        self._score_scale, self._softmax_scale_log2 = score_scale, softmax_scale_log2
+        self._score_aux, self._mask_aux = score_aux, mask_aux
+        self._mQ, self._mK, self._mV, self._mO_tma, self._mO, self._mLSE = mQ, mK, mV, mO_tma, mO, mLSE
+        self._seqlen_args = (mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        self._tma_loads, self._tma_O = (tma_Q, tma_K, tma_V), tma_O
+        self._pipes, self._mmas = (pipe_q, pipe_k, pipe_v), (tiled_mma_qk, tiled_mma_pv)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -357,31 +341,29 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         # V^T view (Dv, tile_n, stages): the B operand of O += P V
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.hdimv, self.tile_n, cfg.num_stages), order=(1, 0, 2)))
+        self._sQ, self._sK, self._sV, self._sVt, self._sO, self._sO_mn = sQ, sK, sV, sVt, sO, sO_mn
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
-                             tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched, brange, block_mask,
-                             bidx, mailbox)
+                self.produce(bidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(
-                mQ, mK, mO_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sVt, sO, sO_mn,
-                tma_O, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, score_scale,
-                softmax_scale_log2, brange, sched, block_mask, score_aux, mask_aux, bidx,
-                tidx - 128, mailbox)
+            self.consume(bidx, tidx - 128)
 
     @cute.jit
-    def _unit(self, sched: TileScheduler, tile):
+    def _unit(self, tile):
         """(m_block, head, batch, piece) of work unit `tile`; piece -1: a whole item (always
         without split_ways)."""
         if const_expr(self.cfg.grid3d):
             m_block, head, batch = cute.arch.block_idx()
             return m_block, head, batch, Int32(-1)
-        m_block, head, batch = sched.work(tile)
-        piece, _ = sched.piece(tile)
+        m_block, head, batch = self._sched.work(tile)
+        piece, _ = self._sched.piece(tile)
         return m_block, head, batch, piece
+
+    def _seqlen(self, batch) -> SeqlenInfo:
+        return SeqlenInfo(batch, self._mQ.shape[0], self._mK.shape[0], *self._seqlen_args)
 
     @cute.jit
     def _takes_part(self, m_block, seqlen: SeqlenInfo):
@@ -396,14 +378,15 @@ class FlashFwdSm90(FwdProducer, FwdConsumer, FwdEpilogue):
         return live
 
     @cute.jit
-    def _kv_walk(self, brange: BlockRange, seqlen: SeqlenInfo, block_mask, m_block, head, batch, piece):
+    def _kv_walk(self, seqlen: SeqlenInfo, m_block, head, batch, piece):
         """The key tiles work unit (m_block, piece) visits: all of the item's, or with split_ways
         = k piece `piece` >= 0 of its k consecutive shares."""
-        if const_expr(self.cfg.block_sparse):
-            return SparseKvWalk(*block_mask, batch, head, m_block, self.cfg.bm_tiles_m, self.cfg.bm_tiles_n)
-        n_min, n_max = brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
-        if const_expr(self.cfg.split_ways):
-            k = self.cfg.split_ways
+        cfg = self.cfg
+        if const_expr(cfg.block_sparse):
+            return SparseKvWalk(*self._block_mask, batch, head, m_block, cfg.bm_tiles_m, cfg.bm_tiles_n)
+        n_min, n_max = self._brange.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+        if const_expr(cfg.split_ways):
+            k = cfg.split_ways
             count = n_max - n_min
             share = cutlass.max(piece, 0)
             n_lo = n_min + count * share // k

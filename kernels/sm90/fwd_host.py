@@ -25,18 +25,16 @@ MOD_MAX_POSITION = 1 << 23
 L2_BYTES = 50 * 1024 * 1024
 
 # (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup; key tiles sized so two
-# stages of K and V plus Q fit in 227 KB of shared memory (D=192: 220 KB, D=256: 224 KB). D=64 has
-# a second shape for long plain calls, `_D64_WIDE`, and D=96 one for long dense calls, `_D96_WIDE`
-# (see `_tiles`).
+# stages of K and V plus Q fit in 227 KB of shared memory. Long dense D64 / D96 calls take 192-row
+# tiles instead (`_tiles`).
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 
 # the softmax options and the grid per head dim. Static persistent grids stop at D=128 but for
-# plain D=192 calls (`_d192_persistent_pays`): above that the outer loop made ptxas serialize the
-# wgmmas, and at D=256 it measured no gain (NOTES "Experiment 20"); calls with mods run one-shot
-# (`_persistent_fits`); windowed and causal calls take the dynamic schedule.
+# plain D=192 calls (`_tiles`): above that the outer loop made ptxas serialize the wgmmas, and at
+# D=256 it measured no gain (NOTES "Experiment 20"); windowed and causal calls take the dynamic
+# schedule. early_o_rescale: "Experiment 19"; D64 rescales O after the P V wait instead
+# ("Experiment 118") and compiles at ptxas's register-usage level 10 ("Experiment 134").
 _DEFAULT_OPTIONS = {
-    # early_o_rescale: NOTES "Experiment 19". D64 rescales O after the P V wait instead
-    # ("Experiment 118") and compiles at ptxas's register-usage level 10 ("Experiment 134")
     64: dict(persistent=True, early_o_rescale=False, ptxas_options="--register-usage-level=10"),
     96: dict(persistent=True, early_o_rescale=True),  # (long plain calls: `_early_rescale_pays`)
     128: dict(persistent=True, early_o_rescale=True),
@@ -47,29 +45,24 @@ _DEFAULT_OPTIONS = {
 
 
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
-    reason = fwd_launch.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)
-    if reason is not None:
+    if (reason := fwd_launch.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)) is not None:
         return reason
     if call.mod_key and call.mods is None:
         return "mod_key given without its resolved ModSet"
     if len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm90 kernel: at most {MAX_AUX})"
-    for t in call.aux_tensors:
-        if t.device != call.q.device:
-            return "a captured tensor is not on q's device"
+    if any(t.device != call.q.device for t in call.aux_tensors):
+        return "a captured tensor is not on q's device"
     if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
         # the mod lowering's fp32 index arithmetic is exact below 2^23 (host/mod_hoisting.py)
         return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
-    if _uses_block_mask(call):
-        reason = _block_mask_reason(call)
-        if reason is not None:
-            return reason
+    if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
+        return reason
     return fwd_launch.layout_reason(call)
 
 
 def _dense(call: AttentionCall) -> bool:
-    """Every query sees every key of its (fixed-length) sequence up to masks: no softcap, window
-    or variable lengths."""
+    """No softcap, window or variable lengths (a causal mask and mods allowed)."""
     return call.softcap <= 0 and not call.has_window and not call.is_varlen and call.cu_seqlens_k is None
 
 
@@ -89,8 +82,7 @@ def _block_tile_n(call: AttentionCall) -> Optional[int]:
 
 
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
-    reason = block_mask_tensors_reason(call)
-    if reason is not None:
+    if (reason := block_mask_tensors_reason(call)) is not None:
         return reason
     num, idx = call.block_mask[0], call.block_mask[1]
     tile_m = _TILES[call.head_dim][0]
@@ -107,29 +99,28 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 
 
 # D=64 calls past 2048 queries without mods (a score_mod alone is fine, "Experiment 90"), softcap,
-# window or varlen run 192 x 128 tiles: three consumer warpgroups at 160 registers (they fit since
-# P is converted by packed pairs), 1.5x the query rows per K/V load (NOTES "Experiment 17"; at S=1k
-# the ragged last 192-row tile loses). A third K/V stage pays without causal masking only. Left
-# out: softcap and mask_mods spill, block masks' 128-row tiles cannot be split, window and varlen
-# are unmeasured at this shape.
+# window or varlen run 192 x 128 tiles: three consumer warpgroups at 160 registers (P converted by
+# packed pairs), 1.5x the query rows per K/V load (NOTES "Experiment 17"; at S=1k the ragged last
+# 192-row tile loses). A third K/V stage pays without causal masking only. Left out: softcap and
+# mask_mods spill, block masks' 128-row tiles cannot be split, window and varlen are unmeasured.
 _D64_WIDE = dict(tile_m=192, tile_n=128, persistent=False)
-_WIDE_MIN_SEQLEN_Q = 2048  # (the 192-row tiles of D=64 and D=96 start past it)
+_WIDE_MIN_SEQLEN_Q = 2048
 # D=96 likewise, with 112-key tiles (128 spill at 160 registers; NOTES "Experiment 138").
 _D96_WIDE = dict(tile_m=192, tile_n=112, persistent=False)
-
 # Key loops split by mask (`FwdConfig.split_mask_loops`) up to D=192 ("Experiment 136"); D=256
 # past 2048 keys only, the single loop being faster at S=1k (NOTES "Experiment 20").
 _D256_SPLIT_MIN_SEQLEN_K = 2048
 
 
 def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
-    """tile_m, tile_n and the options that go with the shape (stages, grid, split key loops, ...)."""
-    tile_m, tile_n = _TILES[call.head_dim]
+    """The options that go with the shape over the head dim's (wide tiles, stages, grid, split key
+    loops, ...)."""
     if call.head_dim == 192:
-        return dict(tile_m=tile_m, tile_n=tile_n)
+        # plain calls persistent; causal ones lost on the static loop (dynamic schedule instead,
+        # NOTES "Experiment 136")
+        return dict(persistent=_plain(call))
     if call.head_dim == 256:
-        return dict(tile_m=tile_m, tile_n=tile_n,
-                    split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
+        return dict(split_mask_loops=max_k > _D256_SPLIT_MIN_SEQLEN_K)
     dense = _dense(call)
     no_mask_mod = call.mods is None or (call.mods.mask_graph is None and not call.block_mask)
     if call.head_dim == call.head_dim_v == 64 and dense and no_mask_mod and max_q > _WIDE_MIN_SEQLEN_Q:
@@ -142,22 +133,26 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
         return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
         return _D96_WIDE
-    return dict(tile_m=tile_m, tile_n=tile_n)
+    return {}
 
 
 def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     max_q, max_k = fwd_launch.max_seqlens(call)  # (varlen without the maxima given: a device read)
     longest = max(max_q, max_k)
     # the head dim's options, then the tile shape's (its stages, chains, ptxas flags and grid win)
-    opts = {**_DEFAULT_OPTIONS[call.head_dim], **_tiles(call, max_q, max_k)}
-    opts["persistent"] = (opts["persistent"] or _d192_persistent_pays(call)) and _persistent_fits(call)
+    tile_m, tile_n = _TILES[call.head_dim]
+    opts = dict(tile_m=tile_m, tile_n=tile_n, **_DEFAULT_OPTIONS[call.head_dim])
+    opts.update(_tiles(call, max_q, max_k))
+    # with mods the persistent loop kept too much alive (a mask_mod's loads, a score_mod beside
+    # softcap at D=128: ptxas serialized the wgmmas; the CPU compile tests count the waits)
+    opts["persistent"] = opts["persistent"] and call.mods is None
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _uses_block_mask(call):
         opts["tile_n"] = _block_tile_n(call)
         opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // opts["tile_m"],
                     bm_tiles_n=call.block_mask_kv // opts["tile_n"])
-    if _dynamic_fits(call) and _dynamic_schedule_pays(call, longest):
+    if _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
     if _d128_cond_rescale_pays(call):
         opts["rescale_threshold"] = 8.0
@@ -168,8 +163,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     cfg = replace(cfg, **overrides) if overrides else cfg
     if cfg.dynamic_schedule and not cfg.persistent:  # an override to one CTA per item
         cfg = replace(cfg, dynamic_schedule=False)
-    if "kv_multicast" not in overrides and _kv_multicast_pays(call, cfg, max_k):
-        cfg = replace(cfg, kv_multicast=True)
+    if "kv_multicast" not in overrides:
+        cfg = _with(cfg, kv_multicast=_kv_multicast_pays(call, cfg, max_k))
     if "early_o_rescale" not in overrides:
         cfg = _with(cfg, early_o_rescale=_early_rescale_pays(call, cfg, max_k))
     elif cfg.early_o_rescale and "rescale_threshold" not in overrides:
@@ -197,18 +192,11 @@ _GRID_YZ_MAX = 65535  # CUDA's limit on a grid's y and z sizes (heads, batch)
 
 def _grid3d_fits(cfg: FwdConfig, call: AttentionCall) -> bool:
     """Whether a (query tile, head, batch) grid runs the work items in the scheduler's order: one
-    CTA per whole item (no split, no CTA pairs), one (batch, head) pair per group and no tail
-    group, as every call without a causal or window mask has (fwd_launch.l2_group_bytes).
-    NOTES "Experiment 154"."""
+    CTA per whole item (no split, no CTA pairs) and one (batch, head) pair per group, as without a
+    causal or window mask (fwd_launch.l2_group_bytes). NOTES "Experiment 154"."""
     fits_grid = call.num_heads <= _GRID_YZ_MAX and call.batch <= _GRID_YZ_MAX
     return fits_grid and not (cfg.persistent or cfg.split_ways or cfg.kv_multicast or cfg.causal
                               or cfg.has_window or cfg.varlen_q or cfg.block_sparse)
-
-
-def _d192_persistent_pays(call: AttentionCall) -> bool:
-    """Plain D192 calls run persistent; causal ones lost on the static loop and take the dynamic
-    schedule (NOTES "Experiment 136")."""
-    return call.head_dim == 192 and _plain(call)
 
 
 def _skip_masked_first_pays(call: AttentionCall) -> bool:
@@ -240,8 +228,8 @@ def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool
     always rescaling (the conditional rescale decides after the tile's softmax)."""
     if cfg.rescale_threshold is not None or not _DEFAULT_OPTIONS[call.head_dim].get("early_o_rescale", False):
         return False
-    d96_long_plain = call.head_dim == call.head_dim_v == 96 and _plain(call) and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K
-    return not d96_long_plain
+    d96_long = call.head_dim == call.head_dim_v == 96 and max_k >= _D96_LATE_RESCALE_MIN_SEQLEN_K
+    return not (d96_long and _plain(call))
 
 
 def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
@@ -265,13 +253,6 @@ def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
             and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule and cfg.num_consumer_wg == 2)
 
 
-def _persistent_fits(call: AttentionCall) -> bool:
-    """Whether the persistent loop compiles without wgmma serialization (the CPU compile tests
-    count the waits): a mask_mod's loads and a score_mod beside softcap kept too much alive across
-    the outer loop at D=128, so calls with mods run one-shot."""
-    return call.mods is None
-
-
 # Persistent CTAs taking items from a counter (`FwdConfig.dynamic_schedule`) where items are short
 # or unequal: causal walks (NOTES "Experiments 63, 137, 139, 140"), windowed walks ("Experiment
 # 73"), and D=256 up to 2048 keys ("Experiment 63").
@@ -279,6 +260,11 @@ _DYNAMIC_MAX_D256_SEQLEN = 2048
 
 
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
+    # its persistent loop compiles clean where the static one does (no mods), and at D <= 128
+    # for calls whose only mod is a score_mod (CPU compile tests)
+    if call.mods is not None and not (call.head_dim <= 128 and call.mods.mask_graph is None
+                                      and call.softcap <= 0 and not call.has_window and not call.block_mask):
+        return False
     if call.has_window or call.causal:
         return True
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
@@ -289,37 +275,30 @@ def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
 _EARLY_Q_MAX_SEQLEN = 2048
 
 
-def _dynamic_fits(call: AttentionCall) -> bool:
-    """Whether the dynamic schedule's persistent loop compiles clean: where the static one does,
-    and at D <= 128 for calls whose only mod is a score_mod (CPU compile tests)."""
-    if _persistent_fits(call):
-        return True
-    mods = call.mods
-    return (call.head_dim <= 128 and mods is not None and mods.mask_graph is None and call.softcap <= 0
-            and not call.has_window and not call.block_mask)
-
-
 def _grid_ctas(cfg: FwdConfig, call: AttentionCall) -> int:
     """max_ctas for this call: about one CTA per SM for a persistent kernel."""
     return fwd_launch.max_ctas(call) if cfg.persistent else fwd_launch.ONE_CTA_PER_ITEM
 
 
-def _fake_int32(rank: int):
+def _fake_trailing_args(cfg: FwdConfig) -> list:
+    """Stand-ins for what `launch` passes after fwd_launch.leading_args."""
     import cutlass
+    import cutlass.cute as cute
 
-    return fwd_launch.fake_packed(cutlass.Int32, rank)
-
-
-def _fake_block_mask(cfg: FwdConfig) -> list:
-    if not cfg.block_sparse:
-        return [None] * 4
-    return [_fake_int32(3), _fake_int32(4), _fake_int32(3), _fake_int32(4)]
-
-
-def _fake_aux(cfg: FwdConfig) -> list:
     from torch_fa4.kernels.common.mod_lowering import fake_aux_tensor
 
-    return [fake_aux_tensor(dt, nd) for dt, nd in cfg.aux_specs] + [None] * (MAX_AUX - len(cfg.aux_specs))
+    def int32s(rank: int):
+        return fwd_launch.fake_packed(cutlass.Int32, rank)
+
+    block_mask = [int32s(3), int32s(4), int32s(3), int32s(4)] if cfg.block_sparse else [None] * 4
+    aux = [fake_aux_tensor(dt, nd) for dt, nd in cfg.aux_specs] + [None] * (MAX_AUX - len(cfg.aux_specs))
+    counter = int32s(1) if cfg.dynamic_schedule else None
+    split = [None, None]
+    if cfg.split_ways:
+        ws = cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int(), 128),
+                                           (cute.sym_int64(), 128, 1), assumed_align=16)
+        split = [ws, int32s(1)]
+    return [*block_mask, *aux, counter, *split, cutlass.Int32(0)]
 
 
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
@@ -333,12 +312,8 @@ def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = 
         from torch_fa4.kernels.sm90.fwd import FlashFwdSm90
 
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg),
-            *_fake_block_mask(cfg), *_fake_aux(cfg), _fake_int32(1) if cfg.dynamic_schedule else None,
-            *_fake_split(cfg), stream,
-            options=options, no_jit_engine=not jit,
-        )
+        return cute.compile(FlashFwdSm90(cfg), *fwd_launch.fake_leading_args(cfg), *_fake_trailing_args(cfg),
+                            stream, options=options, no_jit_engine=not jit)
 
     if dump_dir is not None:
         return build()
@@ -359,27 +334,27 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
 
 def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split: Optional[tuple]) -> None:
     """Launch a forward kernel (general path and launch records): `leading` from
-    fwd_launch.leading_args, `split` from `split_spec`."""
+    fwd_launch.leading_args, `split` from `split_spec`, a zeroed item counter for each launch."""
     device = call.q.device
-    kernel(*leading, *_launch_block_mask(cfg, call), *_launch_aux(cfg, call), item_counter(cfg, device),
-           *split_buffers(split, device))
+    block_mask = [None] * 4
+    if cfg.block_sparse:
+        block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
+    counter = torch.zeros(1, dtype=torch.int32, device=device) if cfg.dynamic_schedule else None
+    kernel(*leading, *block_mask, *_launch_aux(cfg, call), counter, *split_buffers(split, device))
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
-    """(split items, ways) for this call's grid (host/split_plan.choose); (0, 1) where
-    splitting would not shorten the last round. Plain calls only (every item walks the same key
-    tiles)."""
+    """(split items, ways) for this call's grid (host/split_plan.choose); (0, 1) where splitting
+    would not shorten the last round. Plain calls only (every item walks the same key tiles)."""
     if not _plain(call) or cfg.dynamic_schedule or cfg.block_sparse:
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
     tiles = -(-max_k // cfg.tile_n)
     if cfg.num_consumer_wg != 2 or tiles < _SPLIT_MIN_KEY_TILES:
         return 0, 1
+    pair = 2 if cfg.kv_multicast else 1  # (a pair's CTAs take adjacent query tiles: an even count)
     num_m_blocks = -(-max_q // cfg.tile_m)
-    if cfg.kv_multicast:
-        num_m_blocks += num_m_blocks % 2
-    items = num_m_blocks * call.num_heads * call.batch
-    pair = 2 if cfg.kv_multicast else 1
+    items = (num_m_blocks + num_m_blocks % pair) * call.num_heads * call.batch
     return split_plan_mod.choose(items, fwd_launch.max_ctas(call), tiles, pair=pair,
                                  piece_cost_tiles=_SPLIT_PIECE_COST_TILES)
 
@@ -388,7 +363,7 @@ def split_spec(cfg: FwdConfig, call: AttentionCall) -> Optional[tuple]:
     """(workspace shape, counter slots, split items) of a split-tail variant, None without one."""
     if not cfg.split_ways:
         return None
-    items, ways = split_plan(replace(cfg, split_ways=0), call)
+    items, ways = split_plan(cfg, call)  # (the plan does not read cfg.split_ways)
     if ways != cfg.split_ways:  # a variant compiled for another split (an override): none
         items = 0
     slots = max(items * cfg.num_consumer_wg, 1)
@@ -403,28 +378,6 @@ def split_buffers(spec: Optional[tuple], device: torch.device) -> list:
     ws_shape, slots, items = spec
     ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
     return [ws, torch.zeros(slots, dtype=torch.int32, device=device), items]
-
-
-def item_counter(cfg: FwdConfig, device: torch.device) -> Optional[torch.Tensor]:
-    """The dynamic scheduler's item counter: zero at the start of every launch."""
-    return torch.zeros(1, dtype=torch.int32, device=device) if cfg.dynamic_schedule else None
-
-
-def _fake_split(cfg: FwdConfig) -> list:
-    import cutlass
-    import cutlass.cute as cute
-
-    if not cfg.split_ways:
-        return [None, None, cutlass.Int32(0)]
-    ws = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), cute.sym_int(), 128), (cute.sym_int64(), 128, 1), assumed_align=16)
-    return [ws, _fake_int32(1), cutlass.Int32(0)]
-
-
-def _launch_block_mask(cfg: FwdConfig, call: AttentionCall) -> list:
-    if not cfg.block_sparse:
-        return [None] * 4
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
 
 
 def _launch_aux(cfg: FwdConfig, call: AttentionCall) -> list:

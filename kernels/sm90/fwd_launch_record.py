@@ -1,19 +1,13 @@
 """The forward's repeated calls: a launch record per shape, so a repeated call only allocates
 its per-launch buffers and launches (bwd_launch_record.py does the same for the backward).
 
-`run` keeps one LaunchRecord per everything fwd_host.forward's derivation (variant, cache key, L2
-grouping, grid, split plan) reads -- shapes and strides of q, k, v, out and lse, dtypes, device,
-scale, causal / window / softcap; with mods, block masks or variable lengths also the mods' key,
-the captured tensors' dtypes and ranks, the block mask's tile sizes, the given maxima and the
-offsets' shapes -- and replays it with the call's own tensors.
-
-Not recorded: packed varlen calls without max_seqlen_q (the derivation reads the offsets), config
-overrides, and a negative scale without softcap (it runs on -q, a copy made per call:
-`fwd_launch.nonnegative_scale`). Dispatch has already asked `unsupported_reason`, alignment
-included.
+A record is keyed on everything fwd_host.forward's derivation (variant, L2 grouping, grid, split
+plan) reads: shapes, strides and dtypes of q, k, v, out and lse, device, scale, causal / window /
+softcap; with mods, block masks or variable lengths also the mods' key, the captured tensors'
+dtypes and ranks, the block mask's tile sizes, the given maxima and the offsets' shapes. Not
+recorded: packed varlen calls without max_seqlen_q (the derivation reads the offsets), overrides,
+and a negative scale without softcap (it runs on -q, made per call). Dispatch checked alignment.
 """
-
-from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
@@ -29,7 +23,6 @@ class LaunchRecord(NamedTuple):
     split: Optional[tuple]  # (workspace shape, counter slots, split items); None: no split tail
 
 
-_NOT_RECORDED = shape_memo.NOT_RECORDED
 _records = shape_memo.table()
 
 
@@ -48,7 +41,7 @@ def run(call, out: torch.Tensor, lse: torch.Tensor) -> bool:
                  bool(call.block_mask), call.block_mask_q, call.block_mask_kv, call.max_seqlen_q, call.max_seqlen_k,
                  *(None if t is None else (t.shape, t.dtype) for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)))
     record = shape_memo.lookup(_records, memo, lambda: _derive(call, out, lse))
-    if record is _NOT_RECORDED:
+    if record is shape_memo.NOT_RECORDED:
         return False
     from torch_fa4.kernels.sm90 import fwd_host
 
@@ -59,17 +52,17 @@ def run(call, out: torch.Tensor, lse: torch.Tensor) -> bool:
 
 
 def _derive(call, out, lse):
-    """The LaunchRecord of this call's shape (with fwd_host's own functions), or _NOT_RECORDED."""
+    """The LaunchRecord of this call's shape (with fwd_host's own functions), or NOT_RECORDED."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     if fwd_launch.nonnegative_scale(call) is not call:  # (runs on -q, made per call)
-        return _NOT_RECORDED
+        return shape_memo.NOT_RECORDED
     cfg = fwd_host.default_config(call)
     args = fwd_launch.leading_args(call, out, lse, fwd_host.L2_BYTES, fwd_host._grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: the general path returns without a launch
-        return _NOT_RECORDED
+        return shape_memo.NOT_RECORDED
     own = (call.q, call.k, call.v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)
     if any(a is not b for a, b in zip(args[:8], own)):
-        return _NOT_RECORDED  # (a launch that does not pass the call's own tensors)
+        return shape_memo.NOT_RECORDED  # (a launch that does not pass the call's own tensors)
     return LaunchRecord(fwd_host.compile_fwd(cfg), tuple(args[8:]), cfg,
                         fwd_host.split_spec(cfg, call))

@@ -7,34 +7,27 @@ from cutlass import Int32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from torch_fa4.kernels.common.block_range import BlockRange
-from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mailbox import next_item, publish_item
-from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 
 
 class FwdProducer:
     """Producer-warp methods of FlashFwdSm90 (a mixin: they read its configuration)."""
 
     @cute.jit
-    def produce(self, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV,
-                tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler, brange: BlockRange,
-                block_mask, bidx, mailbox):
+    def produce(self, bidx):
         """The TMA warp: for each work item of this CTA, Q once and the walk's K and V tiles."""
-        cfg = self.cfg
+        cfg, sched = self.cfg, self._sched
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
-        args = (mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK, sQ, sK, sV, tma_Q, tma_K, tma_V,
-                pipe_q, pipe_k, pipe_v, sched, brange, block_mask)
         tile = bidx
         if const_expr(cfg.dynamic_schedule):
-            bar, slots, counter = mailbox
+            bar, slots, counter = self._mailbox
             num_ctas = cute.arch.grid_dim()[0]
             i = Int32(0)
             while tile < sched.num_tiles():
                 publish_item(bar, slots, i, tile)
-                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
+                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state)
                 # taken once this item's loads are all issued, as a freed SM would take a new CTA
                 # (taken as they start instead: worse, NOTES "Experiment 63")
                 tile = next_item(counter, num_ctas)
@@ -44,31 +37,34 @@ class FwdProducer:
             num_ctas = cute.arch.grid_dim()[0]
             rnd = Int32(0)
             while tile < sched.num_tiles():
-                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
+                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state)
                 rnd += 1
                 tile = sched.persistent_tile(rnd, bidx, num_ctas)
         else:
             if tile < sched.num_tiles():
-                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state, *args)
+                q_state, k_state, v_state = self.produce_item(tile, q_state, k_state, v_state)
         if const_expr(cfg.kv_multicast):
             # the other CTA's consumers release slots here until the end: stay until they have
+            _, pipe_k, pipe_v = self._pipes
             pipe_k.producer_tail(k_state)
             pipe_v.producer_tail(v_state)
 
     @cute.jit
-    def produce_item(self, tile, q_state, k_state, v_state, mQ, mK, mV, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-                     sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, sched: TileScheduler,
-                     brange: BlockRange, block_mask):
+    def produce_item(self, tile, q_state, k_state, v_state):
         """Work item `tile`'s loads; returns the ring positions after them."""
         cfg = self.cfg
+        mQ, mK, mV = self._mQ, self._mK, self._mV
+        sQ, sK, sV = self._sQ, self._sK, self._sV
+        tma_Q, tma_K, tma_V = self._tma_loads
+        pipe_q, pipe_k, pipe_v = self._pipes
         num_heads_kv = cute.size(mK.shape[2])
-        m_block, head, batch, piece = self._unit(sched, tile)
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        m_block, head, batch, piece = self._unit(tile)
+        seqlen = self._seqlen(batch)
         if self._takes_part(m_block, seqlen):
             batch_q = batch if const_expr(not cfg.varlen_q) else 0
             batch_k = batch if const_expr(not cfg.varlen_k) else 0
             head_kv = head // (cute.size(mQ.shape[2]) // num_heads_kv)
-            walk = self._kv_walk(brange, seqlen, block_mask, m_block, head, batch, piece)
+            walk = self._kv_walk(seqlen, m_block, head, batch, piece)
             gQ = cute.local_tile(seqlen.q_rows(mQ[None, None, head, batch_q]), (self.tile_m, self.hdim), (m_block, 0))
             gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
             gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))

@@ -167,7 +167,7 @@ def test_sdpa_under_torch_compile(fa4_sdpa, kernels_used):
 
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
-    from torch_fa4 import hf
+    from torch_fa4.integrations import transformers as hf
 
     hf.register_if_available()
     cfg = transformers.LlamaConfig(

@@ -1,7 +1,7 @@
 """sm90 backward kernel against float64 autograd, over the feature matrix.
 
-Each case draws fresh random inputs, computes out/lse with float64 math (what a forward pass
-would hand to backward), poisons dq/dk/dv with NaN, runs the kernel and compares with the
+Each case draws fresh random inputs, computes out/lse with float64 math (tests/naive.py: what a
+forward pass would hand to backward), poisons dq/dk/dv with NaN, runs the kernel and compares with the
 float64 gradients by relative norm error. Run as a script for a small timing table.
 """
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _mod_cases import alibi_abs
+from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
 pytestmark = [
@@ -22,52 +23,6 @@ pytestmark = [
         reason="needs an sm_90 GPU",
     ),
 ]
-
-
-def _visible(sq, sk, causal, left, right, device):
-    """(sq, sk) bool: key j visible from query i (bottom-right aligned, as INTERNALS.md)."""
-    i = torch.arange(sq, device=device)[:, None]
-    j = torch.arange(sk, device=device)[None, :]
-    diag = sk - sq
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        ok &= j <= i + diag
-    if right >= 0:
-        ok &= j <= i + diag + right
-    if left >= 0:
-        ok &= j >= i + diag - left
-    return ok
-
-
-def _attend64(q, k, v, scale, softcap, visible, score_mod=None, mask_mod=None, b=0):
-    """One sequence, float64: q (Sq, Hq, D), k/v (Sk, Hkv, D). Returns out (Sq,Hq,Dv), lse (Hq,Sq).
-
-    score_mod / mask_mod are applied as FlexAttention defines them, on broadcast index tensors."""
-    g = q.shape[1] // k.shape[1]
-    kk = k.repeat_interleave(g, dim=1)
-    vv = v.repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    hq, sq, sk = s.shape
-    dev = s.device
-    bi = torch.tensor(b, device=dev)
-    hi = torch.arange(hq, device=dev)[:, None, None]
-    qi = torch.arange(sq, device=dev)[None, :, None]
-    ki = torch.arange(sk, device=dev)[None, None, :]
-    if score_mod is not None:
-        s = score_mod(s, bi, hi, qi, ki).to(torch.float64)
-    visible = visible.expand(hq, sq, sk)
-    if mask_mod is not None:
-        visible = visible & mask_mod(bi, hi, qi, ki).expand(hq, sq, sk)
-    # Rows that see no key: compute on zeros (finite, so autograd stays NaN-free), then zero P.
-    any_key = visible.any(-1, keepdim=True)
-    s = torch.where(any_key, s.masked_fill(~visible, -math.inf), torch.zeros_like(s))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)) * visible
-    lse = lse.masked_fill(~any_key.squeeze(-1), -math.inf)
-    out = torch.einsum("hqk,khd->qhd", p, vv)
-    return out, lse
 
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
@@ -98,7 +53,6 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         k = rnd(int(cu_k[-1]), hkv, d).to(dtype)
         v = rnd(int(cu_k[-1]), hkv, dv).to(dtype)
         do = rnd(int(cu_q[-1]), hq, dv).to(dtype)
-        spans = [(int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(b)]
         used = None
     else:
         if strided:  # (B, H, S, D) storage seen as (B, S, H, D), as SDPA/flex hand it over
@@ -109,26 +63,6 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
             q, k, v = rnd(b, sq, hq, d).to(dtype), rnd(b, sk, hkv, d).to(dtype), rnd(b, sk, hkv, dv).to(dtype)
         do = rnd(b, sq, hq, dv).to(dtype)
         used = torch.randint(1, sk + 1, (b,), device=dev, dtype=torch.int32) if seqused else None
-        spans = None
-
-    # float64 forward + autograd reference
-    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
-    outs, lses = [], []
-    seqs = spans if varlen else list(range(b))
-    for i, s in enumerate(seqs):
-        if varlen:
-            qa, qb, ka, kb = s
-            qs, ks, vs = q64[qa:qb], k64[ka:kb], v64[ka:kb]
-        else:
-            kl = int(used[s]) if used is not None else sk
-            qs, ks, vs = q64[s], k64[s, :kl], v64[s, :kl]
-        vis = _visible(qs.shape[0], ks.shape[0], causal, left, right, dev)
-        o, l = _attend64(qs, ks, vs, scale, softcap, vis, score_mod, mask_mod, i)  # mods see b = i
-        outs.append(o)
-        lses.append(l)
-    out64 = torch.cat(outs, 0) if varlen else torch.stack(outs, 0)
-    lse = (torch.cat(lses, 1) if varlen else torch.stack(lses, 0)).float().contiguous()
-    dq64, dk64, dv64 = torch.autograd.grad(out64, (q64, k64, v64), do.to(torch.float64))
 
     mod_kw = {}
     if score_mod is not None or mask_mod is not None:
@@ -157,7 +91,14 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         assert key.separate_dq_slabs == expect_dq_warp
     if expect_dq_t is not None:
         assert key.dq_transposed == expect_dq_t
+
+    # float64 forward + autograd: the reference, and the out / lse a forward pass would hand over
+    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    out64, lse = naive_varlen(q64, k64, v64, **call_options(call), score_mod=score_mod, mask_mod=mask_mod,
+                              differentiable=True)
+    dq64, dk64, dv64 = torch.autograd.grad(out64, (q64, k64, v64), do.to(torch.float64))
     out = out64.detach().to(dtype).contiguous()
+    lse = lse.detach().float().contiguous()
     grads = []
     for _ in range(2 if deterministic else 1):
         dq = torch.full(q.shape, math.nan, dtype=dtype, device=dev)
@@ -769,7 +710,9 @@ if __name__ == "__main__":
 
 
 _DISK_CACHE_SCRIPT = r"""
-import math, sys, torch
+import sys, torch
+sys.path.append(sys.argv[2])  # tests/
+from naive import naive_attention
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
 from torch_fa4.kernels.sm90 import bwd
@@ -777,14 +720,11 @@ torch.manual_seed(int(sys.argv[1]))
 B, S, H, D = 2, 300, 4, 128
 q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-s = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * D ** -0.5
-i, j = torch.arange(S, device="cuda").view(S, 1), torch.arange(S, device="cuda").view(1, S)
-s = s.masked_fill(j > i, -math.inf)
-out64 = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v64)
+out64, lse = naive_attention(q64, k64, v64, scale=D ** -0.5, causal=True, differentiable=True)
 refs = torch.autograd.grad(out64, (q64, k64, v64), do.double())
 call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=True)
 grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-bwd.backward(call, do, out64.detach().to(q.dtype), torch.logsumexp(s, -1).float().detach(), *grads, False)
+bwd.backward(call, do, out64.detach().to(q.dtype), lse.detach().float(), *grads, False)
 torch.cuda.synchronize()
 # each gradient's largest error relative to its largest value (NaN anywhere: inf)
 worst = max(float((g.double() - r).abs().max() / r.abs().max()) if not g.isnan().any() else float("inf")
@@ -802,11 +742,12 @@ def test_disk_cache_across_processes(tmp_path):
 
     from _fresh_process import result_fields
 
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TORCH_FA4_CACHE_DIR=str(tmp_path))
     env.pop("TORCH_FA4_KERNEL_CACHE", None)
     results = []
     for seed in torch.randint(0, 2**31, (2,)).tolist():
-        worst, from_disk, dsl = result_fields(_DISK_CACHE_SCRIPT, env, str(seed))
+        worst, from_disk, dsl = result_fields(_DISK_CACHE_SCRIPT, env, str(seed), tests_dir)
         results.append((float(worst), int(from_disk), dsl == "True"))
     assert results[0][1:] == (0, True), results
     assert results[1][1:] == (3, False), results

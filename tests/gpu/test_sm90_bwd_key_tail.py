@@ -1,15 +1,14 @@
 """GPU: the sm_90 backward where dense keys end inside a key tile and every score of a row is very
 negative. The tail's K and V are zero-filled, but its P = exp2(0 - lse2) is then huge, so its dS
 overflows a 16-bit operand unless the tail is masked, and dS K gives inf * 0 = NaN in dQ.
-References are float64 autograd; the error bound is twice that of the same math in the inputs'
-dtype."""
-
-import math
+References are float64 autograd (tests/naive.py); the error bound is twice that of the same math in
+the inputs' dtype."""
 
 import pytest
 import torch
 
 import torch_fa4
+from naive import naive_attention, rel_error
 from torch_fa4 import dispatch
 
 pytestmark = [
@@ -20,15 +19,9 @@ pytestmark = [
 
 
 def _attend(q, k, v, bias):
-    """Attention with a constant score bias, in q's dtype, with PyTorch autograd."""
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], 2)) / math.sqrt(q.shape[-1])
-    p = torch.softmax(s + bias, -1)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(q.shape[2] // v.shape[2], 2))
-
-
-def _rel(x, ref):
-    assert not x.isnan().any(), "NaN"
-    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    """tests/naive.py with a constant score bias, in q's dtype, with PyTorch autograd."""
+    return naive_attention(q, k, v, score_mod=(lambda score, *_: score + bias) if bias else None,
+                           differentiable=True)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -60,10 +53,10 @@ def test_key_tail_with_very_negative_scores(dtype, sk, d, bias, monkeypatch):
     low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     eager = _attend(*low, bias)
     eager.backward(grad)
-    assert _rel(out, ref) <= 2 * _rel(eager, ref) + 1e-3
+    assert rel_error(out, ref) <= 2 * rel_error(eager, ref) + 1e-3
     for ours, e, r in zip(leaves, low, refs):
         if r.grad.norm() == 0:  # one key: P = 1 and dS = 0 exactly, so dQ = dK = 0
             assert not ours.grad.isnan().any()
             assert ours.grad.double().norm() <= 1e-3 * refs[2].grad.norm()
             continue
-        assert _rel(ours.grad, r.grad) <= 2 * _rel(e.grad, r.grad) + 1e-3
+        assert rel_error(ours.grad, r.grad) <= 2 * rel_error(e.grad, r.grad) + 1e-3

@@ -4,12 +4,12 @@ Every test draws new inputs, poisons out/lse with NaN before the launch, and req
 error to be at most twice that of eager attention in the input dtype (both against float64).
 """
 
-import math
 import os
 
 import pytest
 import torch
 
+from naive import call_options, naive_attention, naive_varlen
 from torch_fa4.call import AttentionCall
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -17,58 +17,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cuda_sm90, reason="needs a CUDA sm_90 device"),
 ]
-
-
-def _attention_dense(q, k, v, scale, causal, wl, wr, softcap, seqlen_k_used=None, dtype=torch.float64):
-    """q (Sq, H, D), k/v (Sk, Hkv, D) of one sequence -> out (Sq, H, Dv), lse (H, Sq); in `dtype`."""
-    Sq, H, _ = q.shape
-    Sk, Hkv, _ = k.shape
-    qq, kk, vv = (t.to(dtype).transpose(0, 1) for t in (q, k, v))
-    kk = kk.repeat_interleave(H // Hkv, 0)
-    vv = vv.repeat_interleave(H // Hkv, 0)
-    s = (qq @ kk.transpose(-1, -2)).to(torch.float64 if dtype == torch.float64 else dtype) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(Sq, device=q.device)[:, None]
-    j = torch.arange(Sk, device=q.device)[None, :]
-    diag = i + (Sk - Sq)
-    vis = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
-    if causal:
-        vis &= j <= diag
-    if wl >= 0:
-        vis &= j >= diag - wl
-    if wr >= 0:
-        vis &= j <= diag + wr
-    if seqlen_k_used is not None:
-        vis &= j < seqlen_k_used
-    s = s.masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(s.double(), -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    out = (p.to(vv.dtype) @ vv).transpose(0, 1)
-    return out, lse.float()
-
-
-def _reference(call: AttentionCall, dtype):
-    scale, c = call.scale, call
-    if not call.is_varlen:
-        outs, lses = [], []
-        for b in range(call.q.shape[0]):
-            used = None if call.seqused_k is None else int(call.seqused_k[b])
-            o, l = _attention_dense(call.q[b], call.k[b], call.v[b], scale, c.causal, c.window_left,
-                                    c.window_right, c.softcap, used, dtype)
-            outs.append(o)
-            lses.append(l)
-        return torch.stack(outs), torch.stack(lses)
-    cq, ck = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
-    out = torch.zeros(call.q.shape[0], call.num_heads, call.head_dim_v, dtype=dtype, device=call.q.device)
-    lse = torch.full((call.num_heads, call.q.shape[0]), -math.inf, device=call.q.device)
-    for b in range(len(cq) - 1):
-        used = None if call.seqused_k is None else int(call.seqused_k[b])
-        o, l = _attention_dense(call.q[cq[b]:cq[b + 1]], call.k[ck[b]:ck[b + 1]], call.v[ck[b]:ck[b + 1]],
-                                scale, c.causal, c.window_left, c.window_right, c.softcap, used, dtype)
-        out[cq[b]:cq[b + 1]] = o
-        lse[:, cq[b]:cq[b + 1]] = l
-    return out, lse
 
 
 def _run_kernel(call: AttentionCall, **overrides):
@@ -86,11 +34,13 @@ def _check(call: AttentionCall, **overrides):
     out, lse = _run_kernel(call, **overrides)
     assert not out.isnan().any(), "unwritten or NaN output"
     assert not lse.isnan().any(), "unwritten or NaN lse"
-    ref_out, ref_lse = _reference(call, torch.float64)
-    eager_out, _ = _reference(call, call.q.dtype)
+    opts = call_options(call)
+    ref_out, ref_lse = naive_varlen(call.q, call.k, call.v, **opts, device=call.q.device)
+    eager_out, _ = naive_varlen(call.q, call.k, call.v, **opts, differentiable=True)  # in the inputs' dtype
     err = (out.double() - ref_out).abs().max().item()
     eager_err = (eager_out.double() - ref_out).abs().max().item()
     assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
+    lse = lse.double()
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
     assert torch.equal(lse[~finite], ref_lse[~finite])
@@ -531,7 +481,6 @@ import torch_fa4  # noqa: E402
 from torch_fa4 import mods as M  # noqa: E402
 
 from _mod_cases import alibi_abs  # noqa: E402
-from naive import naive_attention  # noqa: E402
 
 
 @pytest.fixture
@@ -560,45 +509,14 @@ def _public(fn, *args, **kw):
     return out
 
 
-def _eager_lowp(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, score_mod=None, mask_mod=None):
-    """(B, S, H, D) attention in the input dtype on the GPU: the error scale a flash kernel is held to."""
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    kk = k.repeat_interleave(H // Hkv, dim=2)
-    vv = v.repeat_interleave(H // Hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk).float() * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    dev = q.device
-    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    h = torch.arange(H, device=dev).view(1, H, 1, 1)
-    i = torch.arange(Sq, device=dev).view(1, 1, Sq, 1)
-    j = torch.arange(Sk, device=dev).view(1, 1, 1, Sk)
-    if score_mod is not None:
-        s = score_mod(s, b, h, i, j).float()
-    vis = torch.ones(B, H, Sq, Sk, dtype=torch.bool, device=dev)
-    diag = i + Sk - Sq
-    if causal:
-        vis &= j <= diag
-    if window[1] >= 0:
-        vis &= j <= diag + window[1]
-    if window[0] >= 0:
-        vis &= j >= diag - window[0]
-    if mask_mod is not None:
-        vis &= mask_mod(b, h, i, j).bool()
-    s = s.masked_fill(~vis, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), vv)
-
-
 def _check_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, **kw):
     """out (B, S, H, Dv), lse (B, H, S) of one dense call; mods_*: (score_mod, mask_mod) built on that device."""
     assert not out.isnan().any(), "unwritten or NaN output"
     assert not lse.isnan().any(), "unwritten or NaN lse"
     ref_out, ref_lse = naive_attention(q, k, v, score_mod=mods_cpu[0], mask_mod=mods_cpu[1], **kw)
-    scale = kw.get("scale") or q.shape[-1] ** -0.5
-    eager = _eager_lowp(q, k, v, scale, kw.get("causal", False), kw.get("window", (-1, -1)), kw.get("softcap", 0.0),
-                        score_mod=mods_gpu[0], mask_mod=mods_gpu[1])
+    # eager in the input dtype (bf16 matmuls, fp32 scores and softmax, P rounded to bf16)
+    eager, _ = naive_attention(q, k, v, score_mod=mods_gpu[0], mask_mod=mods_gpu[1], differentiable=True,
+                               score_dtype=torch.float32, **kw)
     err = (out.double().cpu() - ref_out).abs().max().item()
     eager_err = (eager.double().cpu() - ref_out).abs().max().item()
     assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
@@ -844,7 +762,9 @@ def test_mods_new_values_reuse_the_kernel(sm90_fwd_variants):
 
 
 _DISK_CACHE_GPU_SCRIPT = r"""
-import math, sys, torch
+import sys, torch
+sys.path.append(sys.argv[2])  # tests/
+from naive import naive_attention
 from torch_fa4 import mods as M
 from torch_fa4.mods import registry
 from torch_fa4.call import AttentionCall
@@ -862,12 +782,8 @@ for mods in ({}, dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(
     lse = torch.full(call.lse_shape(), float("nan"), device="cuda")
     fwd_host.forward(call, out, lse)
     torch.cuda.synchronize()
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * D ** -0.5
-    i, j = torch.arange(S, device="cuda").view(S, 1), torch.arange(S, device="cuda").view(1, S)
-    if mods:
-        s = s + slopes.double().view(1, H, 1, 1) * (j - i)
-    s = s.masked_fill(j > i, -math.inf)
-    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.double())
+    ref, _ = naive_attention(q, k, v, scale=D ** -0.5, causal=True,
+                             score_mod=M.alibi(slopes) if mods else None, device="cuda")
     worst = max(worst, float((out.double() - ref).abs().max()), float("inf") if out.isnan().any() or lse.isnan().any() else 0.0)
 print("RESULT", worst, compile_cache.stats()["from_disk"], "cutlass" in sys.modules)
 """
@@ -878,10 +794,11 @@ def test_disk_cache_across_processes(tmp_path):
     gets the same correct results without importing CuTe DSL."""
     from _fresh_process import result_fields
 
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TORCH_FA4_KERNEL_CACHE="1", TORCH_FA4_CACHE_DIR=str(tmp_path))
     results = []
     for seed in torch.randint(0, 2**31, (2,)).tolist():
-        worst, from_disk, dsl = result_fields(_DISK_CACHE_GPU_SCRIPT, env, str(seed))
+        worst, from_disk, dsl = result_fields(_DISK_CACHE_GPU_SCRIPT, env, str(seed), tests_dir)
         results.append((float(worst), int(from_disk), dsl == "True"))
     assert results[0][1:] == (0, True), results
     assert results[1][1:] == (2, False), results

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -148,71 +148,72 @@ def _has_instance_attr(obj: Any, name: str) -> bool:
 
 # ---- the inverse: a callable equivalent to the original, with placeholder tensors -------------------
 
-def rebuild(desc: tuple) -> tuple[Any, list[torch.Tensor]]:
-    """Build a callable from `desc` whose captured tensors are fresh placeholders (in walk order).
+def rebuild(desc: tuple) -> tuple[Any, list[torch.Tensor], list[Optional[str]]]:
+    """Build a callable from `desc` whose captured tensors are fresh placeholders (in walk order),
+    and a readable name per placeholder for messages (the closure variable, global, partial
+    argument or attribute path that holds it; None where there is none).
 
     Tracing the rebuilt callable depends on nothing but `desc`, which is what makes `desc` a sound
     cache key for the traced graph (and lets tracing happen at torch.compile time from constants).
     """
     placeholders: list[torch.Tensor] = []
-    return _rebuild(desc, placeholders), placeholders
+    names: list[Optional[str]] = []
+    return _rebuild(desc, placeholders, names, None), placeholders, names
 
 
-def _rebuild(desc: tuple, ph: list) -> Any:
+def _rebuild(desc: tuple, ph: list, names: list, name: Optional[str]) -> Any:
+    """The value `desc` describes; `name` is what holds it, for the names of the tensors in it."""
     tag = desc[0]
     if tag == "tensor":
         _, dtype, ndim = desc
-        t = torch.empty((1,) * ndim, dtype=dtype, device="meta")
-        ph.append(t)
-        return t
+        ph.append(torch.empty((1,) * ndim, dtype=dtype, device="meta"))
+        names.append(name)
+        return ph[-1]
     if tag == "const":
         return desc[2]
     if tag == "seq":
-        items = [_rebuild(d, ph) for d in desc[2:]]
+        items = [_rebuild(d, ph, names, name and f"{name}[{i}]") for i, d in enumerate(desc[2:])]
         return tuple(items) if desc[1] == "tuple" else items
     if tag == "dict":
-        return {k: _rebuild(d, ph) for k, d in desc[1:]}
+        return {k: _rebuild(d, ph, names, name and f"{name}[{k!r}]") for k, d in desc[1:]}
     if tag == "partial":
         _, func, args, kw = desc
-        f = _rebuild(func, ph)
-        return functools.partial(f, *[_rebuild(d, ph) for d in args], **{name: _rebuild(d, ph) for name, d in kw})
-    if tag == "method":
-        f = _rebuild(desc[1], ph)
-        return types.MethodType(f, _namespace(desc[2], ph))
+        f = _rebuild(func, ph, names, None)
+        code = func[1] if func[0] == "function" else None
+        params = code.co_varnames[:code.co_argcount] if code is not None else ()
+        args = [_rebuild(d, ph, names, _at(params, i)) for i, d in enumerate(args)]
+        return functools.partial(f, *args, **{k: _rebuild(d, ph, names, k) for k, d in kw})
+    if tag in ("method", "callable"):  # a bound method, or a callable object's __call__ bound to it
+        f = _rebuild(desc[1], ph, names, None)
+        return types.MethodType(f, types.SimpleNamespace(**_attrs(desc[2], ph, names, "self")))
     if tag == "function":
-        return _rebuild_function(desc, ph)
+        return _rebuild_function(desc, ph, names)
     if tag == "opaque":
         return desc[1]
-    if tag == "callable":
-        _, call, attrs = desc
-        return _CallableNamespace(_rebuild(call, ph), {name: _rebuild(d, ph) for name, d in attrs})
     if tag == "object":
-        return _namespace(desc[1], ph)
+        return types.SimpleNamespace(**_attrs(desc[1], ph, names, name))
     raise ValueError(f"a mod captures values nested more than {_MAX_DEPTH} levels deep")
 
 
-class _CallableNamespace:
-    """A captured callable object rebuilt: its attributes, and its class's __call__ code bound to it."""
-
-    def __init__(self, call, attrs: dict):
-        self.__dict__.update(attrs)
-        self._call = call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(self, *args, **kwargs)
+def _at(seq: tuple, i: int) -> Optional[str]:
+    return seq[i] if 0 <= i < len(seq) else None
 
 
-def _namespace(attrs: tuple, ph: list) -> types.SimpleNamespace:
-    return types.SimpleNamespace(**{name: _rebuild(d, ph) for name, d in attrs})
+def _attrs(attrs: tuple, ph: list, names: list, owner: Optional[str]) -> dict:
+    return {a: _rebuild(d, ph, names, f"{owner}.{a}" if owner else a) for a, d in attrs}
 
 
-def _rebuild_function(desc: tuple, ph: list) -> types.FunctionType:
+def _rebuild_function(desc: tuple, ph: list, names: list) -> types.FunctionType:
     _, code, module, name, cells, defaults, global_parts = desc
-    cell_values = [_rebuild(d, ph) for d in cells]
-    default_values = None if defaults is None else tuple(_rebuild(d, ph) for d in defaults)
+    cell_values = [_rebuild(d, ph, names, _at(code.co_freevars, i)) for i, d in enumerate(cells)]
+    default_values = None
+    if defaults is not None:
+        first = code.co_argcount - len(defaults)  # the parameter the first default belongs to
+        params = code.co_varnames[:code.co_argcount]
+        default_values = tuple(_rebuild(d, ph, names, _at(params, first + i)) for i, d in enumerate(defaults))
     mod = sys.modules.get(module) if module is not None else None
     fn_globals = dict(mod.__dict__) if mod is not None else {"__builtins__": __builtins__}
     for gname, d in global_parts:
-        fn_globals[gname] = _rebuild(d, ph)
+        fn_globals[gname] = _rebuild(d, ph, names, gname)
     closure = tuple(types.CellType(v) for v in cell_values) if cell_values else None
     return types.FunctionType(code, fn_globals, name, default_values, closure)

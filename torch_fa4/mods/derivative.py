@@ -50,15 +50,13 @@ def score_derivative(graph: ModGraph) -> ModGraph:
         x = new[i]
         args = [new[a] for a in n.args]
         d = [tangent[a] for a in n.args]
-        t: Optional[int] = None
-        if n.kind != FLOAT:
-            t = None  # ints and bools do not vary with the score
+        t: Optional[int] = None  # ints, bools, constants and loads do not vary with the score
+        if n.kind != FLOAT or n.op in ("const", "load"):
+            pass
         elif n.op == "input":
             t = const(1.0) if n.attr == "score" else None
-        elif n.op in ("const", "load"):
-            t = None
         elif n.op == "to_float":
-            t = None if graph.nodes[n.args[0]].kind != FLOAT else d[0]
+            t = d[0]  # None for an int or bool: they have no tangent
         elif n.op == "add":
             t = add(d[0], d[1])
         elif n.op == "sub":

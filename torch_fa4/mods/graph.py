@@ -64,10 +64,6 @@ class AuxSpec:
     dtype: str
     ndim: int
 
-    @property
-    def kind(self) -> str:
-        return AUX_DTYPE_KINDS[self.dtype]
-
 
 def _const_to_json(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -85,10 +81,6 @@ class ModGraph:
     nodes: tuple[Node, ...]
     output: int
     aux: tuple[AuxSpec, ...]
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return MASK_INPUTS if self.role == "mask" else SCORE_INPUTS
 
     # ---- canonical forms -------------------------------------------------------------------
     def to_json(self) -> str:
@@ -112,7 +104,8 @@ class ModGraph:
     def text(self) -> str:
         """Readable listing (kept as golden text in the tests)."""
         aux = ", ".join(f"aux{i}: {a.dtype.replace('torch.', '')}[{a.ndim}d]" for i, a in enumerate(self.aux))
-        lines = [f"{self.role}_mod({', '.join(self.input_names)}){' with ' + aux if aux else ''}"]
+        inputs = MASK_INPUTS if self.role == "mask" else SCORE_INPUTS
+        lines = [f"{self.role}_mod({', '.join(inputs)}){' with ' + aux if aux else ''}"]
         for i, n in enumerate(self.nodes):
             if n.op == "input":
                 rhs = n.attr

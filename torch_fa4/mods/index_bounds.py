@@ -79,18 +79,23 @@ def _graph_plan(key: str, role: str, graph: ModGraph, aux_offset: int) -> Option
     return _GraphPlan(key, role, graph, aux_offset, order, feeds, tuple(value_slots))
 
 
-def _mods_plan(mods) -> _ModsPlan:
+def _plan(mods) -> _ModsPlan:
+    """What checking `mods` needs, derived once per mod key."""
+    plan = _PLANS.get(mods.key)
+    if plan is not None:
+        return plan
     graphs, value_aux = [], []
     offset = 0
     for role, graph in (("score", mods.score_graph), ("mask", mods.mask_graph)):
         if graph is None:
             continue
-        plan = _graph_plan(mods.key, role, graph, offset)
-        if plan is not None:
-            graphs.append(plan)
-            value_aux += [offset + s for s in plan.value_slots]
+        graph_plan = _graph_plan(mods.key, role, graph, offset)
+        if graph_plan is not None:
+            graphs.append(graph_plan)
+            value_aux += [offset + s for s in graph_plan.value_slots]
         offset += len(graph.aux)
-    return _ModsPlan(mods.key, tuple(graphs), offset, tuple(value_aux))
+    plan = _PLANS[mods.key] = _ModsPlan(mods.key, tuple(graphs), offset, tuple(value_aux))
+    return plan
 
 
 # ---- interval arithmetic ------------------------------------------------------------------------
@@ -120,12 +125,8 @@ def _floordiv(a: Interval, b: Interval) -> Interval:
 
 
 def _abs(a: Interval) -> Interval:
-    lo, hi = a
-    if lo >= 0:
-        return a
-    if hi <= 0:
-        return -hi, -lo
-    return 0, max(-lo, hi)
+    lo, hi = sorted((abs(a[0]), abs(a[1])))
+    return (0 if a[0] <= 0 <= a[1] else lo), hi
 
 
 _RULES = {
@@ -154,8 +155,6 @@ def _interval(graph: ModGraph, i: int, env: dict, inputs: dict, value_range) -> 
     if rule is None:
         raise _Unbounded(f"no bound is known for {n.op}")
     args = [env.get(a) for a in n.args]
-    if n.op == "where":
-        args[0] = (0, 1)
     if any(a is None for a in args):
         raise _Unbounded(f"{n.op} of a value without a bound")
     return rule(*args)
@@ -256,15 +255,7 @@ def _read_range(t: torch.Tensor) -> Optional[Interval]:
     if t.numel() == 0:
         return None
     lo, hi = torch.aminmax(t.detach())
-    lo, hi = torch.stack((lo.long(), hi.long())).tolist()  # one device read
-    return lo, hi
-
-
-def _plan(mods) -> _ModsPlan:
-    plan = _PLANS.get(mods.key)
-    if plan is None:
-        plan = _PLANS[mods.key] = _mods_plan(mods)
-    return plan
+    return tuple(torch.stack((lo.long(), hi.long())).tolist())  # one device read
 
 
 def check(mods, aux: Sequence[torch.Tensor], bounds: tuple[int, int, int, int]) -> None:

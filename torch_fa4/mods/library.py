@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Callable, Optional, Union
 
 import torch
@@ -103,17 +104,11 @@ def chunked_mask(chunk_size: int) -> Callable:
 
 
 def _and_masks(b, h, q_idx, kv_idx, masks=()):
-    out = masks[0](b, h, q_idx, kv_idx)
-    for m in masks[1:]:
-        out = out & m(b, h, q_idx, kv_idx)
-    return out
+    return functools.reduce(operator.and_, (m(b, h, q_idx, kv_idx) for m in masks))
 
 
 def _or_masks(b, h, q_idx, kv_idx, masks=()):
-    out = masks[0](b, h, q_idx, kv_idx)
-    for m in masks[1:]:
-        out = out | m(b, h, q_idx, kv_idx)
-    return out
+    return functools.reduce(operator.or_, (m(b, h, q_idx, kv_idx) for m in masks))
 
 
 def and_masks(*masks: Callable) -> Callable:

@@ -93,10 +93,8 @@ def evaluate(graph: ModGraph, inputs: dict[str, Value], aux: Sequence[torch.Tens
     return env[graph.output]
 
 
-def score_torch(
-    graph: ModGraph, score: torch.Tensor, b: Value, h: Value, q_idx: Value, kv_idx: Value,
-    aux: Sequence[torch.Tensor],
-) -> torch.Tensor:
+def score_torch(graph: ModGraph, score: torch.Tensor, b: Value, h: Value, q_idx: Value, kv_idx: Value,
+                aux: Sequence[torch.Tensor]) -> torch.Tensor:
     out = evaluate(graph, {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}, aux)
     if _is_py(out):
         out = torch.tensor(out, dtype=torch.float32, device=score.device)

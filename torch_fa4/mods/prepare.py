@@ -27,19 +27,16 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_fa4.mods import capture, naming
+from torch_fa4.mods.graph import ModGraph
 from torch_fa4.mods.trace import ModTraceError, trace_mod
 
 _LOCK = threading.Lock()
 
 
 def _assume_constant_result(fn):
-    """`torch.compiler.assume_constant_result`, without importing torch._dynamo when nothing has.
-
-    That decorator imports Dynamo (seconds) only to set one attribute on `fn`, and importing this
-    module is on the path of every kernel compile (the kernels' mod lowering imports
-    torch_fa4.mods.graph, which runs this package's __init__). While Dynamo is not loaded, nothing
-    can be tracing yet: setting the same attribute is equivalent (tests/test_mods_trace.py checks
-    it against the real decorator)."""
+    """`torch.compiler.assume_constant_result`, without importing torch._dynamo (seconds, on the
+    path of every kernel compile) when nothing has: while Dynamo is not loaded nothing can be
+    tracing, and setting the attribute the decorator sets is equivalent (tests check it)."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
@@ -89,15 +86,16 @@ def _check_arity(fn: Callable, role: str) -> None:
 def _trace_and_register(score_desc: Any, mask_desc: Any) -> str:
     from torch_fa4.mods.registry import register
 
-    graphs = []
+    graphs: dict[str, Optional[ModGraph]] = {"score": None, "mask": None}
+    traced = []  # (role, desc, names of its captured tensors)
     for desc, role in ((score_desc, "score"), (mask_desc, "mask")):
         if desc is None:
-            graphs.append(None)
             continue
-        fn, placeholders = capture.rebuild(desc)
+        fn, placeholders, names = capture.rebuild(desc)
+        traced.append((role, desc, names))
         _check_arity(fn, role)
         try:
-            graphs.append(trace_mod(fn, role, placeholders))
+            graphs[role] = trace_mod(fn, role, placeholders)
         except (AttributeError, KeyError, NameError) as e:
             raise ModTraceError(
                 f"tracing the {role}_mod failed with {type(e).__name__}: {e}. torch_fa4 traces a copy of the "
@@ -105,10 +103,9 @@ def _trace_and_register(score_desc: Any, mask_desc: Any) -> str:
                 "arguments, dicts with str keys, plain attributes obj.name of captured objects); properties "
                 "and methods of captured objects other than the mod itself are not captured"
             ) from e
-    key = register(graphs[0], graphs[1]).key
-    for desc, role, graph in ((score_desc, "score", graphs[0]), (mask_desc, "mask", graphs[1])):
-        if graph is not None:
-            naming.record(key, role, desc, len(graph.aux))
+    key = register(graphs["score"], graphs["mask"]).key
+    for role, desc, names in traced:
+        naming.record(key, role, desc, names)
     return key
 
 

@@ -68,10 +68,8 @@ class ModSet:
         return lower_torch.mask_torch(self.mask_graph, b, h, q_idx, kv_idx, mask_aux)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "score": self.score_graph.to_json() if self.score_graph is not None else None,
-            "mask": self.mask_graph.to_json() if self.mask_graph is not None else None,
-        })
+        graphs = {"score": self.score_graph, "mask": self.mask_graph}
+        return json.dumps({role: g.to_json() if g is not None else None for role, g in graphs.items()})
 
 
 def key_for(score_graph: Optional[ModGraph], mask_graph: Optional[ModGraph]) -> str:
@@ -110,9 +108,7 @@ def register(score_graph: Optional[ModGraph], mask_graph: Optional[ModGraph]) ->
 def _load(key: str) -> Optional[ModSet]:
     d = _cache_dir()
     path = d / f"{key}.json"
-    if not path.exists():
-        return None
-    if not (private_cache.trusted_dir(d) and private_cache.trusted_file(path)):
+    if not (path.exists() and private_cache.trusted_dir(d) and private_cache.trusted_file(path)):
         return None
     try:
         doc = json.loads(path.read_text())

@@ -56,12 +56,9 @@ class GraphBuilder:
         """Turn an operand (TraceValue, Python number, 0-d captured tensor) into a TraceValue."""
         if isinstance(x, TraceValue):
             return x
-        if isinstance(x, bool):
-            return self.add("const", attr=x, kind=BOOL)
-        if isinstance(x, int):
-            return self.add("const", attr=x, kind=INT)
-        if isinstance(x, float):
-            return self.add("const", attr=x, kind=FLOAT)
+        for py_type, kind in ((bool, BOOL), (int, INT), (float, FLOAT)):  # bool first: it is an int too
+            if isinstance(x, py_type):
+                return self.add("const", attr=x, kind=kind)
         if isinstance(x, torch.Tensor):
             if x.dim() != 0:
                 raise ModTraceError(
@@ -93,8 +90,7 @@ class GraphBuilder:
             v = self.value(i)
             if v.kind == FLOAT:
                 raise ModTraceError("captured tensors must be indexed by integer values, got a float value")
-            v = self._to_int(v)
-            args.append(v.idx)
+            args.append(self._to_int(v).idx)
         return self.add("load", tuple(args), attr=slot, kind=AUX_DTYPE_KINDS[str(tensor.dtype)])
 
     def unary(self, op: str, x: Any) -> "TraceValue":
@@ -106,7 +102,7 @@ class GraphBuilder:
         if op == "to_float":
             return v if v.kind == FLOAT else self.add("to_float", (v.idx,), kind=FLOAT)
         if op in ("neg", "abs"):
-            v = v if v.kind == FLOAT else self._to_int(v)
+            v = self._to_int(v)  # a bool as 0 / 1
             return self.add(op, (v.idx,), kind=v.kind)
         # transcendental: always float
         return self.add(op, (self.unary("to_float", v).idx,), kind=FLOAT)
@@ -170,6 +166,25 @@ _UNARY_NAMES = {
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def _method(op: str):
+    return lambda self, o: self.g.binary(op, self, o)
+
+
+def _binary(op: str):
+    """The method and the reflected method (o <op> self) of a binary operator."""
+    return _method(op), lambda self, o: self.g.binary(op, o, self)
+
+
+def _unary(op: str):
+    return lambda self: self.g.unary(op, self)
+
+
+def _refused(what: str):
+    def method(self, *args):
+        raise _unsupported(what)
+    return method
+
+
 class TraceValue:
     """A scalar value of a mod during tracing (an index, the score, or something derived)."""
 
@@ -195,70 +210,35 @@ class TraceValue:
             "chained comparison); use torch.where, &, |, ~, torch.minimum / torch.maximum instead"
         )
 
-    def __index__(self):
-        raise _unsupported("using a traced value as a Python int (e.g. range(), list indexing)")
+    __index__ = _refused("using a traced value as a Python int (e.g. range(), list indexing)")
+    __int__ = _refused("int() of a traced value")
+    __float__ = _refused("float() of a traced value")
+    __getitem__ = _refused("indexing the score or an index value (only captured tensors can be indexed)")
+    __pow__ = __rpow__ = _refused("** (pow)")
+    __matmul__ = _refused("@ (matmul)")
 
-    def __int__(self):
-        raise _unsupported("int() of a traced value")
+    __add__, __radd__ = _binary("add")
+    __sub__, __rsub__ = _binary("sub")
+    __mul__, __rmul__ = _binary("mul")
+    __truediv__, __rtruediv__ = _binary("div")
+    __floordiv__, __rfloordiv__ = _binary("floordiv")
+    __mod__, __rmod__ = _binary("mod")
+    __and__, __rand__ = _binary("and")
+    __or__, __ror__ = _binary("or")
+    __xor__, __rxor__ = _binary("xor")
+    __eq__, __ne__, __lt__, __le__, __gt__, __ge__ = map(_method, ("eq", "ne", "lt", "le", "gt", "ge"))
+    logical_and, logical_or, minimum, maximum = map(_method, ("and", "or", "minimum", "maximum"))
+    __neg__ = neg = _unary("neg")
+    __abs__ = abs = _unary("abs")
+    __invert__ = logical_not = _unary("not")
+    float = _unary("to_float")
+    exp, log, tanh, sigmoid = map(_unary, ("exp", "log", "tanh", "sigmoid"))
 
-    def __float__(self):
-        raise _unsupported("float() of a traced value")
+    def __pos__(self):
+        return self
 
-    def __getitem__(self, item):
-        raise _unsupported("indexing the score or an index value (only captured tensors can be indexed)")
-
-    def __pow__(self, other):
-        raise _unsupported("** (pow)")
-
-    __rpow__ = __pow__
-
-    def __matmul__(self, other):
-        raise _unsupported("@ (matmul)")
-
-    def __add__(self, o): return self.g.binary("add", self, o)
-    def __radd__(self, o): return self.g.binary("add", o, self)
-    def __sub__(self, o): return self.g.binary("sub", self, o)
-    def __rsub__(self, o): return self.g.binary("sub", o, self)
-    def __mul__(self, o): return self.g.binary("mul", self, o)
-    def __rmul__(self, o): return self.g.binary("mul", o, self)
-    def __truediv__(self, o): return self.g.binary("div", self, o)
-    def __rtruediv__(self, o): return self.g.binary("div", o, self)
-    def __floordiv__(self, o): return self.g.binary("floordiv", self, o)
-    def __rfloordiv__(self, o): return self.g.binary("floordiv", o, self)
-    def __mod__(self, o): return self.g.binary("mod", self, o)
-    def __rmod__(self, o): return self.g.binary("mod", o, self)
-    def __neg__(self): return self.g.unary("neg", self)
-    def __pos__(self): return self
-    def __abs__(self): return self.g.unary("abs", self)
-
-    def __eq__(self, o): return self.g.binary("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return self.g.binary("ne", self, o)  # type: ignore[override]
-    def __lt__(self, o): return self.g.binary("lt", self, o)
-    def __le__(self, o): return self.g.binary("le", self, o)
-    def __gt__(self, o): return self.g.binary("gt", self, o)
-    def __ge__(self, o): return self.g.binary("ge", self, o)
-
-    def __and__(self, o): return self.g.binary("and", self, o)
-    def __rand__(self, o): return self.g.binary("and", o, self)
-    def __or__(self, o): return self.g.binary("or", self, o)
-    def __ror__(self, o): return self.g.binary("or", o, self)
-    def __xor__(self, o): return self.g.binary("xor", self, o)
-    def __rxor__(self, o): return self.g.binary("xor", o, self)
-    def __invert__(self): return self.g.unary("not", self)
-
-    def exp(self): return self.g.unary("exp", self)
-    def log(self): return self.g.unary("log", self)
-    def tanh(self): return self.g.unary("tanh", self)
-    def sigmoid(self): return self.g.unary("sigmoid", self)
-    def abs(self): return self.g.unary("abs", self)
-    def float(self): return self.g.unary("to_float", self)
-    def neg(self): return self.g.unary("neg", self)
-    def logical_not(self): return self.g.unary("not", self)
-    def logical_and(self, o): return self.g.binary("and", self, o)
-    def logical_or(self, o): return self.g.binary("or", self, o)
-    def minimum(self, o): return self.g.binary("minimum", self, o)
-    def maximum(self, o): return self.g.binary("maximum", self, o)
-    def clamp(self, min=None, max=None): return self.g.clamp(self, min, max)
+    def clamp(self, min=None, max=None):
+        return self.g.clamp(self, min, max)
 
     def to(self, dtype, *args, **kwargs):
         if dtype in _FLOAT_DTYPES:

@@ -1,21 +1,16 @@
 """Route `F.scaled_dot_product_attention`'s flash backend to torch_fa4 (opt-in).
 
-PyTorch (2.11 and later, `torch.nn.attention._registry`) keeps a registry of flash-attention
-providers, each a name and a function that installs its kernels into the dispatcher
-(`activate_flash_attention_impl(name)` runs it, `restore_flash_attention_impl()` removes them).
-Importing this module only registers "torch_fa4"; nothing changes until `enable()` (or activating
-"torch_fa4" directly, or TORCH_FA4_SDPA=1 in the environment when torch_fa4 is imported).
-
-Once enabled, the CUDA kernels of `aten::_scaled_dot_product_flash_attention` and its backward (the
-ops SDPA's flash backend calls, eagerly and from torch.compile'd code alike) are replaced by the
-functions below. A call torch_fa4's GPU kernels take (`forward_reason` / `backward_reason`) runs on
-them, reading SDPA's (B, H, S, D) tensors as (B, S, H, D) views without copies; any other call
-(dropout, fp32, sm_80, a head dim the kernels lack, ...) runs exactly what PyTorch's own kernel
-runs, `aten::_flash_attention_forward` / `_backward`. Only the CUDA dispatch key is touched.
-
-Both directions keep PyTorch's conventions (LSE (B, H, Sq) float32 in natural log, output strides
-of `empty_like(query)`, what the meta kernels promise torch.compile), so a forward run by one
-provider and a backward by the other still agree.
+`import torch_fa4` lists "torch_fa4" among PyTorch's flash-attention providers
+(`torch.nn.attention`); nothing changes until `enable()`, activating "torch_fa4" through torch, or
+TORCH_FA4_SDPA=1 at import. Once enabled, the CUDA kernels of
+`aten::_scaled_dot_product_flash_attention` and its backward (what SDPA's flash backend calls,
+eagerly and from torch.compile'd code alike) are replaced: a call torch_fa4's GPU kernels take
+(`forward_reason` / `backward_reason`) runs on them, reading SDPA's (B, H, S, D) tensors as
+(B, S, H, D) views without copies; any other call (dropout, fp32, sm_80, a head dim the kernels
+lack, ...) runs exactly what PyTorch's own kernel runs, `aten::_flash_attention_forward` /
+`_backward`. Both keep PyTorch's conventions (LSE (B, H, Sq) float32 in natural log, output
+strides of `empty_like(query)`, as the meta kernels promise torch.compile), so a forward run by
+one provider and a backward by the other agree.
 """
 
 from __future__ import annotations
@@ -28,7 +23,9 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.nn import attention as torch_attention
 
+from torch_fa4 import dispatch, ops
 from torch_fa4.checks import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 
 SDPA_IMPL_NAME = "torch_fa4"
@@ -37,6 +34,11 @@ ENV_VAR = "TORCH_FA4_SDPA"
 # Compute-capability majors torch_fa4 has kernels for: 9 = Hopper (sm_90), 10 = Blackwell (sm_100).
 SUPPORTED_MAJORS = (9, 10)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _transposed(*tensors) -> tuple:
+    """Views with dims 1 and 2 swapped: SDPA's (B, H, S, D) as torch_fa4's (B, S, H, D), and back."""
+    return tuple(t.transpose(1, 2) for t in tensors)
 
 
 # ---- Routing: which calls torch_fa4 takes. Pure functions of tensor metadata (unit-tested on CPU);
@@ -93,16 +95,12 @@ def device_reason(*tensors) -> Optional[str]:
     (device,) = devices
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    from torch_fa4 import dispatch
-
     return arch_reason(dispatch.capability(device))
 
 
-def _op_args(q, k, v, scale: Optional[float], is_causal: bool) -> tuple:
-    """The trailing `torch_fa4::fwd` / `::bwd` arguments for a plain SDPA call on (B, S, H, D) views.
-
-    Follows `torch_fa4.attention`'s normalisation: a causal call has window_right = 0.
-    """
+def _op_args(q, k, scale: Optional[float], is_causal: bool) -> tuple:
+    """The trailing `torch_fa4::fwd` / `::bwd` arguments for a plain SDPA call on (B, S, H, D) views
+    (normalised as `torch_fa4.attention` does: a causal call has window_right = 0)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return (
@@ -111,24 +109,21 @@ def _op_args(q, k, v, scale: Optional[float], is_causal: bool) -> tuple:
     )
 
 
-def _kernel_reason(q, k, v, op_args, direction: str) -> Optional[str]:
-    """Ask torch_fa4's dispatcher whether a GPU kernel (not the slow reference) would run the call."""
-    from torch_fa4 import dispatch, ops
-
-    call = ops.make_call(q, k, v, *op_args)
-    # The dispatcher warns when it falls back to its reference; here we fall back to PyTorch's own
-    # kernel instead, so that warning would mislead.
-    kernel = dispatch.kernel_for(call, direction, warn=False)
-    return None if kernel is not None else f"torch_fa4 has no {direction} kernel for this call"
+def _kernel_reason(query, key, value, scale, is_causal, direction: str) -> Optional[str]:
+    """Ask torch_fa4's dispatcher whether a GPU kernel (not the slow reference) would run the call.
+    It must not warn about falling back to its reference: PyTorch's own kernel runs the call instead."""
+    q, k, v = _transposed(query, key, value)
+    call = ops.make_call(q, k, v, *_op_args(q, k, scale, is_causal))
+    if dispatch.kernel_for(call, direction, warn=False) is None:
+        return f"torch_fa4 has no {direction} kernel for this call"
+    return None
 
 
 def forward_reason(query, key, value, dropout_p=0.0, return_debug_mask=False, is_causal=False, scale=None):
     """Why this SDPA flash forward call goes to PyTorch's kernel (None: torch_fa4 takes it)."""
-    reason = input_reason(query, key, value, dropout_p, return_debug_mask) or device_reason(query, key, value)
-    if reason is not None:
-        return reason
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    return _kernel_reason(q, k, v, _op_args(q, k, v, scale, is_causal), "forward")
+    return (input_reason(query, key, value, dropout_p, return_debug_mask)
+            or device_reason(query, key, value)
+            or _kernel_reason(query, key, value, scale, is_causal, "forward"))
 
 
 def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, scale=None):
@@ -141,8 +136,7 @@ def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, 
         return "grad_out/out shapes do not match the query"
     if logsumexp is None or logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, hq, sq):
         return "logsumexp is not (B, H, Sq) float32"
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    return _kernel_reason(q, k, v, _op_args(q, k, v, scale, is_causal), "backward")
+    return _kernel_reason(query, key, value, scale, is_causal, "backward")
 
 
 # ---- The two kernels installed into aten's CUDA dispatch key, and their halves.
@@ -157,20 +151,19 @@ def _empty_like_strides(shape: tuple, stride: tuple) -> tuple:
 def _with_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`t` with the strides `torch.empty_like(like)` has: what aten's kernels return and what the
     meta kernels promise torch.compile. No copy in the usual case (SDPA views of (B, S, H, D) memory)."""
-    want = _empty_like_strides(tuple(like.shape), tuple(like.stride()))
-    if t.stride() == want:
+    if t.stride() == _empty_like_strides(tuple(like.shape), tuple(like.stride())):
         return t
     return torch.empty_like(like).copy_(t)
 
 
 def fa4_sdpa_forward(query, key, value, is_causal=False, scale=None, deterministic=False):
     """torch_fa4's half of `_scaled_dot_product_flash_attention`: (B, H, S, D) in, aten's 9 outputs out."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *_op_args(q, k, v, scale, is_causal), bool(deterministic))
+    q, k, v = _transposed(query, key, value)
+    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *_op_args(q, k, scale, is_causal), bool(deterministic))
     out = _with_layout_of(out.transpose(1, 2), query)
     lse = lse.float()  # aten's contract is float32 whatever the path (no-op for the kernels' LSE)
-    # Seed and offset only matter with dropout, which torch_fa4 never takes; their shapes and dtypes
-    # are the meta kernel's. Left uninitialised: nothing reads them.
+    # Seed and offset only matter with dropout, which torch_fa4 never takes: the meta kernel's shapes
+    # and dtypes, left uninitialised (nothing reads them).
     seed = torch.empty((2,), dtype=torch.uint64, device=query.device)
     offset = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty((0,), dtype=query.dtype, device=query.device)
@@ -180,19 +173,23 @@ def fa4_sdpa_forward(query, key, value, is_causal=False, scale=None, determinist
 def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=False, scale=None,
                       deterministic=False):
     """torch_fa4's half of `_scaled_dot_product_flash_attention_backward`: (dq, dk, dv) shaped and
-    strided like query, key, value."""
-    # (B, S, H, D) views of SDPA's tensors, whatever their memory order: the kernels read strided
-    # dO and O (the backward copies only a layout its loads cannot take)
-    q, k, v, dout, o = (t.transpose(1, 2) for t in (query, key, value, grad_out, out))
+    strided like query, key, value. The kernels read strided dO and O (the backward copies only a
+    layout its loads cannot take), so any memory order of SDPA's tensors is passed as a view."""
+    q, k, v, dout, o = _transposed(query, key, value, grad_out, out)
     dq, dk, dv = torch.ops.torch_fa4.bwd(
-        dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, v, scale, is_causal), bool(deterministic)
+        dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, scale, is_causal), bool(deterministic)
     )
     return tuple(_with_layout_of(g.transpose(1, 2), like) for g, like in ((dq, query), (dk, key), (dv, value)))
 
 
-def aten_sdpa_forward(query, key, value, dropout_p, is_causal, return_debug_mask, scale):
-    """What PyTorch's own CUDA kernel for `_scaled_dot_product_flash_attention` computes."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                    scale=None):
+    """CUDA kernel of `_scaled_dot_product_flash_attention`: torch_fa4's half when it takes the call,
+    else what PyTorch's own kernel computes."""
+    if forward_reason(query, key, value, dropout_p, return_debug_mask, is_causal, scale) is None:
+        return fa4_sdpa_forward(query, key, value, is_causal, scale,
+                                torch.are_deterministic_algorithms_enabled())
+    q, k, v = _transposed(query, key, value)
     sq, sk = q.shape[1], k.shape[1]
     out, lse, seed, offset, debug_mask = torch.ops.aten._flash_attention_forward(
         q, k, v, None, None, sq, sk, dropout_p, is_causal, return_debug_mask, scale=scale
@@ -200,30 +197,18 @@ def aten_sdpa_forward(query, key, value, dropout_p, is_causal, return_debug_mask
     return out.transpose(1, 2), lse, None, None, sq, sk, seed, offset, debug_mask
 
 
-def aten_sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                       dropout_p, is_causal, philox_seed, philox_offset, scale):
-    """What PyTorch's own CUDA kernel for `_scaled_dot_product_flash_attention_backward` computes."""
-    q, k, v, o, dout = (t.transpose(1, 2) for t in (query, key, value, out, grad_out))
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+def _routed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                     dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    """CUDA kernel of `_scaled_dot_product_flash_attention_backward`, routed as `_routed_forward`."""
+    if backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale) is None:
+        return fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                                 torch.are_deterministic_algorithms_enabled())
+    q, k, v, o, dout = _transposed(query, key, value, out, grad_out)
+    grads = torch.ops.aten._flash_attention_backward(
         dout, q, k, v, o, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
         philox_seed, philox_offset, scale=scale,
     )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-    if forward_reason(query, key, value, dropout_p, return_debug_mask, is_causal, scale) is not None:
-        return aten_sdpa_forward(query, key, value, dropout_p, is_causal, return_debug_mask, scale)
-    return fa4_sdpa_forward(query, key, value, is_causal, scale, torch.are_deterministic_algorithms_enabled())
-
-
-def _routed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                     dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-    if backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale) is not None:
-        return aten_sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
-                                  max_k, dropout_p, is_causal, philox_seed, philox_offset, scale)
-    return fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale,
-                             torch.are_deterministic_algorithms_enabled())
+    return _transposed(*grads)
 
 
 # ---- Installing and removing the kernels; the registry entry; enable() / disable().
@@ -233,17 +218,15 @@ class _Installed:
     """The handle torch's registry keeps while torch_fa4 is active: `remove()` restores aten's
     kernels and SDPA's backend priority order."""
 
-    def __init__(self, library: torch.library.Library, priority_before: Optional[list] = None):
-        self._library: Optional[torch.library.Library] = library
-        self._priority_before = priority_before
+    def __init__(self, library: torch.library.Library, priority_before: Optional[list]):
+        self._library, self._priority_before = library, priority_before
 
     def remove(self) -> None:
         if self._library is not None:
             self._library._destroy()  # deregister now, not whenever the garbage collector runs
-            self._library = None
         if self._priority_before is not None:
             torch._C._set_sdp_priority_order(self._priority_before)
-            self._priority_before = None
+        self._library = self._priority_before = None
 
 
 def flash_before_cudnn(order: list, flash: int, cudnn: int) -> Optional[list]:
@@ -258,21 +241,19 @@ def flash_before_cudnn(order: list, flash: int, cudnn: int) -> Optional[list]:
 def _put_flash_before_cudnn() -> Optional[list]:
     """Move SDPA's flash backend ahead of cuDNN; return the order to restore, or None if unchanged.
 
-    Recent PyTorch puts cuDNN first on Hopper and Blackwell (sdp_utils.cpp,
-    check_prefer_cudnn_attention), so without this an enabled torch_fa4 would never see a call
-    that names no backend (seen on an H200 with torch 2.11). PyTorch fixes its default order
-    lazily, at the first CUDA SDPA call, overwriting any order set before; so make one tiny call
-    first (with aten's own kernels, before ours are installed).
+    PyTorch puts cuDNN first on Hopper and Blackwell (sdp_utils.cpp, check_prefer_cudnn_attention),
+    so an enabled torch_fa4 would otherwise never see a call that names no backend. PyTorch fixes
+    its default order lazily, at the first CUDA SDPA call, overwriting any order set before; so make
+    one tiny call first (with aten's own kernels, before ours are installed).
     """
-    from torch.nn.attention import SDPBackend
-
     if not torch.cuda.is_available():
         return None
     tiny = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         torch.nn.functional.scaled_dot_product_attention(tiny, tiny, tiny)
     before = list(torch._C._get_sdp_priority_order())
-    order = flash_before_cudnn(before, int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION))
+    backends = torch_attention.SDPBackend
+    order = flash_before_cudnn(before, int(backends.FLASH_ATTENTION), int(backends.CUDNN_ATTENTION))
     if order is None:
         return None
     torch._C._set_sdp_priority_order(order)
@@ -280,11 +261,8 @@ def _put_flash_before_cudnn() -> Optional[list]:
 
 
 def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backward=_routed_backward) -> _Installed:
-    """Put `forward`/`backward` in place of aten's SDPA flash kernels for `dispatch_key`.
-
-    The registry's activation function (with the defaults). Tests use other keys and functions to
-    exercise the dispatcher and autograd wiring on CPU.
-    """
+    """Put `forward`/`backward` in place of aten's SDPA flash kernels for `dispatch_key`: with the
+    defaults, the registry's activation function (tests install on CPU to exercise the wiring)."""
     priority_before = _put_flash_before_cudnn() if dispatch_key == "CUDA" else None
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     with warnings.catch_warnings():
@@ -296,43 +274,32 @@ def install_kernels(dispatch_key: str = "CUDA", forward=_routed_forward, backwar
     return _Installed(library, priority_before)
 
 
-def _registry():
-    import torch.nn.attention as attention
-
-    if not hasattr(attention, "register_flash_attention_impl"):
-        raise RuntimeError(
-            f"torch_fa4.sdpa needs torch.nn.attention.register_flash_attention_impl (torch >= 2.11); "
-            f"this is torch {torch.__version__}"
-        )
-    return attention
-
-
 def register() -> None:
     """List "torch_fa4" among torch's flash-attention providers (activates nothing). Idempotent."""
-    _registry().register_flash_attention_impl(SDPA_IMPL_NAME, register_fn=install_kernels)
+    torch_attention.register_flash_attention_impl(SDPA_IMPL_NAME, register_fn=install_kernels)
 
 
 def enable() -> None:
     """Route SDPA's flash backend to torch_fa4 (replacing any other active provider)."""
     register()
-    _registry().activate_flash_attention_impl(SDPA_IMPL_NAME)
+    torch_attention.activate_flash_attention_impl(SDPA_IMPL_NAME)
 
 
 def disable() -> None:
     """Give SDPA's flash backend back to PyTorch, if torch_fa4 has it."""
     if is_enabled():
-        _registry().restore_flash_attention_impl()
+        torch_attention.restore_flash_attention_impl()
 
 
 def is_enabled() -> bool:
-    return _registry().current_flash_attention_impl() == SDPA_IMPL_NAME
+    return torch_attention.current_flash_attention_impl() == SDPA_IMPL_NAME
 
 
 @contextlib.contextmanager
 def enabled():
     """`with torch_fa4.sdpa.enabled(): ...` routes SDPA to torch_fa4 inside the block, then restores
     whichever provider was active before."""
-    previous = _registry().current_flash_attention_impl()
+    previous = torch_attention.current_flash_attention_impl()
     enable()
     try:
         yield
@@ -340,7 +307,7 @@ def enabled():
         if previous is None:
             disable()
         elif previous != SDPA_IMPL_NAME:
-            _registry().activate_flash_attention_impl(previous)
+            torch_attention.activate_flash_attention_impl(previous)
 
 
 def env_requests_enable(environ=os.environ) -> bool:

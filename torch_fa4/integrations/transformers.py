@@ -1,14 +1,13 @@
 """Transformers integration: `attn_implementation="fa4"` for from_pretrained, from_config and
 set_attn_implementation.
 
-Registering means adding "fa4" to Transformers' AttentionInterface (the attention call,
-`hf_attention.fa4_attention_forward`) and AttentionMaskInterface (the mask a model builds for it,
-`hf_mask.fa4_mask`). Transformers is an optional dependency and importing it takes seconds, so
-`import torch_fa4` never imports it: `register_if_available()` registers at once if Transformers is
-already loaded, and otherwise leaves a hook in `sys.meta_path` that registers each half the moment
-Transformers finishes loading the module defining its interface. Whatever the import order, "fa4"
-is there before any model can ask for it, and a program that never imports Transformers pays
-nothing (one `find_spec` that reads no Transformers code).
+Registering adds "fa4" to Transformers' AttentionInterface (the attention call,
+`transformers_attention.fa4_attention_forward`) and AttentionMaskInterface (the mask a model builds
+for it, `transformers_mask.fa4_mask`). Importing Transformers takes seconds, so `import torch_fa4`
+never does: `register_if_available()` registers at once if Transformers is already loaded, and
+otherwise leaves a hook in `sys.meta_path` that registers each half the moment Transformers
+finishes loading the module defining its interface. Whatever the import order, "fa4" is there
+before any model can ask for it; a program that never imports Transformers pays one `find_spec`.
 """
 
 from __future__ import annotations
@@ -16,27 +15,21 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-import threading
 import warnings
 
 ATTN_IMPLEMENTATION = "fa4"
 
-# module that defines an interface -> (the interface, where our entry for it lives)
+# module that defines an interface -> (the interface, our entry for it: a module of this package, a function)
 _ENTRIES = {
-    "transformers.modeling_utils": ("AttentionInterface", "torch_fa4.hf_attention", "fa4_attention_forward"),
-    "transformers.masking_utils": ("AttentionMaskInterface", "torch_fa4.hf_mask", "fa4_mask"),
+    "transformers.modeling_utils": ("AttentionInterface", "transformers_attention", "fa4_attention_forward"),
+    "transformers.masking_utils": ("AttentionMaskInterface", "transformers_mask", "fa4_mask"),
 }
 
 
 def _register_in(module) -> None:
     interface, source, function = _ENTRIES[module.__name__]
-    getattr(module, interface).register(ATTN_IMPLEMENTATION, getattr(importlib.import_module(source), function))
-
-
-def register() -> None:
-    """Register "fa4" now (imports Transformers)."""
-    for name in _ENTRIES:
-        _register_in(importlib.import_module(name))
+    entry = getattr(importlib.import_module(f"{__package__}.{source}"), function)
+    getattr(module, interface).register(ATTN_IMPLEMENTATION, entry)
 
 
 def is_registered() -> bool:
@@ -60,12 +53,10 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, names: set[str]):
         self.pending = set(names)
-        self._lock = threading.Lock()
 
     def find_spec(self, fullname, path=None, target=None):
-        with self._lock:
-            if fullname not in self.pending:
-                return None
+        if fullname not in self.pending:
+            return None
         spec = None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -75,8 +66,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        with self._lock:
-            self.pending.discard(fullname)
+        self.pending.discard(fullname)
         run_module = spec.loader.exec_module
 
         def exec_module(module):
@@ -84,7 +74,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
             try:
                 _register_in(module)
             except Exception as e:  # never break the user's `import transformers`
-                warnings.warn(f'torch_fa4: could not register attn_implementation="fa4" with Transformers: {e!r}')
+                warnings.warn(f'torch_fa4: could not register attn_implementation="{ATTN_IMPLEMENTATION}" '
+                              f"with Transformers: {e!r}")
 
         spec.loader.exec_module = exec_module  # this loader instance serves this one module
         if not self.pending and self in sys.meta_path:
@@ -103,11 +94,10 @@ def register_if_available() -> None:
         return
     pending = set()
     for name in _ENTRIES:
-        module = sys.modules.get(name)
-        spec = getattr(module, "__spec__", None)
+        spec = getattr(sys.modules.get(name), "__spec__", None)
         # a module in sys.modules may still be executing (we are imported from inside it)
-        if module is not None and spec is not None and not getattr(spec, "_initializing", False):
-            _register_in(module)
+        if spec is not None and not getattr(spec, "_initializing", False):
+            _register_in(sys.modules[name])
         else:
             pending.add(name)
     if not pending or (_hook is not None and _hook in sys.meta_path):

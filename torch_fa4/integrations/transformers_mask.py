@@ -1,5 +1,5 @@
 """The "fa4" entry of Transformers' AttentionMaskInterface: what a model's mask builder hands to
-`torch_fa4.hf_attention.fa4_attention_forward` as `attention_mask`.
+`transformers_attention.fa4_attention_forward` as `attention_mask`.
 
 Never a dense (B, 1, Sq, Sk) mask. The causal or sliding-window pattern reaches the attention
 function through `module.is_causal` and its `sliding_window` argument, so the mask only has to say
@@ -21,9 +21,11 @@ from typing import Callable, Optional
 
 import torch
 
-# Transformers' mask building blocks (masking_utils, by qualified name) that the function above
-# represents faithfully: causality and windows travel as attention arguments, padding as the 2-D
-# mask, packed sequences as position_ids (see hf_attention), offsets as the cache alignment.
+from torch_fa4.integrations.transformers_attention import refuse
+
+# Transformers' mask building blocks (masking_utils, by qualified name) that `fa4_mask` represents
+# faithfully: causality and windows travel as attention arguments, padding as the 2-D mask, packed
+# sequences as document ids, offsets as the cache alignment.
 _SERVED = {
     "causal_mask_function",
     "bidirectional_mask_function",
@@ -44,9 +46,9 @@ _UNSERVED = {
 }
 
 
-def _mask_pieces(mask_function: Callable):
+def _mask_pieces(mask_function: Optional[Callable]):
     """Every function a composed Transformers mask function is made of (walking closures)."""
-    stack, seen = [mask_function], set()
+    stack, seen = [] if mask_function is None else [mask_function], set()
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
@@ -67,30 +69,27 @@ def _qualname(fn) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def _from_transformers(fn) -> bool:
-    return getattr(fn, "__module__", "") == "transformers.masking_utils"
+def _transformers_name(fn) -> Optional[str]:
+    """The qualified name of a masking_utils building block; None for any other function."""
+    return _qualname(fn) if getattr(fn, "__module__", "") == "transformers.masking_utils" else None
 
 
 def unserved_mask_feature(mask_function: Optional[Callable]) -> Optional[str]:
     """The model feature a mask function asks for that "fa4" cannot serve, or None."""
-    if mask_function is None:
-        return None
     for fn in _mask_pieces(mask_function):
-        name = _qualname(fn)
-        if _from_transformers(fn) and name in _UNSERVED:
+        name = _transformers_name(fn)
+        if name in _UNSERVED:
             return _UNSERVED[name]
-        if not (_from_transformers(fn) and name in _SERVED):
-            return f"a custom attention mask function ({getattr(fn, '__module__', '?')}.{name})"
+        if name not in _SERVED:
+            return f"a custom attention mask function ({getattr(fn, '__module__', '?')}.{_qualname(fn)})"
     return None
 
 
 def packed_sequence_ids(mask_function: Optional[Callable]) -> Optional[torch.Tensor]:
     """The (B, S) document index per token when Transformers decided the batch holds packed
     sequences (it wraps the mask function with one reading that tensor), else None."""
-    if mask_function is None:
-        return None
     for fn in _mask_pieces(mask_function):
-        if _from_transformers(fn) and _qualname(fn) == "packed_sequence_mask_function.<locals>.inner_mask":
+        if _transformers_name(fn) == "packed_sequence_mask_function.<locals>.inner_mask":
             cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
             if "packed_sequence_mask" in cells:
                 return cells["packed_sequence_mask"].cell_contents
@@ -103,10 +102,7 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     """AttentionMaskInterface function for "fa4" (same keyword arguments as Transformers' own)."""
     feature = unserved_mask_feature(mask_function)
     if feature is not None:
-        raise NotImplementedError(
-            f'attn_implementation="fa4" cannot serve {feature}; use attn_implementation="sdpa" or "eager" '
-            f"for this model"
-        )
+        refuse(feature)
     packed = packed_sequence_ids(mask_function)
     if packed is not None:
         # Several documents per row (no padding, no cache): their ids, as int32 (see module doc).

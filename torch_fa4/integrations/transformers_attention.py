@@ -3,8 +3,8 @@
 Models hand over query/key/value as (B, H, S, D) (keys and values possibly longer than the queries:
 a KV cache) and expect (B, Sq, H, Dv) back. The (B, S, H, D) views go to `torch_fa4.attention`
 without copies; GQA is native; `scaling`, logit softcapping (Gemma 2) and sliding windows
-(Mistral, Gemma 2/3) become attention arguments. Masks arrive from `hf_mask.fa4_mask` (whose
-docstring gives their convention):
+(Mistral, Gemma 2/3) become attention arguments. Masks come from `transformers_mask.fa4_mask`
+(whose docstring gives their convention):
 
 - None: a dense call; causal is bottom-right aligned, so decoding (Sq = 1) and chunked prefill
   against a longer cache need nothing more.
@@ -27,28 +27,30 @@ import torch
 import torch_fa4
 
 
-def _refuse(feature: str):
+def refuse(feature: str):
     raise NotImplementedError(
-        f'attn_implementation="fa4" does not support {feature}; use attn_implementation="sdpa" or "eager" for this model'
+        f'attn_implementation="fa4" does not support {feature}; '
+        f'use attn_implementation="sdpa" or "eager" for this model'
     )
 
 
 def _check_supported(attention_mask, dropout, kwargs) -> None:
     if dropout:
-        _refuse(f"attention dropout (attention_dropout={dropout} in training mode)")
+        refuse(f"attention dropout (attention_dropout={dropout} in training mode)")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        _refuse("attention sinks (s_aux)")
+        refuse("attention sinks (s_aux)")
     if kwargs.get("position_bias") is not None:
-        _refuse("an additive position bias")
+        refuse("an additive position bias")
     if kwargs.get("head_mask") is not None:
-        _refuse("head_mask")
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        _refuse(f"an attention mask of type {type(attention_mask).__name__} (built for another attention implementation)")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        _refuse(
-            f"a dense {attention_mask.dim()}-D attention mask of shape {tuple(attention_mask.shape)} (fa4 takes "
-            f"padding as a 2-D (batch, keys) mask; a custom 4-D mask needs sdpa or eager)"
-        )
+        refuse("head_mask")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        refuse(f"an attention mask of type {type(attention_mask).__name__} (built for another attention "
+               f"implementation)")
+    if attention_mask.dim() != 2:
+        refuse(f"a dense {attention_mask.dim()}-D attention mask of shape {tuple(attention_mask.shape)} (fa4 "
+               f"takes padding as a 2-D (batch, keys) mask; a custom 4-D mask needs sdpa or eager)")
 
 
 def _window(sliding_window: Optional[int], causal: bool) -> tuple[Optional[int], Optional[int]]:
@@ -86,7 +88,7 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 def _packed_from_kwargs(q, k, v, kwargs, options):
     """Sequences packed by a data collator, with flash-attn style cu_seq_lens_* given by the caller."""
     if q.shape[0] != 1 or k.shape[1] != q.shape[1]:
-        _refuse("cu_seq_lens_q/k with a batch of more than one row or with a KV cache")
+        refuse("cu_seq_lens_q/k with a batch of more than one row or with a KV cache")
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
     cu_k = kwargs.get("cu_seq_lens_k")
     cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
@@ -102,7 +104,7 @@ def _int_or_none(x):
 
 
 def _packed_documents(q, k, v, doc_ids, options):
-    """Rows holding several documents (hf_mask's int32 document ids): one variable-length
+    """Rows holding several documents (transformers_mask's int32 document ids): one variable-length
     sequence per document, over the flattened batch."""
     b, s = q.shape[:2]
     if doc_ids.shape != (b, s) or k.shape[1] != s:
@@ -120,7 +122,8 @@ def _packed_documents(q, k, v, doc_ids, options):
 
 
 def _padded(q, k, v, mask, options):
-    """Attention under a (B, M) key-validity mask (see hf_mask); queries are its last Sq columns."""
+    """Attention under a (B, M) key-validity mask (see transformers_mask); queries are its last Sq
+    columns."""
     b, sq = q.shape[:2]
     m = mask.shape[1]
     if m > k.shape[1] or (m < sq and options["causal"]) or mask.shape[0] != b:
@@ -145,10 +148,8 @@ def _padded(q, k, v, mask, options):
     if all(n == m for n in n_k_host):
         return torch_fa4.attention(q, k, v, **options)
     if options["window_size"] != (None, None) and any(r > 1 for r in runs_host):
-        _refuse("a padding mask with gaps between real tokens in a sliding-window layer")
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-    cu_q = torch.cat([zero, n_q.cumsum(0, dtype=torch.int32)])
-    cu_k = torch.cat([zero, n_k.cumsum(0, dtype=torch.int32)])
+        refuse("a padding mask with gaps between real tokens in a sliding-window layer")
+    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (n_q, n_k))
     out_packed = torch_fa4.attention(
         q[q_valid], k[mask], v[mask], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=max(n_q_host), max_seqlen_k=max(n_k_host), **options,

@@ -1,0 +1,41 @@
+"""Packed GQA: the query heads that share a KV head, as query rows of one head.
+
+With one query row per sequence (decode), the Hq / Hkv query heads of one KV head's group see the
+same keys under the same mask, so they can be `group` rows of one head: a kernel then reads each
+K/V tile once per KV head instead of once per query head, and a query tile holds `group` busy
+rows instead of one. The packed call views the same memory: q (B, 1, Hq, D) as (B, group, Hkv, D),
+out alike, lse (B, Hq, 1) as (B, Hkv, group); nothing is copied. The one query row sits on the
+diagonal of the last used key, so a causal mask or a right window hides nothing: the packed rows
+(whose diagonals would differ) go without them. A left window, mods or a block mask (which see
+the row index or the head) keep the call unpacked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from torch_fa4.call import AttentionCall
+
+
+def applies(call: AttentionCall) -> bool:
+    return (not call.is_varlen and call.q.shape[1] == 1 and call.num_heads > call.num_heads_kv
+            and call.mods is None and not call.block_mask and call.window_left < 0)
+
+
+def _rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, 1, Hq, X) -> (B, group, Hkv, X), a view."""
+    return t[:, 0].unflatten(1, (heads_kv, -1)).transpose(1, 2)
+
+
+def pack(call: AttentionCall) -> AttentionCall:
+    """The call with its query heads packed as rows (q a view of the same tensor)."""
+    hkv = call.num_heads_kv
+    return replace(call, q=_rows(call.q, hkv), causal=False, window_right=-1,
+                   max_seqlen_q=call.num_heads // hkv if call.max_seqlen_q else 0)
+
+
+def pack_results(out: torch.Tensor, lse: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, 1, Hq, Dv) and lse (B, Hq, 1) as the packed call's (views)."""
+    return _rows(out, heads_kv), lse[..., 0].unflatten(1, (heads_kv, -1))

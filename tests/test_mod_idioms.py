@@ -1,0 +1,189 @@
+"""CPU: mods that are causal, a sliding window or a tanh softcap run as the built-in arguments
+(torch_fa4/mods/idioms.py), exactly where they mean the same, and never where they do not."""
+
+import math
+
+import pytest
+import torch
+
+import torch_fa4
+from naive import naive_attention, rel_error
+from torch_fa4 import api
+from torch_fa4.mods import idioms
+from torch_fa4.mods.prepare import trace_graphs
+
+INF = math.inf
+
+
+def _band(mask_mod):
+    return idioms.mask_band(trace_graphs(None, mask_mod)[0].mask_graph)
+
+
+def _cap(score_mod):
+    return idioms.score_softcap(trace_graphs(score_mod, None)[0].score_graph)
+
+
+@pytest.mark.parametrize("mask_mod, band", [
+    (lambda b, h, q, kv: q >= kv, (0, INF)),
+    (lambda b, h, q, kv: kv <= q, (0, INF)),
+    (lambda b, h, q, kv: q - kv >= 0, (0, INF)),
+    (lambda b, h, q, kv: q > kv, (1, INF)),  # near miss of causal: a band, but not the diagonal's
+    (lambda b, h, q, kv: (q >= kv) & (q - kv <= 256), (0, 256)),
+    (lambda b, h, q, kv: (q >= kv) & (q - kv < 256), (0, 255)),  # off by one: 255, not 256
+    (lambda b, h, q, kv: (q - kv).abs() <= 100, (-100, 100)),
+    (lambda b, h, q, kv: (kv - q).abs() < 8, (-7, 7)),
+    (lambda b, h, q, kv: 64 >= (q - kv).abs(), (-64, 64)),
+    (lambda b, h, q, kv: 2 * (q - kv) <= 5, (-INF, 2)),
+    (lambda b, h, q, kv: q == kv, (0, 0)),
+    (lambda b, h, q, kv: (q >= kv) & (q < kv), None),  # empty
+    (lambda b, h, q, kv: (q >= kv) | (q < 5), None),
+    (lambda b, h, q, kv: (q - kv).abs() >= 4, None),
+    (lambda b, h, q, kv: q + kv >= 3, None),
+    (lambda b, h, q, kv: q * 2 >= kv, None),
+    (lambda b, h, q, kv: (q >= kv) & (h == 0), None),
+    (lambda b, h, q, kv: (q >= kv) & (b < 2), None),
+    (lambda b, h, q, kv: q // 128 >= kv // 128, None),
+])
+def test_mask_bands(mask_mod, band):
+    assert _band(mask_mod) == band
+
+
+def test_mask_bands_with_captured_tensors_are_not_recognised():
+    doc = torch.zeros(64, dtype=torch.int32)
+    assert _band(lambda b, h, q, kv: (q >= kv) & (doc[q] == doc[kv])) is None
+    limit = torch.tensor(5)
+    assert _band(lambda b, h, q, kv: q - kv <= limit) is None
+
+
+@pytest.mark.parametrize("score_mod, cap", [
+    (lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), 30.0),
+    (lambda s, b, h, q, kv: torch.tanh(s / 50.0) * 50.0, 50.0),
+    (lambda s, b, h, q, kv: torch.tanh(s * 0.1) * 10, 10.0),
+    (lambda s, b, h, q, kv: 30 * torch.tanh(s / 31), 0.0),
+    (lambda s, b, h, q, kv: 30 * torch.tanh(s / 30) + 1, 0.0),
+    (lambda s, b, h, q, kv: -30 * torch.tanh(s / -30), 0.0),
+    (lambda s, b, h, q, kv: 30 * torch.tanh(q / 30), 0.0),
+    (lambda s, b, h, q, kv: s, 0.0),
+])
+def test_score_softcaps(score_mod, cap):
+    assert _cap(score_mod) == cap
+
+
+@pytest.mark.parametrize("sq, sk, wl, wr, band, want", [
+    (100, 100, -1, -1, (0, INF), (-1, 0)),
+    (100, 100, -1, -1, (0, 31), (31, 0)),
+    (100, 100, -1, -1, (-7, 7), (7, 7)),
+    (100, 300, -1, -1, (0, INF), None),  # top-left causal with more keys: not bottom-right's
+    (300, 100, -1, -1, (0, INF), (-1, 200)),
+    (100, 100, 10, 0, (0, INF), (10, 0)),  # the call's own window and the mask's together
+    (100, 100, -1, 0, (-5, 20), (20, 0)),
+    (100, 100, -1, -1, (1, INF), None),
+    (100, 100, 3, 3, (5, INF), None),  # nothing visible
+])
+def test_window_for(sq, sk, wl, wr, band, want):
+    assert idioms.window_for(band, sq, sk, wl, wr) == want
+
+
+@pytest.fixture
+def op_args(monkeypatch):
+    seen = []
+    real = api.ops.fwd_impl
+
+    def spy(q, k, v, *rest):
+        seen.append(rest)
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(api.ops, "fwd_impl", spy)
+    return seen
+
+
+def _qkv(sq=200, sk=200, dtype=torch.float32):
+    q = torch.randn(2, sq, 4, 64, dtype=dtype)
+    k, v = (torch.randn(2, sk, 2, 64, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+CASES = {
+    "causal": (dict(mask_mod=lambda b, h, q, kv: q >= kv), dict(causal=True)),
+    "window": (dict(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < 50)), dict(window=(49, 0))),
+    "band": (dict(mask_mod=lambda b, h, q, kv: (q - kv).abs() <= 9), dict(window=(9, 9))),
+    "softcap": (dict(score_mod=lambda s, b, h, q, kv: 20 * torch.tanh(s / 20)), dict(softcap=20.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("sq, sk", [(200, 200), (300, 100), (100, 300)])
+def test_recognised_mods_fold_into_builtins_and_stay_exact(op_args, name, sq, sk):
+    mods, builtin = CASES[name]
+    q, k, v = _qkv(sq, sk)
+    out = torch_fa4.attention(q, k, v, **mods)
+    # float64 from the user's own callables: the fold must not change what is computed
+    ref, _ = naive_attention(q, k, v, score_mod=mods.get("score_mod"), mask_mod=mods.get("mask_mod"))
+    assert rel_error(out, ref) < 1e-5
+    (rest,), = [op_args]
+    mod_key, causal, wl, wr, cap = rest[12], rest[8], rest[9], rest[10], rest[11]
+    # top-left masks are bottom-right windows only where the diagonal stays inside them
+    folds = name == "softcap" or sq == sk or (name == "causal" and sq > sk)
+    if folds:
+        assert mod_key == ""
+        if name == "softcap":
+            assert cap == builtin["softcap"]
+        else:
+            want_window = builtin.get("window", (-1, 0)) if sq == sk else (-1, sq - sk)
+            assert (wl, wr, causal) == (*want_window, want_window[1] == 0)
+    else:
+        assert mod_key != "" and (wl, wr, causal) == (-1, -1, False)
+
+
+def test_a_block_mask_of_a_recognised_mask_is_dropped_with_it(op_args):
+    bm = torch_fa4.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+    q, k, v = _qkv(256, 256)
+    out = torch_fa4.flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=bm, enable_gqa=True)
+    ref, _ = naive_attention(q, k, v, causal=True)
+    assert rel_error(out.transpose(1, 2), ref) < 1e-5
+    (rest,), = [op_args]
+    assert rest[12] == "" and rest[4] == [] and rest[8] is True
+
+
+def test_only_the_recognised_mod_is_taken_out(op_args):
+    slopes = torch.rand(4)
+
+    def alibi(s, b, h, q, kv):
+        return s - slopes[h] * (q - kv).abs()
+
+    doc = torch.arange(200) // 70
+
+    def document(b, h, q, kv):
+        return doc[q] == doc[kv]
+
+    q, k, v = _qkv()
+    out = torch_fa4.attention(q, k, v, score_mod=alibi, mask_mod=lambda b, h, qi, kv: qi >= kv)
+    ref, _ = naive_attention(q, k, v, score_mod=alibi, causal=True)
+    assert rel_error(out, ref) < 1e-5
+    out = torch_fa4.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: 5 * torch.tanh(s / 5), mask_mod=document)
+    ref, _ = naive_attention(q, k, v, softcap=5.0, mask_mod=document)
+    assert rel_error(out, ref) < 1e-5
+    (a1, a2) = op_args
+    assert a1[12] != "" and len(a1[0]) == 1 and a1[8] is True  # alibi kept, with its slopes
+    assert a2[12] != "" and len(a2[0]) == 1 and a2[11] == 5.0  # the document mask kept, with doc
+
+
+def test_varlen_and_seqused_calls_keep_their_masks(op_args):
+    q, k, v = _qkv()
+    mask = lambda b, h, qi, kv: qi >= kv  # noqa: E731
+    torch_fa4.attention(q, k, v, mask_mod=mask, seqused_k=torch.tensor([200, 150], dtype=torch.int32))
+    cu = torch.tensor([0, 120, 200], dtype=torch.int32)
+    torch_fa4.attention(q[0], k[0], v[0], mask_mod=mask, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert all(rest[12] != "" for rest in op_args)
+
+
+def test_folding_under_torch_compile():
+    q, k, v = _qkv()
+
+    def f(q, k, v):
+        return torch_fa4.attention(q, k, v, mask_mod=lambda b, h, qi, kv: qi >= kv,
+                                   score_mod=lambda s, b, h, qi, kv: 30 * torch.tanh(s / 30))
+
+    out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    ref, _ = naive_attention(q, k, v, causal=True, softcap=30.0)
+    assert rel_error(out, ref) < 1e-5
