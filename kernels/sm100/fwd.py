@@ -221,6 +221,7 @@ class FlashFwdSm100:
                               cfg.causal)
         m_block, head, batch = sched.work(bidx)
         # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
+        # (the query side's lengths only: the key side's loads stay inside the branch)
         if m_block * cfg.cta_tile_m < SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ).seqlen_q:
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
