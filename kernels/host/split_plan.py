@@ -3,14 +3,18 @@ of CuTe DSL so the host can plan a launch without importing it."""
 
 
 def choose(num_items: int, num_ctas: int, tiles_per_item: int, pair: int = 1, min_tiles: int = 4,
-           max_ways: int = 8, piece_cost_tiles: float = 2.0, min_gain: float = 0.15) -> tuple:
+           max_ways: int = 8, piece_cost_tiles: float = 2.0, min_gain: float = 0.15,
+           single_round: bool = False) -> tuple:
     """(split items r, ways k) for a grid of `num_items` equal items on `num_ctas` CTAs, or (0, 1)
     when splitting does not shorten the last round by at least `min_gain` of an item. The last
     round then takes ceil(r k / C) pieces in a row, each 1/k of an item plus a fixed cost of about
     `piece_cost_tiles` key tiles (its own Q load, prologue, state store and merge). Pieces keep at
     least `min_tiles` key tiles; `pair` = 2 keeps r even (K / V multicast clusters take items in
-    pairs)."""
-    if num_ctas <= 0 or num_items <= num_ctas or tiles_per_item <= 0:
+    pairs). single_round: a grid of fewer items than CTAs counts as a last round too (its idle SMs
+    can take pieces: decode's few long items), else it is left whole."""
+    if num_ctas <= 0 or tiles_per_item <= 0 or num_items == num_ctas:
+        return 0, 1
+    if num_items < num_ctas and not single_round:
         return 0, 1
     r = num_items % num_ctas
     if r == 0 or r % pair:

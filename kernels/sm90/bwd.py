@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record, bwd_prepare
-from torch_fa4.kernels.sm90.bwd_buffers import (counter_shape, split_counters, split_workspace_shape,
-                                                writes_dq_directly, zeroed_counters)
+from torch_fa4.kernels.sm90.bwd_buffers import (dq_buffer, dq_buffer_shape, persistent_buffers, persistent_shapes,
+                                                writes_dq_directly)
 from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, compile_variant
 from torch_fa4.kernels.sm90.bwd_row_stats import row_statistics
 from torch_fa4.kernels.sm90.bwd_variant import (DEFAULT_TUNING, BwdTuning, launch_plan, runs_per_sequence,
@@ -45,14 +45,20 @@ def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING
     if not (q.dtype == k.dtype == v.dtype):
         return "q, k, v dtypes differ"
     if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
-        return (
-            f"sm90 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
-            f"not D={call.head_dim}, Dv={call.head_dim_v}"
-        )
-    if call.mod_key or call.mods is not None:
-        reason = _mods_reason(call, tuning)
-        if reason is not None:
-            return reason
+        return (f"sm90 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
+                f"not D={call.head_dim}, Dv={call.head_dim_v}")
+    if call.mod_key and call.mods is None:
+        return "score_mod/mask_mod key given but not resolved to a ModSet"
+    if call.mods is not None:
+        if call.is_varlen != (call.cu_seqlens_k is not None):
+            return "sm90 backward takes score_mod/mask_mod with cu_seqlens on both sides or neither"
+        if call.is_varlen and not tuning.varlen_kernel:
+            # the per-sequence launches would see each sequence as batch 0
+            return "score_mod/mask_mod with varlen need the packed-rows backward"
+        if len(call.aux_tensors) > MAX_AUX:
+            return f"mods capture {len(call.aux_tensors)} tensors (sm90 backward: at most {MAX_AUX})"
+        if any(t.requires_grad for t in call.score_aux):
+            return "gradients for tensors captured by score_mod are not supported"
     if call.num_heads % call.num_heads_kv != 0:
         return "query heads are not a multiple of KV heads"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -61,31 +67,9 @@ def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING
     return None
 
 
-def _mods_reason(call: "AttentionCall", tuning: BwdTuning) -> str | None:
-    if call.mods is None:
-        return "score_mod/mask_mod key given but not resolved to a ModSet"
-    if call.is_varlen != (call.cu_seqlens_k is not None):
-        return "sm90 backward takes score_mod/mask_mod with cu_seqlens on both sides or neither"
-    if call.is_varlen and not tuning.varlen_kernel:
-        # the per-sequence launches would see each sequence as batch 0
-        return "score_mod/mask_mod with varlen need the packed-rows backward"
-    if len(call.aux_tensors) > MAX_AUX:
-        return f"mods capture {len(call.aux_tensors)} tensors (sm90 backward: at most {MAX_AUX})"
-    if any(t.requires_grad for t in call.score_aux):
-        return "gradients for tensors captured by score_mod are not supported"
-    return None
-
-
-def tma_compatible(t: torch.Tensor) -> bool:
-    """TMA reads rows with a unit last stride, 16-byte-multiple strides and a 16-byte base."""
-    strides = t.stride()
-    if strides[-1] != 1 or t.data_ptr() % 16:
-        return False
-    for n, st in zip(t.shape, strides[:-1]):  # a plain loop: this runs three times per call
-        if n > 1 and (st <= 0 or st % 8):
-            return False
-    return True
-
+# TMA reads rows as the fused row-statistics pass does: a unit last stride, 16-byte-multiple strides
+# and a 16-byte base
+tma_compatible = bwd_prepare._vector_ready
 
 # the same view with size-1 dims given 16-byte-multiple strides, as the compiled signature wants
 _tma_view = bwd_prepare._packed_size_one_strides
@@ -102,7 +86,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic, tuning)
         return
     plan = launch_plan(call, variant_key(call, deterministic), tuning)
-    key, split_items, ways = plan.key, plan.split_items, plan.ways
+    key = plan.key
     fn = compile_variant(key)
     tile_m = key.tile_m  # queries per step: row statistics, dQ buffer, semaphores pad to it
     q, k, v = call.q, call.k, call.v
@@ -115,31 +99,16 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         min_rows = bwd_sparse.padded_rows(call)
     if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
-    counter = split_ws = split_cnt = None
-    if key.split_tail:
-        split_ws = torch.empty(split_workspace_shape(call, key, split_items, ways), dtype=torch.float32,
-                               device=q.device)
-    if key.persistent:
-        counter, split_cnt = zeroed_counters(counter_shape(call, key), split_counters(key, split_items), q.device)
-    # The fp32 dQ buffer in dq's own (B, Sq, Hq, D) layout, unpadded (the kernel's TMA adds drop
-    # rows past the end), handed to the kernel as a (B, Hq, Sq, D) view so the conversion below is
-    # one contiguous pass; zeroed by the row-statistics pass. Varlen: the (T, Hq, D) rows as one
-    # batch, seen as (Hq, T, D); a sequence's last query tile adds zeros (P = dS = 0 past its end)
-    # to the next sequence's first rows.
-    dq_acc_shape = (1, q.shape[0]) if call.is_varlen else (q.shape[0], q.shape[1])
-    dq_acc_rows = torch.empty((*dq_acc_shape, call.num_heads, call.head_dim), dtype=torch.float32,
-                              device=q.device)
+    counter, split_ws, split_cnt = persistent_buffers(persistent_shapes(call, plan), q.device)
+    dq_acc_rows, dq_acc = dq_buffer(dq_buffer_shape(call), call.is_varlen, q.device)
     lse2, dpsum, _ = row_statistics(call, dout, out, lse, min_rows, tile_m, zero_dq=dq_acc_rows)
-    dq_acc = dq_acc_rows[0].transpose(0, 1) if call.is_varlen else dq_acc_rows.transpose(1, 2)
-    max_q, max_k = plan.max_q, plan.max_k
-    sem = None
+    sem = counter  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
     if deterministic:
-        sem = torch.zeros((call.batch, call.num_heads, math.ceil(max_q / tile_m)), dtype=torch.int32, device=q.device)
-    elif key.persistent:  # the persistent kernel's tile counter (bwd_kernel._persistent_roles)
-        sem = counter
-    seqused = call.seqused_k.to(torch.int32).contiguous() if call.seqused_k is not None else None
-    cu_q = call.cu_seqlens_q.to(torch.int32).contiguous() if call.is_varlen else None
-    cu_k = call.cu_seqlens_k.to(torch.int32).contiguous() if call.is_varlen else None
+        sem = torch.zeros((call.batch, call.num_heads, math.ceil(plan.max_q / tile_m)), dtype=torch.int32,
+                          device=q.device)
+    # (cu_seqlens on both sides or neither here: runs_per_sequence took the others)
+    seqused, cu_q, cu_k = (t.to(torch.int32).contiguous() if t is not None else None
+                           for t in (call.seqused_k, call.cu_seqlens_q, call.cu_seqlens_k))
 
     q, k, v, dout, dk, dv = map(_tma_view, (q, k, v, dout, dk, dv))
     dq_out = None
@@ -169,20 +138,19 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
 
 def main_scalars(call: "AttentionCall", plan) -> tuple:
     """The main kernel's scalar arguments: scale, scale * log2 e, softcap (1.0: none), the window,
-    the longest key sequence, the CTA order (groups of 1 pair, the last `cta_tail` pairs one
-    group: bwd_kernel._cta_coords), the persistent grid and the split tail's plan."""
+    the longest key sequence, the CTA order (the last `cta_tail` pairs one group:
+    bwd_kernel._cta_coords), the persistent grid and the split tail's plan."""
     right, left = window(call)
     return (float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-            int(left or 0), int(right or 0), int(plan.max_k), 1, plan.cta_tail, plan.ctas,
-            plan.split_items, plan.ways)
+            int(left or 0), int(right or 0), int(plan.max_k), plan.cta_tail, plan.ctas, plan.split_items,
+            plan.ways)
 
 
 def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic, tuning):
     """Varlen backward as one dense call per sequence, on views (no copies of q, k, v, grads)."""
     from torch_fa4.call import AttentionCall
 
-    cu_q = call.cu_seqlens_q.tolist() if call.cu_seqlens_q is not None else None
-    cu_k = call.cu_seqlens_k.tolist() if call.cu_seqlens_k is not None else None
+    cu_q, cu_k = (cu.tolist() if cu is not None else None for cu in (call.cu_seqlens_q, call.cu_seqlens_k))
 
     def rows(t, cu, b):  # batch b of a packed (T, ...) or dense (B, S, ...) tensor, as (1, S, ...)
         return t[cu[b] : cu[b + 1]].unsqueeze(0) if cu is not None else t[b : b + 1]

@@ -28,35 +28,39 @@ def _use_tvm_ffi() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
-def compile_stream_and_options(arch: str, dump_dir: str | None):
-    """(fake stream, cute.compile options) of the backward's kernels: TVM-FFI launches where
-    tvm_ffi is installed (without it kernels still compile for the tests)."""
+def compile_with_stream(kernel, args, arch: str, dump_dir: str | None, jit: bool):
+    """cute.compile(kernel, *args, fake stream) for the backward's kernels: TVM-FFI launches where
+    tvm_ffi is installed (without it kernels still compile for the tests); jit=False: without the
+    host JIT engines, only to be exported (compile_cache.get_or_compile)."""
     import cutlass.cute as cute
 
     from torch_fa4.kernels.compile_cache import extra_options
 
     tvm = _use_tvm_ffi()
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm else "") + extra_options(dump_dir)
-    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm), options
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
+    return cute.compile(kernel, *args, stream, options=options, no_jit_engine=not jit)
 
 
-def cached_compile(key, build):
-    """compile_cache.get_or_compile for the backward's kernels (on disk where they use TVM-FFI)."""
+def cached_compile(key, build, dump_dir: str | None = None):
+    """compile_cache.get_or_compile of build(None, jit) for the backward's kernels (on disk where
+    they use TVM-FFI); dump_dir: build(dump_dir), which also writes the cubin there (always
+    compiles, bypassing the cache)."""
     from torch_fa4.kernels import compile_cache
 
-    return compile_cache.get_or_compile(key, build, persist=_use_tvm_ffi())
+    if dump_dir is not None:
+        return build(dump_dir)
+    return compile_cache.get_or_compile(key, lambda jit=True: build(None, jit), persist=_use_tvm_ffi())
 
 
 def compile_variant(config: BwdConfig, arch: str = "sm_90a", dump_dir: str | None = None):
     """Compile one variant against symbolic shapes (no GPU needed); dump_dir: also write the cubin
     there (always compiles, bypassing the cache)."""
-    if dump_dir is not None:
-        return _compile(config, arch, dump_dir)
-    return cached_compile(("sm90_bwd", arch, config), lambda jit=True: _compile(config, arch, None, jit))
+    build = lambda dump, jit=True: _compile(config, arch, dump, jit)  # noqa: E731
+    return cached_compile(("sm90_bwd", arch, config), build, dump_dir)
 
 
 def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = True):
-    """jit=False: without the host JIT engines, only to be exported (compile_cache.get_or_compile)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -77,36 +81,28 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
 
     int32 = functools.partial(fake_packed, Int32)  # unit last stride
 
+    def rows(seq, heads, dim, head_stride=None):  # (B, S, H, D) / varlen (T, H, D), 16-byte strides
+        lead = () if config.varlen else (b,)
+        return fake(cdt, (*lead, seq, heads, dim), (*(al() for _ in lead), al(), head_stride or al(), 1))
+
     b, sq, sk, hq, hkv = sym(), sym(), sym(), sym(), sym()
     sq_pad = sym()
     if config.varlen:
-        tq, tk = sym(), sym()
+        sq, sk = sym(), sym()  # packed rows
+    q, k, v, do = rows(sq, hq, d), rows(sk, hkv, d), rows(sk, hkv, dv), rows(sq, hq, dv)
+    dk, dvv = rows(sk, hkv, d, d), rows(sk, hkv, dv, dv)  # contiguous
+    if config.varlen:
         stat_rows = sym()  # the statistics' own rows (varlen_stat_layout), not the dQ buffer's
-        q = fake(cdt, (tq, hq, d), (al(), al(), 1))
-        k = fake(cdt, (tk, hkv, d), (al(), al(), 1))
-        v = fake(cdt, (tk, hkv, dv), (al(), al(), 1))
-        do = fake(cdt, (tq, hq, dv), (al(), al(), 1))
-        lse = fake(Float32, (hq, stat_rows), (al(), 1))
-        dps = fake(Float32, (hq, stat_rows), (al(), 1))
-        dqa = fake(Float32, (hq, tq, d), (d, al(), 1))  # a (Hq, T, D) view of (T, Hq, D) rows
-        dk = fake(cdt, (tk, hkv, d), (al(), d, 1))
-        dvv = fake(cdt, (tk, hkv, dv), (al(), dv, 1))
+        lse, dps = (fake(Float32, (hq, stat_rows), (al(), 1)) for _ in range(2))
+        dqa = fake(Float32, (hq, sq, d), (d, al(), 1))  # a (Hq, T, D) view of (T, Hq, D) rows
         bp1 = sym()
-        cuq = fake(Int32, (bp1,), (1,), 4)
-        cuk = fake(Int32, (bp1,), (1,), 4)
+        cuq, cuk = (fake(Int32, (bp1,), (1,), 4) for _ in range(2))
         nb = sym()
     else:
-        q = fake(cdt, (b, sq, hq, d), (al(), al(), al(), 1))
-        k = fake(cdt, (b, sk, hkv, d), (al(), al(), al(), 1))
-        v = fake(cdt, (b, sk, hkv, dv), (al(), al(), al(), 1))
-        do = fake(cdt, (b, sq, hq, dv), (al(), al(), al(), 1))
-        lse = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
-        dps = fake(Float32, (b, hq, sq_pad), (al(), al(), 1))
+        lse, dps = (fake(Float32, (b, hq, sq_pad), (al(), al(), 1)) for _ in range(2))
         # (B, Sq, Hq, D) storage seen as (B, Hq, Sq, D): dq's own layout, so the final conversion
         # to the input dtype is one contiguous pass; TMA drops the adds of rows past Sq
         dqa = fake(Float32, (b, hq, sq, d), (al(), al(), al(), 1))
-        dk = fake(cdt, (b, sk, hkv, d), (al(), al(), d, 1))
-        dvv = fake(cdt, (b, sk, hkv, dv), (al(), al(), dv, 1))
         cuq = cuk = None
         nb = b
     used = fake(Int32, (nb,), (1,), 4) if config.seqused_k else None
@@ -126,9 +122,8 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
         specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
-    stream, options = compile_stream_and_options(arch, dump_dir)
-    kernel = Sm90AttentionBackward(cdt, config, mods)
+    scalars = (Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1),
+               Int32(0), Int32(1))  # scale .. split_ways (bwd_kernel.__call__)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
-            Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
-            Int32(0), Int32(1), *aux, stream)
-    return cute.compile(kernel, *args, options=options, no_jit_engine=not jit)
+            *scalars, *aux)
+    return compile_with_stream(Sm90AttentionBackward(cdt, config, mods), args, arch, dump_dir, jit)

@@ -28,36 +28,32 @@ class BwdConsumer:
             pipe_do.consumer_release(state)
 
     @cute.jit
-    def _consume(
-        self, mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
-        mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-        window_left, window_right, hkv, b, n_block, walk, steps,
-        seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, ctid, score_aux, mask_aux,
-        state=None, kv_iter=None, bar_kv_empty=None, s_out=None, both: cutlass.Constexpr = False,
-        piece_end=None,
-    ):
+    def _consume(self, cta, tile, ctid, state=None, kv_iter=None, bar_kv_empty=None, s_out=None,
+                 both: cutlass.Constexpr = False, piece_end=None):
         """One work tile's steps and its dK / dV. Persistent: `state` carries the ring over tiles
         (returned); K / V are waited for at phase kv_iter and released before the epilogue, which
         stages dK / dV in the dS^T slots (s_out: their (dK, dV) views; `both`: at once).
         split_tail: `piece_end` = (workspace, counters, shared flag, piece, split index, ways);
         a piece (piece >= 0) hands its partial dK / dV to the last piece of its tile, which
         writes the sums (kernels/common/split_tail.finish_sum_piece)."""
+        mdQacc, mdK, mdV = cta.gmem[6:]
+        tma_dQ, tma_dK, tma_dV = cta.tmas[6:]
+        sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp = cta.smem
+        pipe, pipe_do, bar_kv, _ = cta.ring
+        mma_SdP, mma_dK, mma_dV, mma_dQ = cta.mmas
+        scale, scale_log2, softcap_val, window_left, window_right = cta.scalars
+        mSem, score_aux, mask_aux = cta.mSem, cta.score_aux, cta.mask_aux
+        n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = tile
         tm, tn, d, dv = self.tile_m, self.tile_n, self.d, self.dv
         # The warpgroup index, known to the compiler as warp-uniform: shared-memory operand
         # descriptors depend only on it, so their per-k-block arithmetic stays in uniform
         # registers (UIADD3.64) instead of 64-bit vector adds + R2UR moves every step.
         wg = cute.arch.make_warp_uniform(ctid // 128)
-        thr_SdP = mma_SdP.get_slice(ctid)
-        thr_dK = mma_dK.get_slice(ctid)
-        thr_dV = mma_dV.get_slice(ctid)
-        thr_dQ = mma_dQ.get_slice(ctid)
+        thr_SdP, thr_dK, thr_dV, thr_dQ = (mma.get_slice(ctid) for mma in cta.mmas)
         # Slices for shared-memory (descriptor) operands: every thread of a warpgroup holds the
         # same descriptors, so the warpgroup's first thread stands for all of them.
         wg_thr = wg * 128
-        ops_SdP = mma_SdP.get_slice(wg_thr)
-        ops_dK = mma_dK.get_slice(wg_thr)
-        ops_dV = mma_dV.get_slice(wg_thr)
-        ops_dQ = mma_dQ.get_slice(wg_thr)
+        ops_SdP, ops_dK, ops_dV, ops_dQ = (mma.get_slice(wg_thr) for mma in cta.mmas)
 
         # Operand fragments (descriptors over shared memory).
         tSrK = ops_SdP.make_fragment_A(ops_SdP.partition_A(sK))
@@ -162,8 +158,7 @@ class BwdConsumer:
                     step, None, (state, cur_h, cur_m, prev_stage), ops)
         else:
             state, cur_h, cur_m, prev_stage = self._masked_and_unmasked_steps(
-                walk, n_block, seqlen_q, seqlen_k, diag, window_left, window_right,
-                (state, cur_h, cur_m, prev_stage), ops)
+                tile, window_left, window_right, (state, cur_h, cur_m, prev_stage), ops)
         if const_expr(not self.dq_writer_warp):
             if is_leader:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the last read
@@ -207,14 +202,15 @@ class BwdConsumer:
         return state
 
     @cute.jit
-    def _masked_and_unmasked_steps(self, walk, n_block, seqlen_q, seqlen_k, diag, window_left,
-                                   window_right, carry, ops):
+    def _masked_and_unmasked_steps(self, tile, window_left, window_right, carry, ops):
         """split_mask_loops: each head's steps as up to three loops, so the steps that cross no
         length / causal / window limit (all but one or two per head under a causal mask) run a
         body with no mask code and no per-step test, and the others one that masks without
         testing (NOTES Experiment 124). Every head of the GQA group walks the same query tiles, so
         the loops' bounds hold for each."""
-        lo, hi = self._unmasked_query_tiles(n_block, seqlen_q, seqlen_k, diag, window_left, window_right)
+        walk = tile.walk
+        lo, hi = self._unmasked_query_tiles(tile.n_block, tile.seqlen_q, tile.seqlen_k, tile.diag,
+                                            window_left, window_right)
         m_end = walk.m_lo + walk.n_m
         lo = cutlass.min(cutlass.max(lo, walk.m_lo), m_end)
         hi = cutlass.min(cutlass.max(hi, lo), m_end)
@@ -238,18 +234,19 @@ class BwdConsumer:
         high = self.has_left or self.varlen  # tiles from hi up can cross
         low = self.has_right or self.mask_k  # tiles below lo can cross
         first_masked, last_masked = (high, low) if self.descending_walk else (low, high)
-        state, cur_h, cur_m, prev_stage = carry
         if const_expr(first_masked):
-            for step in cutlass.range(base, base + bounds[0], unroll=1):
-                state, cur_h, cur_m, prev_stage = self._step(
-                    step, True, (state, cur_h, cur_m, prev_stage), ops)
-        for step in cutlass.range(base + bounds[0], base + bounds[1], unroll=1):
-            state, cur_h, cur_m, prev_stage = self._step(
-                step, False, (state, cur_h, cur_m, prev_stage), ops)
+            carry = self._steps(base, base + bounds[0], True, carry, ops)
+        carry = self._steps(base + bounds[0], base + bounds[1], False, carry, ops)
         if const_expr(last_masked):
-            for step in cutlass.range(base + bounds[1], base + bounds[2], unroll=1):
-                state, cur_h, cur_m, prev_stage = self._step(
-                    step, True, (state, cur_h, cur_m, prev_stage), ops)
+            carry = self._steps(base + bounds[1], base + bounds[2], True, carry, ops)
+        return carry
+
+    @cute.jit
+    def _steps(self, first, end, limits: cutlass.Constexpr, carry, ops):
+        """Steps [first, end) of _head_steps, each masking as `limits` says (_step)."""
+        state, cur_h, cur_m, prev_stage = carry
+        for step in cutlass.range(first, end, unroll=1):
+            state, cur_h, cur_m, prev_stage = self._step(step, limits, (state, cur_h, cur_m, prev_stage), ops)
         return state, cur_h, cur_m, prev_stage
 
     @cute.jit
@@ -271,10 +268,8 @@ class BwdConsumer:
         stage = state.index
         pipe.consumer_wait(state)
 
-        acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-        acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-        lse_vals = None
-        dpsum_vals = None
+        acc_S, acc_dP = (cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32) for _ in range(2))
+        lse_vals = dpsum_vals = None
         if const_expr(self.prefetch_stats):
             # before the products' wgmmas: loads issued behind them wait in the same queue
             lse_vals = self._column_stats(sLSE, cS, stage, rows_cols(acc_S))
@@ -296,19 +291,19 @@ class BwdConsumer:
                 if step > 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), prev_stage, Int32(0)))
-        S = rows_cols(acc_S)
-        dP = rows_cols(acc_dP)
+        S, dP = rows_cols(acc_S), rows_cols(acc_dP)
         row0 = m_block * tm  # query index of column 0
         key0 = n_block * tn
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rP, rdS = cute.make_rmem_tensor_like(acc_S, self.dtype), cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mod_ctx = (b, h, score_aux, mask_aux, partial)
+        # what P / dS read besides the products (bwd_scores)
+        at = (cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag, window_left, window_right, scale,
+              scale_log2, softcap_val, mod_ctx)
         buf = 1  # the dS^T slot dQ reads (narrow: fixed; below: alternating)
         if const_expr(self.narrow):
             # Both products landed, then P and dS in one pass (each warpgroup: 32 queries).
             warpgroup.wait_group(0)
-            self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                           window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
+            self._p_and_ds(S, dP, at, limits=limits)
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
             # The other warpgroup may still read the previous step's P^T / dS^T (its dV, dK,
@@ -326,8 +321,7 @@ class BwdConsumer:
                 # dP^T landed; the bf16 P and dV only then: while dP^T is in flight only S^T,
                 # dP^T and dK, dV are live (and the dPsum values are loaded after it landed).
                 warpgroup.wait_group(1)
-                self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
+                self._p_and_ds(S, None, at, limits=limits)
                 warpgroup.wait_group(0)
                 dpsum_vals = self._column_stats(sDp, cS, stage, S)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
@@ -336,8 +330,7 @@ class BwdConsumer:
             else:
                 # tanh' / score_mod' is needed for dS: P and dS in one pass once both landed.
                 warpgroup.wait_group(0)
-                self._p_and_ds(S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                               window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, limits=limits)
+                self._p_and_ds(S, dP, at, limits=limits)
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
             if const_expr(not self.dv_after_ds):
@@ -345,9 +338,7 @@ class BwdConsumer:
         else:
             # P while dP^T is still on the tensor cores; dS while dV is.
             warpgroup.wait_group(1)
-            self._p_and_ds(S, None, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                           window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
-                           lse_vals, limits=limits)
+            self._p_and_ds(S, None, at, lse_vals, limits=limits)
             rP.store(acc_S.load().to(self.dtype))
             # dV += P^T dO  (P^T straight from registers)
             wgmma.issue(mma_dV, acc_dV, a_operand(rP), tdVrdO[None, None, None, stage], False)
@@ -369,6 +360,7 @@ class BwdConsumer:
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
         acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(self._dq_acc_tile()), Float32)
+        dq_at = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
         if const_expr(self.dq_transposed):
             wgmma.issue(mma_dQ, acc_dQ, tdQrK, tdQrdS[None, None, None, buf], True)
         else:
@@ -379,8 +371,7 @@ class BwdConsumer:
             warpgroup.wait_group(1)
             rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
             rdQ.store(acc_dQ.load())
-            self._dq_out(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                         n_block, wg, diag, window_left, is_leader)
+            self._dq_out(rdQ, tdQsdQ, sdQ_wg, dq_at)
             warpgroup.wait_group(0)
             self._release_stage(pipe, pipe_do, state)
             state.advance()
@@ -394,23 +385,22 @@ class BwdConsumer:
             # the whole tile is harmless.
             rdQ = cute.make_rmem_tensor_like(acc_dQ, Float32)
             rdQ.store(acc_dQ.load())
-            dq_args = (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader)
             if const_expr(self.dq_in_ring):
                 # Into this stage's Q (warpgroup 0) / dO (warpgroup 1) buffer, once both
                 # warpgroups' dK and dV have read them.
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
                 if wg == 0:
                     self._stage_and_add_dq(rdQ, tdQsdQ_q[None, None, None, stage],
-                                           sdQ[0][None, None, 0, stage], *dq_args)
+                                           sdQ[0][None, None, 0, stage], dq_at)
                 else:
                     self._stage_and_add_dq(rdQ, tdQsdQ_do[None, None, None, stage],
-                                           sdQ[1][None, None, 0, stage], *dq_args)
+                                           sdQ[1][None, None, 0, stage], dq_at)
                 if (ctid % 128) // 32 != 0:  # leader warps release it next step, once the add read it
                     pipe.consumer_release(pipeline.PipelineState(self.stages, Int32(0), stage, Int32(0)))
                 prev_stage = stage
                 cute.arch.sync_warp()  # reconverge before the back edge (see below)
             else:
-                self._dq_out(rdQ, tdQsdQ, sdQ_wg, *dq_args)
+                self._dq_out(rdQ, tdQsdQ, sdQ_wg, dq_at)
                 # Reconverge the warp before the back edge: with the leader-only TMA region
                 # last in the body, ptxas keeps the loop's bookkeeping (stage, phase, walk
                 # cursor) in vector registers and rebuilds every stage-indexed descriptor

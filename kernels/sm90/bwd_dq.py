@@ -34,11 +34,11 @@ class BwdDq:
         return self.tile_m, self.d // 2
 
     @cute.jit
-    def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block,
-                wg, diag, window_left, is_leader):
-        """A finished dQ (unscaled: the dq conversion applies the scale) -> this warpgroup's slab -> TMA add
-        into the fp32 buffer (the separate-slab paths; with dq_writer_warp the writer warp issues
-        the add)."""
+    def _dq_out(self, rdQ, tdQsdQ, sdQ_wg, dq_at):
+        """A finished dQ (unscaled: the dq conversion applies the scale) -> this warpgroup's slab ->
+        TMA add into the fp32 buffer (the separate-slab paths; with dq_writer_warp the writer warp
+        issues the add). dq_at: _stage_and_add_dq's."""
+        wg, is_leader = dq_at[8], dq_at[11]
         if const_expr(self.dq_writer_warp):
             # The writer's previous add has read the slab; store, then hand it over without
             # waiting (the async-proxy fence orders the stores before the TMA read).
@@ -50,13 +50,14 @@ class BwdDq:
             if is_leader:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous slab read out
             cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
-            self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                                   n_block, wg, diag, window_left, is_leader)
+            self._stage_and_add_dq(rdQ, tdQsdQ, sdQ_wg, dq_at)
 
     @cute.jit
-    def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, tma_dQ, mdQacc, mSem, h, b, q_off, m_block,
-                          n_block, wg, diag, window_left, is_leader):
-        """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader)."""
+    def _stage_and_add_dq(self, rdQ, tdQsdQ, sdQ_wg, dq_at):
+        """This warpgroup's dQ half -> its smem slab (free to write) -> one TMA add (leader).
+        dq_at: (tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left,
+        is_leader) of the step (bwd_consumer._step)."""
+        tma_dQ, mdQacc, mSem, h, b, q_off, m_block, n_block, wg, diag, window_left, is_leader = dq_at
         L.copy_to_swizzled(rdQ, tdQsdQ, getattr(self, "_dq_thread_offsets", None))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2 + wg, number_of_threads=128)
@@ -81,20 +82,21 @@ class BwdDq:
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def _write_dq(self, mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
-                  window_left, fused=None):
+    def _write_dq(self, cta, tile, fused=None):
         """The dQ writer warp: walks the consumers' steps; per step and consumer warpgroup, waits
         for the slab to be full, adds it into the fp32 buffer, and hands it back once read.
-
-        Every consumer warpgroup syncs on its "empty" barrier once per step and arrives on "full"
-        once per step, so the writer arrives on "empty" exactly `steps` times too: once before the
-        first step, then after every step but the last; nothing when the walk is empty.
+        Each consumer warpgroup syncs on its "empty" barrier and arrives on "full" once per step,
+        so the writer arrives on "empty" `steps` times too: before the first step, then after
+        every step but the last; nothing when the walk is empty.
         Deterministic: one turn per step for both slabs (wait, both adds, landed, pass 2), the
         semaphore wait overlapping the consumers' work on the step.
         fused_dq (`fused` = (query heads, query tiles per head, counting-warp mailbox barriers and
         slots, hand-offs so far)): once a step's slabs are handed back, the adds of two steps
         before are waited for (done by then) and handed to the counting warp (bwd_dq_fused.py),
         the last two steps' after the walk; returns the hand-offs so far."""
+        mdQacc, tma_dQ, sdQ = cta.gmem[6], cta.tmas[6], cta.smem[5]
+        mSem, window_left = cta.mSem, cta.scalars[3]
+        n_block, hkv, b, q_off, _, _, _, _, diag, walk, steps = tile
         if steps > 0:
             for wg in cutlass.range_constexpr(2):  # both slabs start empty
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
@@ -140,19 +142,15 @@ class BwdDq:
 
     # ------------------------------------------------------------------ deterministic dQ order
     @cute.jit
-    def _first_kv_block(self, m_block, diag, window_left):
-        """First KV tile that contributes to query tile m_block (tiles add in ascending order)."""
+    def _wait_turn(self, mSem, b, h, m_block, n_block, diag, window_left):
+        """Spin (one lane of the adding warp) until every earlier KV tile has added its dQ."""
+        # Each KV tile from the first that reaches query tile m_block (a left window's) bumps the
+        # counter by 2 once its two slabs' adds have landed: each leader warp by 1, or the writer
+        # warp by 2 for both.
         first = Int32(0)
         if const_expr(self.has_left):
             first = cutlass.max(m_block * self.tile_m + diag - window_left, 0) // self.tile_n
-        return first
-
-    @cute.jit
-    def _wait_turn(self, mSem, b, h, m_block, n_block, diag, window_left):
-        """Spin (one lane of the adding warp) until every earlier KV tile has added its dQ."""
-        # Each KV tile bumps the counter by 2 once its two slabs' adds have landed: each leader
-        # warp by 1, or the writer warp by 2 for both.
-        target = (n_block - self._first_kv_block(m_block, diag, window_left)) * 2
+        target = (n_block - first) * 2
         ptr = mSem.iterator + cute.crd2idx((b, h, m_block), mSem.layout)
         if cute.arch.lane_idx() == 0:  # one lane polls; the warp reconverges below
             seen = cute.arch.atomic_add(ptr, Int32(0), sem="acquire", scope="gpu")

@@ -5,10 +5,9 @@ The backward kernel adds every key tile's dQ into an fp32 buffer laid out like d
 the loop). This pass applies it while narrowing: dq = dq_acc * scale, element for element, both
 contiguous, so it is a flat loop over N = B * Sq * Hq * D elements.
 
-`torch.mul(dq_acc, scale, out=dq)` did the same in 67 us at 16k tokens x 2048 (H200): with an
-output dtype that differs from the input's, torch runs its unrolled (not vectorized) elementwise
-kernel. Here each thread reads 8 floats as two 16-byte loads and writes 8 16-bit values as one
-16-byte store, so the pass moves its 3 x 67 MB at close to DRAM bandwidth.
+`torch.mul(dq_acc, scale, out=dq)` into a narrower dtype runs torch's unrolled, not vectorized,
+elementwise kernel; here each thread reads 8 floats as two 16-byte loads and writes 8 16-bit
+values as one 16-byte store, close to DRAM bandwidth.
 
 Launched as a programmatic dependent of the main backward kernel (scheduled under its last
 wave); CTAs take the buffer last chunk first: the main kernel's last pairs added their dQ last,
@@ -32,26 +31,24 @@ MAX_ELEMENTS = 2**31 - VEC * THREADS  # 32-bit element indices
 def compile_kernel(dtype: torch.dtype, arch: str = "sm_90a", dump_dir: str | None = None):
     """cute.compile the kernel for the output dtype against a symbolic length (no GPU needed);
     cached per process (kernels/compile_cache.py). dump_dir: also keep the cubin there."""
-    if dump_dir is not None:
-        return _compile(dtype, arch, dump_dir)
     from .bwd_compile import cached_compile
 
-    return cached_compile(("sm90_bwd_dq_convert", arch, dtype), lambda jit=True: _compile(dtype, arch, None, jit))
+    build = lambda dump, jit=True: _compile(dtype, arch, dump, jit)  # noqa: E731
+    return cached_compile(("sm90_bwd_dq_convert", arch, dtype), build, dump_dir)
 
 
 def _compile(dtype: torch.dtype, arch: str, dump_dir: str | None, jit: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32
 
-    from .bwd_compile import compile_stream_and_options, cute_dtype
+    from .bwd_compile import compile_with_stream, cute_dtype
     from .bwd_dq_convert_kernel import ScaledNarrowKernel
 
     n = cute.sym_int(divisibility=VEC)
     src = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
     dst = cute.runtime.make_fake_tensor(cute_dtype(dtype), (n,), stride=(1,), assumed_align=16)
-    stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(ScaledNarrowKernel(cute_dtype(dtype)), src, dst, Float32(1.0), stream, options=options,
-                       no_jit_engine=not jit)
+    kernel = ScaledNarrowKernel(cute_dtype(dtype))
+    return compile_with_stream(kernel, (src, dst, Float32(1.0)), arch, dump_dir, jit)
 
 
 def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 

@@ -6,7 +6,11 @@ in registers for the whole walk, so GQA needs no reduction across CTAs; dQ contr
 KV tiles meet in a float32 buffer.
 
 Grid: one CTA per work tile (key tile, kv head, batch), or (`persistent`) one CTA per SM taking
-work tiles from a global counter; the next tile's loads overlap this tile's dK / dV epilogue.
+work tiles from a global counter (NOTES Experiment 55): the next tile's K / V loads overlap this
+tile's dK / dV epilogue, and the producer warp hands each tile to the other warps through a
+two-slot mailbox (common/tile_mailbox.py). With `split_tail` (common/split_tail.py) the last
+`split_items` work tiles run as `split_ways` pieces of consecutive query tiles; the last piece to
+finish adds the others' partial dK / dV into its own and runs the ordinary epilogue.
 
 Warp roles (384 threads):
   warpgroup 0  producer: one warp issues TMA for K, V (once) and, per step, Q, dO, LSE, dPsum
@@ -77,6 +81,10 @@ the dK / dV epilogue), bwd_scores.py (P and dS), bwd_dq.py (dQ into the fp32 buf
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -101,48 +109,43 @@ from .bwd_scores import BwdScores
 # Persistent: the warps that read each work tile from the mailbox (8 consumer warps, the dQ writer)
 _TILE_READERS = 9
 
+
+class WorkTile(NamedTuple):
+    """A work tile's sequence bookkeeping (_tile_walk), the same on every thread."""
+
+    n_block: Int32  # key tile
+    hkv: Int32
+    b: Int32
+    q_off: Int32  # varlen: the sequence's first packed row (0 dense)
+    k_off: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32  # keys used (seqused_k)
+    rows_k: Int32  # rows of this sequence in the k tensor: dK / dV rows to write
+    diag: Int32  # seqlen_k - seqlen_q (bottom-right alignment: key j visible up to row i + diag)
+    walk: object  # DenseQWalk / SparseQWalk over its query tiles
+    steps: Int32
+
+
 class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFused):
     threads = 384
     producer_regs = 24
     consumer_regs = 240
 
     def __init__(self, dtype, config: BwdConfig, mods=None):
-        """dtype: the cutlass input dtype; config: the variant (bwd_config.py); mods: the
-        torch_fa4.mods.registry.ModSet of config.mods_key (None without mods), its graphs inlined."""
-        c = config
+        """dtype: the cutlass input dtype; config: the variant (bwd_config.py), whose fields and
+        properties read as the kernel's own (__getattr__); mods: the torch_fa4.mods.registry.ModSet
+        of config.mods_key (None without mods), its graphs inlined."""
+        c = self.config = config
         self.dtype = dtype
-        # causal / right-window walks only: the deterministic turns need the key tiles to reach a
-        # query tile in key-tile order
-        self.descending_walk = c.descending_walk
-        self.tile_n = c.tile_n
-        # 128 queries per step: module docstring
+        self.d, self.dv = c.head_dim, c.head_dim_v
         assert c.tile_m in (64, 128)
         assert c.tile_m == 64 or (c.tile_n == 128 and max(c.head_dim, c.head_dim_v) <= 64 and not c.dq_in_ring)
-        self.tile_m = c.tile_m
         self.dq_split_rows = c.tile_m == 128
-        # dQ^T = K^T dS^T for its conflict-free slab stores (module docstring, "dQ transposed")
-        self.dq_transposed = c.dq_transposed
-        # Narrow variant (head dims 192, 256; 64-key block masks): dK and dV of 128 keys x 256
-        # dims would not fit in registers, so both warpgroups share 64 keys (module docstring).
-        self.narrow = c.narrow
-        self.stages = c.stages
-        # dQ staged in the consumed Q and dO buffers (module docstring, "Narrow variant")
-        self.dq_in_ring = c.dq_in_ring
         assert not c.dq_in_ring or (c.head_dim_v >= c.head_dim and c.stages == 2)
-        self.d = c.head_dim
-        self.dv = c.head_dim_v
-        self.group = c.group  # query heads per KV head
-        self.has_right = c.has_right  # mask keys right of the diagonal (+ window_right)
-        self.has_left = c.has_left
-        self.softcap = c.softcap
-        self.varlen = c.varlen
-        # Keys past seqlen_k are masked when the tensor holds more rows than the sequence uses
-        # (varlen: the next sequence; seqused_k: the unused cache) and when dense keys end inside
-        # a key tile: TMA zero-fills that tail's K and V, but its P = exp2(0 - lse2) is unbounded
-        # for rows whose scores are all very negative, so its dS can overflow the 16-bit operand
-        # (inf) and dS K would give inf * 0 = NaN in dQ (fp16 from lse2 < -16).
+        # Keys past seqlen_k are masked where the tensor holds more rows than the sequence uses
+        # (varlen: the next sequence; seqused_k: the unused cache) and where dense keys end inside
+        # a key tile (docs/INTERNALS.md: the zero-filled tail's P is unbounded, its dS overflows).
         self.mask_k = c.varlen or c.seqused_k or c.mask_key_tail
-        self.deterministic = c.deterministic
         self.score_graph = mods.score_graph if mods is not None else None
         self.mask_graph = mods.mask_graph if mods is not None else None
         # d score_mod / d score, traced from the score graph (None when it is 1 everywhere)
@@ -151,31 +154,23 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             self.grad_graph = mods.score_grad_graph
         self.num_score_aux = mods.num_score_aux if mods is not None else 0
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
-        # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P:
-        # tanh' (softcap) or score_mod' at the unmodified score.
+        # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P: tanh'
+        # (softcap) or score_mod' at the unmodified score; and at 128 queries, where P is formed
+        # in fp32 while dP^T is in flight and dV issued after dS otherwise (`p_under_dp`, module
+        # docstring).
         self.one_pass = c.softcap or self.score_graph is not None
-        # 128 queries per step: P in fp32 while dP^T is in flight, dV after dS (module docstring:
-        # the 64-query order needs 224 registers and ptxas serializes every wgmma). Softcap and
-        # score_mod (dS needs the unmodified score) form both after both products (one pass).
         self.p_under_dp = c.tile_m == 128 and not self.one_pass
         self.one_pass = self.one_pass or c.tile_m == 128
-        # dS^T goes to shared memory through stmatrix on the wide path (bwd_consumer: four
-        # addresses from one loop-invariant one, instead of one per 32-bit store).
-        # The 128-key variants (separate dQ slabs) issue dQ before dK and leave the dQ adds to a
-        # dedicated warp (module docstring). dQ staged in the ring (narrow) keeps the leader
-        # warps' adds, which also hand the stage back to the producer.
-        self.dq_under_dk = c.separate_dq_slabs
-        self.dq_writer_warp = c.separate_dq_slabs
+        # The 128-key variants issue dQ before dK and leave the dQ adds to a dedicated warp
+        # (module docstring); dQ staged in the ring (narrow) keeps the leader warps' adds, which
+        # also hand the stage back to the producer.
+        self.dq_under_dk = self.dq_writer_warp = c.separate_dq_slabs
         # With dq_under_dk nothing runs between issuing S^T / dP^T and waiting for them, so the
         # per-query LSE / dPsum loads from shared memory would sit on that path (short-scoreboard
         # stalls at the first exp2): load them into registers before the step's wgmmas instead
-        # (loads issued after them queue behind them and stall the same). 64-query wide two-pass
-        # path only (16 + 16 registers per thread; 32 + 32 at 128 queries).
-        # With the statistics in registers, dP^T's accumulator starts at -dPsum instead of 0, so
-        # dS = P * (dP - dPsum) is one multiply per element and the dPsum registers die before the
-        # P pass (`fold_dpsum`, NOTES Experiment 31).
-        self.prefetch_stats = self.dq_under_dk and c.tile_m == 64 and not self.one_pass
-        self.fold_dpsum = self.prefetch_stats
+        # (64-query wide two-pass path only). dP^T's accumulator then starts at -dPsum, so dS =
+        # P * (dP - dPsum) is one multiply per element (`fold_dpsum`, NOTES Experiment 31).
+        self.prefetch_stats = self.fold_dpsum = self.dq_under_dk and c.tile_m == 64 and not self.one_pass
         # Block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles.
         self.sparse = c.sparse is not None
         self.ratio_m, self.ratio_n = c.sparse if c.sparse is not None else (1, 1)
@@ -184,81 +179,51 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         assert not (self.sparse and c.deterministic), "deterministic mode walks densely"
         # Walks with a length / causal / window limit but no mask_mod: the steps that cross a
         # limit and those that do not in separate loops, each with one P / dS body
-        # (bwd_consumer._masked_and_unmasked_steps, NOTES Experiment 124); else one loop tests
-        # every step.
+        # (bwd_consumer._masked_and_unmasked_steps, NOTES Experiment 124).
         self.split_mask_loops = (not self.sparse and self.mask_graph is None
-                                 and (self.varlen or self.mask_k or self.has_right or self.has_left))
-        # Separate barriers for a stage's Q + LSE and its dO + dPsum (flash-attn-4 has separate
-        # pipelines): S^T is issued as soon as Q has landed, dP^T once dO has. 128-query variant
-        # only (no statistics prefetched before the products there).
+                                 and (c.varlen or self.mask_k or c.has_right or c.has_left))
         assert not c.split_ring or (c.tile_m == 128 and not self.prefetch_stats and not c.dq_in_ring)
-        self.split_ring = c.split_ring
-        # 128 queries: the dS^T stmatrix goes before dV's issue instead of after it, so the stores
-        # drain while dV's HGMMAs issue (issuing blocks until most of the product has run) and the
-        # async-proxy fence and dS^T barrier after them find them done (NOTES Experiment 54).
+        # 128 queries: the dS^T stmatrix goes before dV's issue, so the stores drain while dV's
+        # HGMMAs issue and the fence and barrier after them find them done (NOTES Experiment 54).
         self.dv_after_ds = c.tile_m == 128
         # dK / dV leave through shared memory and TMA stores (see __call__)
-        self.stage_dkdv = not c.varlen and not self.narrow
-        # Persistent: one CTA per SM taking the next work tile (the _cta_coords order) from a
-        # global counter. It saves the per-CTA fixed cost (NOTES Experiment 55): the next tile's
-        # K / V load while this tile's dK / dV are stored (staged in the dS^T slots, free after
-        # the last step), and no launch gap between tiles. The producer warp hands each tile to
-        # the other warps through a two-slot mailbox in shared memory (common/tile_mailbox.py).
-        self.persistent = c.persistent
+        self.stage_dkdv = not c.varlen and not c.narrow
         assert not c.persistent or (self.stage_dkdv and self.dq_writer_warp and not c.deterministic
                                     and not self.sparse and not c.dq_in_ring), "persistent: dense 128-key paths"
-        # Where the dS^T slots hold only one of dK / dV, dV's own buffer (where shared memory has
-        # room) lets both stores go out together instead of one after the other's TMA read.
-        self.own_dv_stage = c.own_dv_stage
-        # The key tile that completes a query tile's dQ writes that tile of dq (bwd_dq_fused.py):
-        # no conversion pass after the kernel.
-        self.fused_dq = c.fused_dq
-        # The split tail (common/split_tail.py): the last `split_items` work tiles run as
-        # `split_ways` pieces of consecutive query tiles; the last piece to finish adds the
-        # others' partial dK / dV into its own and runs the ordinary epilogue.
         assert not c.split_tail or (c.persistent and not self.sparse and not c.deterministic)
-        self.split_tail = c.split_tail
-        assert not c.fused_dq or (c.persistent and not self.varlen), "fused_dq: the persistent dense kernel"
+        assert not c.fused_dq or (c.persistent and not c.varlen), "fused_dq: the persistent dense kernel"
+
+    def __getattr__(self, name):
+        if name == "config":  # (not set yet)
+            raise AttributeError(name)
+        return getattr(self.config, name)
 
     # ------------------------------------------------------------------ host side (jit)
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D) or varlen (Tq, Hq, D)
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,  # (B, S, H, D) or (T, H, D)
         mLSE2: cute.Tensor,  # (B, Hq, Sq_pad) or (Hq, Tq_pad): lse * log2(e), +inf for empty rows
         mDpsum: cute.Tensor,  # same shape: rowsum(dO * O)
         mdQacc: cute.Tensor,  # (B, Hq, Sq, D) (any strides) or (Hq, Tq_pad, D) fp32, zeroed
-        mdK: cute.Tensor,  # shape of k, contiguous
-        mdV: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor,  # shapes of k, v, contiguous
         mdQ: cute.Tensor | None,  # fused_dq: dq (B, Sq, Hq, D) in the input dtype, written here
-        mCuQ: cute.Tensor | None,
-        mCuK: cute.Tensor | None,
-        mSeqUsedK: cute.Tensor | None,
+        mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mSeqUsedK: cute.Tensor | None,
         # int32, zeroed: (B, Hq, n_m_blocks) semaphores (deterministic), (B, Hq, 2 n_m_blocks + 3)
         # dQ counters, queue and tile counter (fused_dq, bwd_dq_fused.py), or the tile counter
         # alone (persistent); the tile counter is the first row's last element
         mSem: cute.Tensor | None,
         # split_tail: (split tiles * ways, values, 256) fp32 workspace of the pieces' partial dK /
         # dV (bwd_consumer), and (split tiles,) int32 piece counters, zeroed; else None
-        mSplitWs: cute.Tensor | None,
-        mSplitCnt: cute.Tensor | None,
+        mSplitWs: cute.Tensor | None, mSplitCnt: cute.Tensor | None,
         # transposed block mask (sparse only, else None), int32: (B', H', n_kv_blocks) counts and
         # (B', H', n_kv_blocks, n_q_blocks) query-block indices, partial then full (bwd_sparse.py)
-        mQNum: cute.Tensor | None,
-        mQIdx: cute.Tensor | None,
-        mFullQNum: cute.Tensor | None,
-        mFullQIdx: cute.Tensor | None,
-        scale: Float32,
-        scale_log2: Float32,
-        softcap_val: Float32,
-        window_left: Int32,
-        window_right: Int32,
+        mQNum: cute.Tensor | None, mQIdx: cute.Tensor | None,
+        mFullQNum: cute.Tensor | None, mFullQIdx: cute.Tensor | None,
+        scale: Float32, scale_log2: Float32, softcap_val: Float32,
+        window_left: Int32, window_right: Int32,
         max_seqlen_k: Int32,
-        cta_group: Int32,  # CTA order: groups of this many (kv head, batch) pairs (_cta_coords)
-        cta_tail: Int32,  # ... except the last this many pairs, one group (_cta_coords)
+        cta_tail: Int32,  # CTA order: the last this many (kv head, batch) pairs one group (_cta_coords)
         num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile); else unused
         split_items: Int32,  # split_tail: the last this many work tiles run as pieces (0: none)
         split_ways: Int32,  # ... of this many pieces each
@@ -268,35 +233,21 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux :]
         # Kernel views: sequence first, head dim second (the (M|N, K) order wgmma and TMA tile).
-        if const_expr(self.varlen):
-            # Packed sequences get a unit batch mode, so indexing is the dense path's; batches
-            # are then row offsets (domain_offset) into the packed rows.
-            unit = cute.make_layout(1, stride=0)
-            mQ, mK, mV, mdO, mdK, mdV = [
-                cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[0, 2, 1]), unit))
-                for t in (mQ, mK, mV, mdO, mdK, mdV)
-            ]  # (T, D, H, 1)
-            mLSE2, mDpsum = [
-                cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[1, 0]), unit))
-                for t in (mLSE2, mDpsum)
-            ]  # (T, H, 1)
-            mdQacc = cute.make_tensor(
-                mdQacc.iterator, cute.append(cute.select(mdQacc.layout, mode=[1, 2, 0]), unit)
-            )  # (T, D, H, 1)
-        else:
-            mQ, mK, mV, mdO, mdK, mdV = [
-                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                for t in (mQ, mK, mV, mdO, mdK, mdV)
-            ]  # (S, D, H, B)
-            if const_expr(self.fused_dq):
-                mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
-            mLSE2, mDpsum = [
-                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-                for t in (mLSE2, mDpsum)
-            ]  # (S, H, B)
-            mdQacc = cute.make_tensor(
-                mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0])
-            )  # (S, D, H, B)
+        # Packed sequences get a unit batch mode, so indexing is the dense path's; batches are
+        # then row offsets (domain_offset) into the packed rows.
+        unit = cute.make_layout(1, stride=0)
+
+        def view(t, varlen_modes, dense_modes):
+            if const_expr(self.varlen):
+                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
+            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
+
+        # (S, D, H, B) / varlen (T, D, H, 1)
+        mQ, mK, mV, mdO, mdK, mdV = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        if const_expr(self.fused_dq):
+            mdQ = view(mdQ, None, [1, 3, 2, 0])
+        mLSE2, mDpsum = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]  # (S, H, B) / (T, H, 1)
+        mdQacc = view(mdQacc, [1, 2, 0], [2, 3, 1, 0])  # (S, D, H, B) / (T, D, H, 1)
 
         tm, tn, d, dv, dt = self.tile_m, self.tile_n, self.d, self.dv, self.dtype
         # Shared-memory tiles. Q and dO are read K-major (S, dP) and transposed (dK, dV, full
@@ -315,36 +266,27 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # (narrow: slot 0 holds P^T, slot 1 dS^T, both read K-major as the A of dV / dK).
         sdS_layout = L.smem_layout(dt, tn, tm, 2, tm)
         if const_expr(self.dq_transposed):
-            # dQ^T: dS as (queries, keys), keys contiguous (128-byte swizzle), read K-major as dQ^T's B operand and
-            # written by transposing stmatrix.
+            # dQ^T: dS as (queries, keys), keys contiguous (128-byte swizzle), read K-major as
+            # dQ^T's B operand and written by transposing stmatrix.
             sdS_layout = L.smem_layout(dt, tm, tn, 2, tn)
         # dQ staging, one fp32 slab per consumer warpgroup, reduced into the fp32 global buffer
         # by one TMA add per slab (no per-element atomics): (tile_m, d/2) when the warpgroups
         # split the head dim, (tile_m/2, d) when they split the query rows (tile_m = 128).
         sdQ_layout = L.smem_layout(Float32, *self._dq_slab(), None, self._dq_slab()[1])
-        tma_dQ, tdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, self._dq_slab()
-        )
+        tma_dQ, tdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout,
+                                                  self._dq_slab())
+        load = functools.partial(cpasync.make_tiled_tma_atom, cpasync.CopyBulkTensorTileG2SOp())
         # fused_dq: a finished query tile of the fp32 buffer, loaded whole into a plain row-major
         # staging tile for the converter warps (their 16-byte reads are conflict-free)
-        sCvt_layout = cute.make_layout((tm, d), stride=(d, 1))
         fused = None
         if const_expr(self.fused_dq):
-            tma_cvt, tCvt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mdQacc, sCvt_layout, (tm, d))
+            tma_cvt, tCvt = load(mdQacc, cute.make_layout((tm, d), stride=(d, 1)), (tm, d))
             fused = (tma_cvt, tCvt, mdQ)
 
-        tma_Q, tQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d)
-        )
-        tma_dO, tdO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv)
-        )
-        tma_K, tK = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, sK_layout, (tn, d)
-        )
-        tma_V, tV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (tn, dv)
-        )
+        tma_Q, tQ = load(mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
+        tma_dO, tdO = load(mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv))
+        tma_K, tK = load(mK, sK_layout, (tn, d))
+        tma_V, tV = load(mV, sV_layout, (tn, dv))
         # dK / dV leave through the K / V buffers (free once the walk is over) and one TMA store
         # each, not direct stores of the accumulators (NOTES Experiment 37). Varlen keeps the
         # direct stores (a whole tile would overwrite the next sequence's first rows), and so do
@@ -353,13 +295,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if const_expr(self.stage_dkdv):
             tma_dK, mdK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
             tma_dV, mdV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, dv))
-        row_layout = cute.make_layout(tm)
-        tma_LSE, tLSE = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mLSE2, row_layout, (tm,)
-        )
-        tma_Dp, tDp = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mDpsum, row_layout, (tm,)
-        )
+        tma_LSE, tLSE = load(mLSE2, cute.make_layout(tm), (tm,))
+        tma_Dp, tDp = load(mDpsum, cute.make_layout(tm), (tm,))
 
         K_MAJ, MN_MAJ = OperandMajorMode.K, OperandMajorMode.MN
         if const_expr(self.narrow):
@@ -405,8 +342,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             bar_cnt: cute.struct.MemRange[cutlass.Int64, 4]
             cnt_slots: cute.struct.MemRange[Int32, 2]
             split_flag: cute.struct.MemRange[Int32, 2]  # split_tail: the piece counter handed round
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
-            sDp: cute.struct.Align[cute.struct.MemRange[Float32, self._stat_stage() * self.stages], 128]
+            # LSE / dPsum stages of tile_m fp32 each: 128-byte multiples, as TMA destinations need
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
+            sDp: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
@@ -422,51 +360,36 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             Fields.__annotations__["sdV_out"] = cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
         Storage = cute.struct(Fields)
 
-        num_kv_heads = mK.shape[2]
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
-        grid = (cute.ceil_div(max_seqlen_k, tn), num_kv_heads, batch)
+        grid = (cute.ceil_div(max_seqlen_k, tn), mK.shape[2], batch)  # (key tile, kv head, batch)
         if const_expr(self.persistent):
             grid = (num_ctas, 1, 1)
         self.kernel(
-            tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
+            (tQ, tK, tV, tdO, tLSE, tDp, tdQ, mdK, mdV),
+            (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV),
             mCuQ, mCuK, mSeqUsedK, mSem, (mSplitWs, mSplitCnt, split_items, split_ways),
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
-            mma_SdP, mma_dK, mma_dV, mma_dQ,
-            scale, scale_log2, softcap_val, window_left, window_right, cta_group, cta_tail,
-            num_ctas, score_aux, mask_aux, fused, Storage,
+            (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout),
+            (mma_SdP, mma_dK, mma_dV, mma_dQ), (scale, scale_log2, softcap_val, window_left, window_right),
+            cta_tail, num_ctas, score_aux, mask_aux, fused, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-        mLSE2: cute.Tensor, mDpsum: cute.Tensor, mdQacc: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor,
-        tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-        tma_dO: cute.CopyAtom, tma_LSE: cute.CopyAtom, tma_Dp: cute.CopyAtom,
-        tma_dQ: cute.CopyAtom, tma_dK, tma_dV,
-        mCuQ, mCuK, mSeqUsedK, mSem, split, q_lists,
-        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
-        mma_SdP: cute.TiledMma, mma_dK: cute.TiledMma, mma_dV: cute.TiledMma,
-        mma_dQ: cute.TiledMma,
-        scale: Float32, scale_log2: Float32, softcap_val: Float32,
-        window_left: Int32, window_right: Int32, cta_group: Int32, cta_tail: Int32,
-        num_ctas: Int32, score_aux, mask_aux, fused,
-        Storage: cutlass.Constexpr,
-    ):
+    def kernel(self, gmem, tmas, mCuQ, mCuK, mSeqUsedK, mSem, split, q_lists, layouts, mmas, scalars,
+               cta_tail: Int32, num_ctas: Int32, score_aux, mask_aux, fused,
+               Storage: cutlass.Constexpr):
+        """gmem: the TMA views of Q, K, V, dO, LSE2, dPsum and the dQ buffer, then dK, dV; tmas:
+        their atoms; scalars: scale, scale_log2, softcap_val, window_left, window_right."""
         tm = self.tile_m
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout = layouts
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(not self.persistent):  # (the persistent roles take their tiles in turn)
-            n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
+            n_block, hkv, b = self._cta_coords(cta_tail)
 
         if warp_idx == 0:
-            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ):
+            for atom in tmas[:7]:  # (dK, dV: stores, issued once)
                 cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
@@ -489,24 +412,19 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         else:
             sdQ_staged = cute.append(sdQ_layout.outer, cute.make_layout(2, stride=cute.cosize(sdQ_layout)))
             sdQ = st.sdQ.get_tensor(sdQ_staged, swizzle=sdQ_layout.inner)  # (slab rows, cols, wg)
-        stat_layout = cute.make_layout((tm, self.stages), stride=(1, self._stat_stage()))
-        sLSE = st.sLSE.get_tensor(stat_layout)
-        sDp = st.sDp.get_tensor(stat_layout)
+        stat_layout = cute.make_layout((tm, self.stages), stride=(1, tm))
+        sLSE, sDp = st.sLSE.get_tensor(stat_layout), st.sDp.get_tensor(stat_layout)
 
         bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + tm * 4
         bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + tm * 4
-        bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
-            self.dtype, sV_layout
-        )
-        def ring(barriers, tx_count):
+        bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+
+        def ring(barriers, tx_count):  # consumed by the 8 consumer warps
             return pipeline.PipelineTmaAsync.create(
-                barrier_storage=barriers.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # 8 warps
-                tx_count=tx_count,
+                barrier_storage=barriers.data_ptr(), num_stages=self.stages, tx_count=tx_count,
                 defer_sync=True,
-            )
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8))
 
         # the stage ring: Q, dO, LSE, dPsum behind one barrier; with split_ring `pipe` holds Q + LSE
         # and `pipe_do` dO + dPsum (same stages, same states)
@@ -535,55 +453,37 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if warp_idx != 0:
             cute.arch.griddepcontrol_wait()
 
+        # what the roles share (kernel's arguments, shared memory, the ring)
+        cta = SimpleNamespace(gmem=gmem, tmas=tmas, seqs=(mCuQ, mCuK, mSeqUsedK), mSem=mSem, q_lists=q_lists,
+                              smem=(sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp), mmas=mmas, scalars=scalars,
+                              ring=(pipe, pipe_do, bar_kv, bytes_kv), score_aux=score_aux, mask_aux=mask_aux)
         if const_expr(not self.persistent):
-            q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
-                mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right, n_block, hkv, b)
+            tile = self._tile_walk(cta, n_block, hkv, b)
             if warp_idx < 4:
                 # ================= producer warpgroup
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    self._produce(
-                        mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
-                        tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
-                        hkv, b, n_block, walk, steps, q_off, k_off,
-                    )
+                    self._produce(cta, tile)
                 if const_expr(self.dq_writer_warp):
                     if warp_idx == 1:
-                        self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
-                                       diag, window_left)
+                        self._write_dq(cta, tile)
             else:
                 # ================= consumer warpgroups
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self._consume(
-                    mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
-                    mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-                    window_left, window_right, hkv, b, n_block, walk, steps,
-                    seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
-                )
+                self._consume(cta, tile, tidx - 128)
         else:
-            self._persistent_roles(
-                warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split,
-                mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
-                tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
-                sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
-                sK_layout, sV_layout, mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-                window_left, window_right, score_aux, mask_aux, fused,
-            )
+            self._persistent_roles(cta, warp_idx, tidx, num_ctas, cta_tail, st, split, sK_layout, sV_layout,
+                                   fused)
 
     # ------------------------------------------------------------------ persistent
     @cute.jit
-    def _persistent_roles(
-        self, warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split,
-        mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, q_lists,
-        tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp, tma_dQ, tma_dK, tma_dV,
-        sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
-        sK_layout, sV_layout, mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-        window_left, window_right, score_aux, mask_aux, fused,
-    ):
+    def _persistent_roles(self, cta, warp_idx, tidx, num_ctas, cta_tail, st, split, sK_layout, sV_layout,
+                          fused):
         """The persistent kernel's three roles, each a loop over the work tiles this CTA takes.
         Every role computes a tile's walk itself (the same on every thread), so the producer,
         the consumers and the dQ writer agree on its steps; K / V barrier phases count only the
         tiles with steps (an empty tile loads nothing and stores zeros)."""
+        mQ, mK, mSem = cta.gmem[0], cta.gmem[1], cta.mSem
         n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         heads, batches = mK.shape[2], mK.shape[3]
         total = n_blocks * heads * batches  # work items (with a split tail, pieces count one each)
@@ -591,13 +491,12 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if const_expr(self.split_tail):
             split_items, split_ways = split[2], split[3]
             total = total + split_items * (split_ways - 1)
-        tiles = (n_blocks, heads, batches, cta_group, cta_tail, split_items, split_ways)
+        tiles = (n_blocks, heads, batches, cta_tail, split_items, split_ways)
         bar_sched = st.bar_sched.data_ptr()
         bar_kv_empty = st.bar_kv_empty.data_ptr()
         sTile = st.sched_tile.get_tensor(cute.make_layout(2))
-        # the tile counter: the last element of the semaphore argument's first row (bwd_buffers.counter_shape)
+        # the tile counter: the semaphore argument's first row's last element (bwd_buffers.persistent_shapes)
         counter = mSem.iterator + cute.crd2idx((0, 0, mSem.shape[2] - 1), mSem.layout)
-        walk_args = (mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -607,15 +506,9 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 kv_iter = Int32(0)
                 while t < total:
                     publish_item(bar_sched, sTile, i, t)
-                    n_block, hkv, b, piece, _ = self._item_coords(t, tiles)
-                    q_off, k_off, _, _, _, _, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b,
-                                                                            piece, split_ways)
-                    state = self._produce(
-                        mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE,
-                        tma_Dp, sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv,
-                        hkv, b, n_block, walk, steps, q_off, k_off, state, kv_iter, bar_kv_empty,
-                    )
-                    if steps > 0:
+                    tile, _, _ = self._work_item(cta, t, tiles)
+                    state = self._produce(cta, tile, state, kv_iter, bar_kv_empty)
+                    if tile.steps > 0:
                         kv_iter += 1
                     t = next_item(counter, num_ctas)
                     i += 1
@@ -627,44 +520,42 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 passed = Int32(0)  # fused_dq: query tiles handed to the counting warp
                 t = read_item(bar_sched, sTile, i)
                 while t < total:
-                    n_block, hkv, b, piece, _ = self._item_coords(t, tiles)
-                    q_off, _, _, _, _, diag, walk, steps = self._tile_walk(*walk_args, n_block, hkv, b, piece,
-                                                                           split_ways)
+                    tile, _, _ = self._work_item(cta, t, tiles)
                     if const_expr(self.fused_dq):
                         n_m = (mSem.shape[2] - 3) // 2
-                        passed = self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off,
-                                                diag, window_left, (mSem.shape[1], n_m, cnt_bar, cnt_slots, passed))
+                        passed = self._write_dq(cta, tile, (mSem.shape[1], n_m, cnt_bar, cnt_slots, passed))
                     else:
-                        self._write_dq(mdQacc, tma_dQ, mSem, sdQ, hkv, b, n_block, walk, steps, q_off, diag,
-                                       window_left)
+                        self._write_dq(cta, tile)
                     i += 1
                     t = read_item(bar_sched, sTile, i)
                 if const_expr(self.fused_dq):
                     publish_item(cnt_bar, cnt_slots, passed, Int32(-1))  # the counting warp stops
             if const_expr(self.fused_dq):
+                window_left, window_right = cta.scalars[3], cta.scalars[4]
                 if warp_idx == COUNT_WARP:
                     self._count_dq_tiles(mSem, cnt_bar, cnt_slots, mQ.shape[0], mK.shape[0], window_left, window_right)
                 if warp_idx == CVT_WARP:
                     tma_cvt, tCvt, mdQ = fused
                     sCvt = st.sCvt.get_tensor(cute.make_layout((self.tile_m, self.d), stride=(self.d, 1)))
                     self._convert_dq_tiles(tCvt, mdQ, mSem, tma_cvt, sCvt, st.cvt_job.get_tensor(cute.make_layout(2)),
-                                           st.bar_cvt.data_ptr(), Int32(0), scale, tidx - 32 * CVT_WARP)
+                                           st.bar_cvt.data_ptr(), Int32(0), cta.scalars[0],
+                                           tidx - 32 * CVT_WARP)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            sdS = cta.smem[4]
             # dK / dV staged in the dS^T slots: both at once where K and V share one layout (the
-            # second slot takes dV in sK's layout, and tma_dV expects sV's) and both fit, else one
-            # after the other, each in its own layout. K's swizzle follows the dQ operand: 128 bytes
-            # at 128 queries (dq_split_rows), 64 bytes otherwise, while V's is 128 at D64: the
-            # 64-query D64 variant staged at once gave a scrambled dV on an H100 (NOTES Exp. 56).
-            both = (self.dq_split_rows and self.d == self.dv
-                    and cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout))
-            assert cute.cosize(sdS.layout) >= cute.cosize(sK_layout) and cute.cosize(sdS.layout) >= cute.cosize(sV_layout)
+            # second slot takes dV in sK's layout, and tma_dV expects sV's) and both fit
+            # (BwdConfig.dkdv_share_slots), else one after the other, each in its own layout, or dV
+            # in its own buffer (own_dv_stage). K's swizzle follows the dQ operand: 128 bytes at 128
+            # queries (dq_split_rows), 64 bytes otherwise, while V's is 128 at D64: the 64-query D64
+            # variant staged at once gave a scrambled dV on an H100 (NOTES Exp. 56).
+            assert cute.cosize(sdS.layout) >= max(cute.cosize(sK_layout), cute.cosize(sV_layout))
+            both = self.dkdv_share_slots or self.own_dv_stage
             if const_expr(self.own_dv_stage):
-                assert not both, "own_dv_stage where the dS^T slots already take dK and dV"
-                both = True
                 s_out = (st.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
                          st.sdV_out.get_tensor(sV_layout.outer, swizzle=sV_layout.inner))
-            elif const_expr(both):
+            elif const_expr(self.dkdv_share_slots):
+                assert cute.cosize(sdS.layout) >= 2 * cute.cosize(sK_layout)
                 two = cute.append(sK_layout.outer, cute.make_layout(2, stride=cute.cosize(sK_layout)))
                 s_pair = st.sdS.get_tensor(two, swizzle=sK_layout.inner)
                 s_out = (s_pair[None, None, 0], s_pair[None, None, 1])
@@ -677,33 +568,28 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             t = read_item(bar_sched, sTile, i)
             split_flag = st.split_flag.get_tensor(cute.make_layout(2))
             while t < total:
-                n_block, hkv, b, piece, split_index = self._item_coords(t, tiles)
+                tile, piece, split_index = self._work_item(cta, t, tiles)
                 # a piece's end (bwd_consumer): workspace, counters, the shared flag, its place
                 piece_end = None
                 if const_expr(self.split_tail):
                     piece_end = (split[0], split[1], split_flag, piece, split_index, split_ways)
-                q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps = self._tile_walk(
-                    *walk_args, n_block, hkv, b, piece, split_ways)
-                state = self._consume(
-                    mdQacc, tma_dQ, mdK, mdV, tma_dK, tma_dV, mSem, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp, pipe, pipe_do, bar_kv,
-                    mma_SdP, mma_dK, mma_dV, mma_dQ, scale, scale_log2, softcap_val,
-                    window_left, window_right, hkv, b, n_block, walk, steps,
-                    seqlen_q, seqlen_k, rows_k, diag, q_off, k_off, tidx - 128, score_aux, mask_aux,
-                    state, kv_iter, bar_kv_empty, s_out, both, piece_end,
-                )
-                if steps > 0:
+                state = self._consume(cta, tile, tidx - 128, state, kv_iter, bar_kv_empty, s_out, both,
+                                      piece_end)
+                if tile.steps > 0:
                     kv_iter += 1
                 i += 1
                 t = read_item(bar_sched, sTile, i)
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _tile_walk(self, mQ, mK, mCuQ, mCuK, mSeqUsedK, q_lists, window_left, window_right,
-                   n_block, hkv, b, piece=None, ways=None):
-        """A work tile's sequence bookkeeping (the same on every thread): (q_off, k_off, seqlen_q,
-        seqlen_k, rows_k, diag, walk over its query tiles, steps). split_tail: `piece` >= 0 of
-        `ways` walks its share of the tile's query tiles (consecutive ones; -1: the whole tile)."""
+    def _tile_walk(self, cta, n_block, hkv, b, piece=None, ways=None) -> WorkTile:
+        """Work tile (n_block, hkv, b)'s bookkeeping, the same on every thread. split_tail:
+        `piece` >= 0 of `ways` walks its share of the tile's query tiles (consecutive ones; -1:
+        the whole tile)."""
         tm, tn = self.tile_m, self.tile_n
+        mQ, mK = cta.gmem[0], cta.gmem[1]
+        mCuQ, mCuK, mSeqUsedK = cta.seqs
+        window_left, window_right = cta.scalars[3], cta.scalars[4]
         q_off = Int32(0)
         k_off = Int32(0)
         if const_expr(self.varlen):
@@ -714,10 +600,10 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         else:
             seqlen_q = mQ.shape[0]
             seqlen_k = mK.shape[0]
-        rows_k = seqlen_k  # rows of this sequence in the k tensor: dK/dV rows to write
+        rows_k = seqlen_k
         if const_expr(mSeqUsedK is not None):
             seqlen_k = mSeqUsedK[b]
-        diag = seqlen_k - seqlen_q  # bottom-right alignment: key j visible up to row i + diag
+        diag = seqlen_k - seqlen_q
         n0 = n_block * tn
         n1 = cutlass.min(n0 + tn, seqlen_k)
         # Query rows that see any key of [n0, n1).
@@ -738,63 +624,50 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 m_lo = m_lo + first
                 n_m = n_m * (piece + 1) // ways - first
         if const_expr(self.sparse):
-            walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
+            walk = SparseQWalk(*cta.q_lists, b, hkv, n_block, n0 < seqlen_k, self.group,
                                self.ratio_m, self.ratio_n)
         else:
             walk = DenseQWalk(m_lo, n_m, self.group, self.descending_walk)
-        steps = walk.count
-        return q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, steps
+        return WorkTile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, walk, walk.count)
 
     @cute.jit
-    def _item_coords(self, t, tiles):
-        """(key tile, kv head, batch, piece, split index) of persistent work item t: items below
-        the split tail are whole tiles (piece -1); the tail's items are the last `split_items`
-        tiles' pieces, piece-fastest (tiles = _persistent_roles' bookkeeping tuple)."""
-        n_blocks, heads, batches, cta_group, cta_tail, split_items, ways = tiles
-        tile = t
+    def _work_item(self, cta, t, tiles):
+        """(WorkTile, piece, split index) of persistent work item t: items below the split tail
+        are whole tiles (piece -1); the tail's items are the last `split_items` tiles' pieces,
+        piece-fastest (tiles = _persistent_roles' bookkeeping tuple)."""
+        n_blocks, heads, batches, cta_tail, split_items, ways = tiles
+        item = t
         piece = Int32(-1)
         split_index = Int32(0)
         if const_expr(self.split_tail):
-            tile, piece, split_index = split_unit(t, n_blocks * heads * batches, split_items, ways)
-        n_block, hkv, b = self._tile_coords(tile, n_blocks, heads, batches, cta_group, cta_tail)
-        return n_block, hkv, b, piece, split_index
+            item, piece, split_index = split_unit(t, n_blocks * heads * batches, split_items, ways)
+        n_block, hkv, b = self._tile_coords(item, n_blocks, heads, batches, cta_tail)
+        return self._tile_walk(cta, n_block, hkv, b, piece, ways), piece, split_index
 
     @cute.jit
-    def _cta_coords(self, cta_group, cta_tail):
-        """(key tile, kv head, batch) of this CTA. The hardware starts CTAs in linear order (x
-        fastest). With cta_group = G that order runs over groups of G (kv head, batch) pairs, key
-        tiles outermost within a group: under a causal mask the first key tiles walk the most
-        query tiles, so each group's longest CTAs start first (no long CTA left for the tail),
-        while the group's CTAs still run together and share the query tiles they load.
-        G = 1 is the plain order (one pair's key tiles in a row). The last cta_tail pairs form
-        one group of their own whatever G is: only their longest CTAs need to start early, and
-        grouping only them keeps the other pairs' CTAs together in L2 (1: no tail group)."""
+    def _cta_coords(self, cta_tail):
+        """(key tile, kv head, batch) of this CTA. CTAs start in linear order (x fastest): one
+        (kv head, batch) pair's key tiles in a row, but the last cta_tail pairs form one group,
+        key tiles outermost: under a causal mask the first key tiles walk the most query tiles,
+        so the tail pairs' longest CTAs start early (1: no tail group)."""
         bx, by, bz = cute.arch.block_idx()
         n_blocks, heads, batches = cute.arch.grid_dim()
-        return self._tile_coords(bx + n_blocks * (by + heads * bz), n_blocks, heads, batches,
-                                 cta_group, cta_tail)
+        return self._tile_coords(bx + n_blocks * (by + heads * bz), n_blocks, heads, batches, cta_tail)
 
     @cute.jit
-    def _tile_coords(self, lin, n_blocks, heads, batches, cta_group, cta_tail):
+    def _tile_coords(self, lin, n_blocks, heads, batches, cta_tail):
         """(key tile, kv head, batch) of work tile `lin` in the order _cta_coords describes (the
         persistent kernel walks the same order through its tile counter): common.tile_scheduler
-        .grouped_order, which orders the forward's work items too."""
+        .grouped_order with groups of one pair, which orders the forward's work items too."""
         pairs = heads * batches
-        n_block, pair = grouped_order(lin, n_blocks, pairs, cta_group, cutlass.max(cta_tail, 1))
+        n_block, pair = grouped_order(lin, n_blocks, pairs, Int32(1), cutlass.max(cta_tail, 1))
         return n_block, pair % heads, pair // heads
-
-    def _stat_stage(self):
-        """fp32 elements per ring stage of the LSE / dPsum buffers: tile_m rounded up to 128 bytes,
-        the alignment a TMA destination in shared memory needs."""
-        return -(-self.tile_m // 32) * 32
 
     @cute.jit
     def _stat_row_offset(self, q_off, b):
         """Where sequence b's LSE / dPsum rows start. Dense: 0. Varlen: its first row q_off moved
-        down to a whole query tile, past the previous sequence's rows (bwd_row_stats.stat_row_offsets, the
-        host's copy of this formula, lays them out so): a TMA load whose first element along the
-        contiguous mode is not 16-byte aligned stops the kernel with an illegal instruction, and
-        fp32 rows are aligned only at multiples of 4 (NOTES Experiment 160)."""
+        down to a whole query tile, b tiles further on (the host's copy of this formula:
+        bwd_row_stats.stat_row_offsets): a TMA load of fp32 rows must start 16-byte aligned."""
         off = q_off
         if const_expr(self.varlen):
             off = (q_off + b * self.tile_m) // self.tile_m * self.tile_m

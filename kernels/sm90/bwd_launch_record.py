@@ -31,9 +31,7 @@ class LaunchRecord(NamedTuple):
     convert: Optional[object]  # the compiled dq conversion (None: the kernel writes dq itself)
     stats_shape: tuple  # (2, B, Hq, rows) / varlen (2, Hq, rows): lse2 and dpsum in one buffer
     dq_acc_shape: tuple  # (B, Sq, Hq, D) / varlen (1, T, Hq, D) fp32
-    counter_shape: Optional[tuple]  # the persistent kernel's counters (None: not persistent)
-    split_shape: Optional[tuple]  # the split tail's partial dK / dV (None: no split)
-    split_counters: int  # the split tail's piece counters, after the counter block
+    persistent_shapes: tuple  # bwd_buffers.persistent_shapes
     scalars: tuple  # the main kernel's arguments after its tensors
     scale: float
     stat_tile: int  # varlen: the query tile the statistics' per-sequence offsets align to (else 0)
@@ -73,12 +71,9 @@ def run(call, dout, out, lse, dq, dk, dv, deterministic: bool, tuning) -> bool:
 
 def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
     device = call.q.device
-    split_ws = counter = split_cnt = cu_q = cu_k = None
-    if record.split_shape is not None:
-        split_ws = torch.empty(record.split_shape, dtype=torch.float32, device=device)
-    if record.counter_shape is not None:
-        counter, split_cnt = bwd_buffers.zeroed_counters(record.counter_shape, record.split_counters, device)
-    dq_acc_rows = torch.empty(record.dq_acc_shape, dtype=torch.float32, device=device)
+    cu_q = cu_k = None
+    counter, split_ws, split_cnt = bwd_buffers.persistent_buffers(record.persistent_shapes, device)
+    dq_acc_rows, dq_acc = bwd_buffers.dq_buffer(record.dq_acc_shape, call.is_varlen, device)
     stats = torch.empty(record.stats_shape, dtype=torch.float32, device=device)
     lse2, dpsum = stats.unbind(0)
     bwd_prepare.launch(record.row_statistics, dout, out, lse, lse2, dpsum, dq_acc_rows)
@@ -86,10 +81,7 @@ def _launch(record: LaunchRecord, call, dout, out, lse, dq, dk, dv) -> None:
         from torch_fa4.kernels.sm90.bwd_row_stats import varlen_stat_layout
 
         lse2, dpsum = varlen_stat_layout(call, stats, record.stat_tile)
-        dq_acc = dq_acc_rows[0].transpose(0, 1)
         cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
-    else:
-        dq_acc = dq_acc_rows.transpose(1, 2)
     dq_out = _tma_view(dq) if record.convert is None else None
     record.main(_tma_view(call.q), _tma_view(call.k), _tma_view(call.v), _tma_view(dout), lse2, dpsum, dq_acc,
                 _tma_view(dk), _tma_view(dv), dq_out, cu_q, cu_k, None, counter, split_ws, split_cnt,
@@ -108,7 +100,6 @@ def _derive(call, dout, out, lse, dq, dk, dv, tuning):
         return _NOT_RECORDED
     plan = bwd.launch_plan(call, bwd.variant_key(call, False), tuning)
     key = plan.key
-    q = call.q
     if (key.sparse is not None or not _on_gpu(dout) or not bwd.tma_compatible(dout)
             or bwd_prepare.unsupported_reason(dout, out, lse) is not None):
         return _NOT_RECORDED
@@ -116,8 +107,8 @@ def _derive(call, dout, out, lse, dq, dk, dv, tuning):
                                   for cu in (call.cu_seqlens_q, call.cu_seqlens_k)):
         return _NOT_RECORDED  # (the general path converts them per call)
     # the dQ buffer every call allocates (bwd.backward's), once here for the passes' checks
-    dq_acc_shape = ((1, *q.shape[:2]) if call.is_varlen else q.shape[:3]) + (call.head_dim,)
-    dq_acc = torch.empty(dq_acc_shape, dtype=torch.float32, device=q.device)
+    dq_acc_shape = bwd_buffers.dq_buffer_shape(call)
+    dq_acc = torch.empty(dq_acc_shape, dtype=torch.float32, device=call.q.device)
     if not bwd_prepare.dq_zeroing_takes(dq_acc, dout):
         return _NOT_RECORDED
     convert = None
@@ -129,15 +120,11 @@ def _derive(call, dout, out, lse, dq, dk, dv, tuning):
         return _NOT_RECORDED
     tile_m = key.tile_m
     row_statistics = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], d_zero=call.head_dim)
-    split_shape = None
-    if key.split_tail:
-        split_shape = bwd_buffers.split_workspace_shape(call, key, plan.split_items, plan.ways)
-    counter_shape = bwd_buffers.counter_shape(call, key) if key.persistent else None
     scalars = (*bwd.main_scalars(call, plan), *[None] * bwd.MAX_AUX)
     stats_shape = (2, *lse.shape[:-1], stat_rows(call, tile_m))
     return LaunchRecord(bwd.compile_variant(key), row_statistics, convert, stats_shape, dq_acc_shape,
-                        counter_shape, split_shape, bwd_buffers.split_counters(key, plan.split_items),
-                        scalars, float(call.scale), tile_m if call.is_varlen else 0)
+                        bwd_buffers.persistent_shapes(call, plan), scalars, float(call.scale),
+                        tile_m if call.is_varlen else 0)
 
 
 def _on_gpu(t: torch.Tensor) -> bool:

@@ -32,34 +32,22 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None, swizzle_width: 
     it. A tile also read transposed (MN-major) by a wgmma that splits `cols` between warpgroups
     needs an atom no wider than each warpgroup's share, hence the explicit width.
     """
-    atom = warpgroup.make_smem_layout_atom(
-        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, swizzle_width), dtype
-    )
+    atom = hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, swizzle_width)
+    atom = warpgroup.make_smem_layout_atom(atom, dtype)
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
 
 
 def make_mma(dtype, a_major, b_major, atom_layout, tile_mn, a_in_registers: bool = False):
-    return hopper.make_trivial_tiled_mma(
-        dtype,
-        dtype,
-        a_major,
-        b_major,
-        cutlass.Float32,
-        atom_layout_mnk=atom_layout,
-        tiler_mn=tile_mn,
-        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
-    )
+    source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
+    return hopper.make_trivial_tiled_mma(dtype, dtype, a_major, b_major, cutlass.Float32,
+                                         atom_layout_mnk=atom_layout, tiler_mn=tile_mn, a_source=source)
 
 
 def _ptr_swizzle(ptr):
     """(bits, base, shift) of a swizzled pointer's Sw<B,M,S> (byte units), None if unswizzled."""
     m = re.search(r"S<(\d+),(\d+),(\d+)>", str(ptr.type))
     return tuple(int(g) for g in m.groups()) if m else None
-
-
-def _swizzle_static(x: int, bits: int, base: int, shift: int) -> int:
-    return x ^ ((x >> shift) & (((1 << bits) - 1) << base))
 
 
 def _swizzled_bases(dst_ptr, lows, thread_offsets, align, extra_bytes=None):
@@ -87,7 +75,7 @@ def _swizzled_bases(dst_ptr, lows, thread_offsets, align, extra_bytes=None):
                 phys0 = t ^ ((t >> shift) & ymask)
                 if extra_bytes is not None:
                     phys0 = phys0 + extra_bytes
-            phys = phys0 ^ _swizzle_static(l, bits, base, shift) if l else phys0
+            phys = phys0 ^ (l ^ ((l >> shift) & ymask)) if l else phys0  # swz(l), static
         else:
             a = t + l
             phys = a ^ ((a >> shift) & ymask)

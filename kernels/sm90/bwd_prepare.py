@@ -49,19 +49,17 @@ def compile_kernel(dtype: torch.dtype, dv: int, arch: str = "sm_90a", dump_dir: 
 
     Cached per process (kernels/compile_cache.py); dump_dir: also keep the cubin there (always
     compiles, bypassing the cache)."""
-    if dump_dir is not None:
-        return _compile(dtype, dv, arch, dump_dir, d_zero)
     from .bwd_compile import cached_compile
 
     return cached_compile(("sm90_bwd_prepare", arch, dtype, dv, d_zero),
-                          lambda jit=True: _compile(dtype, dv, arch, None, d_zero, jit))
+                          lambda dump, jit=True: _compile(dtype, dv, arch, dump, d_zero, jit), dump_dir)
 
 
 def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zero: int = 0, jit: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32
 
-    from .bwd_compile import compile_stream_and_options, cute_dtype
+    from .bwd_compile import compile_with_stream, cute_dtype
     from .bwd_prepare_kernel import RowStatisticsKernel
 
     sym, s64 = cute.sym_int, cute.sym_int64
@@ -72,27 +70,28 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
         return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
 
     cdt = cute_dtype(dtype)
-    dout = fake(cdt, (b, s, h, dv), (al(), al(), al(), 1), 16)
-    out = fake(cdt, (b, s, h, dv), (al(), al(), al(), 1), 16)
+    dout, out = (fake(cdt, (b, s, h, dv), (al(), al(), al(), 1), 16) for _ in range(2))
     lse = fake(Float32, (b, h, s), (s64(), s64(), s64()), 4)  # slices of per-sequence views
-    lse2 = fake(Float32, (b, h, rows), (s64(), s64(), 1), 4)
-    dpsum = fake(Float32, (b, h, rows), (s64(), s64(), 1), 4)
+    lse2, dpsum = (fake(Float32, (b, h, rows), (s64(), s64(), 1), 4) for _ in range(2))
     dq_acc = None
     if d_zero:
         a4 = lambda: s64(divisibility=ZERO_VEC)
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
-    stream, options = compile_stream_and_options(arch, dump_dir)
-    return cute.compile(RowStatisticsKernel(cdt, dv, d_zero), dout, out, lse, lse2, dpsum, dq_acc, stream,
-                        options=options, no_jit_engine=not jit)
+    args = (dout, out, lse, lse2, dpsum, dq_acc)
+    return compile_with_stream(RowStatisticsKernel(cdt, dv, d_zero), args, arch, dump_dir, jit)
 
 
 # ---- host side ------------------------------------------------------------------------------------
 
 def _vector_ready(t: torch.Tensor) -> bool:
     """16-byte loads along the last dim: unit last stride, 16-byte base, 8-element strides."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
+    strides = t.stride()
+    if strides[-1] != 1 or t.data_ptr() % 16:
         return False
-    return all(st > 0 and st % VEC == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+    for n, st in zip(t.shape, strides[:-1]):  # a plain loop: this runs several times per call
+        if n > 1 and (st <= 0 or st % VEC):
+            return False
+    return True
 
 
 def _packed_size_one_strides(t: torch.Tensor) -> torch.Tensor:
@@ -125,10 +124,8 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
             return f"{name} cannot be read in 16-byte vectors (strides {t.stride()})"
     if dout.numel() == 0:
         return "empty"
-    if dout.dim() == 4 and max(dout.shape[0], dout.shape[2]) > 65535:
+    if max(lse.shape[:-1]) > 65535:  # (B, H) or (H,): the grid's z, y
         return "batch or heads beyond the grid's y/z limit (65535)"
-    if dout.dim() == 3 and dout.shape[1] > 65535:
-        return "heads beyond the grid's y limit (65535)"
     return None
 
 

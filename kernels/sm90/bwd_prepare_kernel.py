@@ -67,7 +67,7 @@ class RowStatisticsKernel:
                 cute.autovec_copy(o_vecs[None, part + j * THREADS_PER_ROW], r_o[None, j])
             if const_expr(self.d_zero > 0):
                 # the backward's dQ buffer row, zeroed while the loads are in flight (a separate
-                # fill pass cost one more launch and ~30 us at 16k tokens x 2048 on an H200)
+                # fill pass costs one more launch and a pass over the buffer)
                 z_vecs = cute.logical_divide(dq_acc[b, row, h, None], cute.make_layout(ZERO_VEC))
                 zero = cute.make_rmem_tensor((ZERO_VEC,), Float32)
                 zero.fill(0.0)

@@ -16,16 +16,17 @@ class BwdProducer:
     """Producer-warp methods of Sm90AttentionBackward (a mixin: they read its configuration)."""
 
     @cute.jit
-    def _produce(
-        self, mQ, mK, mV, mdO, mLSE2, mDpsum, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp,
-        sQ, sK, sV, sdO, sLSE, sDp, pipe, pipe_do, bar_kv, bytes_kv: cutlass.Constexpr,
-        hkv, b, n_block, walk, steps, q_off, k_off, state=None, kv_iter=None, bar_kv_empty=None,
-    ):
+    def _produce(self, cta, tile, state=None, kv_iter=None, bar_kv_empty=None):
         """K / V once, then Q, dO, LSE, dPsum per step into the ring. Persistent: `state` carries
         the ring over tiles (returned); the K / V load of the tile's kv_iter-th use of the
         buffers waits until both consumer warpgroups are done with the previous one, so it comes
         after the tile's first `stages` - 1 ring loads, which only need the previous tile's last
         steps to have freed their stages."""
+        mQ, mK, mV, mdO, mLSE2, mDpsum = cta.gmem[:6]
+        tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dp = cta.tmas[:6]
+        sQ, sK, sV, sdO, _, _, sLSE, sDp = cta.smem
+        pipe, pipe_do, bar_kv, bytes_kv = cta.ring
+        n_block, hkv, b, q_off, k_off, _, _, _, _, walk, steps = tile
         tm, tn = self.tile_m, self.tile_n
         one = cute.make_layout(1)
         # K and V once.

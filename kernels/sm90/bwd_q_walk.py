@@ -90,14 +90,11 @@ class SparseQWalk(DynamicState):
     def start(self):
         return Int32(0), Int32(0)
 
-    def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
-        return self.tile(step)
-
     def advance(self, cur_h: Int32, cur_m: Int32):
         return cur_h, cur_m
 
     @cute.jit
-    def tile(self, step: Int32):
+    def at(self, step: Int32, cur_h: Int32, cur_m: Int32):
         """(h_local, m_block, partial): partial says whether mask_mod must be evaluated."""
         h_local = Int32(0)
         start = self.starts[0]

@@ -49,11 +49,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
     if zero_dq is not None:
         zero_dq.zero_()
     lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
-    dpsum = (dout.float() * out.float()).sum(-1)  # (B, Sq, Hq) or (Tq, Hq)
-    if call.is_varlen:
-        dpsum = dpsum.transpose(0, 1)  # (Hq, Tq)
-    else:
-        dpsum = dpsum.transpose(1, 2)  # (B, Hq, Sq)
+    dpsum = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (B, Hq, Sq) or (Hq, Tq)
     lse2, dpsum = _pad_rows(lse2, rows, math.inf), _pad_rows(dpsum, rows, 0.0)
     if call.is_varlen:
         lse2, dpsum = varlen_stat_layout(call, torch.stack((lse2, dpsum)), tile_m)

@@ -26,51 +26,36 @@ class BwdScores:
         t_q, c0 = cS[1], cS[3]
         return [s_stat[t_q + c0[0, c][1], stage] for c in range(cute.size(S, mode=[1]))]
 
-    def _score_emitter(self, cS, row0, key0, seqlen_q, seqlen_k, mod_ctx):
-        """The score_mod's FragmentEmitter for this thread's S^T fragment (keys along rows, queries
-        along columns; `FragmentPositions.transposed`): the mod's values are hoisted per query,
-        key or distinct offset as in the forward (kernels/common/mod_fragment). Indices that feed
-        a captured tensor's load are clamped into the sequence."""
-        t_key, t_q, c0 = cS[0], cS[1], cS[3]
-        pos = FragmentPositions.transposed(c0, row0 + t_q, key0 + t_key)
-        b, h, score_aux = mod_ctx[0], mod_ctx[1], mod_ctx[2]
-        return FragmentEmitter(self.score_graph, pos, b, h, score_aux, None,
-                               cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0))
-
     @cute.jit
-    def _p_and_ds(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                  window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None,
-                  limits: cutlass.Constexpr = None):
+    def _p_and_ds(self, S, dP, at, lse_vals=None, limits: cutlass.Constexpr = None):
         """P^T in place of S^T (masked, softcapped); with dP given, dS^T in place of dP^T too.
 
         Only tiles that cross a mask boundary pay for the per-element test; the mask_mod runs on
         every tile of a dense walk, and on the partial tiles only of a block-sparse walk.
         limits (walks without a block mask or mask_mod): None tests here whether this tile
-        crosses a limit; True / False say that it does / does not (split_mask_loops)."""
-        args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+        crosses a limit; True / False say that it does / does not (split_mask_loops).
+        at: (cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag, window_left, window_right,
+        scale, scale_log2, softcap_val, mod_ctx) of the step (bwd_consumer._step)."""
         if const_expr(self.mask_graph is not None and not self.sparse):
-            self._p_and_ds_tile(*args, True, True, lse_vals)
+            self._p_and_ds_tile(S, dP, at, True, True, lse_vals)
         elif const_expr(self.sparse):
-            partial = mod_ctx[4]
+            partial = at[-1][4]
             if partial:
-                self._p_and_ds_tile(*args, True, True, lse_vals)
+                self._p_and_ds_tile(S, dP, at, True, True, lse_vals)
             else:
-                self._p_and_ds_limits(*args, lse_vals)
+                self._p_and_ds_limits(S, dP, at, lse_vals)
         elif const_expr(limits is None):
-            self._p_and_ds_limits(*args, lse_vals)
+            self._p_and_ds_limits(S, dP, at, lse_vals)
         else:
-            self._p_and_ds_tile(*args, limits, False, lse_vals)
+            self._p_and_ds_tile(S, dP, at, limits, False, lse_vals)
 
     @cute.jit
-    def _p_and_ds_limits(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                         window_left, window_right, scale, scale_log2, softcap_val, mod_ctx, lse_vals=None):
+    def _p_and_ds_limits(self, S, dP, at, lse_vals=None):
         """P (and dS) with the length / causal / window limits only, tested where a tile crosses.
         _unmasked_query_tiles solves these same tests for the query-tile index: change both
         together."""
         tm, tn = self.tile_m, self.tile_n
-        args = (S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                window_left, window_right, scale, scale_log2, softcap_val, mod_ctx)
+        _, _, _, _, row0, key0, seqlen_q, seqlen_k, diag, window_left, window_right = at[:11]
         if const_expr(self.varlen or self.mask_k or self.has_right or self.has_left):
             crosses = Boolean(False)
             if const_expr(self.varlen):
@@ -82,11 +67,11 @@ class BwdScores:
             if const_expr(self.has_left):
                 crosses = crosses | (key0 < row0 + tm - 1 + diag - window_left)
             if crosses:
-                self._p_and_ds_tile(*args, True, False, lse_vals)
+                self._p_and_ds_tile(S, dP, at, True, False, lse_vals)
             else:
-                self._p_and_ds_tile(*args, False, False, lse_vals)
+                self._p_and_ds_tile(S, dP, at, False, False, lse_vals)
         else:
-            self._p_and_ds_tile(*args, False, False, lse_vals)
+            self._p_and_ds_tile(S, dP, at, False, False, lse_vals)
 
     @cute.jit
     def _unmasked_query_tiles(self, n_block, seqlen_q, seqlen_k, diag, window_left, window_right):
@@ -115,9 +100,10 @@ class BwdScores:
         return lo, hi
 
     @cute.jit
-    def _p_and_ds_tile(self, S, dP, cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag,
-                       window_left, window_right, scale, scale_log2, softcap_val, mod_ctx,
-                       masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr, lse_vals=None):
+    def _p_and_ds_tile(self, S, dP, at, masked: cutlass.Constexpr, use_mask_mod: cutlass.Constexpr,
+                       lse_vals=None):
+        (cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag, window_left, window_right, scale,
+         scale_log2, softcap_val, mod_ctx) = at
         t_key, t_q, t_rel, c0 = cS
         n_cols = cute.size(S, mode=[1])
         # The limits relative to this thread's first element: element (r, c) is key
@@ -129,7 +115,12 @@ class BwdScores:
         lim_left = rel - window_left  # dr - dc >= lim_left
         em = None
         if const_expr(self.score_graph is not None):
-            em = self._score_emitter(cS, row0, key0, seqlen_q, seqlen_k, mod_ctx)
+            # the score_mod's values for this thread's S^T fragment (keys along rows, queries along
+            # columns), hoisted per query, key or distinct offset as in the forward
+            # (kernels/common/mod_fragment); indices that feed a captured tensor's load are clamped
+            pos = FragmentPositions.transposed(c0, row0 + t_q, key0 + t_key)
+            em = FragmentEmitter(self.score_graph, pos, mod_ctx[0], mod_ctx[1], mod_ctx[2], None,
+                                 cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0))
         for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc

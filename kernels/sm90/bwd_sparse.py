@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
+from torch_fa4.kernels.sm90.bwd_config import TILE_M
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
-
-TILE_M = 64  # query rows per kernel step unless the variant says otherwise (bwd_variant.query_tile)
 
 
 def sparse_walk_reason(call: "AttentionCall", deterministic: bool, tile_n: int,

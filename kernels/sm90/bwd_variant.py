@@ -87,7 +87,7 @@ def _fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: i
     FUSED_DQ_MAX_SEQLEN_Q queries, where its staging tile fits shared memory and every query tile
     is walked by some key tile (or nobody writes its rows): no seqused_k, and under a right limit
     the first tile's last row reaches key 0."""
-    if _long_queries(call) or tile_m != 128 or call.seqused_k is not None or call.is_varlen:
+    if _long_queries(call) or tile_m != 128 or call.seqused_k is not None:
         return False
     if smem_bytes(call.head_dim, call.head_dim_v, tile_n, stages, False, tile_m, fused_dq=True) > SMEM_LIMIT:
         return False
@@ -95,13 +95,13 @@ def _fused_dq_applies(call: "AttentionCall", tile_n: int, stages: int, tile_m: i
     return reach is not False and (reach is None or tile_m - 1 + reach >= 0)
 
 
-def _split_tail_applies(call: "AttentionCall", deterministic: bool, sparse, tile_m: int) -> bool:
+def _split_tail_applies(call: "AttentionCall", tile_m: int) -> bool:
     """Whether a persistent call may run the variant with the split tail's code (launch_plan
     drops it where nothing splits): the 128-query variant, every work tile walking the same
     query tiles."""
     limits = call.causal or call.window_left >= 0 or call.window_right >= 0 or call.softcap > 0
-    return tile_m == 128 and not (limits or deterministic or sparse is not None or call.mods is not None
-                                  or call.seqused_k is not None or call.is_varlen or call.block_mask)
+    return tile_m == 128 and not (limits or call.mods is not None or call.seqused_k is not None
+                                  or call.block_mask)
 
 
 _variant_memo: dict = {}
@@ -156,7 +156,7 @@ def _variant_key(call: "AttentionCall", deterministic: bool) -> BwdConfig:
     if config.separate_dq_slabs and not deterministic and not call.is_varlen and sparse is None:
         config = dataclasses.replace(
             config, persistent=True, fused_dq=_fused_dq_applies(call, tile_n, config.stages, tile_m),
-            split_tail=_split_tail_applies(call, deterministic, sparse, tile_m))
+            split_tail=_split_tail_applies(call, tile_m))
     return config
 
 

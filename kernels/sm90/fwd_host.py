@@ -211,6 +211,7 @@ def _skip_masked_first_pays(call: AttentionCall) -> bool:
 # tile lost to the split code alone). A piece's fixed cost counts as 8 key tiles.
 _SPLIT_MIN_KEY_TILES = 64
 _SPLIT_PIECE_COST_TILES = 8.0
+_SPLIT_MAX_WAYS_ONE_ROUND = 16  # (decode: a single long item, B 1 x Hkv 8, still fills the SMs)
 
 
 def _plain(call: AttentionCall) -> bool:
@@ -249,8 +250,11 @@ _KV_MULTICAST_MIN_SEQLEN_K = 4096
 
 
 def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
+    # (a pair shares K / V between two query tiles: with one query tile, as in decode, the partner
+    # CTA would have no rows)
     return (_plain(call) and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
-            and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule and cfg.num_consumer_wg == 2)
+            and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule and cfg.num_consumer_wg == 2
+            and fwd_launch.max_seqlens(call)[0] > cfg.tile_m)
 
 
 # Persistent CTAs taking items from a counter (`FwdConfig.dynamic_schedule`) where items are short
@@ -350,13 +354,16 @@ def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:
         return 0, 1
     max_q, max_k = fwd_launch.max_seqlens(call)
     tiles = -(-max_k // cfg.tile_n)
-    if cfg.num_consumer_wg != 2 or tiles < _SPLIT_MIN_KEY_TILES:
-        return 0, 1
     pair = 2 if cfg.kv_multicast else 1  # (a pair's CTAs take adjacent query tiles: an even count)
     num_m_blocks = -(-max_q // cfg.tile_m)
     items = (num_m_blocks + num_m_blocks % pair) * call.num_heads * call.batch
-    return split_plan_mod.choose(items, fwd_launch.max_ctas(call), tiles, pair=pair,
-                                 piece_cost_tiles=_SPLIT_PIECE_COST_TILES)
+    ctas = fwd_launch.max_ctas(call)
+    # a grid that fills the SMs splits only long tails; one that leaves SMs idle (decode) splits
+    # wherever the pieces' fixed cost pays
+    if cfg.num_consumer_wg != 2 or (tiles < _SPLIT_MIN_KEY_TILES and items >= ctas):
+        return 0, 1
+    return split_plan_mod.choose(items, ctas, tiles, pair=pair, piece_cost_tiles=_SPLIT_PIECE_COST_TILES,
+                                 single_round=True, max_ways=_SPLIT_MAX_WAYS_ONE_ROUND if items < ctas else 8)
 
 
 def split_spec(cfg: FwdConfig, call: AttentionCall) -> Optional[tuple]:
