@@ -49,6 +49,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 
 from torch_fa4.kernels.common.block_range import BlockRange
 from torch_fa4.kernels.common.masking import apply_mask
@@ -56,6 +57,7 @@ from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.sm100.fwd_config import Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.sm100.fwd_softmax import RowOnlineSoftmax, as_wgmma_row
+from torch_fa4.kernels.sm90.fwd import _sequence_major
 
 _SOFTMAX_WARPS = (0, 4)  # first warp of softmax warpgroup 0 / 1
 _CORRECTION_WARP0 = 8
@@ -80,6 +82,11 @@ def _tcgen05_fence_before_sync():
 def _tcgen05_fence_after_sync():
     """Order this thread's later tcgen05 ops (mma/ld/st) after the barrier wait that preceded."""
     cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
+
+
+def _tmem_copy(op, repetition, tmem: cute.Tensor):
+    """A 32x32b tcgen05.ld/st (thread i of a warpgroup: TMEM lane i) over the fp32 columns of tmem."""
+    return tcgen05.make_tmem_copy(cute.make_copy_atom(op(repetition), Float32), tmem)
 
 
 @cute.jit
@@ -143,23 +150,11 @@ class FlashFwdSm100:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        unit = cute.make_layout(1, stride=0)
-        # (S, D, H, B) views for Q, K, O and (D, S, H, B) for V (the B operand of O += P V is
-        # V^T, D x keys); varlen gets a unit batch mode so indexing is uniform
-        if const_expr(cfg.varlen_q):
-            mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
-            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
-        else:
-            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        if const_expr(cfg.varlen_k):
-            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
-            mV = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
-        else:
-            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        # sequence-major views as sm90's: (S, D, H, B), LSE (S, H, B); V as V^T (D, S, H, B), the
+        # B operand of O += P V
+        mQ, mO, mLSE = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO, mLSE))
+        mK, mV = (_sequence_major(t, cfg.varlen_k) for t in (mK, mV))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0, 2, 3]))
 
         qk_mma, pv_mma = self._tiled_mmas()
         sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, self.dtype, 2)
@@ -169,22 +164,17 @@ class FlashFwdSm100:
 
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,)).shape
         load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        one_stage = [0, 1, 2]
-        tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, mQ, cute.select(sQ_layout, mode=one_stage), self.qk_tiler, qk_mma, cluster_vmnk)
-        tma_K, tK = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mK, cute.select(sK_layout, mode=one_stage), self.qk_tiler, qk_mma, cluster_vmnk)
-        tma_V, tV = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mV, cute.select(sV_layout, mode=one_stage), self.pv_tiler, pv_mma, cluster_vmnk)
-        bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=one_stage))
-        bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=one_stage))
-
-        stages = cfg.kv_stages
+        sQ1, sK1, sV1 = (cute.select(layout, mode=[0, 1, 2]) for layout in (sQ_layout, sK_layout, sV_layout))
+        tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_A(load_op, mQ, sQ1, self.qk_tiler, qk_mma, cluster_vmnk)
+        tma_K, tK = cute.nvgpu.make_tiled_tma_atom_B(load_op, mK, sK1, self.qk_tiler, qk_mma, cluster_vmnk)
+        tma_V, tV = cute.nvgpu.make_tiled_tma_atom_B(load_op, mV, sV1, self.pv_tiler, pv_mma, cluster_vmnk)
+        bytes_q = cute.size_in_bytes(self.dtype, sQ1)
+        bytes_kv = cute.size_in_bytes(self.dtype, sK1)
 
         @cute.struct
         class Storage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 4]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
             mbar_s0: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_s1: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o0: cute.struct.MemRange[cutlass.Int64, 2]
@@ -198,14 +188,13 @@ class FlashFwdSm100:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
         num_m_blocks = (max_seqlen_q + cfg.cta_tile_m - 1) // cfg.cta_tile_m
-        num_heads = cute.size(mQ.shape[2])
         self.kernel(
             tQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
             num_m_blocks, num_batch, heads_per_group, tail_pairs, bytes_q, bytes_kv, Storage,
         ).launch(
-            grid=TileScheduler.grid(num_m_blocks, num_heads, num_batch),
+            grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
             block=[_NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -231,120 +220,91 @@ class FlashFwdSm100:
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
                               cfg.causal)
         m_block, head, batch = sched.work(bidx)
-        seqlen_q = mQ.shape[0]
-        if const_expr(cfg.varlen_q):
-            seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
         # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
-        if m_block * cfg.cta_tile_m < seqlen_q:
-            self.run_tile(
-                mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
-                score_scale, softmax_scale_log2, window_left, window_right,
-                sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
-                bytes_q, bytes_kv, Storage, m_block, head, batch)
+        # (the query side's lengths only: the key side's loads stay inside the branch)
+        if m_block * cfg.cta_tile_m < SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ).seqlen_q:
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tidx, _, _ = cute.arch.thread_idx()
+            seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+            batch_q = batch if const_expr(not cfg.varlen_q) else 0
+            batch_k = batch if const_expr(not cfg.varlen_k) else 0
+            head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
+            # key tiles are chosen for the whole CTA (both query tiles); masks per 128-row tile
+            limits = (self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
+            cta_range = BlockRange(cfg.cta_tile_m, *limits)
+            tile_range = BlockRange(Q_TILE_ROWS, *limits)
+            n_min, n_max = cta_range.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
+            n_count = cutlass.max(n_max - n_min, 0)
 
-    @cute.jit
-    def run_tile(
-        self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
-        score_scale, softmax_scale_log2, window_left, window_right,
-        sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
-        bytes_q: cutlass.Constexpr[int], bytes_kv: cutlass.Constexpr[int], Storage: cutlass.Constexpr,
-        m_block, head, batch,
-    ):
-        cfg = self.cfg
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
-        batch_q = batch if const_expr(not cfg.varlen_q) else 0
-        batch_k = batch if const_expr(not cfg.varlen_k) else 0
-        head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
-        # key tiles are chosen for the whole CTA (both query tiles); masks per 128-row tile
-        cta_range = BlockRange(cfg.cta_tile_m, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
-        tile_range = BlockRange(Q_TILE_ROWS, self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
-        n_min, n_max = cta_range.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
-        n_count = cutlass.max(n_max - n_min, 0)
+            if warp_idx == _LOAD_WARP:
+                for atom in (tma_Q, tma_K, tma_V):
+                    cpasync.prefetch_descriptor(atom)
 
-        if warp_idx == _LOAD_WARP:
-            for atom in (tma_Q, tma_K, tma_V):
-                cpasync.prefetch_descriptor(atom)
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(Storage)
+            one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+            pipe_q = pipeline.PipelineTmaUmma.create(
+                num_stages=2, producer_group=one, consumer_group=one, tx_count=bytes_q,
+                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
+            pipe_kv = pipeline.PipelineTmaUmma.create(
+                num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
+                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(Storage)
+            def per_tile(kind, bars, producer, consumer):  # one single-stage pipeline per query tile
+                return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
+                                    barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
 
-        def group(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1), one, wg)
+            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1), one, wg)
+            pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1), wg, wg)
 
-        one, wg = group(1), group(128)
-        pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=2, producer_group=one, consumer_group=one, tx_count=bytes_q,
-            barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
-        pipe_kv = pipeline.PipelineTmaUmma.create(
-            num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-            barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
-        pipe_s = [pipeline.PipelineUmmaAsync.create(
-            num_stages=1, producer_group=one, consumer_group=wg, barrier_storage=b.data_ptr(), defer_sync=True)
-            for b in (storage.mbar_s0, storage.mbar_s1)]
-        pipe_o = [pipeline.PipelineUmmaAsync.create(
-            num_stages=1, producer_group=one, consumer_group=wg, barrier_storage=b.data_ptr(), defer_sync=True)
-            for b in (storage.mbar_o0, storage.mbar_o1)]
-        pipe_c = [pipeline.PipelineAsync.create(
-            num_stages=1, producer_group=wg, consumer_group=wg, barrier_storage=b.data_ptr(), defer_sync=True)
-            for b in (storage.mbar_c0, storage.mbar_c1)]
-
-        if warp_idx == _MMA_WARP:
-            cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
-            cute.arch.relinquish_tmem_alloc_permit()
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()  # barriers initialised and the TMEM address published
-
-        tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_base)
-        thr_qk = qk_mma.get_slice(0)
-        thr_pv = pv_mma.get_slice(0)
-        s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout
-        o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
-        tS = [cute.make_tensor(tmem + c, s_layout) for c in self.cols["s"]]
-        tO = [cute.make_tensor(tmem + c, o_layout) for c in self.cols["o"]]
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        # V tiles live in the same ring as K tiles, viewed through V's (MN-major) layout
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-        msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, 2)))  # (row, field, q tile)
-
-        if warp_idx < _SOFTMAX_WARPS[1]:
-            cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
-            self.softmax_role(0, tS[0], thr_qk, pipe_s[0], pipe_c[0], msg, tile_range,
-                              score_scale, softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
-        elif warp_idx < _CORRECTION_WARP0:
-            cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
-            self.softmax_role(1, tS[1], thr_qk, pipe_s[1], pipe_c[1], msg, tile_range,
-                              score_scale, softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
-        elif warp_idx < _MMA_WARP:
-            cute.arch.setmaxregister_decrease(_REGS_CORRECTION)
-            self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
-                                 batch_q, n_count, tidx % 128)
-        else:
-            cute.arch.setmaxregister_decrease(_REGS_OTHER)
             if warp_idx == _MMA_WARP:
-                tSrQ = thr_qk.make_fragment_A(sQ)
-                tSrK = thr_qk.make_fragment_B(sK)
-                tOrV = thr_pv.make_fragment_B(sV)
-                # P_t: the 16-bit A operand in TMEM over the first half of S_t's columns (the
-                # fragment counts 16-bit elements, two per 32-bit column). Its addresses are
-                # relative to column 0: right because the kernel allocates all 512 columns, whose
-                # base is always lane 0, column 0 (the PTX shows P at columns 0.. and 128..)
-                tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
-                p_per_col = Float32.width // self.dtype.width
-                tOrPs = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
-                self.mma_role(qk_mma, pv_mma, tSrQ, tSrK, tOrV, tS, tO, tOrPs,
-                              pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
-            elif warp_idx == _LOAD_WARP:
-                self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q, pipe_kv,
-                               seqlen, m_block, head, head_kv, batch_q, batch_k, n_max, n_count)
+                cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
+                cute.arch.relinquish_tmem_alloc_permit()
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()  # barriers initialised and the TMEM address published
 
-        # every TMEM reader/writer is done: give the columns back
-        cute.arch.sync_threads()
-        if warp_idx == _MMA_WARP:
-            cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
+            tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
+                                               ptr_to_buffer_holding_addr=storage.tmem_base)
+            thr_qk = qk_mma.get_slice(0)
+            thr_pv = pv_mma.get_slice(0)
+            s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout
+            o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
+            tS = [cute.make_tensor(tmem + c, s_layout) for c in self.cols["s"]]
+            tO = [cute.make_tensor(tmem + c, o_layout) for c in self.cols["o"]]
+
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            # V tiles live in the same ring as K tiles, viewed through V's (MN-major) layout
+            sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+            msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, 2)))  # (row, field, q tile)
+
+            if warp_idx < _SOFTMAX_WARPS[1]:
+                cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
+                self.softmax_role(0, tS[0], thr_qk, pipe_s[0], pipe_c[0], msg, tile_range, score_scale,
+                                  softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
+            elif warp_idx < _CORRECTION_WARP0:
+                cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
+                self.softmax_role(1, tS[1], thr_qk, pipe_s[1], pipe_c[1], msg, tile_range, score_scale,
+                                  softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
+            elif warp_idx < _MMA_WARP:
+                cute.arch.setmaxregister_decrease(_REGS_CORRECTION)
+                self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
+                                     batch_q, n_count, tidx % 128)
+            else:
+                cute.arch.setmaxregister_decrease(_REGS_OTHER)
+                if warp_idx == _MMA_WARP:
+                    self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
+                                  pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
+                elif warp_idx == _LOAD_WARP:
+                    self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q,
+                                   pipe_kv, seqlen, m_block, head, head_kv, batch_q, batch_k, n_max, n_count)
+
+            # every TMEM reader/writer is done: give the columns back
+            cute.arch.sync_threads()
+            if warp_idx == _MMA_WARP:
+                cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
@@ -369,47 +329,47 @@ class FlashFwdSm100:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.kv_stages)
             # order of need: Q0, K_last, Q1, V_last, then K, V pairs from right to left
-            for t in cutlass.range_constexpr(2):
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_Q, tQg[None, 2 * m_block + t], tQs[None, q_state.index],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                if const_expr(t == 0):
-                    pipe_kv.producer_acquire(kv_state)
-                    cute.copy(tma_K, tKg[None, n_max - 1], tKs[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                    kv_state.advance()
-            pipe_kv.producer_acquire(kv_state)
-            cute.copy(tma_V, tVg[None, n_max - 1], tVs[None, kv_state.index],
-                      tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            kv_state.advance()
+            q_state = self._load(tma_Q, tQg, 2 * m_block, tQs, pipe_q, q_state)
+            kv_state = self._load(tma_K, tKg, n_max - 1, tKs, pipe_kv, kv_state)
+            q_state = self._load(tma_Q, tQg, 2 * m_block + 1, tQs, pipe_q, q_state)
+            kv_state = self._load(tma_V, tVg, n_max - 1, tVs, pipe_kv, kv_state)
             for i in cutlass.range(1, n_count, unroll=1):
-                n = n_max - 1 - i
-                pipe_kv.producer_acquire(kv_state)
-                cute.copy(tma_K, tKg[None, n], tKs[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                kv_state.advance()
-                pipe_kv.producer_acquire(kv_state)
-                cute.copy(tma_V, tVg[None, n], tVs[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                kv_state.advance()
+                kv_state = self._load(tma_K, tKg, n_max - 1 - i, tKs, pipe_kv, kv_state)
+                kv_state = self._load(tma_V, tVg, n_max - 1 - i, tVs, pipe_kv, kv_state)
             # wait until the MMA warp has released every slot: its releases are tcgen05.commit
             # arrivals, which must not land after the CTA has exited
             pipe_kv.producer_tail(kv_state)
 
+    @staticmethod
+    def _load(tma, src, tile, dst, pipe, state):
+        """TMA: tile `tile` of src -> the ring slot `state` of dst; returns the next slot."""
+        pipe.producer_acquire(state)
+        cute.copy(tma, src[None, tile], dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
+
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
-    def mma_role(self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, tS, tO, tOrP, pipe_q, pipe_kv, pipe_s, pipe_o, n_count):
+    def mma_role(self, qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
+                 pipe_q, pipe_kv, pipe_s, pipe_o, n_count):
+        tSrQ = thr_qk.make_fragment_A(sQ)
+        tSrK = thr_qk.make_fragment_B(sK)
+        tOrV = thr_pv.make_fragment_B(sV)
+        # P_t: the 16-bit A operand in TMEM over the first half of S_t's columns (the fragment
+        # counts 16-bit elements, two per 32-bit column). Its addresses are relative to column 0:
+        # right because the kernel allocates all 512 columns, whose base is always lane 0, column 0
+        # (the PTX shows P at columns 0.. and 128..)
+        tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
+        p_per_col = Float32.width // self.dtype.width
+        tOrP = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
         # pipeline states are plain locals advanced in the loop body: the DSL carries them
         # through its loops only that way
         if n_count > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             q_state = pipeline.make_pipeline_state(Consumer, 2)
             kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
-            s0_state = pipeline.make_pipeline_state(Producer, 1)
-            s1_state = pipeline.make_pipeline_state(Producer, 1)
-            o0_state = pipeline.make_pipeline_state(Producer, 1)
-            o1_state = pipeline.make_pipeline_state(Producer, 1)
+            s0_state, s1_state, o0_state, o1_state = (
+                pipeline.make_pipeline_state(Producer, 1) for _ in range(4))
 
             # first key tile: S0 = Q0 K^T, S1 = Q1 K^T, then O0 = P0 V
             pipe_q.consumer_wait(q_state)
@@ -418,17 +378,16 @@ class FlashFwdSm100:
             pipe_kv.consumer_wait(k_state)
             kv_state.advance()
             tSrK0 = tSrK[None, None, None, k_state.index]
-            self._qk(qk_mma, tS[0], tSrQ[None, None, None, 0], tSrK0, pipe_s[0], s0_state, True)
+            self._qk(qk_mma, 0, tS, tSrQ, tSrK0, pipe_s, s0_state, True)
             s0_state.advance()
             pipe_q.consumer_wait(q_state)
-            self._qk(qk_mma, tS[1], tSrQ[None, None, None, 1], tSrK0, pipe_s[1], s1_state, True)
+            self._qk(qk_mma, 1, tS, tSrQ, tSrK0, pipe_s, s1_state, True)
             s1_state.advance()
             pipe_kv.consumer_release(k_state)
             v_state = kv_state.clone()
             pipe_kv.consumer_wait(v_state)
             kv_state.advance()
-            self._pv(pv_mma, tO[0], tOrP[0], tOrV[None, None, None, v_state.index], False,
-                     pipe_s[0], s0_state, pipe_o[0], o0_state)
+            self._pv(pv_mma, 0, tO, tOrP, tOrV, v_state, False, pipe_s, s0_state, pipe_o, o0_state)
             o0_state.advance()
 
             for i in cutlass.range(1, n_count, unroll=1):
@@ -437,78 +396,68 @@ class FlashFwdSm100:
                 kv_state.advance()
                 tSrKi = tSrK[None, None, None, k_state.index]
                 # S0 = Q0 K_i^T (S0 came back with P0 before the last O0 += P0 V)
-                self._qk(qk_mma, tS[0], tSrQ[None, None, None, 0], tSrKi, pipe_s[0], s0_state, False)
+                self._qk(qk_mma, 0, tS, tSrQ, tSrKi, pipe_s, s0_state, False)
                 s0_state.advance()
                 # O1 += P1 V_{i-1}; the first P1 V starts O1 afresh
-                self._pv(pv_mma, tO[1], tOrP[1], tOrV[None, None, None, v_state.index], i > 1,
-                         pipe_s[1], s1_state, pipe_o[1], o1_state)
+                self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, i > 1, pipe_s, s1_state, pipe_o, o1_state)
                 o1_state.advance()
                 pipe_kv.consumer_release(v_state)
                 # S1 = Q1 K_i^T
-                self._qk(qk_mma, tS[1], tSrQ[None, None, None, 1], tSrKi, pipe_s[1], s1_state, False)
+                self._qk(qk_mma, 1, tS, tSrQ, tSrKi, pipe_s, s1_state, False)
                 s1_state.advance()
                 pipe_kv.consumer_release(k_state)
                 # O0 += P0 V_i
                 v_state = kv_state.clone()
                 pipe_kv.consumer_wait(v_state)
                 kv_state.advance()
-                self._pv(pv_mma, tO[0], tOrP[0], tOrV[None, None, None, v_state.index], True,
-                         pipe_s[0], s0_state, pipe_o[0], o0_state)
+                self._pv(pv_mma, 0, tO, tOrP, tOrV, v_state, True, pipe_s, s0_state, pipe_o, o0_state)
                 o0_state.advance()
 
-            self._pv(pv_mma, tO[1], tOrP[1], tOrV[None, None, None, v_state.index], n_count > 1,
-                     pipe_s[1], s1_state, pipe_o[1], o1_state)
+            self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, n_count > 1, pipe_s, s1_state, pipe_o, o1_state)
             pipe_kv.consumer_release(v_state)
 
     @cute.jit
-    def _qk(self, qk_mma, acc_s, tSrQt, tSrKi, pipe_s, s_state, acquire: cutlass.Constexpr[bool]):
-        """S = Q K^T into S's columns, then signal the softmax. The first S of a tile acquires the
-        buffer here; later ones were acquired with P before the previous O += P V."""
+    def _qk(self, qk_mma, t: cutlass.Constexpr[int], tS, tSrQ, tSrKi, pipe_s, s_state,
+            acquire: cutlass.Constexpr[bool]):
+        """S_t = Q_t K^T, then signal softmax t. The first S_t acquires the buffer here; later ones
+        were acquired with P_t before the previous O_t += P_t V."""
+        tSrQt = tSrQ[None, None, None, t]
         if const_expr(acquire):
-            pipe_s.producer_acquire(s_state)
+            pipe_s[t].producer_acquire(s_state)
             _tcgen05_fence_after_sync()
-        _umma(qk_mma, acc_s, tSrQt, tSrKi, False)
-        pipe_s.producer_commit(s_state)
+        _umma(qk_mma, tS[t], tSrQt, tSrKi, False)
+        pipe_s[t].producer_commit(s_state)
 
     @cute.jit
-    def _pv(self, pv_mma, acc_o, tOrP, tOrVi, accumulate, pipe_s, s_state, pipe_o, o_state):
-        """O += P V once the correction has rescaled O and the softmax has written P; signals O."""
-        pipe_o.producer_acquire(o_state)
-        pipe_s.producer_acquire(s_state)
+    def _pv(self, pv_mma, t: cutlass.Constexpr[int], tO, tOrP, tOrV, v_state, accumulate, pipe_s, s_state,
+            pipe_o, o_state):
+        """O_t += P_t V once the correction has rescaled O_t and softmax t has written P_t; signals O_t."""
+        tOrVi = tOrV[None, None, None, v_state.index]
+        pipe_o[t].producer_acquire(o_state)
+        pipe_s[t].producer_acquire(s_state)
         _tcgen05_fence_after_sync()
-        _umma(pv_mma, acc_o, tOrP, tOrVi, accumulate)
-        pipe_o.producer_commit(o_state)
+        _umma(pv_mma, tO[t], tOrP[t], tOrVi, accumulate)
+        pipe_o[t].producer_commit(o_state)
 
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
-    def _scores(self, rS, tSc, tile_range: BlockRange, m_tile, n_block, seqlen: SeqlenInfo, score_scale):
-        """Raw q.k -> softmax units (softcap) and masks, in place (as sm90's, on one row)."""
-        if const_expr(self.cfg.softcap):
-            for j in cutlass.range_constexpr(cute.size(rS)):
-                rS[j] = cute.math.tanh(rS[j] * score_scale, fastmath=True)
-        if tile_range.needs_mask(n_block, m_tile, seqlen.seqlen_q, seqlen.seqlen_k):
-            apply_mask(as_wgmma_row(rS), as_wgmma_row(tSc), tile_range, m_tile, n_block,
-                       seqlen.seqlen_q, seqlen.seqlen_k)
-
-    @cute.jit
-    def softmax_role(self, t: cutlass.Constexpr[int], tS_t, thr_qk, pipe_s, pipe_c, msg, tile_range: BlockRange,
-                     score_scale, softmax_scale_log2, seqlen: SeqlenInfo, m_block, n_min, n_max, tid):
+    def softmax_role(self, t: cutlass.Constexpr[int], tS_t, thr_qk, pipe_s, pipe_c, msg,
+                     tile_range: BlockRange, score_scale, softmax_scale_log2, seqlen: SeqlenInfo,
+                     m_block, n_min, n_max, tid):
         cfg = self.cfg
-        load_s = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32), tS_t)
+        load_s = _tmem_copy(Ld32x32bOp, Repetition.x32, tS_t)
         thr_load = load_s.get_slice(tid)
         tSt = thr_load.partition_S(tS_t)
         tSc = thr_load.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
         # P: 16-bit values packed two per 32-bit column over the first tile_n/2 columns of S_t,
         # written in chunks of _P_CHUNK columns so only one chunk of P is live in registers
         p_chunk = cute.composition(tS_t.layout, cute.make_layout((Q_TILE_ROWS, _P_CHUNK)))
-        store_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x16), Float32),
-            cute.make_tensor(tS_t.iterator, p_chunk))
+        store_p = _tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS_t.iterator, p_chunk))
         thr_store = store_p.get_slice(tid)
         tPt = thr_store.partition_D(cute.make_tensor(tS_t.iterator, p_chunk))
         p_regs = thr_store.partition_S(cute.make_identity_tensor((Q_TILE_ROWS, _P_CHUNK))).shape
         s_per_chunk = 2 * _P_CHUNK  # scores per P chunk (two 16-bit values per column)
+        chunk_scores = cute.make_layout(s_per_chunk)
 
         m_tile = 2 * m_block + t
         softmax = RowOnlineSoftmax(softmax_scale_log2, cfg.rescale_threshold, cfg.exp2_emulate_every)
@@ -522,13 +471,19 @@ class FlashFwdSm100:
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
             cute.copy(load_s, tSt, rS)
             cute.arch.fence_view_async_tmem_load()
-            self._scores(rS, tSc, tile_range, m_tile, n_block, seqlen, score_scale)
+            # raw q.k -> softmax units (softcap) and masks, as sm90's FwdConsumer._scores on one row
+            if const_expr(cfg.softcap):
+                for j in cutlass.range_constexpr(cute.size(rS)):
+                    rS[j] = cute.math.tanh(rS[j] * score_scale, fastmath=True)
+            if tile_range.needs_mask(n_block, m_tile, seqlen.seqlen_q, seqlen.seqlen_k):
+                apply_mask(as_wgmma_row(rS), as_wgmma_row(tSc), tile_range, m_tile, n_block,
+                           seqlen.seqlen_q, seqlen.seqlen_k)
             softmax.step(rS, row_scale)
             # rS holds the row in column order (flat index = column)
             for c in cutlass.range_constexpr(self.tile_n // s_per_chunk):
                 rP = cute.make_rmem_tensor(p_regs, Float32)
-                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(s_per_chunk))
-                p_vals = cute.make_tensor(rS.iterator + c * s_per_chunk, cute.make_layout(s_per_chunk))
+                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), chunk_scores)
+                p_vals = cute.make_tensor(rS.iterator + c * s_per_chunk, chunk_scores)
                 rP16.store(p_vals.load().to(self.dtype))
                 cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_CHUNK, tPt.layout))
             cute.arch.fence_view_async_tmem_store()
@@ -554,49 +509,40 @@ class FlashFwdSm100:
                         m_block, head, batch_q, n_count, tid):
         # one O chunk of _CHUNK columns; the others are the same view shifted along columns
         chunk = cute.composition(tO[0].layout, cute.make_layout((Q_TILE_ROWS, _CHUNK)))
-        copy_ld = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32),
-            cute.make_tensor(tO[0].iterator, chunk))
-        copy_st = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x32), Float32),
-            cute.make_tensor(tO[0].iterator, chunk))
+        chunks = [cute.make_tensor(o.iterator, chunk) for o in tO]
+        copy_ld = _tmem_copy(Ld32x32bOp, Repetition.x32, chunks[0])
+        copy_st = _tmem_copy(St32x32bOp, Repetition.x32, chunks[0])
         thr_ld = copy_ld.get_slice(tid)
         thr_st = copy_st.get_slice(tid)
-        tOt = [thr_ld.partition_S(cute.make_tensor(tO[t].iterator, chunk)) for t in range(2)]
-        tOt_st = [thr_st.partition_D(cute.make_tensor(tO[t].iterator, chunk)) for t in range(2)]
+        tOt = [thr_ld.partition_S(c) for c in chunks]
+        tOt_st = [thr_st.partition_D(c) for c in chunks]
         # the registers of one chunk: this thread's row, _CHUNK columns
         chunk_regs = thr_ld.partition_D(cute.make_identity_tensor((Q_TILE_ROWS, _CHUNK))).shape
 
         Consumer = pipeline.PipelineUserType.Consumer
-        o0_state = pipeline.make_pipeline_state(Consumer, 1)
-        o1_state = pipeline.make_pipeline_state(Consumer, 1)
-        c0_state = pipeline.make_pipeline_state(Consumer, 1)
-        c1_state = pipeline.make_pipeline_state(Consumer, 1)
+        o0_state, o1_state, c0_state, c1_state = (pipeline.make_pipeline_state(Consumer, 1) for _ in range(4))
         for i in cutlass.range(1, n_count, unroll=1):
-            self._rescale(0, tOt[0], tOt_st[0], chunk_regs, copy_ld, copy_st, pipe_o[0], o0_state,
-                          pipe_c[0], c0_state, msg, tid)
+            self._rescale(0, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o0_state, pipe_c, c0_state,
+                          msg, tid)
             o0_state.advance()
             c0_state.advance()
-            self._rescale(1, tOt[1], tOt_st[1], chunk_regs, copy_ld, copy_st, pipe_o[1], o1_state,
-                          pipe_c[1], c1_state, msg, tid)
+            self._rescale(1, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o1_state, pipe_c, c1_state,
+                          msg, tid)
             o1_state.advance()
             c1_state.advance()
 
-        for t in cutlass.range_constexpr(2):
-            o_state = o0_state if const_expr(t == 0) else o1_state
-            c_state = c0_state if const_expr(t == 0) else c1_state
+        for t, o_state, c_state in ((0, o0_state, c0_state), (1, o1_state, c1_state)):
             if n_count > 0:
                 pipe_o[t].consumer_wait(o_state)  # the last O_t += P_t V is done
             pipe_c[t].consumer_wait(c_state)
-            inv_sum = msg[tid, 0, t]
-            lse = msg[tid, 1, t]
-            self.epilogue(t, tOt[t], chunk_regs, copy_ld, thr_ld, inv_sum, lse, mO, mLSE, seqlen, m_block,
-                          head, batch_q, n_count, tid)
+            self.epilogue(t, tOt[t], chunk_regs, copy_ld, thr_ld, msg[tid, 0, t], msg[tid, 1, t], mO, mLSE,
+                          seqlen, m_block, head, batch_q, n_count, tid)
 
     @cute.jit
-    def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld, copy_st,
-                 pipe_o, o_state, pipe_c, c_state, msg, tid):
+    def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld,
+                 copy_st, pipe_o, o_state, pipe_c, c_state, msg, tid):
         """Bring O_t (key tiles before this one) to the softmax's new reference, then hand it back."""
+        tOt, tOt_st, pipe_o, pipe_c = tOt[t], tOt_st[t], pipe_o[t], pipe_c[t]
         pipe_o.consumer_wait(o_state)
         pipe_c.consumer_wait(c_state)
         scale = msg[tid, 0, t]
@@ -617,8 +563,8 @@ class FlashFwdSm100:
         pipe_o.consumer_release(o_state)
 
     @cute.jit
-    def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld, inv_sum, lse, mO, mLSE,
-                 seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
+    def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld,
+                 inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
         """Row tid of query tile t: O / rowsum to global memory (a row past the end writes nothing)."""
         row = (2 * m_block + t) * Q_TILE_ROWS + tid
         in_bounds = row < seqlen.seqlen_q

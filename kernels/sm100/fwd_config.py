@@ -41,10 +41,8 @@ class Sm100FwdConfig:
 
     def tmem_columns(self) -> dict:
         """Column offsets of S0, S1, O0, O1 (P_t lives in the first tile_n/2 columns of S_t)."""
-        s0, s1 = 0, self.tile_n
         o0 = 2 * self.tile_n
-        o1 = o0 + self.head_dim_v
-        return {"s": (s0, s1), "o": (o0, o1), "used": o1 + self.head_dim_v}
+        return {"s": (0, self.tile_n), "o": (o0, o0 + self.head_dim_v), "used": o0 + 2 * self.head_dim_v}
 
     def smem_bytes(self) -> int:
         """Q (two tiles) plus the K/V ring, in bytes (2-byte elements), without barriers."""
