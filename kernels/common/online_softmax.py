@@ -60,8 +60,9 @@ class OnlineSoftmax(DynamicState):
     _dynamic_fields = ("scale_log2", "ref", "row_sum")
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold=None, emulate_every: int = 0,
-                 max_chains: int = 1):
+                 max_chains: int = 1, row_lanes: int = 4):
         self.scale_log2 = scale_log2
+        self.row_lanes = row_lanes  # lanes holding one row: a wgmma quad, or 1 (sm100: a thread per row)
         self.max_chains = max_chains
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -70,6 +71,9 @@ class OnlineSoftmax(DynamicState):
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)  # this thread's partial sum
         self.ref.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+
+    def _allreduce(self, x: Float32, combine) -> Float32:
+        return quad_allreduce(x, combine) if const_expr(self.row_lanes == 4) else x
 
     @cute.jit
     def _exp2_row(self, s_row: cute.Tensor, ref_safe: Float32) -> Float32:
@@ -95,7 +99,7 @@ class OnlineSoftmax(DynamicState):
         any_moved = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(self.num_rows):
             m = row_max(s[r, None], self.max_chains)
-            m = quad_allreduce(m, cute.arch.fmax) * self.scale_log2
+            m = self._allreduce(m, cute.arch.fmax) * self.scale_log2
             old = self.ref[r]
             new = cute.arch.fmax(old, m)
             if const_expr(self.rescale_threshold is not None):
@@ -120,7 +124,7 @@ class OnlineSoftmax(DynamicState):
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):
         """row_scale[r] = 1/sum (0 for rows with nothing visible); lse[r] natural-log LSE or -inf."""
         for r in cutlass.range_constexpr(self.num_rows):
-            total = quad_allreduce(self.row_sum[r], operator.add)
+            total = self._allreduce(self.row_sum[r], operator.add)
             empty = (self.ref[r] == -Float32.inf) | (total == Float32(0.0))
             row_scale[r] = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(total))
             lse[r] = cutlass.select_(

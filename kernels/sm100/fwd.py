@@ -56,7 +56,7 @@ from torch_fa4.kernels.common.masking import apply_mask
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.sm100.fwd_config import Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
-from torch_fa4.kernels.sm100.fwd_softmax import RowOnlineSoftmax, as_wgmma_row
+from torch_fa4.kernels.common.online_softmax import OnlineSoftmax
 from torch_fa4.kernels.sm90.fwd import _sequence_major
 
 _SOFTMAX_WARPS = (0, 4)  # first warp of softmax warpgroup 0 / 1
@@ -87,6 +87,14 @@ def _tcgen05_fence_after_sync():
 def _tmem_copy(op, repetition, tmem: cute.Tensor):
     """A 32x32b tcgen05.ld/st (thread i of a warpgroup: TMEM lane i) over the fp32 columns of tmem."""
     return tcgen05.make_tmem_copy(cute.make_copy_atom(op(repetition), Float32), tmem)
+
+
+def as_wgmma_row(t: cute.Tensor) -> cute.Tensor:
+    """A thread's 1-row fragment (N values in any layout) viewed as a wgmma accumulator, ((1, 1, N), 1,
+    1), whose `rows_cols` is one row of N columns in the fragment's order: so the masks and the online
+    softmax are sm90's code (OnlineSoftmax with row_lanes=1: no cross-lane reductions)."""
+    n = cute.size(t)
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(((1, 1, n), 1, 1))))
 
 
 @cute.jit
@@ -460,7 +468,7 @@ class FlashFwdSm100:
         chunk_scores = cute.make_layout(s_per_chunk)
 
         m_tile = 2 * m_block + t
-        softmax = RowOnlineSoftmax(softmax_scale_log2, cfg.rescale_threshold, cfg.exp2_emulate_every)
+        softmax = OnlineSoftmax(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every, row_lanes=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -478,7 +486,7 @@ class FlashFwdSm100:
             if tile_range.needs_mask(n_block, m_tile, seqlen.seqlen_q, seqlen.seqlen_k):
                 apply_mask(as_wgmma_row(rS), as_wgmma_row(tSc), tile_range, m_tile, n_block,
                            seqlen.seqlen_q, seqlen.seqlen_k)
-            softmax.step(rS, row_scale)
+            softmax.step(as_wgmma_row(rS), row_scale)
             # rS holds the row in column order (flat index = column)
             for c in cutlass.range_constexpr(self.tile_n // s_per_chunk):
                 rP = cute.make_rmem_tensor(p_regs, Float32)
