@@ -638,15 +638,15 @@ def _emulated_kernel(key):
 
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, split_ws, split_cnt, *rest):
         q_num, q_idx, full_num, full_idx = rest[:4]
-        (scale, scale_log2, softcap_val, left, right, max_k, cta_tail, num_ctas, split_items,
-         split_ways) = rest[4:14]
+        (scale, scale_log2, softcap_val, left, right, max_k, cta_group, cta_tail, num_ctas, split_items,
+         split_ways) = rest[4:15]
         # the CTA order, the persistent grid and the split tail change nothing the emulation
         # computes; the split's plan and buffers are checked against the launch
-        assert cta_tail >= 1 and num_ctas >= 1
+        assert cta_group >= 1 and cta_tail >= 1 and num_ctas >= 1
         _check_split_launch(key, d, dv, k, sem, split_ws, split_cnt, num_ctas, split_items, split_ways)
         if split_items:
             _LAST_SPLIT.append((split_items, split_ways))
-        mask_aux = [t for t in rest[14:] if t is not None][mods.num_score_aux if mods else 0:]
+        mask_aux = [t for t in rest[15:] if t is not None][mods.num_score_aux if mods else 0:]
         assert (q_num is None) == (sparse is None)
         # the kernel reads whole query tiles of tile_m rows: statistics padded to them; the dQ
         # buffer is not (its TMA adds drop rows past Sq)
@@ -738,7 +738,7 @@ def _emulated_packed_kernel(d, dv, group, has_right, has_left, softcap, kernel_t
     def fn(q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, dq_out, cu_q, cu_k, used, sem, split_ws, split_cnt, *rest):
         scale, scale_log2, softcap_val, left, right, max_k = rest[4:10]
         assert all(t is None for t in rest[:4]) and sem is None and dq_out is None
-        assert split_ws is None and split_cnt is None and tuple(rest[12:14]) == (0, 1)
+        assert split_ws is None and split_cnt is None and tuple(rest[13:15]) == (0, 1)
         # the dQ buffer: a (Hq, T, D) view of zeroed (T, Hq, D) rows (TMA adds drop rows past T)
         assert lse2.shape == dpsum.shape and lse2.shape[0] == q.shape[1] and lse2.shape[-1] % tile_m == 0
         assert dq_acc.shape == (q.shape[1], q.shape[0], d) and dq_acc.transpose(0, 1).is_contiguous()
@@ -1243,7 +1243,7 @@ def test_launch_record_replays_the_general_path(case, monkeypatch):
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
         assert (bb.double() - a.double()).abs().max() <= 0.02 * r.abs().max(), f"{name}: record and general path differ"
     if case == "plain_split":
-        assert records[0].scalars[8:10] == (2, 2)  # (split tiles, ways)
+        assert records[0].scalars[9:11] == (2, 2)  # (split tiles, ways)
     assert bool(records[0].stat_tile) == packed
     tuning = bwd.BwdTuning(persistent_ctas=3)  # another tuning: a record of its own
     grads(record=True)

@@ -138,12 +138,12 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
 
 def main_scalars(call: "AttentionCall", plan) -> tuple:
     """The main kernel's scalar arguments: scale, scale * log2 e, softcap (1.0: none), the window,
-    the longest key sequence, the CTA order (the last `cta_tail` pairs one group:
-    bwd_kernel._cta_coords), the persistent grid and the split tail's plan."""
+    the longest key sequence, the CTA order (groups of 1 pair, the last `cta_tail` pairs one
+    group: bwd_kernel._cta_coords), the persistent grid and the split tail's plan."""
     right, left = window(call)
     return (float(call.scale), float(call.scale * math.log2(math.e)), float(call.softcap or 1.0),
-            int(left or 0), int(right or 0), int(plan.max_k), plan.cta_tail, plan.ctas, plan.split_items,
-            plan.ways)
+            int(left or 0), int(right or 0), int(plan.max_k), 1, plan.cta_tail, plan.ctas,
+            plan.split_items, plan.ways)
 
 
 def _backward_per_sequence(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic, tuning):

@@ -123,7 +123,7 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
     scalars = (Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1),
-               Int32(0), Int32(1))  # scale .. split_ways (bwd_kernel.__call__)
+               Int32(1), Int32(0), Int32(1))  # scale .. split_ways (bwd_kernel.__call__)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
             *scalars, *aux)
     return compile_with_stream(Sm90AttentionBackward(cdt, config, mods), args, arch, dump_dir, jit)

@@ -223,7 +223,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         scale: Float32, scale_log2: Float32, softcap_val: Float32,
         window_left: Int32, window_right: Int32,
         max_seqlen_k: Int32,
-        cta_tail: Int32,  # CTA order: the last this many (kv head, batch) pairs one group (_cta_coords)
+        cta_group: Int32,  # CTA order: groups of this many (kv head, batch) pairs (_cta_coords)
+        cta_tail: Int32,  # ... except the last this many pairs, one group (_cta_coords)
         num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile); else unused
         split_items: Int32,  # split_tail: the last this many work tiles run as pieces (0: none)
         split_ways: Int32,  # ... of this many pieces each
@@ -371,13 +372,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
             (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout),
             (mma_SdP, mma_dK, mma_dV, mma_dQ), (scale, scale_log2, softcap_val, window_left, window_right),
-            cta_tail, num_ctas, score_aux, mask_aux, fused, Storage,
+            cta_group, cta_tail, num_ctas, score_aux, mask_aux, fused, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, gmem, tmas, mCuQ, mCuK, mSeqUsedK, mSem, split, q_lists, layouts, mmas, scalars,
-               cta_tail: Int32, num_ctas: Int32, score_aux, mask_aux, fused,
+               cta_group: Int32, cta_tail: Int32, num_ctas: Int32, score_aux, mask_aux, fused,
                Storage: cutlass.Constexpr):
         """gmem: the TMA views of Q, K, V, dO, LSE2, dPsum and the dQ buffer, then dK, dV; tmas:
         their atoms; scalars: scale, scale_log2, softcap_val, window_left, window_right."""
@@ -386,7 +387,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(not self.persistent):  # (the persistent roles take their tiles in turn)
-            n_block, hkv, b = self._cta_coords(cta_tail)
+            n_block, hkv, b = self._cta_coords(cta_group, cta_tail)
 
         if warp_idx == 0:
             for atom in tmas[:7]:  # (dK, dV: stores, issued once)
@@ -472,13 +473,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self._consume(cta, tile, tidx - 128)
         else:
-            self._persistent_roles(cta, warp_idx, tidx, num_ctas, cta_tail, st, split, sK_layout, sV_layout,
-                                   fused)
+            self._persistent_roles(cta, warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split, sK_layout,
+                                   sV_layout, fused)
 
     # ------------------------------------------------------------------ persistent
     @cute.jit
-    def _persistent_roles(self, cta, warp_idx, tidx, num_ctas, cta_tail, st, split, sK_layout, sV_layout,
-                          fused):
+    def _persistent_roles(self, cta, warp_idx, tidx, num_ctas, cta_group, cta_tail, st, split, sK_layout,
+                          sV_layout, fused):
         """The persistent kernel's three roles, each a loop over the work tiles this CTA takes.
         Every role computes a tile's walk itself (the same on every thread), so the producer,
         the consumers and the dQ writer agree on its steps; K / V barrier phases count only the
@@ -491,7 +492,7 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if const_expr(self.split_tail):
             split_items, split_ways = split[2], split[3]
             total = total + split_items * (split_ways - 1)
-        tiles = (n_blocks, heads, batches, cta_tail, split_items, split_ways)
+        tiles = (n_blocks, heads, batches, cta_group, cta_tail, split_items, split_ways)
         bar_sched = st.bar_sched.data_ptr()
         bar_kv_empty = st.bar_kv_empty.data_ptr()
         sTile = st.sched_tile.get_tensor(cute.make_layout(2))
@@ -635,32 +636,37 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         """(WorkTile, piece, split index) of persistent work item t: items below the split tail
         are whole tiles (piece -1); the tail's items are the last `split_items` tiles' pieces,
         piece-fastest (tiles = _persistent_roles' bookkeeping tuple)."""
-        n_blocks, heads, batches, cta_tail, split_items, ways = tiles
+        n_blocks, heads, batches, cta_group, cta_tail, split_items, ways = tiles
         item = t
         piece = Int32(-1)
         split_index = Int32(0)
         if const_expr(self.split_tail):
             item, piece, split_index = split_unit(t, n_blocks * heads * batches, split_items, ways)
-        n_block, hkv, b = self._tile_coords(item, n_blocks, heads, batches, cta_tail)
+        n_block, hkv, b = self._tile_coords(item, n_blocks, heads, batches, cta_group, cta_tail)
         return self._tile_walk(cta, n_block, hkv, b, piece, ways), piece, split_index
 
     @cute.jit
-    def _cta_coords(self, cta_tail):
-        """(key tile, kv head, batch) of this CTA. CTAs start in linear order (x fastest): one
-        (kv head, batch) pair's key tiles in a row, but the last cta_tail pairs form one group,
-        key tiles outermost: under a causal mask the first key tiles walk the most query tiles,
-        so the tail pairs' longest CTAs start early (1: no tail group)."""
+    def _cta_coords(self, cta_group, cta_tail):
+        """(key tile, kv head, batch) of this CTA. The hardware starts CTAs in linear order (x
+        fastest). With cta_group = G that order runs over groups of G (kv head, batch) pairs, key
+        tiles outermost within a group: under a causal mask the first key tiles walk the most
+        query tiles, so each group's longest CTAs start first (no long CTA left for the tail),
+        while the group's CTAs still run together and share the query tiles they load.
+        G = 1 is the plain order (one pair's key tiles in a row). The last cta_tail pairs form
+        one group of their own whatever G is: only their longest CTAs need to start early, and
+        grouping only them keeps the other pairs' CTAs together in L2 (1: no tail group)."""
         bx, by, bz = cute.arch.block_idx()
         n_blocks, heads, batches = cute.arch.grid_dim()
-        return self._tile_coords(bx + n_blocks * (by + heads * bz), n_blocks, heads, batches, cta_tail)
+        return self._tile_coords(bx + n_blocks * (by + heads * bz), n_blocks, heads, batches,
+                                 cta_group, cta_tail)
 
     @cute.jit
-    def _tile_coords(self, lin, n_blocks, heads, batches, cta_tail):
+    def _tile_coords(self, lin, n_blocks, heads, batches, cta_group, cta_tail):
         """(key tile, kv head, batch) of work tile `lin` in the order _cta_coords describes (the
         persistent kernel walks the same order through its tile counter): common.tile_scheduler
-        .grouped_order with groups of one pair, which orders the forward's work items too."""
+        .grouped_order, which orders the forward's work items too."""
         pairs = heads * batches
-        n_block, pair = grouped_order(lin, n_blocks, pairs, Int32(1), cutlass.max(cta_tail, 1))
+        n_block, pair = grouped_order(lin, n_blocks, pairs, cta_group, cutlass.max(cta_tail, 1))
         return n_block, pair % heads, pair // heads
 
     @cute.jit
