@@ -2,7 +2,7 @@
 
 A stand-in kernel family computes with the reference (right) or spoils one output (wrong), so the
 check's verdict, its warning, the small problem it builds and the verdicts kept on disk are tested
-without a GPU. tests/gpu/test_self_check.py runs the same checks on the sm_90 kernels.
+without a GPU. tests/gpu/test_self_check_gpu.py runs the same checks on the sm_90 kernels.
 """
 
 import os

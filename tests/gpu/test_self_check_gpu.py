@@ -120,7 +120,7 @@ def test_the_verdict_persists_across_processes(tmp_path):
         import torch_fa4
         from torch_fa4 import self_check
         from naive import naive_attention, rel_error
-        import test_self_check as t
+        import test_self_check_gpu as t
         self_check.VERIFIED = frozenset()
         mp = pytest.MonkeyPatch()
         t._corrupt_forward_with_softcap(mp)
