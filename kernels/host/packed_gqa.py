@@ -12,8 +12,6 @@ the row index or the head) keep the call unpacked.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from torch_fa4.call import AttentionCall
@@ -24,18 +22,30 @@ def applies(call: AttentionCall) -> bool:
             and call.mods is None and not call.block_mask and call.window_left < 0)
 
 
+# (one as_strided view and a shallow copy of the call: this runs on every decode step, where
+# slicing + unflatten + transpose and dataclasses.replace cost more host time than the kernel)
+
 def _rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """(B, 1, Hq, X) -> (B, group, Hkv, X), a view."""
-    return t[:, 0].unflatten(1, (heads_kv, -1)).transpose(1, 2)
+    b, _, hq, x = t.shape
+    sb, _, sh, sx = t.stride()
+    group = hq // heads_kv
+    return t.as_strided((b, group, heads_kv, x), (sb, sh, group * sh, sx))
 
 
 def pack(call: AttentionCall) -> AttentionCall:
     """The call with its query heads packed as rows (q a view of the same tensor)."""
     hkv = call.num_heads_kv
-    return replace(call, q=_rows(call.q, hkv), causal=False, window_right=-1,
-                   max_seqlen_q=call.num_heads // hkv if call.max_seqlen_q else 0)
+    packed = object.__new__(AttentionCall)
+    packed.__dict__.update(call.__dict__)
+    packed.q, packed.causal, packed.window_right = _rows(call.q, hkv), False, -1
+    packed.max_seqlen_q = call.num_heads // hkv if call.max_seqlen_q else 0
+    return packed
 
 
 def pack_results(out: torch.Tensor, lse: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, 1, Hq, Dv) and lse (B, Hq, 1) as the packed call's (views)."""
-    return _rows(out, heads_kv), lse[..., 0].unflatten(1, (heads_kv, -1))
+    b, hq, _ = lse.shape
+    sb, sh, _ = lse.stride()
+    group = hq // heads_kv
+    return _rows(out, heads_kv), lse.as_strided((b, heads_kv, group), (sb, group * sh, sh))
