@@ -305,7 +305,7 @@ def test_kv_multicast_variants_multicast_their_loads(tmp_path):
 def test_plain_long_calls_take_kv_multicast():
     """Plain calls of D96 / D128 / D192 / D256 with 4096 keys or more run CTA pairs sharing their
     K / V loads (NOTES "Experiments 99, 137"); masks, varlen, mods, softcap, D64 and short walks
-    do not."""
+    do not, nor does a single query tile (its pair's partner would have no rows)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
     def cfg(D, Sq, Sk, **kw):
@@ -320,7 +320,8 @@ def test_plain_long_calls_take_kv_multicast():
         else:
             assert cfg(D, 4096, 4096).kv_multicast
             assert cfg(D, 16384, 16384).kv_multicast
-        assert cfg(D, 100, 8192).kv_multicast  # the walk's length decides: the keys
+        assert cfg(D, 200, 8192).kv_multicast  # the walk's length decides: the keys
+        assert not cfg(D, 100, 8192).kv_multicast  # one query tile: nothing to pair it with
         assert not cfg(D, 16384, 16384, causal=True).kv_multicast
         assert not cfg(D, 16384, 16384, window_left=512, window_right=512).kv_multicast
         assert not cfg(D, 16384, 16384, softcap=30.0).kv_multicast
