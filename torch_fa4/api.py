@@ -72,8 +72,9 @@ def attention(
     mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
     _check_aux_tensors(aux_tensors, q.device)
     if mod_key:
-        builtin = _as_builtins(mod_key, aux_tensors, q, k, cu_seqlens_q is not None or cu_seqlens_k is not None,
-                               seqused_k is not None, window_left, window_right, softcap)
+        varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        builtin = _as_builtins(mod_key, aux_tensors, q, k, varlen, seqused_k is not None, window_left,
+                               window_right, softcap)
         if builtin is not None:
             mod_key, aux_tensors, mask_folded, window_left, window_right, softcap = builtin
             if mask_folded:

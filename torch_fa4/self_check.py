@@ -209,7 +209,8 @@ def _shrunk(call: AttentionCall, length: Optional[int]) -> AttentionCall:
     used = None
     if call.seqused_k is not None:
         full = call.seqused_k[picks].tolist()
-        used = torch.tensor([min(u, k) for u, k in zip(full, k_lens)], dtype=torch.int32, device=call.q.device)
+        used = torch.tensor([min(u, k) for u, k in zip(full, k_lens)], dtype=torch.int32,
+                            device=call.q.device)
     if call.is_varlen:
         cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                                        device=call.q.device)
@@ -252,9 +253,9 @@ def _block_mask_for(call: AttentionCall) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _device_identity(device: torch.device) -> tuple:
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
     if device.type != "cuda":
         return (device.type, "-", "-")
+    index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     return (props.name, f"{props.major}.{props.minor}", _driver_version())
 

@@ -54,7 +54,8 @@ def _analyse(mod_key: str) -> Optional[Builtins]:
     if band is None and not cap:
         return None
     key_of = lambda score, mask: register(score, mask).key if (score or mask) else ""
-    return Builtins(band, cap, key_of(mods.score_graph, None), key_of(None, mods.mask_graph), mods.num_score_aux)
+    return Builtins(band, cap, key_of(mods.score_graph, None), key_of(None, mods.mask_graph),
+                    mods.num_score_aux)
 
 
 # ---- the mask: a band of q_idx - kv_idx ---------------------------------------------------------
