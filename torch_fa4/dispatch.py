@@ -58,8 +58,9 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
     """Return the kernel module that runs `call` ("forward" or "backward"), or None for the reference.
 
     On a capability where the kernel family is not verified, its variant runs only once it has
-    passed its first-use self-check (torch_fa4/self_check.py). With warn=False (SDPA routing, which falls back to PyTorch's own kernel instead) a refusal is
-    neither warned about nor remembered as warned.
+    passed its first-use self-check (torch_fa4/self_check.py). With warn=False (SDPA routing,
+    which falls back to PyTorch's own kernel instead) a refusal is neither warned about nor
+    remembered as warned.
     """
     if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
         return None
@@ -79,7 +80,8 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
             _warned.add(reason)
             warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to the PyTorch reference: {reason}", stacklevel=3)
         return None
-    if not self_check.trusted(_kernel_module(name, "forward"), module, call, direction, deterministic, cap):
+    if self_check.needed(cap) and not self_check.trusted(_kernel_module(name, "forward"), module, call,
+                                                           direction, deterministic, cap):
         return None
     return module
 
