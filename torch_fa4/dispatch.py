@@ -107,6 +107,11 @@ def forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = kernel_for(call, "forward")
     if kernel is None:
         return reference.forward(call)
+    return run_forward(kernel, call)
+
+
+def run_forward(kernel, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel` (from kernel_for) runs the call's forward: its output buffers, then the launch."""
     out = empty_laid_out_like(call.q, call.out_shape())
     lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
     kernel.forward(call, out, lse)
@@ -118,6 +123,11 @@ def backward(call: AttentionCall, dout, out, lse, deterministic: bool):
     kernel = kernel_for(call, "backward", deterministic=deterministic)
     if kernel is None:
         return reference.backward(call, dout, out, lse)
+    return run_backward(kernel, call, dout, out, lse, deterministic)
+
+
+def run_backward(kernel, call: AttentionCall, dout, out, lse, deterministic: bool):
+    """`kernel` (from kernel_for) runs the call's backward: the gradient buffers, then the launch."""
     dq = torch.empty(call.q.shape, dtype=call.q.dtype, device=call.q.device)
     dk = torch.empty(call.k.shape, dtype=call.k.dtype, device=call.k.device)
     dv = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device)

@@ -109,12 +109,18 @@ def _op_args(q, k, scale: Optional[float], is_causal: bool) -> tuple:
     )
 
 
-def _kernel_reason(query, key, value, scale, is_causal, direction: str) -> Optional[str]:
-    """Ask torch_fa4's dispatcher whether a GPU kernel (not the slow reference) would run the call.
-    It must not warn about falling back to its reference: PyTorch's own kernel runs the call instead."""
+def _kernel_for(query, key, value, scale, is_causal, direction: str, deterministic: bool = False) -> tuple:
+    """(call, kernel): the AttentionCall on (B, S, H, D) views and the GPU kernel module that
+    would run it (None: the slow reference would). Not warned about: PyTorch's own kernel runs a
+    call torch_fa4 has no kernel for."""
     q, k, v = _transposed(query, key, value)
     call = ops.make_call(q, k, v, *_op_args(q, k, scale, is_causal))
-    if dispatch.kernel_for(call, direction, warn=False) is None:
+    return call, dispatch.kernel_for(call, direction, warn=False, deterministic=deterministic)
+
+
+def _kernel_reason(query, key, value, scale, is_causal, direction: str) -> Optional[str]:
+    """Why no torch_fa4 GPU kernel (only the slow reference) would run the call (None: one would)."""
+    if _kernel_for(query, key, value, scale, is_causal, direction)[1] is None:
         return f"torch_fa4 has no {direction} kernel for this call"
     return None
 
@@ -126,8 +132,10 @@ def forward_reason(query, key, value, dropout_p=0.0, return_debug_mask=False, is
             or _kernel_reason(query, key, value, scale, is_causal, "forward"))
 
 
-def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, scale=None):
-    """Why this SDPA flash backward call goes to PyTorch's kernel (None: torch_fa4 takes it)."""
+def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, scale=None,
+                    check_kernel: bool = True):
+    """Why this SDPA flash backward call goes to PyTorch's kernel (None: torch_fa4 takes it;
+    check_kernel=False: leaves out the kernel question, which the caller asks itself)."""
     reason = input_reason(query, key, value, dropout_p) or device_reason(query, key, value, grad_out, out, logsumexp)
     if reason is not None:
         return reason
@@ -136,7 +144,7 @@ def backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, 
         return "grad_out/out shapes do not match the query"
     if logsumexp is None or logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, hq, sq):
         return "logsumexp is not (B, H, Sq) float32"
-    return _kernel_reason(query, key, value, scale, is_causal, "backward")
+    return _kernel_reason(query, key, value, scale, is_causal, "backward") if check_kernel else None
 
 
 # ---- The two kernels installed into aten's CUDA dispatch key, and their halves.
@@ -157,9 +165,15 @@ def _with_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def fa4_sdpa_forward(query, key, value, is_causal=False, scale=None, deterministic=False):
-    """torch_fa4's half of `_scaled_dot_product_flash_attention`: (B, H, S, D) in, aten's 9 outputs out."""
+    """torch_fa4's half of `_scaled_dot_product_flash_attention`: (B, H, S, D) in, aten's 9 outputs
+    out. It runs the fwd op's body: an aten kernel is already below autograd and any mode."""
     q, k, v = _transposed(query, key, value)
-    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *_op_args(q, k, scale, is_causal), bool(deterministic))
+    out, lse = ops.fwd_impl(q, k, v, *_op_args(q, k, scale, is_causal), bool(deterministic))
+    return _forward_outputs(query, key, out, lse)
+
+
+def _forward_outputs(query, key, out, lse) -> tuple:
+    """aten's 9 outputs from torch_fa4's (B, S, H, D) output and LSE."""
     out = _with_layout_of(out.transpose(1, 2), query)
     lse = lse.float()  # aten's contract is float32 whatever the path (no-op for the kernels' LSE)
     # Seed and offset only matter with dropout, which torch_fa4 never takes: the meta kernel's shapes
@@ -167,7 +181,7 @@ def fa4_sdpa_forward(query, key, value, is_causal=False, scale=None, determinist
     seed = torch.empty((2,), dtype=torch.uint64, device=query.device)
     offset = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty((0,), dtype=query.dtype, device=query.device)
-    return out, lse, None, None, q.shape[1], k.shape[1], seed, offset, debug_mask
+    return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug_mask
 
 
 def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=False, scale=None,
@@ -176,19 +190,25 @@ def fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal=Fal
     strided like query, key, value. The kernels read strided dO and O (the backward copies only a
     layout its loads cannot take), so any memory order of SDPA's tensors is passed as a view."""
     q, k, v, dout, o = _transposed(query, key, value, grad_out, out)
-    dq, dk, dv = torch.ops.torch_fa4.bwd(
-        dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, scale, is_causal), bool(deterministic)
-    )
-    return tuple(_with_layout_of(g.transpose(1, 2), like) for g, like in ((dq, query), (dk, key), (dv, value)))
+    grads = ops.bwd_impl(dout, q, k, v, o, logsumexp.contiguous(), *_op_args(q, k, scale, is_causal),
+                         bool(deterministic))
+    return _backward_outputs(grads, query, key, value)
+
+
+def _backward_outputs(grads, query, key, value) -> tuple:
+    return tuple(_with_layout_of(g.transpose(1, 2), like) for g, like in zip(grads, (query, key, value)))
 
 
 def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                     scale=None):
-    """CUDA kernel of `_scaled_dot_product_flash_attention`: torch_fa4's half when it takes the call,
-    else what PyTorch's own kernel computes."""
-    if forward_reason(query, key, value, dropout_p, return_debug_mask, is_causal, scale) is None:
-        return fa4_sdpa_forward(query, key, value, is_causal, scale,
-                                torch.are_deterministic_algorithms_enabled())
+    """CUDA kernel of `_scaled_dot_product_flash_attention`: torch_fa4's kernel when it takes the
+    call, else what PyTorch's own kernel computes. The call is built and its kernel found once,
+    then launched directly (this is every routed call's host path)."""
+    if (input_reason(query, key, value, dropout_p, return_debug_mask) or device_reason(query, key, value)) is None:
+        call, kernel = _kernel_for(query, key, value, scale, is_causal, "forward")
+        if kernel is not None:
+            out, lse = dispatch.run_forward(kernel, call)
+            return _forward_outputs(query, key, out, lse)
     q, k, v = _transposed(query, key, value)
     sq, sk = q.shape[1], k.shape[1]
     out, lse, seed, offset, debug_mask = torch.ops.aten._flash_attention_forward(
@@ -200,9 +220,14 @@ def _routed_forward(query, key, value, dropout_p=0.0, is_causal=False, return_de
 def _routed_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                      dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     """CUDA kernel of `_scaled_dot_product_flash_attention_backward`, routed as `_routed_forward`."""
-    if backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale) is None:
-        return fa4_sdpa_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale,
-                                 torch.are_deterministic_algorithms_enabled())
+    if backward_reason(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale,
+                       check_kernel=False) is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        call, kernel = _kernel_for(query, key, value, scale, is_causal, "backward", deterministic)
+        if kernel is not None:
+            _, _, _, dout, o = _transposed(query, key, value, grad_out, out)
+            grads = dispatch.run_backward(kernel, call, dout, o, logsumexp.contiguous(), deterministic)
+            return _backward_outputs(grads, query, key, value)
     q, k, v, o, dout = _transposed(query, key, value, out, grad_out)
     grads = torch.ops.aten._flash_attention_backward(
         dout, q, k, v, o, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
