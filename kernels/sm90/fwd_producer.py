@@ -95,32 +95,33 @@ class FwdProducer:
             # order: K[first]; Q; then K[t+1], V[t] pairs; then V[last] -- the consumers' order of
             # need, so a full ring never blocks the tile they wait for. The first K goes before Q:
             # Q's buffer frees only when the previous item is done with it, K's slot earlier.
+            pager = self._pager(batch, seqlen) if const_expr(cfg.page_box) else None
             k_load = (tma_K, tKgK, tKsK, pipe_k, kv_copy)
             v_load = (tma_V, tVgV, tVsV, pipe_v, kv_copy)
             if walk.nonempty():
-                self._load_tile(k_load, k_state, walk, 0, batch, seqlen)
+                self._load_tile(k_load, k_state, walk, 0, pager)
                 k_state.advance()
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if walk.nonempty():
                 for i in cutlass.range(walk.count - 1, unroll=1):
-                    self._load_tile(k_load, k_state, walk, i + 1, batch, seqlen)
+                    self._load_tile(k_load, k_state, walk, i + 1, pager)
                     k_state.advance()
-                    self._load_tile(v_load, v_state, walk, i, batch, seqlen)
+                    self._load_tile(v_load, v_state, walk, i, pager)
                     v_state.advance()
-                self._load_tile(v_load, v_state, walk, walk.count - 1, batch, seqlen)
+                self._load_tile(v_load, v_state, walk, walk.count - 1, pager)
                 v_state.advance()
         return q_state, k_state, v_state
 
     @cute.jit
-    def _load_tile(self, load, state, walk, t, batch, seqlen):
+    def _load_tile(self, load, state, walk, t, pager):
         """Key tile t of the walk into ring slot `state` (K or V: `load` is its TMA atom, its
         partitioned global and shared tensors, its pipeline and copy options): one box, or paged,
         a box per page, the page ids read before the wait for the slot."""
         tma, tXgX, tXsX, pipe, kv_copy = load
         if const_expr(self.cfg.page_box):
-            lane_page, in_page = self._tile_pages(walk.n_block(t), batch, seqlen)
+            lane_page, in_page = self._tile_pages(walk.n_block(t), pager)
             pipe.producer_acquire(state)
             for j in cutlass.range_constexpr(self.tile_n // self.cfg.page_box):
                 page = lane_page
@@ -134,7 +135,21 @@ class FwdProducer:
                       tma_bar_ptr=pipe.producer_get_barrier(state), **kv_copy)
 
     @cute.jit
-    def _tile_pages(self, n_block, batch, seqlen):
+    def _pager(self, batch, seqlen):
+        """What a work item's page lookups need, computed once per item: (its batch, how many
+        boxes or tiles hold keys of the sequence and have a page-table entry, the tiles per page
+        where pages hold whole tiles)."""
+        box = self.cfg.page_box
+        max_pages = self._page_table.shape[1]
+        used = cutlass.min((seqlen.seqlen_k + box - 1) // box, max_pages)
+        tiles_per_page = Int32(1)
+        if const_expr(box == self.tile_n):  # pages of whole tiles
+            tiles_per_page = self._mK.shape[0] // self.tile_n  # (mK: (page_size, D, Hkv, pages))
+            used = cutlass.min((seqlen.seqlen_k + box - 1) // box, max_pages * tiles_per_page)
+        return batch, used, tiles_per_page
+
+    @cute.jit
+    def _tile_pages(self, n_block, pager):
         """Where key tile n_block's boxes lie in a paged cache: (a page id, the box's index inside
         its page). Pages of page_box < tile_n keys hold one box each, and lane j of the warp reads
         box j's page (one register for the whole tile; the producer runs on few); pages of whole
@@ -142,21 +157,19 @@ class FwdProducer:
         every lane. A box past the sequence's end (or past the page table's row) reads no
         page-table entry: it loads from a page past the cache, which the TMA fills with zeros,
         so unused entries may hold anything."""
-        box = self.cfg.page_box
-        boxes = self.tile_n // box
+        batch, used, tiles_per_page = pager
+        boxes = self.tile_n // self.cfg.page_box
         table = self._page_table
-        max_pages = table.shape[1]
-        page = Int32(self._mK.shape[3])  # past the cache (mK: (page_size, D, Hkv, pages))
+        page = Int32(self._mK.shape[3])  # past the cache
         in_page = Int32(0)
         if const_expr(boxes > 1):  # pages of page_box keys
             lane = cute.arch.lane_idx()
             index = n_block * boxes + lane
-            if lane < boxes and index * box < seqlen.seqlen_k and index < max_pages:
+            if lane < boxes and index < used:
                 page = table[batch, index]
         else:  # pages of whole tiles
-            tiles_per_page = self._mK.shape[0] // self.tile_n
             index = n_block // tiles_per_page
             in_page = n_block - index * tiles_per_page
-            if n_block * self.tile_n < seqlen.seqlen_k and index < max_pages:
+            if n_block < used:
                 page = table[batch, index]
         return page, in_page
