@@ -81,7 +81,8 @@ def test_reference_against_gathered_keys(page_size, case, hkv):
     q = torch.randn(len(used), 3, 4, 16, dtype=torch.float64)
     seqused = torch.tensor(used, dtype=torch.int32)
     ours, theirs = CASES[case]
-    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, return_lse=True, **ours)
+    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, return_lse=True,
+                                   **ours)
     ref, ref_lse = naive_attention(q, k, v, seqlen_k=used, **theirs)
     check(out, lse, ref, ref_lse)
 
@@ -128,13 +129,15 @@ def test_compiled_fullgraph_and_opcheck():
     k_cache, v_cache, table, k, v = paged_cache(used, 8, 2, 16, dtype=torch.float32)
     q = torch.randn(2, 2, 4, 16)
     seqused = torch.tensor(used, dtype=torch.int32)
-    fn = torch.compile(lambda q, kc, vc, t, s: torch_fa4.attention(q, kc, vc, page_table=t, seqused_k=s, causal=True,
-                                                                   score_mod=_decay), fullgraph=True)
+    def paged(q, kc, vc, t, s):
+        return torch_fa4.attention(q, kc, vc, page_table=t, seqused_k=s, causal=True, score_mod=_decay)
+
+    fn = torch.compile(paged, fullgraph=True)
     out = fn(q, k_cache, v_cache, table, seqused)
     ref, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, score_mod=_decay)
     assert rel_error(out, ref) < 1e-5
-    args = (q, k_cache, v_cache, table, [], None, seqused, [], 2, table.shape[1] * 8, 0.25, True, -1, 0, 0.0, "",
-            128, 128)
+    args = (q, k_cache, v_cache, table, [], None, seqused, [], 2, table.shape[1] * 8, 0.25, True, -1, 0, 0.0,
+            "", 128, 128)
     torch.library.opcheck(torch.ops.torch_fa4.fwd_paged.default, args)
 
 
@@ -142,13 +145,14 @@ def test_gradients_are_refused():
     used = [5]
     k_cache, v_cache, table, _, _ = paged_cache(used, 8, 1, 16)
     q = torch.randn(1, 1, 1, 16, dtype=torch.float64, requires_grad=True)
+    used = torch.tensor([5], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="forward-only"):
-        torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=torch.tensor([5], dtype=torch.int32))
+        torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=used)
     with torch.no_grad():  # without autograd recording the call runs
-        torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=torch.tensor([5], dtype=torch.int32))
+        torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=used)
     # the op itself, reached without the API's check: its backward refuses
-    args = (q, k_cache, v_cache, table, [], None, torch.tensor([5], dtype=torch.int32), [], 1, table.shape[1] * 8,
-            0.25, False, -1, -1, 0.0, "", 128, 128)
+    args = (q, k_cache, v_cache, table, [], None, used, [], 1, table.shape[1] * 8, 0.25, False, -1, -1, 0.0,
+            "", 128, 128)
     out, _ = torch.ops.torch_fa4.fwd_paged(*args)
     with pytest.raises(NotImplementedError, match="forward-only"):
         out.sum().backward()
@@ -175,7 +179,8 @@ def _errors_case():
     (lambda a: dict(k=a["k"][0]), ValueError, "num_pages, page_size"),
     (lambda a: dict(k=a["k"][:, :0], v=a["v"][:, :0]), ValueError, "page_size 0"),
     (lambda a: dict(seqused_k=torch.tensor([10, 10**6], dtype=torch.int32)), ValueError, "seqused_k"),
-    (lambda a: dict(page_table=_with_entry(a["page_table"], 1, 2, -1)), ValueError, r"page_table\[1, 2\] = -1"),
+    (lambda a: dict(page_table=_with_entry(a["page_table"], 1, 2, -1)), ValueError,
+     r"page_table\[1, 2\] = -1"),
     (lambda a: dict(page_table=_with_entry(a["page_table"], 0, 1, a["k"].shape[0])), ValueError,
      "not a page of the cache"),
 ])
@@ -269,15 +274,16 @@ def test_gathered_copy_matches_the_reference():
     k_cache, v_cache, table, _, _ = paged_cache(used, 3, 2, 16)
     seqused = torch.tensor(used, dtype=torch.int32)
     q = torch.randn(3, 2, 4, 16, dtype=torch.float64)
-    call = AttentionCall(q=q, k=k_cache, v=v_cache, scale=0.25, causal=True, seqused_k=seqused, page_table=table)
+    call = AttentionCall(q=q, k=k_cache, v=v_cache, scale=0.25, causal=True, seqused_k=seqused,
+                         page_table=table)
     flat = gathered(call)
     assert flat.page_table is None and flat.k.shape == (3, table.shape[1] * 3, 2, 16)
     assert not flat.k.isnan().any() and not flat.v.isnan().any()
     for a, b in zip(reference.forward(call), reference.forward(flat)):
         assert torch.equal(a, b)
     cu = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
-    packed = AttentionCall(q=q.flatten(0, 1), k=k_cache, v=v_cache, scale=0.25, causal=True, seqused_k=seqused,
-                           page_table=table, cu_seqlens_q=cu, max_seqlen_q=2)
+    packed = AttentionCall(q=q.flatten(0, 1), k=k_cache, v=v_cache, scale=0.25, causal=True,
+                           seqused_k=seqused, page_table=table, cu_seqlens_q=cu, max_seqlen_q=2)
     flat = gathered(packed)
     assert flat.cu_seqlens_k.tolist() == [0, flat.max_seqlen_k, 2 * flat.max_seqlen_k, 3 * flat.max_seqlen_k]
     for a, b in zip(reference.forward(packed), reference.forward(flat)):

@@ -65,8 +65,8 @@ def attention(
     Returns out, shaped like q with head dim Dv (and lse if return_lse).
     """
     paged = page_table is not None
-    checks.check_qkv(q, k, v, varlen_q=cu_seqlens_q is not None, varlen_k=cu_seqlens_k is not None and not paged,
-                     paged=paged)
+    checks.check_qkv(q, k, v, varlen_q=cu_seqlens_q is not None,
+                     varlen_k=cu_seqlens_k is not None and not paged, paged=paged)
     if paged:
         recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         checks.check_page_table(q, k, page_table, cu_seqlens_q, cu_seqlens_k, recorded)
@@ -98,9 +98,9 @@ def attention(
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q)
     max_seqlen_k = keys if paged else _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
     if paged:
-        return _paged(q, k, v, page_table, (aux_tensors, cu_seqlens_q, seqused_k, bm_tensors, max_seqlen_q,
-                                            max_seqlen_k, float(scale), bool(causal), window_left, window_right,
-                                            float(softcap), mod_key, bm_q, bm_kv), return_lse)
+        paged_rest = (aux_tensors, cu_seqlens_q, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
+                      float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv)
+        return _paged(q, k, v, page_table, paged_rest, return_lse)
     rest = (aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
             float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv,
             bool(deterministic))
@@ -118,7 +118,8 @@ def _paged(q, k_cache, v_cache, page_table, rest, return_lse):
     """The torch_fa4::fwd_paged op (forward only), or in eager mode where nothing could intercept
     it, its body (no op entry on a decode step's path)."""
     aux_tensors, cu_seqlens_q, seqused_k, bm_tensors = rest[:4]
-    route = eager_autograd.route(q, k_cache, v_cache, (aux_tensors, cu_seqlens_q, None, seqused_k, bm_tensors))
+    tensors = (aux_tensors, cu_seqlens_q, None, seqused_k, bm_tensors)  # as route reads the fwd op's
+    route = eager_autograd.route(q, k_cache, v_cache, tensors)
     if route == "direct" and type(page_table) is torch.Tensor:
         out, lse = ops.fwd_paged_impl(q, k_cache, v_cache, page_table, *rest)
     else:

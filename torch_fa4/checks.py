@@ -105,15 +105,17 @@ def check_page_table(q, k, page_table, cu_seqlens_q, cu_seqlens_k, requires_grad
                           "the page table (give each sequence's length in seqused_k)")
     batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
     if page_table.shape[0] != batch:
-        _fail(ValueError, f"page_table must have one row per sequence ({batch}), got shape {tuple(page_table.shape)}")
+        _fail(ValueError, f"page_table must have one row per sequence ({batch}), "
+                          f"got shape {tuple(page_table.shape)}")
     if page_table.shape[1] > 0 and page_table.stride(1) != 1:
-        _fail(ValueError, f"page_table's rows must be contiguous (stride 1), got strides {page_table.stride()}; "
-                          "call .contiguous()")
+        _fail(ValueError, f"page_table's rows must be contiguous (stride 1), got strides "
+                          f"{page_table.stride()}; call .contiguous()")
     if k.shape[1] == 0:
         _fail(ValueError, f"k_cache's pages hold no keys (page_size 0): shape {tuple(k.shape)}")
     if requires_grad:
-        _fail(NotImplementedError, "attention over a paged KV cache (page_table) is forward-only, but q, k_cache or "
-                                   "v_cache requires grad; run it under torch.no_grad() / inference_mode, or detach them")
+        _fail(NotImplementedError, "attention over a paged KV cache (page_table) is forward-only, but q, "
+                                   "k_cache or v_cache requires grad; run it under torch.no_grad() / "
+                                   "inference_mode, or detach them")
 
 
 # Varlen arguments whose values passed check_varlen_values: a model hands the same cu_seqlens to
@@ -190,7 +192,8 @@ def _check_pages(k, seqused_k, page_table) -> None:
         rows, cols = torch.nonzero(in_use & ((page_table < 0) | (page_table >= num_pages)), as_tuple=True)
         b, i = int(rows[0]), int(cols[0])
         _fail(ValueError, f"page_table[{b}, {i}] = {int(page_table[b, i])} is not a page of the cache "
-                          f"(k_cache has {num_pages} pages); every page a sequence uses must be in [0, {num_pages})")
+                          f"(k_cache has {num_pages} pages); every page a sequence uses must be in "
+                          f"[0, {num_pages})")
 
 
 def _check_cumulative(name, cu, total, max_name, max_seqlen) -> None:

@@ -110,9 +110,10 @@ def fwd_paged_impl(
     """Attention forward over paged KV caches (call.py says how a page table reads): returns
     (out, lse) as `fwd_impl`. k_cache / v_cache: (num_pages, page_size, Hkv, D / Dv); page_table
     (B, max_pages) int32. Keys are never packed (no cu_seqlens_k); queries may be."""
-    return dispatch.forward(make_call(q, k_cache, v_cache, aux_tensors, cu_seqlens_q, None, seqused_k, block_mask,
-                                      max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
-                                      softcap, mod_key, block_mask_q, block_mask_kv, page_table=page_table))
+    return dispatch.forward(make_call(q, k_cache, v_cache, aux_tensors, cu_seqlens_q, None, seqused_k,
+                                      block_mask, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
+                                      window_right, softcap, mod_key, block_mask_q, block_mask_kv,
+                                      page_table=page_table))
 
 
 fwd_paged = torch.library.custom_op("torch_fa4::fwd_paged", fwd_paged_impl, mutates_args=())

@@ -378,7 +378,8 @@ def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split
     if cfg.block_sparse:
         block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
     counter = torch.zeros(1, dtype=torch.int32, device=device) if cfg.dynamic_schedule else None
-    kernel(*leading, *block_mask, *_launch_aux(cfg, call), counter, *split_buffers(split, device), call.page_table)
+    kernel(*leading, *block_mask, *_launch_aux(cfg, call), counter, *split_buffers(split, device),
+           call.page_table)
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:

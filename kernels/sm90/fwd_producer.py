@@ -77,8 +77,10 @@ class FwdProducer:
                 sK_boxes = cute.flat_divide(sK, (box, self.hdim))
                 sV_boxes = cute.flat_divide(sV, (box, self.hdimv))
             else:
-                gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]), (self.tile_n, self.hdim), (None, 0))
-                gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]), (self.tile_n, self.hdimv), (None, 0))
+                gK = cute.local_tile(seqlen.k_rows(mK[None, None, head_kv, batch_k]),
+                                     (self.tile_n, self.hdim), (None, 0))
+                gV = cute.local_tile(seqlen.k_rows(mV[None, None, head_kv, batch_k]),
+                                     (self.tile_n, self.hdimv), (None, 0))
                 sK_boxes, sV_boxes = sK, sV
             tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
                                                cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))

@@ -196,7 +196,8 @@ def test_features(launches, feature, page_size):
     seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
     kw = {"window": dict(window_size=(100, 0), causal=True), "softcap": dict(softcap=20.0, causal=True),
           "score_mod": dict(score_mod=_decay, causal=True), "mask_mod": dict(mask_mod=_stripes)}[feature]
-    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, return_lse=True, **kw)
+    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, return_lse=True,
+                                   **kw)
     oracle = {"window": dict(window=(100, 0), causal=True), "softcap": dict(softcap=20.0, causal=True),
               "score_mod": dict(score_mod=_decay, causal=True), "mask_mod": dict(mask_mod=_stripes)}[feature]
     check(out, lse, q, k, v, used, **oracle)
@@ -257,7 +258,8 @@ def test_repeated_calls_follow_the_table(launches):
     q = torch.randn(2, 1, 8, d, device="cuda", dtype=DT)
     for step in range(3):
         seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-        out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, return_lse=True)
+        out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused,
+                                       return_lse=True)
         check(out, lse, q, k, v, used)
         used = [n + 20 for n in used]
         k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d, max_pages=16)
