@@ -277,3 +277,47 @@ def test_compiled(launches):
     out, lse = fn(q, k_cache, v_cache, table, seqused)
     check(out, lse, q, k, v, used, causal=True)
     ran_paged(launches)
+
+
+@pytest.mark.parametrize("page_size", [16, 256, 24])
+def test_cuda_graph_replays_follow_the_table(launches, page_size):
+    """A serving engine's decode step captured once in a CUDA graph and replayed with new contents
+    of the same page table, lengths and cache (in place), the gathered sizes included."""
+    hkv, group, d, max_pages = 2, 4, 128, 12
+    q = torch.randn(3, 1, hkv * group, d, device="cuda", dtype=DT)
+    shape = (3 * max_pages + 3, page_size, hkv, d)
+    k_cache = torch.zeros(shape, device="cuda", dtype=DT)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.zeros(3, max_pages, dtype=torch.int32, device="cuda")
+    seqused = torch.zeros(3, dtype=torch.int32, device="cuda")
+
+    def step():
+        return torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, causal=True)
+
+    def refill(used):
+        kc, vc, t, k, v = paged_cache(used, page_size, hkv, d, max_pages=max_pages)
+        k_cache[:kc.shape[0]].copy_(kc)
+        v_cache[:vc.shape[0]].copy_(vc)
+        table.copy_(t)
+        seqused.copy_(torch.tensor(used, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        return k, v
+
+    refill([5, 0, 40])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for used in ([page_size * 3 + 1, 7, 1], [page_size * max_pages, 0, page_size * 2]):
+        k, v = refill(used)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, device="cuda")
+        low, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, device="cuda", score_dtype=DT)
+        assert rel_error(out, ref) <= 2 * max(rel_error(low, ref), 2 ** -9)
