@@ -84,12 +84,13 @@ def paged_peers(q, k, v, page_sizes) -> dict:
     return found
 
 
-def paged_rows(rows: str, page_sizes: list) -> None:
-    print(f"paged caches (pages of {', '.join(map(str, page_sizes))} keys, random order); us (K/V TB/s)")
+def paged_rows(rows: str, page_sizes: list, query_rows: int = 1) -> None:
+    print(f"paged caches (pages of {', '.join(map(str, page_sizes))} keys, random order), {query_rows} query "
+          "row(s) per sequence; us (K/V TB/s)")
     names = None
     for row in rows.split(","):
         B, S = (int(x) for x in row.split("x"))
-        q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(B, query_rows, HQ, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         found = paged_peers(q, k, v, page_sizes)
         times = {}
@@ -115,10 +116,12 @@ def main() -> None:
     parser.add_argument("--rows", default="8x4096,8x32768,64x8192")
     parser.add_argument("--pages", default="16,256", help="page sizes of the paged rows ('' for none)")
     parser.add_argument("--paged-only", action="store_true", help="only the paged rows")
+    parser.add_argument("--query-rows", type=int, default=1,
+                        help="query rows per sequence of the paged rows (chunked prefill: e.g. 512)")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.pages.split(",") if p]
     if args.paged_only:
-        paged_rows(args.rows, page_sizes)
+        paged_rows(args.rows, page_sizes, args.query_rows)
         return
     ceiling = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling / 1e12:.2f} TB/s (read + write)")
@@ -138,7 +141,7 @@ def main() -> None:
         fastest_peer = min(t for n, t in times.items() if n != "torch_fa4")
         print(f"{row:>12} {cells} {fastest_peer / times['torch_fa4']:16.3f}")
     if page_sizes:
-        paged_rows(args.rows, page_sizes)
+        paged_rows(args.rows, page_sizes, args.query_rows)
 
 
 if __name__ == "__main__":
