@@ -254,7 +254,7 @@ def test_paged_variant_choice(D, page_size, tile_n, box):
     assert fwd_host.unsupported_reason(call) is None
     cfg = fwd_host.default_config(call)
     assert (cfg.tile_n, cfg.page_box) == (tile_n, box)
-    assert not cfg.kv_multicast and not cfg.persistent
+    assert not cfg.kv_multicast
 
 
 def test_paged_calls_on_other_kernels_are_refused():
@@ -303,11 +303,11 @@ def _packed_decode(D, page_size):
     return packed_gqa.pack(_paged_call(D, page_size))
 
 
-def _mods_call(D, page_size):
+def _mods_call(D, page_size, mask_mod=_stripes):
     from torch_fa4 import mods as M
     from torch_fa4.mods import registry
 
-    key, aux = M.prepare(_decay, _stripes)
+    key, aux = M.prepare(_decay, mask_mod)
     call = _paged_call(D, page_size, sq=64, causal=True)
     call.mod_key, call.mods, call.aux_tensors = key, registry.lookup(key), tuple(aux)
     return call
@@ -319,6 +319,10 @@ PAGED_VARIANTS = {
     "d64_packed_causal_page64": lambda: (_paged_call(64, 64, sq=5, causal=True, packed=True), {}),
     "d256_page64_tile64": lambda: (_paged_call(256, 64, sq=40, causal=True), {}),
     "d128_mods_page16": lambda: (_mods_call(128, 16), {}),
+    # causal calls and score_mod-only ones run the dynamic schedule's persistent loop
+    "d128_causal_prefill_page16": lambda: (_paged_call(128, 16, sq=1024, hkv=8, causal=True), {}),
+    "d128_score_mod_causal_page256": lambda: (_mods_call(128, 256, mask_mod=None), {}),
+    "d96_page32": lambda: (_paged_call(96, 32, sq=300), {}),
 }
 
 
@@ -333,6 +337,8 @@ def test_paged_variant_compiles_to_tma_page_loads(name, tmp_path, monkeypatch):
     assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
     cfg = fwd_host.default_config(call, **overrides)
     assert cfg.page_box
+    if name.startswith(("d128_decode", "d128_causal", "d128_score_mod")):
+        assert cfg.persistent and cfg.dynamic_schedule == ("causal" in name)
     fwd_host.compile_fwd(cfg, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     assert "HGMMA" in sass

@@ -154,9 +154,6 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     # with mods the persistent loop kept too much alive (a mask_mod's loads, a score_mod beside
     # softcap at D=128: ptxas serialized the wgmmas; the CPU compile tests count the waits)
     opts["persistent"] = opts["persistent"] and call.mods is None
-    # paged: one CTA per item (the persistent loops left the producer's 24 registers too few for
-    # the page-table reads: spills, CPU compile tests)
-    opts["persistent"] = opts["persistent"] and call.page_table is None
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _uses_block_mask(call):
@@ -165,7 +162,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
                     bm_tiles_n=call.block_mask_kv // opts["tile_n"])
     if call.page_table is not None:
         opts.update(_paged_tiles(call, opts["tile_n"], opts.get("block_sparse", False)))
-    if _dynamic_schedule_pays(call, longest) and call.page_table is None:
+    if _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
     if _d128_cond_rescale_pays(call):
         opts["rescale_threshold"] = 8.0
