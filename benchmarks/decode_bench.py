@@ -1,12 +1,19 @@
 """Decode: one query row per sequence against a long KV cache, torch_fa4 beside its peers.
 
-    python benchmarks/decode_bench.py [--rows 8x4096,8x32768,64x8192]
+    python benchmarks/decode_bench.py [--rows 8x4096,8x32768,64x8192] [--pages 16,256]
 
 bf16, Hq 32, Hkv 8, D 128, causal (one row: every key is visible). Each row prints the median
 time of each implementation, the K/V bytes it reads per second, and torch_fa4's ratio to the
 fastest peer (> 1: faster). Peers: flash-attn-4 (`flash_attn.cute`, when installed), SDPA's
 default choice, FlexAttention compiled. The card's copy bandwidth (read + write of 2 GiB) is the
 ceiling printed first.
+
+Paged KV caches (`--pages`, empty for none): the same rows with the cache in pages of each size,
+handed to the sequences in a random order (seqused_k = the cache length), torch_fa4 beside its
+contiguous cache with the same seqused_k (the ratio: paged time / contiguous time) and
+flash-attn-4's paged call (`flash_attn_varlen_func(..., page_table=...)`, when installed).
+FlexAttention's paged decoding needs its own cache manager and block mask conversion, so it is
+not timed here.
 """
 
 from __future__ import annotations
@@ -48,10 +55,74 @@ def peers(q, k, v) -> dict:
     return found
 
 
+def paged_cache(k, v, page_size):
+    """k, v (B, S, Hkv, D) as caches of pages in a random order, and the page table."""
+    B, S = k.shape[:2]
+    pages = B * S // page_size
+    order = torch.randperm(pages, device=k.device)
+    k_cache, v_cache = (t.new_empty(pages, page_size, *t.shape[2:]) for t in (k, v))
+    k_cache[order] = k.reshape(pages, page_size, *k.shape[2:])
+    v_cache[order] = v.reshape(pages, page_size, *v.shape[2:])
+    return k_cache, v_cache, order.view(B, S // page_size).int()
+
+
+def paged_peers(q, k, v, page_sizes) -> dict:
+    B, S = k.shape[:2]
+    seqused = torch.full((B,), S, dtype=torch.int32, device=q.device)
+    found = {"contiguous": lambda: torch_fa4.attention(q, k, v, causal=True, seqused_k=seqused)}
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    for size in page_sizes:
+        k_cache, v_cache, table = paged_cache(k, v, size)
+        found[f"paged {size}"] = (lambda kc=k_cache, vc=v_cache, t=table: torch_fa4.attention(
+            q, kc, vc, page_table=t, seqused_k=seqused, causal=True))
+        if flash_attn_varlen_func is not None:
+            found[f"fa4 paged {size}"] = (lambda kc=k_cache, vc=v_cache, t=table: flash_attn_varlen_func(
+                q, kc, vc, page_table=t, seqused_k=seqused, causal=True))
+    return found
+
+
+def paged_rows(rows: str, page_sizes: list, query_rows: int = 1) -> None:
+    print(f"paged caches (pages of {', '.join(map(str, page_sizes))} keys, random order), {query_rows} query "
+          "row(s) per sequence; us (K/V TB/s)")
+    names = None
+    for row in rows.split(","):
+        B, S = (int(x) for x in row.split("x"))
+        q = torch.randn(B, query_rows, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        found = paged_peers(q, k, v, page_sizes)
+        times = {}
+        for n, fn in found.items():
+            try:
+                times[n] = _time_ms(fn) * 1e3
+            except Exception as e:  # a peer that refuses the call (its message printed once)
+                print(f"  {n}: {type(e).__name__}: {str(e)[:120]}")
+                times[n] = float("nan")
+        if names is None:
+            names = list(found)
+            ratios = [f"{n} / contiguous" for n in names if n.startswith("paged")]
+            heads = [f"{n:>20}" for n in names + ratios]
+            print(f"{'B x cache':>12} " + " ".join(heads))
+        kv_bytes = 2 * B * S * HKV * D * 2
+        cells = " ".join(f"{times[n]:9.1f} ({kv_bytes / times[n] / 1e6:5.2f} TB/s)" for n in names)
+        ratio = " ".join(f"{times[n] / times['contiguous']:20.3f}" for n in names if n.startswith("paged"))
+        print(f"{row:>12} {cells} {ratio}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="8x4096,8x32768,64x8192")
+    parser.add_argument("--pages", default="16,256", help="page sizes of the paged rows ('' for none)")
+    parser.add_argument("--paged-only", action="store_true", help="only the paged rows")
+    parser.add_argument("--query-rows", type=int, default=1,
+                        help="query rows per sequence of the paged rows (chunked prefill: e.g. 512)")
     args = parser.parse_args()
+    page_sizes = [int(p) for p in args.pages.split(",") if p]
+    if args.paged_only:
+        paged_rows(args.rows, page_sizes, args.query_rows)
+        return
     ceiling = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling / 1e12:.2f} TB/s (read + write)")
     print(f"bf16, Hq {HQ}, Hkv {HKV}, D {D}, one query row, causal; us (K/V TB/s)")
@@ -69,6 +140,8 @@ def main() -> None:
         cells = " ".join(f"{times[n]:8.1f} ({kv_bytes / times[n] / 1e6:5.2f} TB/s)" for n in names)
         fastest_peer = min(t for n, t in times.items() if n != "torch_fa4")
         print(f"{row:>12} {cells} {fastest_peer / times['torch_fa4']:16.3f}")
+    if page_sizes:
+        paged_rows(args.rows, page_sizes, args.query_rows)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def attention(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    page_table: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
 ):
@@ -51,29 +52,42 @@ def attention(
     score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx): FlexAttention-style
     callables, fused into the kernel. block_mask: a `torch_fa4.create_block_mask` result (its
     mask_mod is applied, its tile map lets kernels skip empty tiles).
-    seqused_k: (B,) int32, keys used per batch (KV caches). return_lse: also return the
+    seqused_k: (B,) int32, keys used per batch (KV caches).
+    page_table: (B, max_pages) int32, for paged KV caches (inference: forward only). k and v are
+    then caches of pages, (num_pages, page_size, Hkv, D) / (..., Dv), and sequence b's keys are
+    the rows of pages page_table[b, 0], page_table[b, 1], ... in order; seqused_k gives each
+    sequence's length (without it every sequence has max_pages * page_size keys). Entries past a
+    sequence's last used page are never read. q may be packed (cu_seqlens_q); cu_seqlens_k may
+    not come with a page table. return_lse: also return the
     log-sum-exp (float32, (B, Hq, Sq) or (Hq, total_q); natural log; -inf for fully masked rows;
     detached: no gradient flows through it). deterministic: deterministic backward.
 
     Returns out, shaped like q with head dim Dv (and lse if return_lse).
     """
-    checks.check_qkv(q, k, v, varlen_q=cu_seqlens_q is not None, varlen_k=cu_seqlens_k is not None)
-    checks.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    paged = page_table is not None
+    checks.check_qkv(q, k, v, varlen_q=cu_seqlens_q is not None,
+                     varlen_k=cu_seqlens_k is not None and not paged, paged=paged)
+    if paged:
+        recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        checks.check_page_table(q, k, page_table, cu_seqlens_q, cu_seqlens_k, recorded)
+    checks.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged=paged)
     checks.check_max_seqlen(max_seqlen_q, max_seqlen_k)
     window_left, window_right = checks.check_scalars(scale, softcap, window_size)
     if causal:
         window_right = 0  # causal bounds the right side at the diagonal (flash-attn's convention)
     if not torch.compiler.is_compiling():
-        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                   page_table)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
     mask_mod, bm_tensors, bm_q, bm_kv = _unpack_block_mask(block_mask, mask_mod)
     mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
     _check_aux_tensors(aux_tensors, q.device)
+    keys = page_table.shape[1] * k.shape[1] if paged else k.shape[-3]  # per sequence (dense, paged)
     if mod_key:
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-        builtin = _as_builtins(mod_key, aux_tensors, q, k, varlen, seqused_k is not None, window_left,
+        builtin = _as_builtins(mod_key, aux_tensors, q, keys, varlen, seqused_k is not None, window_left,
                                window_right, softcap)
         if builtin is not None:
             mod_key, aux_tensors, mask_folded, window_left, window_right, softcap = builtin
@@ -82,7 +96,11 @@ def attention(
                 bm_tensors, bm_q, bm_kv = [], 128, 128
 
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q)
-    max_seqlen_k = _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
+    max_seqlen_k = keys if paged else _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
+    if paged:
+        paged_rest = (aux_tensors, cu_seqlens_q, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
+                      float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv)
+        return _paged(q, k, v, page_table, paged_rest, return_lse)
     rest = (aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, bm_tensors, max_seqlen_q, max_seqlen_k,
             float(scale), bool(causal), window_left, window_right, float(softcap), mod_key, bm_q, bm_kv,
             bool(deterministic))
@@ -94,6 +112,19 @@ def attention(
     else:
         out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
     return (out, lse.detach()) if return_lse else out
+
+
+def _paged(q, k_cache, v_cache, page_table, rest, return_lse):
+    """The torch_fa4::fwd_paged op (forward only), or in eager mode where nothing could intercept
+    it, its body (no op entry on a decode step's path)."""
+    aux_tensors, cu_seqlens_q, seqused_k, bm_tensors = rest[:4]
+    tensors = (aux_tensors, cu_seqlens_q, None, seqused_k, bm_tensors)  # as route reads the fwd op's
+    route = eager_autograd.route(q, k_cache, v_cache, tensors)
+    if route == "direct" and type(page_table) is torch.Tensor:
+        out, lse = ops.fwd_paged_impl(q, k_cache, v_cache, page_table, *rest)
+    else:
+        out, lse = torch.ops.torch_fa4.fwd_paged(q, k_cache, v_cache, page_table, *rest)
+    return (out, lse) if return_lse else out
 
 
 def flex_attention(
@@ -162,7 +193,7 @@ def _prepare_mods(score_mod, mask_mod):
     return prepare(score_mod, mask_mod)
 
 
-def _as_builtins(mod_key, aux, q, k, varlen, has_seqused, window_left, window_right, softcap):
+def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, window_right, softcap):
     """Mods that are causal, a sliding window or a tanh softcap, as the built-in arguments
     (torch_fa4.mods.idioms): (mod_key, aux, mask folded, window_left, window_right, softcap), or
     None where nothing folds."""
@@ -173,7 +204,7 @@ def _as_builtins(mod_key, aux, q, k, varlen, has_seqused, window_left, window_ri
         return None
     window = None
     if found.band is not None and not varlen and not has_seqused:  # one diagonal for the whole call
-        window = window_for(found.band, q.shape[1], k.shape[1], window_left, window_right)
+        window = window_for(found.band, q.shape[1], k_len, window_left, window_right)
     fold_cap = bool(found.softcap) and not softcap  # (a built-in softcap already comes first)
     if window is None and not fold_cap:
         return None

@@ -2,6 +2,11 @@
 
 The ops build an `AttentionCall` from their flat argument list and hand it to dispatch, so every
 backend (reference, sm90, sm100) reads the same fields with the same meaning (docs/INTERNALS.md).
+
+Paged KV caches: with a `page_table` (B, max_pages) int32, k / v are caches of pages,
+(num_pages, page_size, Hkv, D), and sequence b's key j lies at row j % page_size of page
+page_table[b, j // page_size]. Sequence b holds seqused_k[b] keys (max_pages * page_size without
+seqused_k); page-table entries past its last used page are never read.
 """
 
 from __future__ import annotations
@@ -51,10 +56,28 @@ class AttentionCall:
     block_mask: Sequence[torch.Tensor] = field(default_factory=tuple)
     block_mask_q: int = 128
     block_mask_kv: int = 128
+    page_table: Optional[torch.Tensor] = None  # (B, max_pages) int32: k / v are paged caches
 
     @property
     def is_varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    @property
+    def is_paged(self) -> bool:
+        return self.page_table is not None
+
+    @property
+    def page_size(self) -> int:
+        """Keys per page of a paged cache (k is (num_pages, page_size, Hkv, D))."""
+        return self.k.shape[1]
+
+    @property
+    def kv_len(self) -> int:
+        """Key positions along the call's key axis: max_pages * page_size with a page table (the
+        most keys a sequence can hold), else k's sequence mode (Sk dense, total_k packed)."""
+        if self.page_table is not None:
+            return self.page_table.shape[1] * self.k.shape[1]
+        return self.k.shape[-3]
 
     @property
     def batch(self) -> int:

@@ -24,7 +24,8 @@ def _fail(exc, msg):
     raise exc(f"torch_fa4: {msg}")
 
 
-def check_qkv(q, k, v, *, varlen_q: bool, varlen_k: bool) -> None:
+def check_qkv(q, k, v, *, varlen_q: bool, varlen_k: bool, paged: bool = False) -> None:
+    """paged: k / v are paged caches (num_pages, page_size, Hkv, D) read through a page table."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -37,6 +38,8 @@ def check_qkv(q, k, v, *, varlen_q: bool, varlen_k: bool) -> None:
     want_q, want_k = (3 if varlen_q else 4), (3 if varlen_k else 4)
     layout_q = "(total_q, H, D) with cu_seqlens_q" if varlen_q else "(B, S, H, D)"
     layout_k = "(total_k, H_kv, D) with cu_seqlens_k" if varlen_k else "(B, S_k, H_kv, D)"
+    if paged:
+        layout_k = "(num_pages, page_size, H_kv, D) with page_table"
     if q.dim() != want_q:
         _fail(ValueError, f"q must be {want_q}-D {layout_q}, got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
@@ -56,7 +59,7 @@ def check_qkv(q, k, v, *, varlen_q: bool, varlen_k: bool) -> None:
     hq, hkv = q.shape[-2], k.shape[-2]
     if hkv == 0 or hq % hkv:
         _fail(ValueError, f"number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv}) for GQA/MQA")
-    if not varlen_q and not varlen_k and q.shape[0] != k.shape[0]:
+    if not varlen_q and not varlen_k and not paged and q.shape[0] != k.shape[0]:
         _fail(ValueError, f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
 
 
@@ -73,8 +76,8 @@ def check_offsets(name: str, t: Optional[torch.Tensor], device: torch.device, le
         _fail(ValueError, f"{name} must have {length} entries, got {t.numel()}")
 
 
-def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
-    """Check the varlen tensors' shapes."""
+def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, paged: bool = False) -> None:
+    """Check the varlen tensors' shapes (paged: k is a paged cache, its batch is the page table's)."""
     if cu_seqlens_k is not None and cu_seqlens_q is None:
         _fail(ValueError, "cu_seqlens_k needs cu_seqlens_q (varlen keys come with varlen queries)")
     check_offsets("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -82,9 +85,37 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
         _fail(ValueError, "cu_seqlens_q must have at least one entry (B + 1 offsets)")
     batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
     check_offsets("cu_seqlens_k", cu_seqlens_k, q.device, batch + 1)
-    if cu_seqlens_q is not None and cu_seqlens_k is None and k.shape[0] != batch:
+    if cu_seqlens_q is not None and cu_seqlens_k is None and not paged and k.shape[0] != batch:
         _fail(ValueError, f"with cu_seqlens_q and dense k, k's batch ({k.shape[0]}) must equal len(cu_seqlens_q) - 1 ({batch})")
     check_offsets("seqused_k", seqused_k, q.device, batch)
+
+
+def check_page_table(q, k, page_table, cu_seqlens_q, cu_seqlens_k, requires_grad: bool) -> None:
+    """A page table's type, shape and device, and what may not come with it (shapes only).
+    requires_grad: whether autograd would record the call (paged attention is forward-only)."""
+    if not isinstance(page_table, torch.Tensor):
+        _fail(TypeError, f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2:
+        _fail(TypeError, f"page_table must be a 2-D (B, max_pages) int32 tensor, got {page_table.dtype} "
+                         f"of shape {tuple(page_table.shape)}")
+    if page_table.device != q.device:
+        _fail(ValueError, f"page_table is on {page_table.device} but q is on {q.device}")
+    if cu_seqlens_k is not None:
+        _fail(ValueError, "cu_seqlens_k cannot come with page_table: a paged cache's keys are found through "
+                          "the page table (give each sequence's length in seqused_k)")
+    batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+    if page_table.shape[0] != batch:
+        _fail(ValueError, f"page_table must have one row per sequence ({batch}), "
+                          f"got shape {tuple(page_table.shape)}")
+    if page_table.shape[1] > 0 and page_table.stride(1) != 1:
+        _fail(ValueError, f"page_table's rows must be contiguous (stride 1), got strides "
+                          f"{page_table.stride()}; call .contiguous()")
+    if k.shape[1] == 0:
+        _fail(ValueError, f"k_cache's pages hold no keys (page_size 0): shape {tuple(k.shape)}")
+    if requires_grad:
+        _fail(NotImplementedError, "attention over a paged KV cache (page_table) is forward-only, but q, "
+                                   "k_cache or v_cache requires grad; run it under torch.no_grad() / "
+                                   "inference_mode, or detach them")
 
 
 # Varlen arguments whose values passed check_varlen_values: a model hands the same cu_seqlens to
@@ -103,11 +134,14 @@ def check_max_seqlen(max_seqlen_q, max_seqlen_k) -> None:
             _fail(ValueError, f"{name} must be >= 0, got {value}")
 
 
-def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q=None, max_seqlen_k=None) -> None:
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q=None, max_seqlen_k=None,
+                        page_table=None) -> None:
     """Value checks that read the offsets; called in eager mode only (a device read, once per
     unmodified set of tensors). A given max_seqlen must cover the longest sequence: the kernels
-    size their grids by it, so a smaller one would leave rows unwritten."""
-    tensors = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    size their grids by it, so a smaller one would leave rows unwritten. With a page table, the
+    ids of the pages each sequence uses (the first ceil(seqused_k / page_size) of its row) must
+    name pages of the cache; the entries after them are never read and may hold anything."""
+    tensors = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
     if all(t is None for t in tensors):
         return
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -115,22 +149,51 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
     sizes = (q.shape[0], k.shape[0], k.shape[-3], max_seqlen_q, max_seqlen_k)
     if _PASSED.get(tensors, sizes):
         return  # the same live tensors, unmodified since they passed
-    _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, page_table)
     _PASSED.put(tensors, sizes, True)
 
 
-def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k) -> None:
+def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                         page_table=None) -> None:
     if cu_seqlens_q is not None:
         _check_cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     if cu_seqlens_k is not None:
         _check_cumulative("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    if seqused_k is not None:
+    if page_table is not None:
+        _check_pages(k, seqused_k, page_table)
+    elif seqused_k is not None:
         if cu_seqlens_k is not None:
             cap = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         else:
             cap = torch.full_like(seqused_k, k.shape[-3])
         if bool(((seqused_k < 0) | (seqused_k > cap)).any()):
             _fail(ValueError, "seqused_k entries must lie in [0, the number of keys of their batch]")
+
+
+def _check_pages(k, seqused_k, page_table) -> None:
+    """seqused_k within the page table's capacity and the used pages' ids within the cache, in one
+    device read."""
+    num_pages, page_size = k.shape[0], k.shape[1]
+    max_pages = page_table.shape[1]
+    cap = max_pages * page_size
+    if seqused_k is None:
+        used_pages = torch.full((page_table.shape[0], 1), max_pages, device=page_table.device)
+        bad_used = torch.zeros((), dtype=torch.bool, device=page_table.device)
+    else:
+        used_pages = ((seqused_k.long() + page_size - 1) // page_size).view(-1, 1)
+        bad_used = ((seqused_k < 0) | (seqused_k > cap)).any()
+    in_use = torch.arange(max_pages, device=page_table.device).view(1, -1) < used_pages
+    bad_ids = (in_use & ((page_table < 0) | (page_table >= num_pages))).any()
+    used_wrong, ids_wrong = torch.stack([bad_used, bad_ids]).tolist()
+    if used_wrong:
+        _fail(ValueError, f"seqused_k entries must lie in [0, max_pages * page_size = {cap}] (page_table has "
+                          f"{max_pages} pages per sequence of {page_size} keys)")
+    if ids_wrong:
+        rows, cols = torch.nonzero(in_use & ((page_table < 0) | (page_table >= num_pages)), as_tuple=True)
+        b, i = int(rows[0]), int(cols[0])
+        _fail(ValueError, f"page_table[{b}, {i}] = {int(page_table[b, i])} is not a page of the cache "
+                          f"(k_cache has {num_pages} pages); every page a sequence uses must be in "
+                          f"[0, {num_pages})")
 
 
 def _check_cumulative(name, cu, total, max_name, max_seqlen) -> None:

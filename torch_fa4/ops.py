@@ -1,4 +1,5 @@
-"""The torch.library ops: torch_fa4::fwd and torch_fa4::bwd, their fake kernels and autograd.
+"""The torch.library ops: torch_fa4::fwd and torch_fa4::bwd, their fake kernels and autograd, and
+torch_fa4::fwd_paged, the forward over paged KV caches (inference only: no autograd).
 
 Everything torch.compile, FakeTensor and autograd need to know about attention lives here; the
 work itself is handed to `dispatch`, which picks a kernel by device and architecture. Mods arrive
@@ -18,7 +19,7 @@ from torch_fa4.call import AttentionCall, empty_laid_out_like
 
 def make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
               max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
-              block_mask_kv) -> AttentionCall:
+              block_mask_kv, page_table=None) -> AttentionCall:
     mods = None
     if mod_key:
         from torch_fa4.mods import registry
@@ -29,7 +30,7 @@ def make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mod_key=mod_key, mods=mods,
         aux_tensors=tuple(aux_tensors), block_mask=tuple(block_mask), block_mask_q=block_mask_q,
-        block_mask_kv=block_mask_kv,
+        block_mask_kv=block_mask_kv, page_table=page_table,
     )
 
 
@@ -98,3 +99,40 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("torch_fa4::fwd", _backward, setup_context=_setup_context)
+
+
+def fwd_paged_impl(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, aux_tensors: list[Tensor],
+    cu_seqlens_q: Optional[Tensor], seqused_k: Optional[Tensor], block_mask: list[Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, mod_key: str, block_mask_q: int, block_mask_kv: int,
+) -> tuple[Tensor, Tensor]:
+    """Attention forward over paged KV caches (call.py says how a page table reads): returns
+    (out, lse) as `fwd_impl`. k_cache / v_cache: (num_pages, page_size, Hkv, D / Dv); page_table
+    (B, max_pages) int32. Keys are never packed (no cu_seqlens_k); queries may be."""
+    return dispatch.forward(make_call(q, k_cache, v_cache, aux_tensors, cu_seqlens_q, None, seqused_k,
+                                      block_mask, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
+                                      window_right, softcap, mod_key, block_mask_q, block_mask_kv,
+                                      page_table=page_table))
+
+
+fwd_paged = torch.library.custom_op("torch_fa4::fwd_paged", fwd_paged_impl, mutates_args=())
+
+
+@fwd_paged.register_fake
+def _fwd_paged_fake(q, k_cache, v_cache, page_table, aux_tensors, cu_seqlens_q, *rest):
+    call = AttentionCall(q, k_cache, v_cache, scale=0.0, cu_seqlens_q=cu_seqlens_q)  # shapes and dtypes
+    return empty_laid_out_like(q, call.out_shape()), q.new_empty(call.lse_shape(), dtype=call.lse_dtype)
+
+
+def _paged_backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(
+        "torch_fa4: attention over a paged KV cache (page_table) is forward-only: no gradient flows "
+        "through it (run it under torch.no_grad() / inference_mode, or detach q, k_cache and v_cache)")
+
+
+def _paged_setup_context(ctx, inputs, output):
+    pass
+
+
+torch.library.register_autograd("torch_fa4::fwd_paged", _paged_backward, setup_context=_paged_setup_context)

@@ -6,7 +6,8 @@ sequences. Arithmetic is fp32 for half-precision and fp32 inputs and fp64 for fp
 
 Every feature of the public API is implemented here with the semantics of docs/INTERNALS.md:
 scale, softcap, score_mod, causal (bottom-right aligned), sliding window, mask_mod, GQA/MQA and
-variable-length batches (cu_seqlens_q/k, seqused_k).
+variable-length batches (cu_seqlens_q/k, seqused_k) and paged KV caches (any page size: each
+sequence's used pages are gathered into contiguous keys).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _segments(call: AttentionCall):
     def to_bhsd(x):
         return x.transpose(-3, -2).to(cdt)  # (..., S, H, D) -> (..., H, S, D)
 
-    if not call.is_varlen and call.seqused_k is None:
+    if not call.is_varlen and call.seqused_k is None and call.page_table is None:
         b = torch.arange(call.q.shape[0], device=dev).view(-1, 1, 1, 1)
         yield _Segment(to_bhsd(call.q), to_bhsd(call.k), to_bhsd(call.v), b), None
         return
@@ -52,11 +53,24 @@ def _segments(call: AttentionCall):
     for bi in range(call.batch):
         rows = slice(cu_q[bi], cu_q[bi + 1]) if cu_q is not None else bi
         keys = slice(cu_k[bi], cu_k[bi + 1]) if cu_k is not None else bi
-        q, k, v = call.q[rows].unsqueeze(0), call.k[keys].unsqueeze(0), call.v[keys].unsqueeze(0)
-        if used is not None:
-            k, v = k[:, : used[bi]], v[:, : used[bi]]
+        if call.page_table is not None:
+            n = used[bi] if used is not None else call.kv_len
+            k, v = (_gathered_pages(x, call.page_table[bi], n).unsqueeze(0) for x in (call.k, call.v))
+        else:
+            k, v = call.k[keys].unsqueeze(0), call.v[keys].unsqueeze(0)
+            if used is not None:
+                k, v = k[:, : used[bi]], v[:, : used[bi]]
+        q = call.q[rows].unsqueeze(0)
         b = torch.full((1, 1, 1, 1), bi, device=dev, dtype=torch.int64)
         yield _Segment(to_bhsd(q), to_bhsd(k), to_bhsd(v), b), rows
+
+
+def _gathered_pages(cache: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n keys of a sequence whose pages are `pages` (its page-table row): (n, Hkv, D).
+    Only the ceil(n / page_size) pages it uses are read."""
+    page_size = cache.shape[1]
+    used = pages[: -(-n // page_size)].long()
+    return cache[used].flatten(0, 1)[:n]
 
 
 def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -50,9 +50,16 @@ def call_features(call: AttentionCall) -> dict:
     )
 
 
-def layout_reason(call: AttentionCall) -> Optional[str]:
-    """Why the TMA loads of a forward kernel cannot read these tensors (None: they can)."""
-    if call.is_varlen != (call.cu_seqlens_k is not None):
+def layout_reason(call: AttentionCall, paged_kv: bool = False) -> Optional[str]:
+    """Why the TMA loads of a forward kernel cannot read these tensors (None: they can).
+    paged_kv: whether the kernel loads K / V through a page table (packed queries then come
+    without cu_seqlens_k)."""
+    if call.page_table is not None:
+        if not paged_kv:
+            return "paged KV caches (page_table)"
+        if call.page_table.shape[1] > 0 and call.page_table.stride(1) != 1:
+            return "page_table rows not contiguous"
+    elif call.is_varlen != (call.cu_seqlens_k is not None):
         return "cu_seqlens_q and cu_seqlens_k must be given together"
     q, k, v = call.q, call.k, call.v
     qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -93,11 +100,12 @@ def max_ctas(call: AttentionCall) -> int:
 
 
 def max_seqlens(call: AttentionCall) -> tuple[int, int]:
+    """(most queries, most keys) of a sequence; a paged cache's keys: max_pages * page_size."""
     if call.is_varlen:
         max_q = call.max_seqlen_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
-        max_k = call.max_seqlen_k or call.k.shape[0]
+        max_k = call.kv_len if call.page_table is not None else call.max_seqlen_k or call.k.shape[0]
         return max_q, max_k
-    return call.q.shape[1], call.k.shape[1]
+    return call.q.shape[1], call.kv_len
 
 
 def l2_group_bytes(call: AttentionCall, l2_bytes: int) -> int:

@@ -31,6 +31,11 @@ the next item's first K and Q while the consumers finish the current one), in a 
 round-robin or, with `dynamic_schedule`, from a global counter as it frees
 (kernels/common/tile_mailbox.py).
 
+Paged KV caches (`page_box`): K and V are caches of pages (num_pages, page_size, Hkv, D) and a
+page table lists each sequence's pages; the producer loads a key tile as tile_n / page_box TMA
+boxes, each from its page's rows (kernels/host/paged_kv.py). Boxes past the sequence's end read
+no page-table entry and load from a page past the cache, which the TMA fills with zeros.
+
 The roles are mixins: fwd_producer.py (TMA loads) and fwd_consumer.py (a consumer warpgroup's key
 loop and epilogue: O, 64 rows per warpgroup, through shared memory and TMA, or from registers for
 varlen tiles; the LSE).
@@ -82,6 +87,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         self.num_wg = cfg.num_consumer_wg
         # registers per thread after setmaxnreg: producer gives up what the consumers take
         self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_wg]
+        if cfg.page_box and cfg.persistent and self.num_wg == 2:
+            # the page lookups beside a persistent loop's state spill at 24 (CPU compile tests);
+            # 40 + 2 x 232 fills the same register file
+            self.producer_regs, self.consumer_regs = 40, 232
         self.pingpong = self.num_wg >= 2  # consumer warpgroups take turns issuing their matmuls
         self.score_graph = self.mask_graph = None
         self.num_score_aux = 0
@@ -103,7 +112,9 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         # must still take part in the loads (the idle warpgroup path)
         assert not cfg.kv_multicast or not (
             cfg.causal or cfg.has_window or cfg.varlen_q or cfg.varlen_k or cfg.block_sparse
-            or cfg.dynamic_schedule or self.num_wg < 2), "kv_multicast: plain calls"
+            or cfg.dynamic_schedule or self.num_wg < 2 or cfg.page_box), "kv_multicast: plain calls"
+        # a paged tile is whole boxes, each starting on a swizzle atom (8 rows)
+        assert not cfg.page_box or (cfg.page_box % 8 == 0 and cfg.tile_n % cfg.page_box == 0)
         self.cluster_size = 2 if cfg.kv_multicast else 1
         # O gets its own shared-memory tile when it fits beside Q and the K/V rings (2-byte elements,
         # 4 KB for the barriers; D <= 128): the next work item's Q then loads while this one's
@@ -119,6 +130,14 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         shape = (rows, cols) if stages is None else (rows, cols, stages)
         order = (0, 1) if stages is None else (0, 1, 2)
         return cute.tile_to_shape(atom, shape, order)
+
+    def _box_layout(self, ring_layout, rows: int, cols: int):
+        """The shared-memory layout of one TMA box of a K / V ring slot: the whole slot, or paged,
+        the slot's first `rows` rows with the slot's swizzle and strides."""
+        slot = cute.select(ring_layout, mode=[0, 1])
+        if const_expr(not self.cfg.page_box):
+            return slot
+        return cute.composition(slot, (cute.make_layout(rows), cute.make_layout(cols)))
 
     def _tiled_mmas(self):
         qk = hopper.make_trivial_tiled_mma(
@@ -181,6 +200,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         # (slots, values, 128) fp32, their counters (split items * warpgroups,) int32 zero at
         # launch, and how many of the last items are split
         mSplitWs: Optional[cute.Tensor], mSplitCount: Optional[cute.Tensor], split_items: Int32,
+        mPageTable: Optional[cute.Tensor],  # (B, max_pages) int32 (cfg.page_box), else None
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -204,11 +224,12 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.hdim))
         kv_load = (cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.kv_multicast
                    else cpasync.CopyBulkTensorTileG2SOp())
+        kv_rows = cfg.page_box if const_expr(cfg.page_box) else self.tile_n  # rows per TMA box
         tma_K, tK = cpasync.make_tiled_tma_atom(
-            kv_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim),
+            kv_load, mK, self._box_layout(sK_layout, kv_rows, self.hdim), (kv_rows, self.hdim),
             num_multicast=self.cluster_size)
         tma_V, tV = cpasync.make_tiled_tma_atom(
-            kv_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdimv),
+            kv_load, mV, self._box_layout(sV_layout, kv_rows, self.hdimv), (kv_rows, self.hdimv),
             num_multicast=self.cluster_size)
         tma_O, tO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdimv))
@@ -239,7 +260,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, num_m_blocks, num_batch, heads_per_group, tail_pairs,
             bytes_q, bytes_k, bytes_v, Storage, block_mask, score_aux, mask_aux, mSched, mSplitWs,
-            mSplitCount, split_items,
+            mSplitCount, split_items, mPageTable,
         ).launch(
             grid=grid,
             block=[128 * (self.num_wg + 1), 1, 1],
@@ -264,7 +285,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32, tail_pairs: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_k: cutlass.Constexpr[int], bytes_v: cutlass.Constexpr[int],
         Storage: cutlass.Constexpr,
-        block_mask, score_aux, mask_aux, mSched, mSplitWs, mSplitCount, split_items,
+        block_mask, score_aux, mask_aux, mSched, mSplitWs, mSplitCount, split_items, mPageTable,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -325,6 +346,7 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         self._score_aux, self._mask_aux = score_aux, mask_aux
         self._mQ, self._mK, self._mV, self._mO_tma, self._mO, self._mLSE = mQ, mK, mV, mO_tma, mO, mLSE
         self._seqlen_args = (mCuSeqlensQ, mCuSeqlensK, mSequsedK)
+        self._page_table = mPageTable
         self._tma_loads, self._tma_O = (tma_Q, tma_K, tma_V), tma_O
         self._pipes, self._mmas = (pipe_q, pipe_k, pipe_v), (tiled_mma_qk, tiled_mma_pv)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -363,7 +385,10 @@ class FlashFwdSm90(FwdProducer, FwdConsumer):
         return m_block, head, batch, piece
 
     def _seqlen(self, batch) -> SeqlenInfo:
-        return SeqlenInfo(batch, self._mQ.shape[0], self._mK.shape[0], *self._seqlen_args)
+        keys = self._mK.shape[0]
+        if const_expr(self.cfg.page_box):  # a sequence without seqused_k fills its pages
+            keys = self._page_table.shape[1] * keys
+        return SeqlenInfo(batch, self._mQ.shape[0], keys, *self._seqlen_args)
 
     @cute.jit
     def _takes_part(self, m_block, seqlen: SeqlenInfo):

@@ -58,6 +58,10 @@ class FwdConfig:
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)
     bm_tiles_m: int = 1  # kernel tiles per block-mask tile along queries / keys
     bm_tiles_n: int = 1
+    # paged K / V caches (kernels/host/paged_kv.py): rows per TMA box of a K / V tile, each box
+    # from the page the page table names; the page size where it divides tile_n, else tile_n
+    # (pages of whole tiles). 0: contiguous K / V
+    page_box: int = 0
 
     @property
     def num_consumer_wg(self) -> int:

@@ -3,6 +3,11 @@
 Mods: the ModSet's key and the captured tensors' dtypes and ranks are part of the variant (they
 change the inlined code); the captured tensors and a block mask are launch arguments (only the
 block mask's tile size relative to the kernel's enters the variant).
+
+Paged KV caches: the variant's key tile loads page by page (`FwdConfig.page_box`,
+kernels/host/paged_kv.py) where the page size allows it; D192 / D256 calls whose page size does
+not fit their key tile take 64-key tiles; any other page size runs on a gathered contiguous copy
+(`forward`). The page table is a launch argument.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
-from torch_fa4.kernels.host import fwd_launch
+from torch_fa4.kernels.host import fwd_launch, paged_kv
 from torch_fa4.kernels.host import split_plan as split_plan_mod
 from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm90 import fwd_launch_record
@@ -58,7 +63,9 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
         return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
     if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
         return reason
-    return fwd_launch.layout_reason(call)
+    if call.page_table is not None and (call.k.shape[0] == 0 or call.page_table.shape[1] == 0):
+        return "a paged cache without pages"
+    return fwd_launch.layout_reason(call, paged_kv=True)
 
 
 def _dense(call: AttentionCall) -> bool:
@@ -132,7 +139,8 @@ def _tiles(call: AttentionCall, max_q: int, max_k: int) -> dict:
             shape.update(hand_descriptors=True, ptxas_options="--register-usage-level=0")
         return shape
     if call.head_dim == call.head_dim_v == 96 and dense and call.mods is None and max_q > _WIDE_MIN_SEQLEN_Q:
-        return _D96_WIDE
+        if call.page_table is None or paged_kv.page_box(call.page_size, _D96_WIDE["tile_n"]):
+            return _D96_WIDE
     return {}
 
 
@@ -152,6 +160,8 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
         opts["tile_n"] = _block_tile_n(call)
         opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // opts["tile_m"],
                     bm_tiles_n=call.block_mask_kv // opts["tile_n"])
+    if call.page_table is not None:
+        opts.update(_paged_tiles(call, opts["tile_n"], opts.get("block_sparse", False)))
     if _dynamic_schedule_pays(call, longest):
         opts.update(persistent=True, dynamic_schedule=True)
     if _d128_cond_rescale_pays(call):
@@ -177,6 +187,23 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     if "grid3d" not in overrides:
         cfg = _with(cfg, grid3d=_grid3d_fits(cfg, call))
     return cfg
+
+
+# the key tile of D192 / D256 paged calls whose page size does not fit the default (112 / 80 keys):
+# 64-key tiles take every page size 8..64 that divides 64 and every multiple of 64 (block-mask
+# variants run it too)
+_PAGED_FALLBACK_TILE_N = 64
+
+
+def _paged_tiles(call: AttentionCall, tile_n: int, block_sparse: bool) -> dict:
+    """tile_n and page_box of a paged call; page_box 0 where no key tile fits its page size
+    (`forward` runs such calls on a gathered copy)."""
+    box = paged_kv.page_box(call.page_size, tile_n)
+    if not box and not block_sparse and tile_n > _PAGED_FALLBACK_TILE_N:
+        fallback = paged_kv.page_box(call.page_size, _PAGED_FALLBACK_TILE_N)
+        if fallback:
+            return dict(tile_n=_PAGED_FALLBACK_TILE_N, page_box=fallback)
+    return dict(tile_n=tile_n, page_box=box)
 
 
 def _with(cfg: FwdConfig, **changes) -> FwdConfig:
@@ -252,7 +279,8 @@ _KV_MULTICAST_MIN_SEQLEN_K = 4096
 def _kv_multicast_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool:
     # (a pair shares K / V between two query tiles: with one query tile, as in decode, the partner
     # CTA would have no rows)
-    return (_plain(call) and call.head_dim == call.head_dim_v and call.head_dim in _KV_MULTICAST_HEAD_DIMS
+    return (_plain(call) and call.page_table is None and call.head_dim == call.head_dim_v
+            and call.head_dim in _KV_MULTICAST_HEAD_DIMS
             and max_k >= _KV_MULTICAST_MIN_SEQLEN_K and not cfg.dynamic_schedule and cfg.num_consumer_wg == 2
             and fwd_launch.max_seqlens(call)[0] > cfg.tile_m)
 
@@ -302,7 +330,8 @@ def _fake_trailing_args(cfg: FwdConfig) -> list:
         ws = cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int(), 128),
                                            (cute.sym_int64(), 128, 1), assumed_align=16)
         split = [ws, int32s(1)]
-    return [*block_mask, *aux, counter, *split, cutlass.Int32(0)]
+    page_table = fwd_launch.fake_packed(cutlass.Int32, 2) if cfg.page_box else None
+    return [*block_mask, *aux, counter, *split, cutlass.Int32(0), page_table]
 
 
 def compile_fwd(cfg: FwdConfig, arch: str = "sm_90a", dump_dir: Optional[str] = None):
@@ -329,6 +358,8 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
     if not overrides and fwd_launch_record.run(call, out, lse):
         return  # a repeated call shape, launched from its record (fwd_launch_record)
     cfg = default_config(call, **overrides)
+    if call.page_table is not None and not cfg.page_box:  # a page size no key tile loads
+        return forward(paged_kv.gathered(call), out, lse, **overrides)
     kernel = compile_fwd(cfg)
     args = fwd_launch.leading_args(call, out, lse, L2_BYTES, _grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: nothing to write
@@ -344,7 +375,8 @@ def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split
     if cfg.block_sparse:
         block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
     counter = torch.zeros(1, dtype=torch.int32, device=device) if cfg.dynamic_schedule else None
-    kernel(*leading, *block_mask, *_launch_aux(cfg, call), counter, *split_buffers(split, device))
+    kernel(*leading, *block_mask, *_launch_aux(cfg, call), counter, *split_buffers(split, device),
+           call.page_table)
 
 
 def split_plan(cfg: FwdConfig, call: AttentionCall) -> tuple:

@@ -4,9 +4,10 @@ its per-launch buffers and launches (bwd_launch_record.py does the same for the 
 A record is keyed on everything fwd_host.forward's derivation (variant, L2 grouping, grid, split
 plan) reads: shapes, strides and dtypes of q, k, v, out and lse, device, scale, causal / window /
 softcap; with mods, block masks or variable lengths also the mods' key, the captured tensors'
-dtypes and ranks, the block mask's tile sizes, the given maxima and the offsets' shapes. Not
-recorded: packed varlen calls without max_seqlen_q (the derivation reads the offsets), overrides,
-and a negative scale without softcap (it runs on -q, made per call). Dispatch checked alignment.
+dtypes and ranks, the block mask's tile sizes, the given maxima and the offsets' shapes; with a
+page table its shape. Not recorded: packed varlen calls without max_seqlen_q (the derivation reads
+the offsets), overrides, a negative scale without softcap (it runs on -q, made per call) and paged
+calls whose page size runs on a gathered copy. Dispatch checked alignment.
 """
 
 from typing import NamedTuple, Optional
@@ -36,8 +37,11 @@ def run(call, out: torch.Tensor, lse: torch.Tensor) -> bool:
     memo = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype,
             out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype,
             call.scale, call.causal, call.window_left, call.window_right, call.softcap)
-    if mods is not None or call.block_mask or call.is_varlen or call.cu_seqlens_k is not None or call.seqused_k is not None:
-        memo += (mods.key if mods is not None else None, tuple((t.dtype, t.dim()) for t in call.aux_tensors),
+    paged = call.page_table is not None
+    if (mods is not None or call.block_mask or call.is_varlen or call.cu_seqlens_k is not None
+            or call.seqused_k is not None or paged):
+        memo += (call.page_table.shape if paged else None, mods.key if mods is not None else None,
+                 tuple((t.dtype, t.dim()) for t in call.aux_tensors),
                  bool(call.block_mask), call.block_mask_q, call.block_mask_kv, call.max_seqlen_q, call.max_seqlen_k,
                  *(None if t is None else (t.shape, t.dtype) for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)))
     record = shape_memo.lookup(_records, memo, lambda: _derive(call, out, lse))
@@ -58,6 +62,8 @@ def _derive(call, out, lse):
     if fwd_launch.nonnegative_scale(call) is not call:  # (runs on -q, made per call)
         return shape_memo.NOT_RECORDED
     cfg = fwd_host.default_config(call)
+    if call.page_table is not None and not cfg.page_box:  # (a gathered copy per call)
+        return shape_memo.NOT_RECORDED
     args = fwd_launch.leading_args(call, out, lse, fwd_host.L2_BYTES, fwd_host._grid_ctas(cfg, call), cfg.tile_m)
     if args is None:  # no query rows: the general path returns without a launch
         return shape_memo.NOT_RECORDED

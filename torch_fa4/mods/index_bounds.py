@@ -284,7 +284,7 @@ def call_bounds(call) -> tuple[int, int, int, int]:
         batch, q_len = call.cu_seqlens_q.shape[0] - 1, q_shape[0]
         if call.max_seqlen_q:
             q_len = min(q_len, call.max_seqlen_q)
-    k_len = call.k.shape[-3]  # Sk, or total_k when packed
+    k_len = call.kv_len  # Sk, total_k when packed, max_pages * page_size when paged
     if call.cu_seqlens_k is not None and call.max_seqlen_k:
         k_len = min(k_len, call.max_seqlen_k)
     return batch, q_shape[-2], q_len, k_len
