@@ -1,0 +1,23 @@
+"""Portable kernels for every NVIDIA GPU since Ampere: warp-level MMA (mma.sync m16n8k16),
+ldmatrix and cp.async (forward: fwd.py, fwd_host.py; the backward, when present, in `bwd`, which
+dispatch imports itself). They run on sm_80, sm_86, sm_89, sm_120 and are the fallback on
+sm_100; on sm_90, where their GPU tests run, `TORCH_FA4_BACKEND=portable` selects them. Neither
+this package nor the host modules import CuTe DSL.
+"""
+
+from torch_fa4.kernels.portable import fwd_host
+from torch_fa4.kernels.portable.fwd_host import forward, unsupported_reason  # noqa: F401
+
+
+def variant(call, direction: str, deterministic: bool):
+    """The compiled variant that runs `call` (what the first-use self-check verifies)."""
+    if direction == "forward":
+        return fwd_host.default_config(call)
+    from torch_fa4.kernels.portable import bwd
+
+    named = getattr(bwd, "variant", None)
+    if named is not None:
+        return named(call, deterministic)
+    from torch_fa4.self_check import _features
+
+    return _features(call, direction, deterministic)
