@@ -5,14 +5,22 @@ sm_100; on sm_90, where their GPU tests run, `TORCH_FA4_BACKEND=portable` select
 this package nor the host modules import CuTe DSL.
 """
 
+from torch_fa4.kernels.host import packed_gqa
 from torch_fa4.kernels.portable import fwd_host
-from torch_fa4.kernels.portable.fwd_host import forward, unsupported_reason  # noqa: F401
+from torch_fa4.kernels.portable.fwd_host import unsupported_reason  # noqa: F401
+
+
+def forward(call, out, lse) -> None:
+    if packed_gqa.applies(call):  # decode: a KV head's query heads as rows of one query tile
+        out, lse = packed_gqa.pack_results(out, lse, call.num_heads_kv)
+        call = packed_gqa.pack(call)
+    fwd_host.forward(call, out, lse)
 
 
 def variant(call, direction: str, deterministic: bool):
     """The compiled variant that runs `call` (what the first-use self-check verifies)."""
     if direction == "forward":
-        return fwd_host.default_config(call)
+        return fwd_host.default_config(packed_gqa.pack(call) if packed_gqa.applies(call) else call)
     from torch_fa4.kernels.portable import bwd
 
     named = getattr(bwd, "variant", None)

@@ -263,3 +263,9 @@ def test_dispatch_reaches_the_portable_kernel(portable):
     q, k, v = _qkv(1, 64, 64, 2, 2, 64)
     call = AttentionCall(q=q, k=k, v=v, scale=0.125)
     assert dispatch.kernel_for(call, "forward") is pkg
+
+
+@pytest.mark.parametrize("H,Hkv", [(8, 1), (32, 8), (4, 4)])
+def test_decode_one_query_row(portable, H, Hkv):
+    """One query row (decode; GQA packs a KV head's query heads as rows of one tile)."""
+    _dense(portable, 3, 1, 1000, H, Hkv, 128, causal=True)
