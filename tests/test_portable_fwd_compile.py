@@ -93,7 +93,7 @@ def test_variant_compiles_to_hmma_without_spills(tmp_path, arch, name):
 
 @pytest.mark.parametrize("arch", sorted(tiles.TABLES))
 def test_every_tile_row_fits_its_shared_memory(arch):
-    for head_dim, (tile_m, tile_n, num_warps) in tiles.table_of(arch).items():
+    for head_dim, (tile_m, tile_n, num_warps, _) in tiles.table_of(arch).items():
         call = _call(head_dim)
         cfg = fwd_host.default_config(call, arch)
         assert cfg.smem_bytes() <= tiles.smem_budget(arch), (arch, head_dim)

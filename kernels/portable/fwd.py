@@ -307,6 +307,12 @@ class FlashFwdPortable:
         if walk.nonempty():
             self._load_kv(copy_kv, tKgK, tKsK, tKVcKV, walk.n_block(0), seqlen.seqlen_k)
         cute.arch.cp_async_commit_group()
+        copy_q_slices = s2r_q
+        if const_expr(cfg.q_in_regs):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            cute.copy(s2r_q, tSsQ, tSrQ_view)
+            copy_q_slices = None
 
         for t in cutlass.range(walk.count, unroll=1):
             n_block = walk.n_block(t)
@@ -316,7 +322,7 @@ class FlashFwdPortable:
             cute.arch.cp_async_commit_group()
             acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             acc_s.fill(0.0)
-            self._gemm(tiled_mma, acc_s, tSrQ, tSrK, s2r_q, tSsQ, tSrQ_view, s2r_k, tSsK, tSrK_view)
+            self._gemm(tiled_mma, acc_s, tSrQ, tSrK, copy_q_slices, tSsQ, tSrQ_view, s2r_k, tSsK, tSrK_view)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # V_t landed; every read of K_t is done
             if t + 1 < walk.count:

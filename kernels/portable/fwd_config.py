@@ -22,6 +22,9 @@ class PortableFwdConfig:
     varlen_q: bool
     varlen_k: bool
     has_seqused_k: bool
+    # Q's MMA fragments loaded from shared memory once per work item and kept in registers, instead
+    # of one k-slice at a time on every key tile (fewer ldmatrix, more registers)
+    q_in_regs: bool = False
     # conditional O rescale (log2 units, kernels/common/online_softmax.py); None: every tile
     rescale_threshold: Optional[float] = 8.0
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none

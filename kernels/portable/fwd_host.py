@@ -80,8 +80,8 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
 def default_config(call: AttentionCall, arch: Optional[str] = None, **overrides) -> PortableFwdConfig:
     """The variant that runs `call` on `arch` (default: the call's device's)."""
     arch = arch or device_arch(call.q.device)
-    tile_m, tile_n, num_warps = tiles.tile_shape(arch, call.head_dim)
-    opts = dict(tile_m=tile_m, tile_n=tile_n, num_warps=num_warps)
+    tile_m, tile_n, num_warps, q_in_regs = tiles.tile_row(arch, call.head_dim)
+    opts = dict(tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, q_in_regs=q_in_regs)
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _uses_block_mask(call):

@@ -13,6 +13,17 @@ sm_80 row (its own budget, 227 KB, is larger; the row is what the kernel is test
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+
+class TileRow(NamedTuple):
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    # Q's fragments kept in registers across the key loop (PortableFwdConfig.q_in_regs) where that
+    # compiles without spills: D=96 (32 rows per warp) and D=256 spilled with it
+    q_in_regs: bool
+
 SMEM_BUDGET = {
     "sm_80": 163 * 1024,  # A100: 164 KB per SM, 163 KB per CTA
     "sm_86": 99 * 1024,  # A10, RTX 3090: 100 KB per SM, 99 KB per CTA
@@ -20,20 +31,20 @@ SMEM_BUDGET = {
     "sm_120a": 99 * 1024,  # RTX 5090-class: as sm_86
 }
 
-# (tile_m, tile_n, num_warps) per head dim, with the reason for each row
+# the tile row per head dim, with the reason for each
 _LARGE_SMEM = {  # sm_80 (and sm_90, sm_100)
-    64: (128, 64, 4),  # 32 KB; 32 rows per warp, S + O 32 x 128 in registers
-    96: (128, 64, 4),  # 48 KB; S + O 32 x 160 per warp
-    128: (128, 64, 8),  # 64 KB; 16 rows per warp (32 would spill)
-    192: (128, 64, 8),  # 96 KB; 16 rows per warp (O 16 x 192)
-    256: (128, 64, 8),  # 128 KB; 16 rows per warp (O 16 x 256)
+    64: TileRow(128, 64, 4, True),  # 32 KB; 32 rows per warp, S + O 32 x 128 in registers
+    96: TileRow(128, 64, 4, False),  # 48 KB; S + O 32 x 160 per warp
+    128: TileRow(128, 64, 8, True),  # 64 KB; 16 rows per warp (32 would spill)
+    192: TileRow(128, 64, 8, True),  # 96 KB; 16 rows per warp (O 16 x 192)
+    256: TileRow(128, 64, 8, False),  # 128 KB; 16 rows per warp (O 16 x 256)
 }
 _SMALL_SMEM = {  # sm_86, sm_89, sm_120a: 99 KB
-    64: (128, 64, 4),  # 32 KB
-    96: (128, 64, 4),  # 48 KB
-    128: (128, 64, 8),  # 64 KB
-    192: (128, 64, 8),  # 96 KB: just fits
-    256: (64, 64, 4),  # 96 KB: 128 query rows (128 KB) do not fit; 16 rows per warp
+    64: TileRow(128, 64, 4, True),  # 32 KB
+    96: TileRow(128, 64, 4, False),  # 48 KB
+    128: TileRow(128, 64, 8, True),  # 64 KB
+    192: TileRow(128, 64, 8, True),  # 96 KB: just fits
+    256: TileRow(64, 64, 4, False),  # 96 KB: 128 query rows (128 KB) do not fit; 16 rows per warp
 }
 
 TABLES = {"sm_80": _LARGE_SMEM, "sm_86": _SMALL_SMEM, "sm_89": _SMALL_SMEM, "sm_120a": _SMALL_SMEM}
@@ -58,9 +69,13 @@ def table_of(arch: str) -> dict:
     return TABLES.get(arch, _LARGE_SMEM)
 
 
+def tile_row(arch: str, head_dim: int) -> TileRow:
+    return table_of(arch)[head_dim]
+
+
 def tile_shape(arch: str, head_dim: int) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) for head dim `head_dim` on `arch`."""
-    return table_of(arch)[head_dim]
+    return tuple(tile_row(arch, head_dim)[:3])
 
 
 def smem_budget(arch: str) -> int:
