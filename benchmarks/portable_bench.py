@@ -7,9 +7,11 @@ triton.testing.do_bench (CUDA events) after warm-up. The portable kernels run th
 torch_fa4.attention with TORCH_FA4_BACKEND=portable (dispatch included, as a user runs them); a
 row the kernel would hand to the reference is reported as such, never timed as the kernel.
 
-    python benchmarks/portable_bench.py [--quick] [--json out.json]
+    python benchmarks/portable_bench.py [--quick] [--tune] [--json out.json]
 
 --quick: D64 / D128 at S4k, causal and not.
+--tune: instead, the tile candidates of `_CANDIDATES` (PortableFwdConfig overrides, launched
+through the kernel's host entry) at S4k, for choosing the rows of kernels/portable/tiles.py.
 """
 
 from __future__ import annotations
@@ -26,6 +28,39 @@ _GRID = [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in
 _QUICK = [(D, 4096, c) for D in (64, 128) for c in (False, True)]
 _TOKENS = 16384
 _HIDDEN = 2048  # H * D
+
+
+# per head dim: overrides of PortableFwdConfig to time against the default row (--tune)
+_CANDIDATES = {
+    64: [dict(), dict(q_in_regs=False), dict(tile_m=64), dict(num_warps=8, tile_m=128),
+         dict(tile_n=128, q_in_regs=False)],
+    128: [dict(), dict(q_in_regs=False), dict(tile_m=64, num_warps=4), dict(num_warps=4, q_in_regs=False),
+          dict(tile_n=128, q_in_regs=False), dict(tile_n=32, num_warps=4, q_in_regs=False)],
+    256: [dict(), dict(tile_m=64, num_warps=4), dict(tile_n=32)],
+}
+
+
+def _tune(warmup, rep):
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.portable import fwd_host
+
+    print(f"{'D':>4} {'causal':>6} {'TFLOP/s':>8}  overrides (S 4096, B 4, H*D 2048)")
+    for D, candidates in _CANDIDATES.items():
+        for causal in (False, True):
+            S, B, H = 4096, 4, _HIDDEN // D
+            q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=causal)
+            out = torch.empty_like(q)
+            lse = torch.empty(call.lse_shape(), dtype=torch.float32, device="cuda")
+            for overrides in candidates:
+                try:
+                    fwd_host.forward(call, out, lse, **overrides)
+                    torch.cuda.synchronize()
+                    ms = _time_ms(lambda: fwd_host.forward(call, out, lse, **overrides), warmup, rep)
+                    print(f"{D:>4} {str(causal):>6} {_flops(B, H, S, D, causal) / ms / 1e9:>8.1f}  {overrides}",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001  (a candidate that does not fit this GPU)
+                    print(f"{D:>4} {str(causal):>6} {'-':>8}  {overrides}: {type(e).__name__}: {str(e)[:120]}")
 
 
 def _flops(B, H, S, D, causal):
@@ -69,15 +104,19 @@ def _portable_runs(q, k, v, causal) -> bool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tune", action="store_true")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     os.environ["TORCH_FA4_BACKEND"] = "portable"
     from torch.nn.attention import SDPBackend
 
-    warmup, rep = (25, 100) if args.quick else (50, 200)
+    warmup, rep = (25, 100) if args.quick or args.tune else (50, 200)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name} (compute capability {props.major}.{props.minor}, {props.multi_processor_count} SMs), "
           f"torch {torch.__version__}; bf16, {_TOKENS} tokens per row, H*D = {_HIDDEN}; forward TFLOP/s")
+    if args.tune:
+        _tune(warmup, rep)
+        return
     peers = {"sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)}
     header = f"{'D':>4} {'S':>6} {'causal':>6} | {'portable':>9} {'sdpa-flash':>10} {'cudnn':>8} | " \
              f"{'vs flash':>8} {'vs cudnn':>8}"

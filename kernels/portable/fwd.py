@@ -152,7 +152,10 @@ class FlashFwdPortable:
             num_m_blocks, num_batch, heads_per_group, tail_pairs,
             sQ_layout, sK_layout, sV_layout, copy_q, copy_kv, copy_o, tiled_mma, Shared,
             block_mask, score_aux, mask_aux,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=Shared.size_in_bytes(), stream=stream)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=Shared.size_in_bytes(), stream=stream,
+                 # (the carveout given, the DSL does not ask the driver for the SM's shared memory
+                 # when it applies the bound: a CPU compile needs no GPU)
+                 min_blocks_per_mp=cfg.min_blocks_per_sm, preferred_smem_carveout=100)
 
     # ---- the kernel --------------------------------------------------------------------------------
 

@@ -25,6 +25,9 @@ class PortableFwdConfig:
     # Q's MMA fragments loaded from shared memory once per work item and kept in registers, instead
     # of one k-slice at a time on every key tile (fewer ldmatrix, more registers)
     q_in_regs: bool = False
+    # CTAs per SM the register allocation must leave room for (a launch bound: ptxas then uses at
+    # most 64K / (threads x this) registers per thread); 1: up to 255 per thread
+    min_blocks_per_sm: int = 1
     # conditional O rescale (log2 units, kernels/common/online_softmax.py); None: every tile
     rescale_threshold: Optional[float] = 8.0
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
