@@ -180,7 +180,7 @@ class FlashFwdPortable:
         m_block, head, batch = sched.work(bidx)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSequsedK)
         if m_block * self.tile_m < seqlen.seqlen_q:  # (varlen grids are sized for the longest sequence)
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(Shared)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sK = storage.sK.get_tensor(sK_layout)
