@@ -57,10 +57,11 @@ def _tune(warmup, rep):
                     fwd_host.forward(call, out, lse, **overrides)
                     torch.cuda.synchronize()
                     ms = _time_ms(lambda: fwd_host.forward(call, out, lse, **overrides), warmup, rep)
-                    print(f"{D:>4} {str(causal):>6} {_flops(B, H, S, D, causal) / ms / 1e9:>8.1f}  {overrides}",
-                          flush=True)
+                    tflops = _flops(B, H, S, D, causal) / ms / 1e9
+                    print(f"{D:>4} {str(causal):>6} {tflops:>8.1f}  {overrides}", flush=True)
                 except Exception as e:  # noqa: BLE001  (a candidate that does not fit this GPU)
-                    print(f"{D:>4} {str(causal):>6} {'-':>8}  {overrides}: {type(e).__name__}: {str(e)[:120]}")
+                    problem = f"{type(e).__name__}: {str(e)[:120]}"
+                    print(f"{D:>4} {str(causal):>6} {'-':>8}  {overrides}: {problem}")
 
 
 def _flops(B, H, S, D, causal):
@@ -112,7 +113,8 @@ def main():
 
     warmup, rep = (25, 100) if args.quick or args.tune else (50, 200)
     props = torch.cuda.get_device_properties(0)
-    print(f"{props.name} (compute capability {props.major}.{props.minor}, {props.multi_processor_count} SMs), "
+    print(f"{props.name} (compute capability {props.major}.{props.minor}, "
+          f"{props.multi_processor_count} SMs), "
           f"torch {torch.__version__}; bf16, {_TOKENS} tokens per row, H*D = {_HIDDEN}; forward TFLOP/s")
     if args.tune:
         _tune(warmup, rep)
@@ -154,7 +156,8 @@ def main():
               f"{cell('cudnn', 8)} | {ratio('sdpa-flash')} {ratio('cudnn')}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=props.name, capability=f"{props.major}.{props.minor}", rows=rows), f, indent=1)
+            capability = f"{props.major}.{props.minor}"
+            json.dump(dict(device=props.name, capability=capability, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

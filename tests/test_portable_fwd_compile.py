@@ -42,7 +42,8 @@ def _mod_call(D, score_mod=None, mask_mod=None, block_size=None, S=256, H=4, **k
     extra = {}
     if block_size is not None:
         bm = M.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=block_size)
-        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0], block_mask_kv=bm.BLOCK_SIZE[1])
+        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
+                     block_mask_kv=bm.BLOCK_SIZE[1])
     return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, mod_key=key, mods=registry.lookup(key),
                          aux_tensors=tuple(aux), **extra, **kw)
 

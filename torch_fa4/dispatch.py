@@ -87,7 +87,8 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
                 _warned.add(reason)
                 fallback = (f"the {names[i + 1].rsplit('.', 1)[-1]} kernels" if i + 1 < len(names)
                             else "the PyTorch reference")
-                warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to {fallback}: {reason}",
+                family = name.rsplit('.', 1)[-1]
+                warnings.warn(f"torch_fa4: {family} {direction} falls back to {fallback}: {reason}",
                               stacklevel=3)
             continue
         if self_check.needed(cap) and not self_check.trusted(_kernel_module(name, "forward"), module, call,

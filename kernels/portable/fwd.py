@@ -40,21 +40,12 @@ from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.portable.fwd_config import MAX_AUX, PortableFwdConfig
 from torch_fa4.kernels.portable.mma_fragment import wgmma_view
+# (the layout views the Hopper forward takes its tensors through; plain layout code)
+from torch_fa4.kernels.sm90.fwd import _sequence_major as sequence_major
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 COPY_BITS = 128  # cp.async and the O store move 16 bytes per thread and instruction
-
-
-def sequence_major(t: cute.Tensor, varlen: bool) -> cute.Tensor:
-    """t's view with the sequence mode first and the batch mode last: (B, S, H, D) -> (S, D, H, B),
-    (B, H, S) -> (S, H, B); a packed varlen tensor ((T, H, D) or (H, T)) gets a unit batch mode."""
-    if varlen:
-        modes = [0, 2, 1] if cute.rank(t) == 3 else [1, 0]
-        unit_batch = cute.make_layout(1, stride=0)
-        return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=modes), unit_batch))
-    modes = [1, 3, 2, 0] if cute.rank(t) == 4 else [2, 1, 0]
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashFwdPortable:
@@ -94,7 +85,8 @@ class FlashFwdPortable:
         k_block = 64 if cols % 64 == 0 else 32
         threads_per_row = k_block // per_vec
         atom = cute.make_copy_atom(atom_op, self.dtype, num_bits_per_copy=COPY_BITS)
-        thr = cute.make_layout((self.num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1))
+        rows = self.num_threads // threads_per_row
+        thr = cute.make_layout((rows, threads_per_row), stride=(threads_per_row, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, per_vec)))
 
     @cute.jit
@@ -360,7 +352,8 @@ class FlashFwdPortable:
         cute.copy(r2s, thr_r2s.retile(r_o), thr_r2s.partition_D(sO))
         cute.arch.sync_threads()
         thr_o = copy_o.get_slice(tidx)
-        gO = cute.local_tile(seqlen.q_rows(mO[None, None, head, batch_q]), (self.tile_m, self.hdimv), (m_block, 0))
+        mO_cur = seqlen.q_rows(mO[None, None, head, batch_q])
+        gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_block, 0))
         tOsO, tOgO = thr_o.partition_S(sO), thr_o.partition_D(gO)
         tOcO = thr_o.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv)))
         tOrO = cute.make_fragment_like(tOsO, self.dtype)

@@ -66,9 +66,11 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
         return reason
     tile_m, tile_n, _ = tiles.tile_shape(device_arch(call.q.device), call.head_dim)
     if call.block_mask_q % tile_m != 0:
-        return f"block_mask BLOCK_SIZE q={call.block_mask_q} is not a multiple of the kernel's {tile_m}-row tile"
+        return (f"block_mask BLOCK_SIZE q={call.block_mask_q} is not a multiple of the kernel's "
+                f"{tile_m}-row tile")
     if call.block_mask_kv % tile_n != 0:
-        return f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of the kernel's {tile_n}-key tile"
+        return (f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of the kernel's "
+                f"{tile_n}-key tile")
     num, idx = call.block_mask[0], call.block_mask[1]
     max_q, max_k = fwd_launch.max_seqlens(call)
     if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
@@ -85,7 +87,8 @@ def default_config(call: AttentionCall, arch: Optional[str] = None, **overrides)
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _uses_block_mask(call):
-        opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m, bm_tiles_n=call.block_mask_kv // tile_n)
+        opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
+                    bm_tiles_n=call.block_mask_kv // tile_n)
     cfg = PortableFwdConfig(**fwd_launch.call_features(call), **opts)
     return replace(cfg, **overrides) if overrides else cfg
 
@@ -115,8 +118,8 @@ def compile_fwd(cfg: PortableFwdConfig, arch: str, dump_dir: Optional[str] = Non
         from torch_fa4.kernels.portable.fwd import FlashFwdPortable
 
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(FlashFwdPortable(cfg), *fwd_launch.fake_leading_args(cfg), *_fake_trailing_args(cfg),
-                            stream, options=options, no_jit_engine=not jit)
+        fake_args = [*fwd_launch.fake_leading_args(cfg), *_fake_trailing_args(cfg), stream]
+        return cute.compile(FlashFwdPortable(cfg), *fake_args, options=options, no_jit_engine=not jit)
 
     if dump_dir is not None:
         return build()
