@@ -1,10 +1,13 @@
 """Device and architecture -> backend: the one place that picks who computes a call.
 
-CUDA devices of compute capability 9.x go to `torch_fa4.kernels.sm90`, 10.x to
-`torch_fa4.kernels.sm100` (imported on first use: CuTe DSL stays out of `import torch_fa4`); a
-kernel that cannot take a call says why through `unsupported_reason`, and the call runs on the exact
-reference instead (warned once per reason). Everything else (CPU, other GPUs, float32/float64)
-runs on the reference. `TORCH_FA4_BACKEND=reference` forces the reference everywhere.
+CUDA devices of compute capability 9.x go to `torch_fa4.kernels.sm90`; 8.x and 12.x to the
+portable kernels (`torch_fa4.kernels.portable`: warp-level MMA, every GPU since Ampere); 10.x to
+`torch_fa4.kernels.sm100`, and where that cannot take a call (or fails its self-check) to the
+portable kernels. Packages are imported on first use (CuTe DSL stays out of `import torch_fa4`). A
+kernel that cannot take a call says why through `unsupported_reason`, and the call runs on the
+next family of the list, at the end on the exact reference (warned once per reason). Everything
+else (CPU, older GPUs, float32/float64) runs on the reference. `TORCH_FA4_BACKEND=reference` forces
+the reference everywhere, `TORCH_FA4_BACKEND=portable` the portable kernels on any CUDA GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import torch
 from torch_fa4 import reference, self_check
 from torch_fa4.call import AttentionCall, empty_laid_out_like
 
-_ARCH_PACKAGES = {9: "torch_fa4.kernels.sm90", 10: "torch_fa4.kernels.sm100"}
+_SM90 = "torch_fa4.kernels.sm90"
+_SM100 = "torch_fa4.kernels.sm100"
+PORTABLE = "torch_fa4.kernels.portable"
+# kernel families per compute capability major, tried in order (each may refuse a call)
+_ARCH_PACKAGES = {8: (PORTABLE,), 9: (_SM90,), 10: (_SM100, PORTABLE), 12: (PORTABLE,)}
 _warned: set[str] = set()
 
 
@@ -62,28 +69,33 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
     which falls back to PyTorch's own kernel instead) a refusal is neither warned about nor
     remembered as warned.
     """
-    if os.environ.get("TORCH_FA4_BACKEND", "").lower() == "reference":
+    backend = os.environ.get("TORCH_FA4_BACKEND", "").lower()
+    if backend == "reference":
         return None
     if not on_gpu(call) or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
         return None
     cap = capability(call.q.device)
-    name = _ARCH_PACKAGES.get(cap[0])
-    if name is None:
-        return None
-    module = _kernel_module(name, direction)
-    if module is None or getattr(module, direction, None) is None:
-        reason = f"no {direction} kernel for this architecture yet"
-    else:
-        reason = module.unsupported_reason(call)
-    if reason is not None:
-        if warn and reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"torch_fa4: {name.rsplit('.', 1)[-1]} {direction} falls back to the PyTorch reference: {reason}", stacklevel=3)
-        return None
-    if self_check.needed(cap) and not self_check.trusted(_kernel_module(name, "forward"), module, call,
-                                                           direction, deterministic, cap):
-        return None
-    return module
+    names = (PORTABLE,) if backend == "portable" else _ARCH_PACKAGES.get(cap[0], ())
+    for i, name in enumerate(names):
+        module = _kernel_module(name, direction)
+        if module is None or getattr(module, direction, None) is None:
+            reason = f"no {direction} kernel for this architecture yet"
+        else:
+            reason = module.unsupported_reason(call)
+        if reason is not None:
+            if warn and reason not in _warned:
+                _warned.add(reason)
+                fallback = (f"the {names[i + 1].rsplit('.', 1)[-1]} kernels" if i + 1 < len(names)
+                            else "the PyTorch reference")
+                family = name.rsplit('.', 1)[-1]
+                warnings.warn(f"torch_fa4: {family} {direction} falls back to {fallback}: {reason}",
+                              stacklevel=3)
+            continue
+        if self_check.needed(cap) and not self_check.trusted(_kernel_module(name, "forward"), module, call,
+                                                               direction, deterministic, cap):
+            continue
+        return module
+    return None
 
 
 def host_checks(call: AttentionCall) -> None:

@@ -1,0 +1,154 @@
+"""Host side of the portable forward: which calls it takes, the variant for a call on a device,
+compile once, launch.
+
+The variant depends on the call's features (kernels/host/fwd_launch.call_features, the mods, the
+block mask) and the device's architecture, which picks the tile shape (tiles.py). Mods: the
+ModSet's key and the captured tensors' dtypes and ranks are part of the variant; the captured
+tensors and a block mask are launch arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from torch_fa4.call import AttentionCall
+from torch_fa4.kernels import compile_cache
+from torch_fa4.kernels.host import fwd_launch
+from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
+from torch_fa4.kernels.portable import tiles
+from torch_fa4.kernels.portable.fwd_config import MAX_AUX, PortableFwdConfig
+
+SUPPORTED_HEAD_DIMS = tiles.HEAD_DIMS
+MOD_MAX_POSITION = 1 << 23  # the mod lowering's fp32 index arithmetic is exact below 2^23
+L2_BYTES = 40 * 1024 * 1024  # A100's L2 (the L2 grouping of causal / window items)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str:
+    return tiles.arch_of(torch.cuda.get_device_capability(index))
+
+
+def device_arch(device: torch.device) -> str:
+    """The compile target of a CUDA device (sm_80 where there is no CUDA device: CPU tests)."""
+    if device.type != "cuda":
+        return "sm_80"
+    return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def unsupported_reason(call: AttentionCall) -> Optional[str]:
+    if (reason := fwd_launch.operand_reason(call, "portable", SUPPORTED_HEAD_DIMS)) is not None:
+        return reason
+    if call.mod_key and call.mods is None:
+        return "mod_key given without its resolved ModSet"
+    if len(call.aux_tensors) > MAX_AUX:
+        return f"mods capture {len(call.aux_tensors)} tensors (portable kernel: at most {MAX_AUX})"
+    if any(t.device != call.q.device for t in call.aux_tensors):
+        return "a captured tensor is not on q's device"
+    if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
+        return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
+    if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
+        return reason
+    # (16-byte aligned rows: the cp.async loads' requirement, as the TMA's of the other kernels)
+    return fwd_launch.layout_reason(call)
+
+
+def _uses_block_mask(call: AttentionCall) -> bool:
+    # a block mask only speeds up a mask_mod; without one it is ignored
+    return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
+
+
+def _block_mask_reason(call: AttentionCall) -> Optional[str]:
+    if (reason := block_mask_tensors_reason(call)) is not None:
+        return reason
+    tile_m, tile_n, _ = tiles.tile_shape(device_arch(call.q.device), call.head_dim)
+    if call.block_mask_q % tile_m != 0:
+        return (f"block_mask BLOCK_SIZE q={call.block_mask_q} is not a multiple of the kernel's "
+                f"{tile_m}-row tile")
+    if call.block_mask_kv % tile_n != 0:
+        return (f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of the kernel's "
+                f"{tile_n}-key tile")
+    num, idx = call.block_mask[0], call.block_mask[1]
+    max_q, max_k = fwd_launch.max_seqlens(call)
+    if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
+        return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
+                f"positions, the call needs {max_q} x {max_k}")
+    return None
+
+
+def default_config(call: AttentionCall, arch: Optional[str] = None, **overrides) -> PortableFwdConfig:
+    """The variant that runs `call` on `arch` (default: the call's device's)."""
+    arch = arch or device_arch(call.q.device)
+    tile_m, tile_n, num_warps, q_in_regs = tiles.tile_row(arch, call.head_dim)
+    opts = dict(tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, q_in_regs=q_in_regs)
+    if call.mods is not None:
+        opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
+    if _uses_block_mask(call):
+        opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
+                    bm_tiles_n=call.block_mask_kv // tile_n)
+    cfg = PortableFwdConfig(**fwd_launch.call_features(call), **opts)
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+def _fake_trailing_args(cfg: PortableFwdConfig) -> list:
+    """Stand-ins for what `forward` passes after fwd_launch.leading_args."""
+    import cutlass
+
+    from torch_fa4.kernels.common.mod_lowering import fake_aux_tensor
+
+    def int32s(rank: int):
+        return fwd_launch.fake_packed(cutlass.Int32, rank)
+
+    block_mask = [int32s(3), int32s(4), int32s(3), int32s(4)] if cfg.block_sparse else [None] * 4
+    aux = [fake_aux_tensor(dt, nd) for dt, nd in cfg.aux_specs] + [None] * (MAX_AUX - len(cfg.aux_specs))
+    return [*block_mask, *aux]
+
+
+def compile_fwd(cfg: PortableFwdConfig, arch: str, dump_dir: Optional[str] = None):
+    """Compile (or fetch) the kernel for cfg on arch; dump_dir: also write the cubin and PTX there
+    (always compiles, bypassing the cache)."""
+    options = fwd_launch.compile_options(arch, dump_dir)
+
+    def build(jit: bool = True):  # jit=False: only to be exported (compile_cache.get_or_compile)
+        import cutlass.cute as cute
+
+        from torch_fa4.kernels.portable.fwd import FlashFwdPortable
+
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        fake_args = [*fwd_launch.fake_leading_args(cfg), *_fake_trailing_args(cfg), stream]
+        return cute.compile(FlashFwdPortable(cfg), *fake_args, options=options, no_jit_engine=not jit)
+
+    if dump_dir is not None:
+        return build()
+    return compile_cache.get_or_compile(("portable_fwd", arch, cfg), build, persist=True)
+
+
+def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrides) -> None:
+    """overrides: PortableFwdConfig fields to compile and launch instead of the defaults (tests)."""
+    arch = device_arch(call.q.device)
+    cfg = default_config(call, arch, **overrides)
+    kernel = compile_fwd(cfg, arch)
+    args = fwd_launch.leading_args(call, out, lse, L2_BYTES, fwd_launch.ONE_CTA_PER_ITEM, cfg.tile_m)
+    if args is None:  # no query rows: nothing to write
+        return
+    block_mask = [None] * 4
+    if cfg.block_sparse:
+        block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
+    kernel(*args, *block_mask, *_launch_aux(cfg, call))
+
+
+def _launch_aux(cfg: PortableFwdConfig, call: AttentionCall) -> list:
+    # as mod_lowering.kernel_aux_tensors, without importing CuTe DSL (a kernel from the disk cache)
+    aux = []
+    for t in call.aux_tensors[: len(cfg.aux_specs)]:
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        if t.stride(-1) != 1:
+            t = t.clone(memory_format=torch.contiguous_format)
+        aux.append(t)
+    return aux + [None] * (MAX_AUX - len(aux))
