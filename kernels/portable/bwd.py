@@ -1,0 +1,150 @@
+"""Portable backward entry point (every NVIDIA GPU since Ampere: warp-level MMA, ldmatrix, cp.async).
+
+`backward(call, dout, out, lse, dq, dk, dv, deterministic)` fills dq, dk, dv in place:
+
+1. row statistics in torch (architecture-neutral): lse2 = lse * log2 e (a row that sees no key,
+   lse = -inf, becomes +inf so that its P is 0) and dpsum = rowsum(dO * O) in fp32, both
+   (B, Hq, Sq) (varlen: one batch of packed rows);
+2. the main kernel (bwd_kernel.py, variant from bwd_config.py, compiled by bwd_compile.py): one
+   CTA per key tile and KV head, writing dK, dV and adding dS K into an fp32 dQ buffer (atomics,
+   or in key-tile order behind per-tile counters when `deterministic`);
+3. dq = dQ buffer * softmax scale, narrowed to dq's dtype.
+
+Takes: fp16/bf16; head dims 64/96/128/192/256 (Dv may differ, same set); causal (bottom-right),
+sliding windows, softcap; GQA/MQA (each CTA walks every query head of its KV group, so dK/dV are
+reduced in registers, deterministic by construction); varlen (cu_seqlens on both sides) and
+seqused_k; deterministic dQ. Not taken (unsupported_reason): score_mod / mask_mod, block masks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant
+
+if TYPE_CHECKING:
+    from torch_fa4.call import AttentionCall
+
+LOG2E = math.log2(math.e)
+UNBOUNDED = 1 << 30  # a window side without a bound (bwd_kernel.UNBOUNDED)
+MAX_GRID_YZ = 65535
+
+__all__ = ["SUPPORTED_HEAD_DIMS", "backward", "unsupported_reason", "variant_of"]
+
+
+def unsupported_reason(call: "AttentionCall") -> Optional[str]:
+    q, k, v = call.q, call.k, call.v
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"portable backward takes fp16/bf16, not {q.dtype}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return "q, k, v dtypes differ"
+    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
+        return (f"portable backward takes head dims {SUPPORTED_HEAD_DIMS}, "
+                f"not D={call.head_dim}, Dv={call.head_dim_v}")
+    if call.mod_key or call.mods is not None:
+        return "portable backward does not take score_mod / mask_mod yet"
+    if getattr(call, "block_mask", None) is not None:
+        return "portable backward does not take block masks yet"
+    if (call.cu_seqlens_q is None) != (call.cu_seqlens_k is None):
+        return "portable backward takes cu_seqlens on both sides or neither"
+    if call.num_heads % call.num_heads_kv != 0:
+        return "query heads are not a multiple of KV heads"
+    if call.num_heads_kv > MAX_GRID_YZ or call.batch > MAX_GRID_YZ:
+        return "batch or KV heads beyond the grid's y/z limit (65535)"
+    return None
+
+
+def _window(call: "AttentionCall") -> tuple[bool, int, int]:
+    """(bounded, left, right) key limits relative to the diagonal: key j of row i is visible when
+    i + shift - left <= j <= i + shift + right (shift = Sk - Sq)."""
+    left = call.window_left if call.window_left >= 0 else UNBOUNDED
+    right = call.window_right if call.window_right >= 0 else UNBOUNDED
+    if call.causal:
+        right = min(right, 0)
+    bounded = call.causal or call.window_left >= 0 or call.window_right >= 0
+    return bounded, left, right
+
+
+def variant_of(call: "AttentionCall", deterministic: bool):
+    bounded, _, _ = _window(call)
+    return make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
+                        softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
+                        seqused_k=call.seqused_k is not None)
+
+
+def _rows_ready(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit last stride and 16-byte strides / base (cp.async reads 16-byte vectors),
+    size-1 dims given strides that meet the compiled divisibility (they never address anything)."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+        s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+    if not ok:
+        t = t.contiguous()
+    if 1 in t.shape[:-1]:
+        strides = list(t.stride())
+        for i in range(t.dim() - 2, -1, -1):
+            if t.shape[i] == 1:
+                strides[i] = max(8, strides[i + 1] * t.shape[i + 1])
+        t = t.as_strided(t.shape, strides)
+    return t
+
+
+def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+    """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's), in place."""
+    from torch_fa4.kernels.portable.bwd_compile import compile_variant
+
+    q, k, v = call.q, call.k, call.v
+    varlen = call.is_varlen
+    if varlen:
+        batch = call.cu_seqlens_q.numel() - 1
+        max_q = int(call.max_seqlen_q)
+        max_k = int(call.max_seqlen_k)
+        q, k, v, dout, out = (t.unsqueeze(0) for t in (q, k, v, dout, out))
+        dq4, dk4, dv4 = (t.unsqueeze(0) for t in (dq, dk, dv))
+        lse = lse.unsqueeze(0)  # (1, Hq, T)
+    else:
+        batch = q.shape[0]
+        max_q, max_k = q.shape[1], k.shape[1]
+        dq4, dk4, dv4 = dq, dk, dv
+    if varlen or call.seqused_k is not None:
+        # key rows past a sequence's used keys (or outside every sequence) get no tile's write
+        dk.zero_()
+        dv.zero_()
+    if dq.numel() == 0 or k.shape[1] == 0 or batch == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+
+    with torch.no_grad():
+        lse2 = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E).contiguous()
+        dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, Sq)
+    dq_acc = torch.zeros(q.shape[:3] + (call.head_dim,), dtype=torch.float32, device=q.device)
+
+    variant = variant_of(call, deterministic)
+    fn = compile_variant(variant, arch=_arch(q.device))
+    sem = None
+    if deterministic:
+        sem = torch.zeros((batch, call.num_heads, max(1, math.ceil(max_q / variant.tile_m))), dtype=torch.int32,
+                          device=q.device)
+    cu_q, cu_k, used = (t.to(torch.int32).contiguous() if t is not None else None
+                        for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k))
+    _, left, right = _window(call)
+    q, k, v, dout, dk4, dv4 = map(_rows_ready, (q, k, v, dout, dk4, dv4))
+    assert dk4.data_ptr() == dk.data_ptr() and dv4.data_ptr() == dv.data_ptr(), "dk / dv must be contiguous"
+    fn(q, k, v, dout, lse2, dpsum, _rows_ready(dq_acc), dk4, dv4, cu_q, cu_k, used, sem,
+       float(call.scale), float(call.scale * LOG2E), float(call.softcap or 1.0), int(left), int(right),
+       int(batch), int(max_k))
+    with torch.no_grad():
+        torch.mul(dq_acc.view(dq.shape), call.scale, out=dq)
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm_90a"
+    if major >= 10:
+        return f"sm_{major}{minor}a"
+    return f"sm_{major}{minor}"

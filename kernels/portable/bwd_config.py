@@ -1,0 +1,55 @@
+"""Which variant of the portable backward kernel a call compiles: its static choices and tiles.
+
+Tiles are chosen so that one CTA fits the smallest shared memory of the targets (sm_86/89/120:
+~99 KB per block; sm_80 has 163 KB) and its dK, dV accumulators fit the register file without
+spilling (4 warps, 16-row warp slabs of the m16n8k16 MMA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SMEM_BUDGET = 99 * 1024  # sm_86 / sm_89 / sm_120 per-block opt-in limit (the smallest target)
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    tile_m: int  # query rows per step
+    tile_n: int  # keys per CTA
+    num_warps: int
+    sdp_warps_n: int  # warps side by side along the keys of S / dP (the rest stack along queries)
+    kv_warps_n: int  # ... along the head dim of dK / dV
+    dq_warps_n: int  # ... along the head dim of dQ
+    bounded: bool  # causal and/or a sliding window: per-element key limits
+    softcap: bool
+    deterministic: bool
+    varlen: bool
+    seqused_k: bool
+
+    def smem_bytes(self) -> int:
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        return 2 * (tm * d + tm * dv + tn * d + tn * dv + 2 * tm * tn)
+
+
+def tiles(head_dim: int, head_dim_v: int) -> dict:
+    """(tile_m, tile_n, warps and their arrangement) for the larger of the two head dims."""
+    d = max(head_dim, head_dim_v)
+    if d <= 128:
+        return dict(tile_m=64, tile_n=64, num_warps=4, sdp_warps_n=1, kv_warps_n=1, dq_warps_n=1)
+    if d <= 192:
+        return dict(tile_m=64, tile_n=32, num_warps=4, sdp_warps_n=1, kv_warps_n=2, dq_warps_n=1)
+    return dict(tile_m=32, tile_n=32, num_warps=4, sdp_warps_n=2, kv_warps_n=2, dq_warps_n=2)
+
+
+def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False, softcap: bool = False,
+                 deterministic: bool = False, varlen: bool = False, seqused_k: bool = False) -> BwdVariant:
+    v = BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v), bounded=bounded, softcap=softcap,
+                   deterministic=deterministic, varlen=varlen, seqused_k=seqused_k)
+    assert v.smem_bytes() <= SMEM_BUDGET, v
+    return v

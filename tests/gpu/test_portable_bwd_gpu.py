@@ -1,0 +1,154 @@
+"""Portable backward kernel (kernels/portable/bwd.py) against float64 autograd, over its features.
+
+Each case draws fresh random inputs, computes out / lse in float64 (tests/naive.py: what a forward
+pass hands to backward), poisons dq / dk / dv with NaN, runs the kernel and compares with the
+float64 gradients by relative norm error, held to twice the error of the same computation run
+eagerly in the inputs' dtype (with a small floor). Deterministic cases run twice and must agree
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from naive import call_options, naive_varlen
+from torch_fa4.call import AttentionCall
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                       reason="needs an NVIDIA GPU of sm_80 or later"),
+]
+
+BF, FP = torch.bfloat16, torch.float16
+
+
+def _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(torch.seed() % (2**31))
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    cu_q = cu_k = used = None
+    if varlen:
+        cpu = torch.Generator().manual_seed(torch.seed() % 2**31)
+        lens_q = torch.randint(0, sq + 1, (b,), generator=cpu)
+        lens_k = torch.randint(1, sk + 1, (b,), generator=cpu)
+        if lens is not None:
+            lens_q, lens_k = (torch.tensor(x) for x in lens)
+        cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32).to(dev)
+                      for n in (lens_q, lens_k))
+        tq, tk = int(cu_q[-1]), int(cu_k[-1])
+        q, k, v, do = rnd(tq, hq, d), rnd(tk, hkv, d), rnd(tk, hkv, dv), rnd(tq, hq, dv)
+        sq, sk = int(lens_q.max()), int(lens_k.max())
+    else:
+        q, k, v, do = rnd(b, sq, hq, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, dv), rnd(b, sq, hq, dv)
+    if seqused:
+        lim = torch.tensor([int(cu_k[i + 1] - cu_k[i]) for i in range(b)]) if varlen else torch.full((b,), sk)
+        used = (torch.rand(b) * lim).floor().to(torch.int32).clamp_min(0).to(dev)
+    return q, k, v, do, cu_q, cu_k, used, sq, sk
+
+
+def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1, softcap=0.0,
+          varlen=False, seqused=False, deterministic=False, lens=None, via_api=False):
+    from torch_fa4.kernels.portable import bwd
+
+    dv = dv or d
+    q, k, v, do, cu_q, cu_k, used, sq, sk = _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens)
+    call = AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(d), causal=causal, window_left=left,
+                         window_right=right, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                         seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk)
+    assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
+
+    grads64, out, lse = _oracle(call, do, torch.float64)
+    eager = _oracle(call, do, dtype)[0]  # the eager low-precision error budget
+    runs = []
+    for _ in range(2 if deterministic else 1):
+        got = [torch.full(t.shape, math.nan, dtype=dtype, device="cuda") for t in (q, k, v)]
+        bwd.backward(call, do, out, lse, *got, deterministic)
+        torch.cuda.synchronize()
+        runs.append(got)
+    if deterministic:
+        for a, c in zip(*runs):
+            assert torch.equal(a, c), "deterministic mode gave two different results"
+    for name, got, ref, low in zip(("dq", "dk", "dv"), runs[0], grads64, eager):
+        assert not torch.isnan(got).any(), f"{name} has NaN (unwritten or NaN math)"
+        norm = ref.norm().clamp_min(1e-12)
+        err = ((got.double() - ref).norm() / norm).item()
+        budget = max(2 * ((low.double() - ref).norm() / norm).item(), 2e-3)
+        assert err <= budget, f"{name}: relative error {err:.3e} > {budget:.3e}"
+
+
+def _oracle(call, do, dtype):
+    """(dq, dk, dv) by autograd through naive attention computed in `dtype`, and the float64
+    forward's out (in q's dtype) and lse (float32)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (call.q, call.k, call.v))
+    out, lse = naive_varlen(q, k, v, **call_options(call), differentiable=True)
+    grads = torch.autograd.grad(out, (q, k, v), do.to(dtype), allow_unused=True)
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v))]
+    return grads, out.detach().to(call.q.dtype).contiguous(), lse.detach().float().contiguous()
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [BF, FP])
+def test_dense(dtype, d):
+    _case(dtype, 2, 200, 264, 2, 2, d)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq,sk", [(256, 256), (200, 333), (333, 130), (64, 64), (63, 65), (65, 1), (1, 129)])
+def test_causal(d, sq, sk):
+    _case(BF, 2, sq, sk, 2, 2, d, causal=True)
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 64), (1, 1), (1, 64), (64, 0), (127, 129), (129, 127)])
+def test_degenerate_lengths(sq, sk):
+    _case(FP, 1, sq, sk, 1, 1, 64)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1), (8, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(hq, hkv, causal):
+    _case(BF, 2, 190, 260, hq, hkv, 128, causal=causal)
+
+
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (192, 128)])
+def test_dv_differs(d, dv):
+    _case(FP, 1, 160, 200, 2, 2, d, dv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen(d, causal):
+    _case(BF, 5, 300, 280, 4, 2, d, varlen=True, causal=causal)
+
+
+def test_varlen_empty_sequences():
+    _case(BF, 4, 0, 0, 2, 1, 64, varlen=True, lens=([0, 70, 1, 130], [5, 0, 64, 129]))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_seqused_k(varlen):
+    _case(BF, 3, 150, 300, 2, 2, 128, varlen=varlen, seqused=True, causal=varlen)
+
+
+@pytest.mark.parametrize("left,right,causal", [(32, -1, True), (50, 20, False), (-1, 0, False), (0, 0, False),
+                                               (100, 7, False)])
+def test_window(left, right, causal):
+    _case(BF, 2, 300, 260, 2, 1, 64, left=left, right=right, causal=causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap(d):
+    _case(BF, 2, 200, 250, 2, 2, d, softcap=15.0, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_deterministic(d, causal):
+    _case(BF, 2, 333, 300, 4, 2, d, causal=causal, deterministic=True)
+
+
+def test_deterministic_varlen_window():
+    _case(FP, 4, 300, 280, 2, 2, 64, varlen=True, left=40, right=10, deterministic=True)
