@@ -10,7 +10,8 @@
    or in key-tile order behind per-tile counters when `deterministic`);
 3. dq = dQ buffer * softmax scale, narrowed to dq's dtype.
 
-Takes: fp16/bf16; head dims 64/96/128/192/256 (Dv may differ, same set); causal (bottom-right),
+Takes: fp16/bf16; head dims 64/96/128/192/256 (Dv may differ, same set; 256 where a block may
+have more than 99 KB of shared memory: sm_80, sm_87, Hopper, sm_100); causal (bottom-right),
 sliding windows, softcap; GQA/MQA (each CTA walks every query head of its KV group, so dK/dV are
 reduced in registers, deterministic by construction); varlen (cu_seqlens on both sides) and
 seqused_k; deterministic dQ. Not taken (unsupported_reason): score_mod / mask_mod, block masks.
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant
+from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant, smem_limit
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
@@ -46,7 +47,7 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
                 f"not D={call.head_dim}, Dv={call.head_dim_v}")
     if call.mod_key or call.mods is not None:
         return "portable backward does not take score_mod / mask_mod yet"
-    if getattr(call, "block_mask", None) is not None:
+    if call.block_mask:
         return "portable backward does not take block masks yet"
     if (call.cu_seqlens_q is None) != (call.cu_seqlens_k is None):
         return "portable backward takes cu_seqlens on both sides or neither"
@@ -54,6 +55,12 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
         return "query heads are not a multiple of KV heads"
     if call.num_heads_kv > MAX_GRID_YZ or call.batch > MAX_GRID_YZ:
         return "batch or KV heads beyond the grid's y/z limit (65535)"
+    if q.is_cuda:
+        need = make_variant(q.dtype, call.head_dim, call.head_dim_v).smem_bytes()
+        have = smem_limit(torch.cuda.get_device_capability(q.device))
+        if need > have:
+            return (f"portable backward for D={call.head_dim}, Dv={call.head_dim_v} needs {need} bytes of "
+                    f"shared memory per block; this GPU has {have}")
     return None
 
 

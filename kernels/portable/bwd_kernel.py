@@ -43,7 +43,8 @@ def _smem_atom(dtype, cols: int):
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
     """(rows, cols) shared-memory tensor viewed as (cols, rows): the same bytes."""
-    return cute.composition(t, cute.make_ordered_layout((t.shape[1], t.shape[0]), order=(1, 0)))
+    rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
+    return cute.composition(t, cute.make_ordered_layout((cols, rows), order=(1, 0)))
 
 
 def _rows_cols(t: cute.Tensor) -> cute.Tensor:
