@@ -33,7 +33,7 @@ LOG2E = math.log2(math.e)
 UNBOUNDED = 1 << 30  # a window side without a bound (bwd_kernel.UNBOUNDED)
 MAX_GRID_YZ = 65535
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "backward", "unsupported_reason", "variant_of"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "backward", "unsupported_reason", "variant", "variant_of"]
 
 
 def unsupported_reason(call: "AttentionCall") -> Optional[str]:
@@ -80,6 +80,11 @@ def variant_of(call: "AttentionCall", deterministic: bool):
     return make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
                         softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
                         seqused_k=call.seqused_k is not None)
+
+
+def variant(call: "AttentionCall", deterministic: bool):
+    """The compiled variant that runs `call` (what the first-use self-check verifies)."""
+    return variant_of(call, deterministic)
 
 
 def _rows_ready(t: torch.Tensor) -> torch.Tensor:
