@@ -25,13 +25,16 @@ SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_1
 # (arch, dtype, head dim, features): every head dim on sm_80, the common ones elsewhere
 MATRIX = [
     ("sm_80", BF, 64, {}),
+    ("sm_80", BF, 64, {"stages": 2}),
+    ("sm_80", FP, 128, {"stages": 2, "bounded": True}),
+    ("sm_80", BF, 192, {"stages": 2, "deterministic": True}),
     ("sm_80", FP, 96, {"bounded": True}),
     ("sm_80", BF, 128, {"bounded": True, "softcap": True}),
     ("sm_80", BF, 192, {}),
     ("sm_80", FP, 256, {"bounded": True}),
     ("sm_80", BF, 128, {"deterministic": True, "varlen": True, "seqused_k": True, "bounded": True}),
     ("sm_86", FP, 128, {"bounded": True}),
-    ("sm_89", BF, 64, {"varlen": True}),
+    ("sm_89", BF, 64, {"varlen": True, "stages": 2}),
     ("sm_120a", BF, 128, {}),
     ("sm_120a", FP, 192, {"deterministic": True}),
 ]

@@ -19,12 +19,13 @@ seqused_k; deterministic dQ. Not taken (unsupported_reason): score_mod / mask_mo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant, smem_limit
+from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant, most_stages, smem_limit
 
 if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
@@ -75,11 +76,18 @@ def _window(call: "AttentionCall") -> tuple[bool, int, int]:
     return bounded, left, right
 
 
-def variant_of(call: "AttentionCall", deterministic: bool):
+def variant_of(call: "AttentionCall", deterministic: bool, stages: Optional[int] = None):
+    """The kernel variant for `call`: two Q / dO buffers where the GPU's shared memory holds them
+    (`stages`: a given count instead)."""
     bounded, _, _ = _window(call)
-    return make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
-                        softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
-                        seqused_k=call.seqused_k is not None)
+    v = make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
+                     softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
+                     seqused_k=call.seqused_k is not None)
+    if stages is not None:
+        return dataclasses.replace(v, stages=stages)
+    if call.q.is_cuda:
+        return most_stages(v, smem_limit(torch.cuda.get_device_capability(call.q.device)))
+    return v
 
 
 def variant(call: "AttentionCall", deterministic: bool):
@@ -103,8 +111,10 @@ def _rows_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
-    """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's), in place."""
+def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool,
+             stages: Optional[int] = None) -> None:
+    """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's), in place.
+    stages: the tests' choice of Q / dO buffers (None: as many as fit)."""
     from torch_fa4.kernels.portable.bwd_compile import compile_variant
 
     q, k, v = call.q, call.k, call.v
@@ -135,7 +145,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, Sq)
     dq_acc = torch.zeros(q.shape[:3] + (call.head_dim,), dtype=torch.float32, device=q.device)
 
-    variant = variant_of(call, deterministic)
+    variant = variant_of(call, deterministic, stages)
     fn = compile_variant(variant, arch=_arch(q.device))
     sem = None
     if deterministic:

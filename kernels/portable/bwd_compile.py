@@ -25,7 +25,7 @@ def kernel_object(variant: BwdVariant):
         cute_dtype(variant.dtype), variant.head_dim, variant.head_dim_v, variant.tile_m, variant.tile_n,
         variant.num_warps, variant.bounded, variant.softcap, variant.deterministic, variant.varlen,
         variant.seqused_k, sdp_warps_n=variant.sdp_warps_n, kv_warps_n=variant.kv_warps_n,
-        dq_warps_n=variant.dq_warps_n)
+        dq_warps_n=variant.dq_warps_n, stages=variant.stages)
 
 
 def _compile(variant: BwdVariant, arch: str, dump_dir: str | None, jit: bool = True):

@@ -8,6 +8,7 @@ m16n8k16 MMA).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,11 @@ class BwdVariant:
     deterministic: bool
     varlen: bool
     seqused_k: bool
+    stages: int = 1  # Q / dO buffers (2: the next query tile loads while this one computes)
 
     def smem_bytes(self) -> int:
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        return 2 * (tm * d + tm * dv + tn * d + tn * dv + 2 * tm * tn)
+        return 2 * (self.stages * tm * (d + dv) + tn * (d + dv) + 2 * tm * tn)
 
 
 def tiles(head_dim: int, head_dim_v: int) -> dict:
@@ -55,6 +57,17 @@ def smem_limit(capability: tuple) -> int:
 
 
 def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False, softcap: bool = False,
-                 deterministic: bool = False, varlen: bool = False, seqused_k: bool = False) -> BwdVariant:
+                 deterministic: bool = False, varlen: bool = False, seqused_k: bool = False,
+                 stages: int = 1) -> BwdVariant:
     return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v), bounded=bounded,
-                      softcap=softcap, deterministic=deterministic, varlen=varlen, seqused_k=seqused_k)
+                      softcap=softcap, deterministic=deterministic, varlen=varlen, seqused_k=seqused_k,
+                      stages=stages)
+
+
+def most_stages(variant: BwdVariant, limit: int, most: int = 2) -> BwdVariant:
+    """variant with the most Q / dO buffers (up to `most`) that fit `limit` bytes of shared memory."""
+    for stages in range(most, 1, -1):
+        v = dataclasses.replace(variant, stages=stages)
+        if v.smem_bytes() <= limit:
+            return v
+    return dataclasses.replace(variant, stages=1)

@@ -66,7 +66,7 @@ def _vector_threads(cols: int, threads: int) -> int:
 class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
-                 sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1):
+                 sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -80,6 +80,7 @@ class PortableBackwardKernel:
         self.sdp_warps_n = sdp_warps_n
         self.kv_warps_n = kv_warps_n
         self.dq_warps_n = dq_warps_n
+        self.stages = stages  # Q / dO buffers: 2 loads the next query tile while this one computes
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -97,11 +98,11 @@ class PortableBackwardKernel:
     def _smem_layouts(self):
         """(Q, dO, K, V, P/dS) shared-memory layouts; built where used (a layout made on the host
         side is not visible inside the kernel)."""
-        def lay(rows, cols):
-            return cute.tile_to_shape(_smem_atom(self.dtype, cols), (rows, cols), (0, 1))
+        def lay(rows, cols, stages=1):
+            return cute.tile_to_shape(_smem_atom(self.dtype, cols), (rows, cols, stages), (0, 1, 2))
 
-        tm, tn = self.tile_m, self.tile_n
-        return lay(tm, self.d), lay(tm, self.dv), lay(tn, self.d), lay(tn, self.dv), lay(tm, tn)
+        tm, tn, st = self.tile_m, self.tile_n, self.stages
+        return lay(tm, self.d, st), lay(tm, self.dv, st), lay(tn, self.d), lay(tn, self.dv), lay(tm, tn)
 
     def _smem_struct(self):
         q, do, k, v, p = (cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
@@ -120,7 +121,7 @@ class PortableBackwardKernel:
 
     def smem_bytes(self) -> int:
         tm, tn = self.tile_m, self.tile_n
-        return 2 * (tm * self.d + tm * self.dv + tn * self.d + tn * self.dv + 2 * tm * tn)
+        return 2 * (self.stages * tm * (self.d + self.dv) + tn * self.d + tn * self.dv + 2 * tm * tn)
 
     # ---- launch ----------------------------------------------------------------------------------
 
@@ -155,13 +156,15 @@ class PortableBackwardKernel:
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(Storage)
         lq, ldo, lk, lv, lp = self._smem_layouts()
-        sQ = st.sQ.get_tensor(lq)
-        sdO = st.sdO.get_tensor(ldo)
-        sK = st.sK.get_tensor(lk)
-        sV = st.sV.get_tensor(lv)
-        sP = st.sP.get_tensor(lp)
-        sdS = st.sdS.get_tensor(lp)
-        sPt, sdSt, sQt, sdOt, sKt = (_transposed(t) for t in (sP, sdS, sQ, sdO, sK))
+        sQ_all = st.sQ.get_tensor(lq)  # (tm, D, stages)
+        sdO_all = st.sdO.get_tensor(ldo)
+        sK = st.sK.get_tensor(lk)[None, None, 0]
+        sV = st.sV.get_tensor(lv)[None, None, 0]
+        sP = st.sP.get_tensor(lp)[None, None, 0]
+        sdS = st.sdS.get_tensor(lp)[None, None, 0]
+        sQ, sdO = sQ_all[None, None, 0], sdO_all[None, None, 0]  # shapes for the fragments
+        sPt, sdSt, sKt = (_transposed(t) for t in (sP, sdS, sK))
+        sQt, sdOt = _transposed(sQ), _transposed(sdO)
 
         mma_sdp = self._tiled_mma(self.num_warps // self.sdp_warps_n, self.sdp_warps_n)
         mma_dkv = self._tiled_mma(self.num_warps // self.kv_warps_n, self.kv_warps_n)
@@ -226,89 +229,105 @@ class PortableBackwardKernel:
         if n0 >= seqlen_k:
             m_end = m_begin  # a tile past this sequence's keys (varlen): nothing to do, nothing to write
 
-        for hh in cutlass.range(group, unroll=1):
+        # the walk: (query head of the group, query tile) pairs, heads outermost
+        n_m = cutlass.max(m_end - m_begin, 0)
+        total = group * n_m
+        if const_expr(self.stages > 1):
+            if total > 0:
+                self._load_item(Int32(0), 0, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                                copy_qk, copy_v, seqlen_q, tidx)
+            cute.arch.cp_async_commit_group()
+        for w in cutlass.range(total, unroll=1):
+            hh = w // n_m
+            m_block = m_begin + w - hh * n_m
             h = h_kv * group + hh
-            q_rows = info.q_rows(mQ[tb, None, h, None])
-            do_rows = info.q_rows(mdO[tb, None, h, None])
+            m0 = m_block * tm
+            stage = 0
+            if const_expr(self.stages > 1):
+                stage = w % self.stages
+                if w + 1 < total:  # the next tile into the other buffer, freed by the last barrier
+                    self._load_item(w + 1, (w + 1) % self.stages, n_m, m_begin, h_kv, group, info, tb, mQ, mdO,
+                                    sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
+                cute.arch.cp_async_commit_group()
+            else:
+                self._load_item(w, 0, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                                copy_qk, copy_v, seqlen_q, tidx)
+                cute.arch.cp_async_commit_group()
             dq_rows = info.q_rows(mdQacc[tb, None, h, None])
             lse_row = info.q_rows(mLSE2[tb, h, None])
             dps_row = info.q_rows(mDpsum[tb, h, None])
-            for m_block in cutlass.range(m_begin, m_end, unroll=1):
-                m0 = m_block * tm
-                gQ = cute.local_tile(q_rows, (tm, self.d), (m_block, 0))
-                gdO = cute.local_tile(do_rows, (tm, self.dv), (m_block, 0))
-                self._load_rows(copy_qk, gQ, sQ, seqlen_q - m0, tidx)
-                self._load_rows(copy_v, gdO, sdO, seqlen_q - m0, tidx)
-                cute.arch.cp_async_commit_group()
+            sQ = sQ_all[None, None, stage]
+            sdO = sdO_all[None, None, stage]
+            sQt, sdOt = _transposed(sQ), _transposed(sdO)
 
-                # row statistics of this thread's rows, read while the tiles land
-                n_rows = cute.size(cS, mode=[0])
-                lse = cute.make_rmem_tensor((n_rows,), Float32)
-                dps = cute.make_rmem_tensor((n_rows,), Float32)
-                for r in cutlass.range_constexpr(n_rows):
-                    row = m0 + cS[r, 0][0]
-                    lse[r] = Float32.inf
-                    dps[r] = Float32(0.0)
-                    if row < seqlen_q:
-                        lse[r] = lse_row[row]
-                        dps[r] = dps_row[row]
+            # row statistics of this thread's rows, read while the tiles land
+            n_rows = cute.size(cS, mode=[0])
+            lse = cute.make_rmem_tensor((n_rows,), Float32)
+            dps = cute.make_rmem_tensor((n_rows,), Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                row = m0 + cS[r, 0][0]
+                lse[r] = Float32.inf
+                dps[r] = Float32(0.0)
+                if row < seqlen_q:
+                    lse[r] = lse_row[row]
+                    dps[r] = dps_row[row]
 
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
+            cute.arch.cp_async_wait_group(1 if const_expr(self.stages > 1) else 0)
+            cute.arch.barrier()
 
-                acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-                acc_S.fill(0.0)
-                self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
-                acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-                acc_dP.fill(0.0)
-                self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
+            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+            acc_S.fill(0.0)
+            self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
+            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+            acc_dP.fill(0.0)
+            self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
 
-                S = _rows_cols(acc_S)
-                dP = _rows_cols(acc_dP)
-                for r in cutlass.range_constexpr(n_rows):
-                    row = m0 + cS[r, 0][0]
-                    lo = Int32(0)
-                    hi = seqlen_k
+            S = _rows_cols(acc_S)
+            dP = _rows_cols(acc_dP)
+            for r in cutlass.range_constexpr(n_rows):
+                row = m0 + cS[r, 0][0]
+                lo = Int32(0)
+                hi = seqlen_k
+                if const_expr(self.bounded):
+                    lo = row + shift - window_left
+                    hi = cutlass.min(hi, row + shift + window_right + 1)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    col = n0 + cS[r, c][1]
+                    s = S[r, c]
+                    dcap = Float32(1.0)
+                    if const_expr(self.softcap):
+                        t = cute.math.tanh(s * scale / softcap, fastmath=True)
+                        dcap = Float32(1.0) - t * t
+                        s = t * softcap * Float32(LOG2E)
+                    else:
+                        s = s * scale_log2
+                    p = cute.math.exp2(s - lse[r], fastmath=True)
+                    if col >= hi:
+                        p = Float32(0.0)
                     if const_expr(self.bounded):
-                        lo = row + shift - window_left
-                        hi = cutlass.min(hi, row + shift + window_right + 1)
-                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        col = n0 + cS[r, c][1]
-                        s = S[r, c]
-                        dcap = Float32(1.0)
-                        if const_expr(self.softcap):
-                            t = cute.math.tanh(s * scale / softcap, fastmath=True)
-                            dcap = Float32(1.0) - t * t
-                            s = t * softcap * Float32(LOG2E)
-                        else:
-                            s = s * scale_log2
-                        p = cute.math.exp2(s - lse[r], fastmath=True)
-                        if col >= hi:
+                        if col < lo:
                             p = Float32(0.0)
-                        if const_expr(self.bounded):
-                            if col < lo:
-                                p = Float32(0.0)
-                        S[r, c] = p
-                        dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
+                    S[r, c] = p
+                    dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
 
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                rdSv = cute.make_fragment_like(acc_dP, self.dtype)
-                rdSv.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
-                cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
-                cute.arch.barrier()
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            rdSv = cute.make_fragment_like(acc_dP, self.dtype)
+            rdSv.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
+            cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
+            cute.arch.barrier()
 
-                self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
-                self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
+            self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
+            self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
 
-                acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
-                acc_dQ.fill(0.0)
-                self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
-                gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
-                self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, tb, h, m_block, batch,
-                             n_block, row_lo, shift, window_left, window_right)
-                cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
+            acc_dQ.fill(0.0)
+            self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
+            gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
+            self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, tb, h, m_block, batch,
+                         n_block, row_lo, shift, window_left, window_right)
+            cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
         # ---- epilogue: dK (with the softmax scale), dV ----
         acc_dK.store(acc_dK.load() * scale)
@@ -320,6 +339,19 @@ class PortableBackwardKernel:
                          thr_dkv.partition_C(cute.make_identity_tensor((tn, self.dv))), seqlen_k - n0)
 
     # ---- pieces ------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _load_item(self, w, stage, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
+                   copy_v, seqlen_q, tidx):
+        """cp.async the Q and dO tiles of walk item w into buffer `stage` (no commit)."""
+        hh = w // n_m
+        m_block = m_begin + w - hh * n_m
+        h = h_kv * group + hh
+        gQ = cute.local_tile(info.q_rows(mQ[tb, None, h, None]), (self.tile_m, self.d), (m_block, 0))
+        gdO = cute.local_tile(info.q_rows(mdO[tb, None, h, None]), (self.tile_m, self.dv), (m_block, 0))
+        rows_left = seqlen_q - m_block * self.tile_m
+        self._load_rows(copy_qk, gQ, sQ_all[None, None, stage], rows_left, tidx)
+        self._load_rows(copy_v, gdO, sdO_all[None, None, stage], rows_left, tidx)
 
     @cute.jit
     def _load_rows(self, tiled_copy, g: cute.Tensor, s: cute.Tensor, rows_left: Int32, tidx):

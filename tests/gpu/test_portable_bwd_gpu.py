@@ -51,7 +51,7 @@ def _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens):
 
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1, softcap=0.0,
-          varlen=False, seqused=False, deterministic=False, lens=None, via_api=False):
+          varlen=False, seqused=False, deterministic=False, lens=None, stages=None):
     from torch_fa4.kernels.portable import bwd
 
     dv = dv or d
@@ -66,7 +66,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1
     runs = []
     for _ in range(2 if deterministic else 1):
         got = [torch.full(t.shape, math.nan, dtype=dtype, device="cuda") for t in (q, k, v)]
-        bwd.backward(call, do, out, lse, *got, deterministic)
+        bwd.backward(call, do, out, lse, *got, deterministic, stages=stages)
         torch.cuda.synchronize()
         runs.append(got)
     if deterministic:
@@ -148,6 +148,14 @@ def test_softcap(d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic(d, causal):
     _case(BF, 2, 333, 300, 4, 2, d, causal=causal, deterministic=True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_query_tile_buffers(d, stages):
+    # one Q / dO buffer (the GPUs whose shared memory holds no second) and two
+    _case(BF, 2, 300, 200, 4, 2, d, causal=True, stages=stages)
+    _case(FP, 3, 100, 170, 2, 1, d, varlen=True, stages=stages)
 
 
 def test_deterministic_varlen_window():
