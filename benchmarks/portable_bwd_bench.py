@@ -59,7 +59,8 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
-          f"bf16, {TOKENS} tokens, H*D={WIDTH}, backward TFLOP/s" + (", deterministic" if args.deterministic else ""))
+          f"bf16, {TOKENS} tokens, H*D={WIDTH}, backward TFLOP/s"
+          + (", deterministic" if args.deterministic else ""))
     print(f"{'D':>4} {'S':>6} {'causal':>6} {'portable':>9} {'sdpa-fa2':>9} {'ratio':>6}")
     for d in args.d:
         for s in args.s:

@@ -99,3 +99,14 @@ def test_unsupported_reasons_name_the_problem():
     assert "head dims" in unsupported_reason(_call(d=80))
     assert "multiple" in unsupported_reason(_call(hkv=3))
     assert "score_mod" in unsupported_reason(_call(mod_key="k"))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_120a"])
+def test_row_statistics_pass_compiles_without_hopper_instructions(arch, tmp_path):
+    # the portable backward reuses the sm90 backward's row-statistics kernel; compiled for these
+    # targets it must leave out programmatic dependent launch (griddepcontrol: sm_90+) on sm_8x
+    from torch_fa4.kernels.sm90 import bwd_prepare
+
+    bwd_prepare.compile_kernel(BF, 128, arch=arch, dump_dir=str(tmp_path), d_zero=128)
+    sass = sass_of(tmp_path)
+    assert "LDG.E.128" in sass and "LDL" not in sass

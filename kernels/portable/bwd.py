@@ -2,9 +2,10 @@
 
 `backward(call, dout, out, lse, dq, dk, dv, deterministic)` fills dq, dk, dv in place:
 
-1. row statistics in torch (architecture-neutral): lse2 = lse * log2 e (a row that sees no key,
-   lse = -inf, becomes +inf so that its P is 0) and dpsum = rowsum(dO * O) in fp32, both
-   (B, Hq, Sq) (varlen: one batch of packed rows);
+1. row statistics: lse2 = lse * log2 e (a row that sees no key, lse = -inf, becomes +inf so that
+   its P is 0) and dpsum = rowsum(dO * O) in fp32, both (B, Hq, Sq) (varlen: one batch of packed
+   rows), by the sm90 backward's row-statistics kernel (no Hopper instructions where compiled for
+   sm_8x), which zeroes the fp32 dQ buffer on the way; torch for what it refuses;
 2. the main kernel (bwd_kernel.py, variant from bwd_config.py, compiled by bwd_compile.py): one
    CTA per key tile and KV head, writing dK, dV and adding dS K into an fp32 dQ buffer (atomics,
    or in key-tile order behind per-tile counters when `deterministic`);
@@ -119,17 +120,17 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
 
     q, k, v = call.q, call.k, call.v
     varlen = call.is_varlen
+    dout_rows = dout  # as the ops hand it (varlen: 3-d)
     if varlen:
         batch = call.cu_seqlens_q.numel() - 1
         max_q = int(call.max_seqlen_q)
         max_k = int(call.max_seqlen_k)
-        q, k, v, dout, out = (t.unsqueeze(0) for t in (q, k, v, dout, out))
-        dq4, dk4, dv4 = (t.unsqueeze(0) for t in (dq, dk, dv))
-        lse = lse.unsqueeze(0)  # (1, Hq, T)
+        q, k, v, dout = (t.unsqueeze(0) for t in (q, k, v, dout))
+        dk4, dv4 = dk.unsqueeze(0), dv.unsqueeze(0)
     else:
         batch = q.shape[0]
         max_q, max_k = q.shape[1], k.shape[1]
-        dq4, dk4, dv4 = dq, dk, dv
+        dk4, dv4 = dk, dv
     if varlen or call.seqused_k is not None:
         # key rows past a sequence's used keys (or outside every sequence) get no tile's write
         dk.zero_()
@@ -140,17 +141,13 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         dv.zero_()
         return
 
-    with torch.no_grad():
-        lse2 = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E).contiguous()
-        dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, Sq)
-    dq_acc = torch.zeros(q.shape[:3] + (call.head_dim,), dtype=torch.float32, device=q.device)
-
+    lse2, dpsum, dq_acc = _row_statistics(dout_rows, out, lse, q.shape[:3] + (call.head_dim,))
     variant = variant_of(call, deterministic, stages)
     fn = compile_variant(variant, arch=_arch(q.device))
     sem = None
     if deterministic:
-        sem = torch.zeros((batch, call.num_heads, max(1, math.ceil(max_q / variant.tile_m))), dtype=torch.int32,
-                          device=q.device)
+        tiles_q = max(1, math.ceil(max_q / variant.tile_m))
+        sem = torch.zeros((batch, call.num_heads, tiles_q), dtype=torch.int32, device=q.device)
     cu_q, cu_k, used = (t.to(torch.int32).contiguous() if t is not None else None
                         for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k))
     _, left, right = _window(call)
@@ -161,6 +158,31 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
        int(batch), int(max_k))
     with torch.no_grad():
         torch.mul(dq_acc.view(dq.shape), call.scale, out=dq)
+
+
+def _row_statistics(dout, out, lse, dq_shape):
+    """(lse2, dpsum, zeroed fp32 dQ buffer of dq_shape), the statistics (B, Hq, S) (varlen: (1, Hq, T)).
+
+    One pass of the sm90 backward's row-statistics kernel (it compiles for any arch; see
+    kernels/sm90/bwd_prepare.py), which also zeroes the dQ buffer; torch where it refuses."""
+    from torch_fa4.kernels.sm90 import bwd_prepare
+
+    dq_acc = torch.empty(dq_shape, dtype=torch.float32, device=dout.device)
+    if bwd_prepare.unsupported_reason(dout, out, lse) is None and bwd_prepare.dq_zeroing_takes(dq_acc, dout):
+        fn = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], arch=_arch(dout.device),
+                                        d_zero=dq_shape[-1])
+        stats = torch.empty((2, *lse.shape[:-1], lse.shape[-1]), dtype=torch.float32, device=dout.device)
+        bwd_prepare.launch(fn, dout, out, lse, stats[0], stats[1], dq_acc)
+        lse2, dpsum = stats[0], stats[1]
+    else:
+        with torch.no_grad():
+            lse2 = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E)
+            dpsum = (dout.float() * out.float()).sum(-1)  # (B, S, Hq) or (T, Hq)
+            dpsum = dpsum.transpose(-1, -2)
+        dq_acc.zero_()
+    if dout.dim() == 3:  # varlen: one batch of packed rows
+        lse2, dpsum = lse2.unsqueeze(0), dpsum.unsqueeze(0)
+    return lse2.contiguous(), dpsum.contiguous(), dq_acc
 
 
 def _arch(device: torch.device) -> str:

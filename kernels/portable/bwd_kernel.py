@@ -86,7 +86,8 @@ class PortableBackwardKernel:
 
     def _tiled_mma(self, warps_m: int, warps_n: int):
         op = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
-        return cute.make_tiled_mma(op, (warps_m, warps_n, 1), permutation_mnk=(warps_m * 16, warps_n * 16, 16))
+        return cute.make_tiled_mma(op, (warps_m, warps_n, 1),
+                                   permutation_mnk=(warps_m * 16, warps_n * 16, 16))
 
     def _gmem_copy(self, cols: int):
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
@@ -246,8 +247,8 @@ class PortableBackwardKernel:
             if const_expr(self.stages > 1):
                 stage = w % self.stages
                 if w + 1 < total:  # the next tile into the other buffer, freed by the last barrier
-                    self._load_item(w + 1, (w + 1) % self.stages, n_m, m_begin, h_kv, group, info, tb, mQ, mdO,
-                                    sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
+                    self._load_item(w + 1, (w + 1) % self.stages, n_m, m_begin, h_kv, group, info, tb, mQ,
+                                    mdO, sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
                 cute.arch.cp_async_commit_group()
             else:
                 self._load_item(w, 0, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
