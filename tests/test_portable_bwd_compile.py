@@ -110,3 +110,19 @@ def test_row_statistics_pass_compiles_without_hopper_instructions(arch, tmp_path
     bwd_prepare.compile_kernel(BF, 128, arch=arch, dump_dir=str(tmp_path), d_zero=128)
     sass = sass_of(tmp_path)
     assert "LDG.E.128" in sass and "LDL" not in sass
+
+
+@pytest.mark.parametrize("arch,name", [("sm_80", "transcendental_bool_table"),
+                                       ("sm_120a", "bias_bf16_doc2d")])
+def test_mods_compile(arch, name, tmp_path):
+    # score_mod, its derivative and mask_mod inlined per element, captured tensors read from global
+    from _mod_cases import cases
+
+    from torch_fa4.kernels.portable.bwd_compile import compile_variant
+    from torch_fa4.kernels.portable.bwd_config import make_variant
+    from torch_fa4.mods.prepare import prepare
+
+    key, _ = prepare(*cases()[name])
+    compile_variant(make_variant(BF, 64, 64, mods_key=key, stages=2), arch=arch, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    assert "HMMA" in sass and "LDL" not in sass and "STL" not in sass

@@ -15,7 +15,9 @@ Takes: fp16/bf16; head dims 64/96/128/192/256 (Dv may differ, same set; 256 wher
 have more than 99 KB of shared memory: sm_80, sm_87, Hopper, sm_100); causal (bottom-right),
 sliding windows, softcap; GQA/MQA (each CTA walks every query head of its KV group, so dK/dV are
 reduced in registers, deterministic by construction); varlen (cu_seqlens on both sides) and
-seqused_k; deterministic dQ. Not taken (unsupported_reason): score_mod / mask_mod, block masks.
+seqused_k; deterministic dQ; score_mod (its traced derivative joins dS) and mask_mod, inlined per
+element; block masks (which come with their mask_mod: the walk stays dense and the mask_mod decides
+every element -- correct, without the block-sparse speed-up).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from torch_fa4.call import AttentionCall
 
 LOG2E = math.log2(math.e)
+MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
 UNBOUNDED = 1 << 30  # a window side without a bound (bwd_kernel.UNBOUNDED)
 MAX_GRID_YZ = 65535
 
@@ -47,10 +50,15 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
     if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
         return (f"portable backward takes head dims {SUPPORTED_HEAD_DIMS}, "
                 f"not D={call.head_dim}, Dv={call.head_dim_v}")
-    if call.mod_key or call.mods is not None:
-        return "portable backward does not take score_mod / mask_mod yet"
-    if call.block_mask:
-        return "portable backward does not take block masks yet"
+    if call.mod_key and call.mods is None:
+        return "score_mod/mask_mod key given but not resolved to a ModSet"
+    if call.mods is not None:
+        if len(call.aux_tensors) > MAX_AUX:
+            return f"mods capture {len(call.aux_tensors)} tensors (portable backward: at most {MAX_AUX})"
+        if any(t.requires_grad for t in call.score_aux):
+            return "gradients for tensors captured by score_mod are not supported"
+    if call.block_mask and (call.mods is None or call.mods.mask_graph is None):
+        return "a block mask without its mask_mod"
     if (call.cu_seqlens_q is None) != (call.cu_seqlens_k is None):
         return "portable backward takes cu_seqlens on both sides or neither"
     if call.num_heads % call.num_heads_kv != 0:
@@ -83,7 +91,8 @@ def variant_of(call: "AttentionCall", deterministic: bool, stages: Optional[int]
     bounded, _, _ = _window(call)
     v = make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
                      softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
-                     seqused_k=call.seqused_k is not None)
+                     seqused_k=call.seqused_k is not None,
+                     mods_key=call.mods.key if call.mods is not None else "")
     if stages is not None:
         return dataclasses.replace(v, stages=stages)
     if call.q.is_cuda:
@@ -155,9 +164,18 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     assert dk4.data_ptr() == dk.data_ptr() and dv4.data_ptr() == dv.data_ptr(), "dk / dv must be contiguous"
     fn(q, k, v, dout, lse2, dpsum, _rows_ready(dq_acc), dk4, dv4, cu_q, cu_k, used, sem,
        float(call.scale), float(call.scale * LOG2E), float(call.softcap or 1.0), int(left), int(right),
-       int(batch), int(max_k))
+       int(batch), int(max_k), *_aux(call))
     with torch.no_grad():
         torch.mul(dq_acc.view(dq.shape), call.scale, out=dq)
+
+
+def _aux(call: "AttentionCall") -> list:
+    """The mods' captured tensors as the kernel takes them (MAX_AUX slots, None when unused)."""
+    if call.mods is None:
+        return [None] * MAX_AUX
+    from torch_fa4.kernels.common import mod_lowering
+
+    return mod_lowering.kernel_aux_tensors(call.aux_tensors, MAX_AUX)
 
 
 def _row_statistics(dout, out, lse, dq_shape):

@@ -10,12 +10,20 @@ the deterministic counters (B, Hq, query tiles) int32; then the scalars (bwd_ker
 from __future__ import annotations
 
 from torch_fa4.kernels.portable.bwd_config import BwdVariant
-from torch_fa4.kernels.sm90.bwd_compile import cached_compile, compile_with_stream, cute_dtype
+from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, cached_compile, compile_with_stream, cute_dtype
 
 
 def compile_variant(variant: BwdVariant, arch: str = "sm_80", dump_dir: str | None = None):
     build = lambda dump, jit=True: _compile(variant, arch, dump, jit)  # noqa: E731
     return cached_compile(("portable_bwd", arch, variant), build, dump_dir)
+
+
+def _mods(variant: BwdVariant):
+    if not variant.mods_key:
+        return None
+    from torch_fa4.mods import registry
+
+    return registry.lookup(variant.mods_key)
 
 
 def kernel_object(variant: BwdVariant):
@@ -25,7 +33,8 @@ def kernel_object(variant: BwdVariant):
         cute_dtype(variant.dtype), variant.head_dim, variant.head_dim_v, variant.tile_m, variant.tile_n,
         variant.num_warps, variant.bounded, variant.softcap, variant.deterministic, variant.varlen,
         variant.seqused_k, sdp_warps_n=variant.sdp_warps_n, kv_warps_n=variant.kv_warps_n,
-        dq_warps_n=variant.dq_warps_n, stages=variant.stages)
+        dq_warps_n=variant.dq_warps_n, stages=variant.stages,
+        mods=_mods(variant))
 
 
 def _compile(variant: BwdVariant, arch: str, dump_dir: str | None, jit: bool = True):
@@ -56,5 +65,13 @@ def _compile(variant: BwdVariant, arch: str, dump_dir: str | None, jit: bool = T
     used = fake(Int32, (sym(),), (1,), 4) if variant.seqused_k else None
     sem = fake(Int32, (nb, hq, nm), (s64(), s64(), 1), 4) if variant.deterministic else None
     scalars = (Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1))
-    args = (q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *scalars)
+    aux = []
+    mods = _mods(variant)
+    if mods is not None:
+        from torch_fa4.kernels.common import mod_lowering
+
+        specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
+        aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
+    aux += [None] * (MAX_AUX - len(aux))
+    args = (q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *scalars, *aux)
     return compile_with_stream(kernel_object(variant), args, arch, dump_dir, jit)

@@ -33,17 +33,19 @@ class BwdVariant:
     varlen: bool
     seqused_k: bool
     stages: int = 1  # Q / dO buffers (2: the next query tile loads while this one computes)
+    mods_key: str = ""  # score_mod / mask_mod inlined (torch_fa4.mods registry key)
 
     def smem_bytes(self) -> int:
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         return 2 * (self.stages * tm * (d + dv) + tn * (d + dv) + 2 * tm * tn)
 
 
-def tiles(head_dim: int, head_dim_v: int) -> dict:
+def tiles(head_dim: int, head_dim_v: int, mods: bool = False) -> dict:
     """(tile_m, tile_n, warps and their arrangement) for the larger of the two head dims: 8 warps,
-    so that each thread's share of dK + dV stays near 64 fp32 registers."""
+    so that each thread's share of dK + dV stays near 64 fp32 registers. Inlined mods take
+    registers of their own: head dim 64 then gets the 64-key tile too (128 keys spill)."""
     d = max(head_dim, head_dim_v)
-    if d <= 64:
+    if d <= 64 and not mods:
         return dict(tile_m=64, tile_n=128, num_warps=8, sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2)
     if d <= 128:
         return dict(tile_m=64, tile_n=64, num_warps=8, sdp_warps_n=2, kv_warps_n=2, dq_warps_n=2)
@@ -58,10 +60,10 @@ def smem_limit(capability: tuple) -> int:
 
 def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False, softcap: bool = False,
                  deterministic: bool = False, varlen: bool = False, seqused_k: bool = False,
-                 stages: int = 1) -> BwdVariant:
-    return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v), bounded=bounded,
-                      softcap=softcap, deterministic=deterministic, varlen=varlen, seqused_k=seqused_k,
-                      stages=stages)
+                 stages: int = 1, mods_key: str = "") -> BwdVariant:
+    return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v, bool(mods_key)),
+                      bounded=bounded, softcap=softcap, deterministic=deterministic, varlen=varlen,
+                      seqused_k=seqused_k, stages=stages, mods_key=mods_key)
 
 
 def most_stages(variant: BwdVariant, limit: int, most: int = 2) -> BwdVariant:

@@ -26,6 +26,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
+from torch_fa4.kernels.common import mod_lowering as mods_dsl
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 
 LOG2E = math.log2(math.e)
@@ -66,7 +67,8 @@ def _vector_threads(cols: int, threads: int) -> int:
 class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
-                 sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1):
+                 sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1,
+                 mods=None):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -81,6 +83,14 @@ class PortableBackwardKernel:
         self.kv_warps_n = kv_warps_n
         self.dq_warps_n = dq_warps_n
         self.stages = stages  # Q / dO buffers: 2 loads the next query tile while this one computes
+        # score_mod / mask_mod (a ModSet): inlined per element; d score_mod / d score joins dS
+        self.score_graph = mods.score_graph if mods is not None else None
+        self.mask_graph = mods.mask_graph if mods is not None else None
+        self.grad_graph = None
+        if self.score_graph is not None and not mods_dsl.mod_graph_is_identity_grad(mods.score_grad_graph):
+            self.grad_graph = mods.score_grad_graph
+        self.num_score_aux = mods.num_score_aux if mods is not None else 0
+        self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -131,18 +141,24 @@ class PortableBackwardKernel:
                  mLSE2: cute.Tensor, mDpsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mCuQ, mCuK, mSeqUsedK, mSem, scale: Float32, scale_log2: Float32,
                  softcap: Float32, window_left: Int32, window_right: Int32, num_batch: Int32,
-                 max_seqlen_k: Int32, stream):
+                 max_seqlen_k: Int32, aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7, stream):
+        # aux*: the mods' captured tensors (None when unused; separate arguments: TVM-FFI takes no
+        # tuple of tensors of different ranks)
+        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
+        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         Storage = self._smem_struct()
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mK.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem,
-                    scale, scale_log2, softcap, window_left, window_right, Storage).launch(
+                    scale, scale_log2, softcap, window_left, window_right, score_aux, mask_aux,
+                    Storage).launch(
             grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mDpsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mCuQ, mCuK, mSeqUsedK, mSem, scale: Float32, scale_log2: Float32,
-               softcap: Float32, window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
+               softcap: Float32, window_left: Int32, window_right: Int32, score_aux, mask_aux,
+               Storage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, h_kv, batch = cute.arch.block_idx()
         tm, tn = self.tile_m, self.tile_n
@@ -292,6 +308,8 @@ class PortableBackwardKernel:
                 if const_expr(self.bounded):
                     lo = row + shift - window_left
                     hi = cutlass.min(hi, row + shift + window_right + 1)
+                # positions that feed a mod, kept inside the sequence (padded rows and keys)
+                i_in = cutlass.min(row, seqlen_q - 1)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     col = n0 + cS[r, c][1]
                     s = S[r, c]
@@ -302,7 +320,20 @@ class PortableBackwardKernel:
                         s = t * softcap * Float32(LOG2E)
                     else:
                         s = s * scale_log2
+                    j_in = cutlass.min(col, seqlen_k - 1)
+                    if const_expr(self.score_graph is not None):
+                        # the mod takes the scaled (capped) score in natural units; its derivative
+                        # at that score joins the chain rule for dS
+                        s_nat = s * Float32(1.0 / LOG2E)
+                        s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
+                                                     score_aux) * Float32(LOG2E)
+                        if const_expr(self.grad_graph is not None):
+                            dcap = dcap * mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in,
+                                                                    j_in, score_aux)
                     p = cute.math.exp2(s - lse[r], fastmath=True)
+                    if const_expr(self.mask_graph is not None):
+                        keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
+                        p = Float32(cutlass.select_(keep, p, Float32(0.0)))
                     if col >= hi:
                         p = Float32(0.0)
                     if const_expr(self.bounded):

@@ -53,18 +53,33 @@ def _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens):
 
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1, softcap=0.0,
-          varlen=False, seqused=False, deterministic=False, lens=None, stages=None):
+          varlen=False, seqused=False, deterministic=False, lens=None, stages=None, score_mod=None,
+          mask_mod=None, block_size=None):
     from torch_fa4.kernels.portable import bwd
 
     dv = dv or d
     q, k, v, do, cu_q, cu_k, used, sq, sk = _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens)
+    mod_kw = {}
+    if score_mod is not None or mask_mod is not None:
+        from torch_fa4.mods.prepare import prepare
+        from torch_fa4.mods.registry import lookup
+
+        key, aux = prepare(score_mod, mask_mod)
+        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
+    if block_size is not None:
+        from torch_fa4.mods import create_block_mask
+
+        bm = create_block_mask(mask_mod, None, None, sq, sk, device="cuda", BLOCK_SIZE=block_size)
+        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
+                      block_mask_kv=bm.BLOCK_SIZE[1])
     call = AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(d), causal=causal, window_left=left,
                          window_right=right, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                         seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk)
+                         seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk, **mod_kw)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod)
     assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
 
-    grads64, out, lse, rounded_out = _oracle(call, do, torch.float64)
-    eager = _oracle(call, do, dtype)[0]  # the eager low-precision error budget
+    grads64, out, lse, rounded_out = _oracle(call, do, torch.float64, mods)
+    eager = _oracle(call, do, dtype, mods)[0]  # the eager low-precision error budget
     runs = []
     for _ in range(2 if deterministic else 1):
         got = [torch.full(t.shape, math.nan, dtype=dtype, device="cuda") for t in (q, k, v)]
@@ -85,31 +100,32 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1
         assert err <= budget, f"{name}: relative error {err:.3e} > {budget:.3e}"
 
 
-def _oracle(call, do, dtype):
+def _oracle(call, do, dtype, mods):
     """(dq, dk, dv) by autograd through naive attention computed in `dtype`; the forward's out
     (in q's dtype) and lse (float32) as a forward pass hands them over; and the gradients with
     rowsum(dO * O) taken from that rounded out (what every flash backward computes: where a
     gradient is ~0, e.g. of a row that sees one key, that rounding is all that is left)."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (call.q, call.k, call.v))
-    out, lse = naive_varlen(q, k, v, **call_options(call), differentiable=True)
+    out, lse = naive_varlen(q, k, v, **call_options(call), **mods, differentiable=True)
     do = do.to(dtype)
     grads = torch.autograd.grad(out, (q, k, v), do, allow_unused=True)
     grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v))]
     rounded = out.detach().to(call.q.dtype)
     with_rounded = None
     if dtype == torch.float64:
-        with_rounded = _with_rounded_delta(call, grads, q.detach(), k.detach(), do, out.detach(), rounded)
+        with_rounded = _with_rounded_delta(call, grads, q.detach(), k.detach(), do, out.detach(), rounded,
+                                           mods)
     return grads, rounded.contiguous(), lse.detach().float().contiguous(), with_rounded
 
 
-def _with_rounded_delta(call, grads, q, k, do, out, rounded):
+def _with_rounded_delta(call, grads, q, k, do, out, rounded, mods):
     """grads plus the change dS = P (dP - delta) takes from delta = rowsum(dO * rounded out):
     -P_ij e_i for delta's error e_i. P comes from the oracle itself (V = the identity)."""
     lead = q.dim() - 3  # batch dim or none (packed rows)
     sk = k.shape[-3]
     eye = torch.eye(sk, dtype=q.dtype, device=q.device).unsqueeze(-2)  # (Sk, 1, Sk)
     eye = eye.expand(*k.shape[:-1], sk)  # (..., Sk, Hkv, Sk)
-    p, _ = naive_varlen(q, k, eye, **call_options(call), differentiable=True)  # (..., Sq, H, Sk)
+    p, _ = naive_varlen(q, k, eye, **call_options(call), **mods, differentiable=True)  # (..., Sq, H, Sk)
     e = (do * (rounded.to(q.dtype) - out)).sum(-1)  # (..., Sq, H)
     pe = p * e.unsqueeze(-1) * call.scale
     group = q.shape[-2] // k.shape[-2]
@@ -186,6 +202,25 @@ def test_query_tile_buffers(d, stages):
     # one Q / dO buffer (the GPUs whose shared memory holds no second) and two
     _case(BF, 2, 300, 200, 4, 2, d, causal=True, stages=stages)
     _case(FP, 3, 100, 170, 2, 1, d, varlen=True, stages=stages)
+
+
+@pytest.mark.parametrize("name", ["alibi_doc_causal", "softcap_window", "bias_bf16_doc2d", "bucketed_chunked",
+                                  "transcendental_bool_table"])
+def test_mods(name):
+    # score_mod (with its traced derivative) and mask_mod inlined per element (tests/_mod_cases.py)
+    from _mod_cases import cases
+
+    score_mod, mask_mod = cases("cuda")[name]
+    _case(BF, 2, 70, 70, 3, 3, 64, score_mod=score_mod, mask_mod=mask_mod)
+    _case(FP, 2, 70, 70, 3, 1, 128, score_mod=score_mod, mask_mod=mask_mod, deterministic=True)
+
+
+def test_block_mask():
+    # a block mask comes with its mask_mod, which decides every element (the walk stays dense)
+    from torch_fa4 import mods as M
+
+    mask = M.and_masks(M.causal_mask, M.sliding_window_mask(100, 0))
+    _case(BF, 2, 300, 300, 2, 2, 64, mask_mod=mask, block_size=(64, 64))
 
 
 def test_deterministic_varlen_window():
