@@ -2,7 +2,9 @@
 
 One CTA per (key tile, KV head, batch). It keeps its K and V tile in shared memory and dK, dV in
 registers, and walks every query head of its KV group and, per head, the query tiles that see
-any of its keys. Per query tile (single-stage: cp.async loads, then the five warp-level MMAs):
+any of its keys: one flattened walk over (head, query tile). Q and dO come in by cp.async, into
+one buffer or two (`stages`: the next tile loads while this one computes); then per query tile the
+five warp-level MMAs (ldmatrix-fed m16n8k16):
 
     S  = Q K^T                      P  = exp2(S * scale * log2 e - lse2)   (masked keys: P = 0)
     dP = dO V^T                     dS = P * (dP - dpsum)                  (softcap: * (1 - tanh^2))
@@ -357,8 +359,8 @@ class PortableBackwardKernel:
             acc_dQ.fill(0.0)
             self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
             gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
-            self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, tb, h, m_block, batch,
-                         n_block, row_lo, shift, window_left, window_right)
+            self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
+                         window_left)
             cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
         # ---- epilogue: dK (with the softmax scale), dV ----
@@ -392,7 +394,8 @@ class PortableBackwardKernel:
         thr = tiled_copy.get_slice(tidx)
         tg = thr.partition_S(g)
         ts = thr.partition_D(s)
-        tc = thr.partition_S(cute.make_identity_tensor((cute.size(s, mode=[0]), cute.size(s, mode=[1]))))
+        rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
+        tc = thr.partition_S(cute.make_identity_tensor((rows, cols)))
         zero = cute.make_rmem_tensor_like(ts[None, 0, None], self.dtype)
         zero.fill(0.0)
         for m in cutlass.range_constexpr(cute.size(ts, mode=[1])):
@@ -419,8 +422,8 @@ class PortableBackwardKernel:
             cute.gemm(tiled_mma, acc, rA[None, None, k], rB[None, None, k], acc)
 
     @cute.jit
-    def _add_dq(self, acc, g: cute.Tensor, coords: cute.Tensor, rows_left: Int32, mSem, tb, h, m_block,
-                batch, n_block, row_lo, shift, window_left, window_right):
+    def _add_dq(self, acc, g: cute.Tensor, coords: cute.Tensor, rows_left: Int32, mSem, h, m_block, batch,
+                n_block, shift, window_left):
         """acc into the fp32 dQ buffer: atomic adds, or (deterministic) plain adds in key-tile
         order behind the tile's counter."""
         if const_expr(not self.deterministic):
