@@ -126,3 +126,52 @@ def test_mods_compile(arch, name, tmp_path):
     compile_variant(make_variant(BF, 64, 64, mods_key=key, stages=2), arch=arch, dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     assert "HMMA" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_row_statistics_fallback_layout(varlen):
+    # the torch path (taken where the row-statistics kernel refuses, here: CPU tensors) gives the
+    # layout the kernel reads: (B, Hq, S) or one batch of packed rows (1, Hq, T), +inf for rows
+    # that see no key, and a zeroed dQ buffer
+    from torch_fa4.kernels.portable.bwd import LOG2E, _row_statistics
+
+    lead = (7,) if varlen else (2, 5)
+    dout, out = torch.randn(*lead, 3, 64).to(BF), torch.randn(*lead, 3, 64).to(BF)
+    lse = torch.randn(3, 7) if varlen else torch.randn(2, 3, 5)
+    lse[..., 1] = -math.inf
+    dq_shape = ((1,) if varlen else ()) + lead + (3, 64)
+    lse2, dpsum, dq_acc = _row_statistics(dout, out, lse, dq_shape)
+    want_dpsum = (dout.float() * out.float()).sum(-1).transpose(-1, -2)
+    want_lse2 = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
+    if varlen:
+        want_dpsum, want_lse2 = want_dpsum[None], want_lse2[None]
+    assert torch.equal(lse2, want_lse2) and torch.allclose(dpsum, want_dpsum)
+    assert lse2.is_contiguous() and dpsum.is_contiguous()
+    assert dq_acc.shape == dq_shape and dq_acc.dtype == torch.float32 and not dq_acc.any()
+
+
+def test_empty_calls_zero_the_gradients():
+    # no query or no key: nothing to launch, every gradient 0 (never the NaN they were poisoned with)
+    from torch_fa4.kernels.portable.bwd import backward
+
+    for sq, sk in ((0, 5), (5, 0)):
+        call = _call()
+        q, k = torch.zeros(1, sq, 2, 64, dtype=BF), torch.zeros(1, sk, 2, 64, dtype=BF)
+        call = AttentionCall(q=q, k=k, v=k.clone(), scale=0.125)
+        grads = [torch.full_like(t, math.nan) for t in (q, k, k)]
+        backward(call, torch.zeros_like(q), torch.zeros_like(q), torch.zeros(1, 2, sq), *grads, False)
+        assert all(not g.isnan().any() and not g.any() for g in grads)
+
+
+def test_rows_ready_keeps_aligned_views_and_copies_others():
+    from torch_fa4.kernels.portable.bwd import _rows_ready
+
+    t = torch.zeros(2, 16, 4, 64, dtype=BF)
+    assert _rows_ready(t) is t
+    sdpa = torch.zeros(2, 4, 16, 64, dtype=BF).transpose(1, 2)  # (B, H, S, D) storage: 8-element strides
+    assert _rows_ready(sdpa).data_ptr() == sdpa.data_ptr()
+    odd = torch.zeros(2, 16, 4, 65, dtype=BF)[..., :64]  # rows 65 elements apart: not 16-byte strides
+    ready = _rows_ready(odd)
+    assert ready.is_contiguous() and torch.equal(ready, odd)
+    one = torch.zeros(1, 16, 1, 64, dtype=BF)
+    assert all(s % 8 == 0 for s in _rows_ready(one).stride()[:-1])
