@@ -8,7 +8,7 @@ output (its own preprocessing included). TFLOP/s count 2.5 forward matmuls (benc
 causal half where causal.
 
     python benchmarks/portable_bwd_bench.py [--d 64 128] [--s 1024 4096 16384] [--deterministic]
-        [--stages 1|2]
+        [--stages 1|2] [--small-tiles]
 """
 
 import argparse
@@ -31,7 +31,7 @@ def inputs(s, d):
     return [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
 
 
-def ours(q, k, v, do, causal, deterministic, stages=None):
+def ours(q, k, v, do, causal, deterministic, stages=None, large_tiles=None):
     from torch_fa4 import reference
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.portable import bwd
@@ -40,7 +40,8 @@ def ours(q, k, v, do, causal, deterministic, stages=None):
     assert bwd.unsupported_reason(call) is None, bwd.unsupported_reason(call)
     out, lse = reference.forward(call)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    return lambda: bwd.backward(call, do, out, lse, dq, dk, dv, deterministic, stages=stages)
+    return lambda: bwd.backward(call, do, out, lse, dq, dk, dv, deterministic, stages=stages,
+                                large_tiles=large_tiles)
 
 
 def sdpa_flash(q, k, v, do, causal):
@@ -59,6 +60,7 @@ def main():
     ap.add_argument("--s", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--stages", type=int, default=None, help="Q / dO buffers (default: as many as fit)")
+    ap.add_argument("--small-tiles", action="store_true", help="the tiles of the ~99 KB shared-memory GPUs")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"bf16, {TOKENS} tokens, H*D={WIDTH}, backward TFLOP/s"
@@ -69,7 +71,8 @@ def main():
             for causal in (False, True):
                 q, k, v, do = inputs(s, d)
                 flops = bench._flops(q.shape[0], q.shape[2], s, d, causal, bwd=True)
-                t_ours = bench._time_ms(ours(q, k, v, do, causal, args.deterministic, args.stages))
+                t_ours = bench._time_ms(ours(q, k, v, do, causal, args.deterministic, args.stages,
+                                             False if args.small_tiles else None))
                 try:
                     t_ref = bench._time_ms(sdpa_flash(q, k, v, do, causal))
                 except RuntimeError:  # no flash backend for this GPU / build

@@ -28,6 +28,8 @@ MATRIX = [
     ("sm_80", BF, 64, {"stages": 2}),
     ("sm_80", FP, 128, {"stages": 2, "bounded": True}),
     ("sm_80", BF, 192, {"stages": 2, "deterministic": True}),
+    ("sm_80", BF, 128, {"stages": 2, "large_tiles": True, "bounded": True}),
+    ("sm_80", FP, 256, {"large_tiles": True, "varlen": True}),
     ("sm_80", FP, 96, {"bounded": True}),
     ("sm_80", BF, 128, {"bounded": True, "softcap": True}),
     ("sm_80", BF, 192, {}),
@@ -68,6 +70,8 @@ def test_variants_fit_shared_memory():
         for dv in SUPPORTED_HEAD_DIMS:
             need = make_variant(BF, d, dv).smem_bytes()
             assert need <= smem_limit((8, 0)) == SMEM_LIMIT["sm_80"]
+            assert make_variant(BF, d, dv, large_tiles=True, stages=2).smem_bytes() <= smem_limit((9, 0))
+            assert make_variant(BF, d, dv, large_tiles=True).smem_bytes() <= smem_limit((8, 0))
             if max(d, dv) <= 192:
                 assert need <= smem_limit((8, 6)) == SMEM_LIMIT["sm_86"]
             assert smem_limit((12, 0)) == SMEM_LIMIT["sm_120a"] and smem_limit((9, 0)) >= need

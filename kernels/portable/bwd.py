@@ -85,19 +85,27 @@ def _window(call: "AttentionCall") -> tuple[bool, int, int]:
     return bounded, left, right
 
 
-def variant_of(call: "AttentionCall", deterministic: bool, stages: Optional[int] = None):
-    """The kernel variant for `call`: two Q / dO buffers where the GPU's shared memory holds them
-    (`stages`: a given count instead)."""
+def variant_of(call: "AttentionCall", deterministic: bool, stages: Optional[int] = None,
+               large_tiles: Optional[bool] = None):
+    """The kernel variant for `call`: the large tiles and two Q / dO buffers where the GPU's shared
+    memory holds them (`stages`, `large_tiles`: given choices instead)."""
     bounded, _, _ = _window(call)
-    v = make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
-                     softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
-                     seqused_k=call.seqused_k is not None,
-                     mods_key=call.mods.key if call.mods is not None else "")
+    limit = smem_limit(torch.cuda.get_device_capability(call.q.device)) if call.q.is_cuda else 0
+
+    def make(large):
+        return make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
+                            softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
+                            seqused_k=call.seqused_k is not None,
+                            mods_key=call.mods.key if call.mods is not None else "", large_tiles=large)
+
+    v = make(large_tiles)
+    if large_tiles is None:
+        v = make(True)
+        if v.smem_bytes() > limit:
+            v = make(False)
     if stages is not None:
         return dataclasses.replace(v, stages=stages)
-    if call.q.is_cuda:
-        return most_stages(v, smem_limit(torch.cuda.get_device_capability(call.q.device)))
-    return v
+    return most_stages(v, limit)
 
 
 def variant(call: "AttentionCall", deterministic: bool):
@@ -122,9 +130,10 @@ def _rows_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool,
-             stages: Optional[int] = None) -> None:
+             stages: Optional[int] = None, large_tiles: Optional[bool] = None) -> None:
     """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's), in place.
-    stages: the tests' choice of Q / dO buffers (None: as many as fit)."""
+    stages, large_tiles: the tests' and benchmarks' choices of Q / dO buffers and tiles (None: as
+    many / as large as the GPU's shared memory holds)."""
     from torch_fa4.kernels.portable.bwd_compile import compile_variant
 
     q, k, v = call.q, call.k, call.v
@@ -151,7 +160,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         return
 
     lse2, dpsum, dq_acc = _row_statistics(dout_rows, out, lse, q.shape[:3] + (call.head_dim,))
-    variant = variant_of(call, deterministic, stages)
+    variant = variant_of(call, deterministic, stages, large_tiles)
     fn = compile_variant(variant, arch=_arch(q.device))
     sem = None
     if deterministic:

@@ -40,11 +40,19 @@ class BwdVariant:
         return 2 * (self.stages * tm * (d + dv) + tn * (d + dv) + 2 * tm * tn)
 
 
-def tiles(head_dim: int, head_dim_v: int, mods: bool = False) -> dict:
+def tiles(head_dim: int, head_dim_v: int, mods: bool = False, large: bool = False) -> dict:
     """(tile_m, tile_n, warps and their arrangement) for the larger of the two head dims: 8 warps,
-    so that each thread's share of dK + dV stays near 64 fp32 registers. Inlined mods take
-    registers of their own: head dim 64 then gets the 64-key tile too (128 keys spill)."""
+    so that each thread's share of dK + dV stays within ~128 fp32 registers. Inlined mods take
+    registers of their own: head dim 64 then gets the 64-key tile too (128 keys spill).
+
+    large: twice the keys per CTA above head dim 64, for GPUs with more than ~128 KB of shared
+    memory per block (sm_80, Hopper): each key tile adds its dQ share to the fp32 buffer by
+    atomics, so wider key tiles halve that traffic, the backward's largest memory stream."""
     d = max(head_dim, head_dim_v)
+    if large and 64 < d <= 128 and not mods:
+        return dict(tile_m=64, tile_n=128, num_warps=8, sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2)
+    if large and d > 128:
+        return dict(tile_m=64, tile_n=64, num_warps=8, sdp_warps_n=2, kv_warps_n=2, dq_warps_n=2)
     if d <= 64 and not mods:
         return dict(tile_m=64, tile_n=128, num_warps=8, sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2)
     if d <= 128:
@@ -60,8 +68,8 @@ def smem_limit(capability: tuple) -> int:
 
 def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False, softcap: bool = False,
                  deterministic: bool = False, varlen: bool = False, seqused_k: bool = False,
-                 stages: int = 1, mods_key: str = "") -> BwdVariant:
-    return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v, bool(mods_key)),
+                 stages: int = 1, mods_key: str = "", large_tiles: bool = False) -> BwdVariant:
+    return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v, bool(mods_key), large_tiles),
                       bounded=bounded, softcap=softcap, deterministic=deterministic, varlen=varlen,
                       seqused_k=seqused_k, stages=stages, mods_key=mods_key)
 

@@ -54,7 +54,7 @@ def _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens):
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1, softcap=0.0,
           varlen=False, seqused=False, deterministic=False, lens=None, stages=None, score_mod=None,
-          mask_mod=None, block_size=None):
+          mask_mod=None, block_size=None, large_tiles=None):
     from torch_fa4.kernels.portable import bwd
 
     dv = dv or d
@@ -83,7 +83,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1
     runs = []
     for _ in range(2 if deterministic else 1):
         got = [torch.full(t.shape, math.nan, dtype=dtype, device="cuda") for t in (q, k, v)]
-        bwd.backward(call, do, out, lse, *got, deterministic, stages=stages)
+        bwd.backward(call, do, out, lse, *got, deterministic, stages=stages, large_tiles=large_tiles)
         torch.cuda.synchronize()
         runs.append(got)
     if deterministic:
@@ -196,12 +196,14 @@ def test_deterministic(d, causal):
     _case(BF, 2, 333, 300, 4, 2, d, causal=causal, deterministic=True)
 
 
-@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("stages", [1, 2])
-def test_query_tile_buffers(d, stages):
-    # one Q / dO buffer (the GPUs whose shared memory holds no second) and two
-    _case(BF, 2, 300, 200, 4, 2, d, causal=True, stages=stages)
-    _case(FP, 3, 100, 170, 2, 1, d, varlen=True, stages=stages)
+@pytest.mark.parametrize("large", [False, True])
+def test_tiles_and_buffers(d, stages, large):
+    # one Q / dO buffer (the GPUs whose shared memory holds no second) and two; the tiles of the
+    # ~99 KB GPUs and the large ones of sm_80 / Hopper
+    _case(BF, 2, 300, 200, 4, 2, d, causal=True, stages=stages, large_tiles=large)
+    _case(FP, 3, 100, 170, 2, 1, d, varlen=True, stages=stages, large_tiles=large, deterministic=True)
 
 
 @pytest.mark.parametrize("name", ["alibi_doc_causal", "softcap_window", "bias_bf16_doc2d", "bucketed_chunked",
