@@ -78,7 +78,8 @@ def _compile(dtype: torch.dtype, dv: int, arch: str, dump_dir: str | None, d_zer
         a4 = lambda: s64(divisibility=ZERO_VEC)
         dq_acc = fake(Float32, (b, s, h, d_zero), (a4(), a4(), a4(), 1), 16)
     args = (dout, out, lse, lse2, dpsum, dq_acc)
-    return compile_with_stream(RowStatisticsKernel(cdt, dv, d_zero), args, arch, dump_dir, jit)
+    pdl = not arch.startswith("sm_8")  # programmatic dependent launch needs sm_90 or later
+    return compile_with_stream(RowStatisticsKernel(cdt, dv, d_zero, pdl), args, arch, dump_dir, jit)
 
 
 # ---- host side ------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ class RowStatisticsKernel:
 
     threads = ROWS_PER_CTA * THREADS_PER_ROW
 
-    def __init__(self, dtype, dv: int, d_zero: int = 0):
+    def __init__(self, dtype, dv: int, d_zero: int = 0, dependent_launch: bool = True):
         if dv % (VEC * THREADS_PER_ROW):
             raise ValueError(f"Dv={dv} is not a multiple of {VEC * THREADS_PER_ROW}")
         if d_zero % (ZERO_VEC * THREADS_PER_ROW):
             raise ValueError(f"D={d_zero} is not a multiple of {ZERO_VEC * THREADS_PER_ROW}")
         self.dtype = dtype
+        self.dependent_launch = dependent_launch  # griddepcontrol: sm_90 and later only
         self.dv = dv
         self.vecs_per_thread = dv // (VEC * THREADS_PER_ROW)
         self.d_zero = d_zero
@@ -41,7 +42,8 @@ class RowStatisticsKernel:
                dpsum: cute.Tensor, dq_acc):
         # The main backward kernel (launched with programmatic dependent launch) may start its
         # prologue now; it waits for this grid before it reads anything this one writes.
-        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.dependent_launch):
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, b = cute.arch.block_idx()
         # slabs last to first (bwd_prepare's docstring)

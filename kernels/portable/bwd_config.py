@@ -1,0 +1,83 @@
+"""Which variant of the portable backward kernel a call compiles: its static choices and tiles.
+
+Tiles are chosen so that one CTA fits the smallest shared memory of the targets (sm_86/89/120:
+~99 KB per block; sm_80 has 163 KB) up to head dim 192 (256 needs sm_80's or Hopper's), and its
+dK, dV accumulators fit the register file without spilling (8 warps, 16-row warp slabs of the
+m16n8k16 MMA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    tile_m: int  # query rows per step
+    tile_n: int  # keys per CTA
+    num_warps: int
+    sdp_warps_n: int  # warps side by side along the keys of S / dP (the rest stack along queries)
+    kv_warps_n: int  # ... along the head dim of dK / dV
+    dq_warps_n: int  # ... along the head dim of dQ
+    bounded: bool  # causal and/or a sliding window: per-element key limits
+    softcap: bool
+    deterministic: bool
+    varlen: bool
+    seqused_k: bool
+    stages: int = 1  # Q / dO buffers (2: the next query tile loads while this one computes)
+    mods_key: str = ""  # score_mod / mask_mod inlined (torch_fa4.mods registry key)
+
+    def smem_bytes(self) -> int:
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        return 2 * (self.stages * tm * (d + dv) + tn * (d + dv) + 2 * tm * tn)
+
+
+def tiles(head_dim: int, head_dim_v: int, mods: bool = False, large: bool = False) -> dict:
+    """(tile_m, tile_n, warps and their arrangement) for the larger of the two head dims: 8 warps,
+    so that each thread's share of dK + dV stays within ~128 fp32 registers. Inlined mods take
+    registers of their own: head dim 64 then gets the 64-key tile too (128 keys spill).
+
+    large: twice the keys per CTA above head dim 64, for GPUs with more than ~128 KB of shared
+    memory per block (sm_80, Hopper): each key tile adds its dQ share to the fp32 buffer by
+    atomics, so wider key tiles halve that traffic, the backward's largest memory stream."""
+    d = max(head_dim, head_dim_v)
+    if large and 64 < d <= 128 and not mods:
+        return dict(tile_m=64, tile_n=128, num_warps=8, sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2)
+    if large and d > 128:
+        return dict(tile_m=64, tile_n=64, num_warps=8, sdp_warps_n=2, kv_warps_n=2, dq_warps_n=2)
+    if d <= 64 and not mods:
+        return dict(tile_m=64, tile_n=128, num_warps=8, sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2)
+    if d <= 128:
+        return dict(tile_m=64, tile_n=64, num_warps=8, sdp_warps_n=2, kv_warps_n=2, dq_warps_n=2)
+    return dict(tile_m=64, tile_n=32, num_warps=8, sdp_warps_n=2, kv_warps_n=4, dq_warps_n=2)
+
+
+def smem_limit(capability: tuple) -> int:
+    """Opt-in shared memory per block of a compute capability (bytes)."""
+    return {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024}.get(
+        tuple(capability), 227 * 1024 if capability[0] == 10 else 99 * 1024)
+
+
+def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False, softcap: bool = False,
+                 deterministic: bool = False, varlen: bool = False, seqused_k: bool = False,
+                 stages: int = 1, mods_key: str = "", large_tiles: bool = False) -> BwdVariant:
+    return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v, bool(mods_key), large_tiles),
+                      bounded=bounded, softcap=softcap, deterministic=deterministic, varlen=varlen,
+                      seqused_k=seqused_k, stages=stages, mods_key=mods_key)
+
+
+def most_stages(variant: BwdVariant, limit: int, most: int = 2) -> BwdVariant:
+    """variant with the most Q / dO buffers (up to `most`) that fit `limit` bytes of shared memory."""
+    for stages in range(most, 1, -1):
+        v = dataclasses.replace(variant, stages=stages)
+        if v.smem_bytes() <= limit:
+            return v
+    return dataclasses.replace(variant, stages=1)
