@@ -40,10 +40,8 @@ class Sm100FwdConfig:
     # FA4's conditional rescale: a row's reference max moves only when the tile max exceeds it by
     # more than this (log2 units: 8 = a factor 256, safe in fp32 and bf16); None: always rescale
     rescale_threshold: Optional[float] = 8.0
-    # every k-th exponential on the FMA pipe (a polynomial), the rest on MUFU.EX2; 0: all hardware.
-    # FA4's split is about 3:1 (k = 4); the default leaves it off until a Blackwell measurement
-    # shows MUFU is the bottleneck of this kernel (the 16 MUFU ops / clk / SM of sm_100 against
-    # 8192 dense bf16 FLOP / clk: at D=128 the exponentials are ~1/2 of the MMA time per tile)
+    # every k-th exponential on the FMA pipe (a polynomial), the rest on MUFU.EX2; 0: all hardware
+    # (fwd_host.default_config picks it per head dim)
     exp2_emulate_every: int = 0
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order

@@ -106,9 +106,22 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
     return fwd_launch.layout_reason(call)
 
 
+# Exponentials on the FMA pipe (Sm100FwdConfig.exp2_emulate_every). An sm_100 SM issues 16 MUFU.EX2
+# per clock against about 8192 dense bf16 matmul FLOP: for a 128 x 128 score tile the 16384
+# exponentials take 1024 clocks, its two matmuls 4 * 128 * 128 * D / 8192 = 8 D clocks, so at D=128
+# MUFU is as busy as the tensor core and at D=64 twice as busy. Every 5th exponential as a
+# polynomial (about 9 FMA-pipe instructions) takes a fifth off MUFU while the issue slots still
+# fit under the matmuls; FA4's own D=128 cubin computes 23 of each 128 (18 %) that way
+# (benchmarks/NOTES.md, sm_100 census). D=192 / 256 are matmul-bound (exponentials 2/3 and 1/2 of
+# the matmul time): none. Mods add per-score work on the same issue slots: none either. Not yet
+# measured on a Blackwell GPU.
+_EXP2_EMULATE_EVERY = {64: 5, 96: 5, 128: 5, 192: 0, 256: 0}
+
+
 def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
     tile_n, kv_stages, q_tiles = _TILES[call.head_dim]
-    opts = dict(tile_n=tile_n, kv_stages=kv_stages, q_tiles=q_tiles)
+    emulate = _EXP2_EMULATE_EVERY[call.head_dim] if call.mods is None else 0
+    opts = dict(tile_n=tile_n, kv_stages=kv_stages, q_tiles=q_tiles, exp2_emulate_every=emulate)
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _gathers_per_key(call):
