@@ -3,6 +3,7 @@
 - exp2 on the FMA pipe (kernels/common/exp2_emulation.py): its PTX, step by step in float32 numpy
   with the very constants the kernel inlines, matches 2^x within the polynomial's 8.6e-5 over the
   range the softmax produces, and gives 0 (never NaN) for masked scores;
+- kernels/sm100/packed_softmax.py's packed pair computes the same arithmetic: same constants;
 - the variant defaults: a share of the exponentials on the FMA pipe where MUFU.EX2 would take as
   long as the matmuls (D <= 128 without mods), none where the matmuls dominate, and the
   conditional rescale at 8 (log2 units) everywhere.
@@ -50,6 +51,14 @@ def test_fma_exp2_matches_exp2_over_the_softmax_range():
     assert (np.abs(got - want) / want).max() < 1e-4  # bf16's step is 3.9e-3
     masked = _exp2_fma(np.float32([-np.inf, -1e30, -500.0, -127.0]))
     assert not np.isnan(masked).any() and (masked >= 0).all() and (masked < 1e-37).all()
+
+
+def test_the_packed_pair_uses_the_same_constants():
+    from torch_fa4.kernels.sm100 import packed_softmax as P
+
+    clamp, magic, c3, c2, c1, one = _constants()
+    pair = (P.EXP2_CLAMP, P.EXP2_MAGIC, P.EXP2_C3, P.EXP2_C2, P.EXP2_C1, 1.0)
+    assert tuple(np.float32(v) for v in pair) == (clamp, magic, c3, c2, c1, one)
 
 
 def _call(D, **kw):

@@ -42,6 +42,7 @@ VARIANTS = {
     "d64_varlen_causal": (dict(D=64, causal=True), dict(varlen_q=True, varlen_k=True)),
     "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
     "d64_emulated_exp2_always_rescale": (dict(D=64), dict(exp2_emulate_every=4, rescale_threshold=None)),
+    "d96_scalar_softmax": (dict(D=96), dict(packed_f32x2=False, exp2_emulate_every=3)),
     # D=192: two query tiles of 64-key tiles; D=256: one query tile (fwd_host._TILES)
     "d192_causal": (dict(D=192, causal=True), {}),
     "d256_causal_varlen": (dict(D=256, causal=True), dict(varlen_q=True, varlen_k=True)),
@@ -101,6 +102,9 @@ def test_variant_compiles_to_umma(name, tmp_path):
     sass = _compile_and_check_sass(cfg, tmp_path)
     if cfg.exp2_emulate_every:
         assert sass.count("MUFU.EX2") < 2 * 128, "emulated exp2 did not move work off MUFU"
+    # the softmax's scale and row sum and the O rescale on packed fp32 pairs, or not at all
+    packed = all(op in sass for op in ("FFMA2", "FADD2", "FMUL2"))
+    assert packed == cfg.packed_f32x2
 
 
 @pytest.mark.parametrize("name", list(MOD_VARIANTS))

@@ -58,6 +58,7 @@ from torch_fa4.kernels.common.online_softmax import OnlineSoftmax
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
+from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.sm90.fwd import _sequence_major
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX
@@ -139,6 +140,7 @@ class FlashFwdSm100:
         assert self.hdim == self.hdimv, "K and V tiles share one shared-memory ring"
         self.tile_n = cfg.tile_n
         self.q_tiles = cfg.q_tiles
+        self._softmax_kind = PackedOnlineSoftmax if cfg.packed_f32x2 else OnlineSoftmax
         assert 1 <= self.q_tiles <= MAX_Q_TILES
         self.score_graph = self.mask_graph = None
         self.num_score_aux = 0
@@ -543,7 +545,7 @@ class FlashFwdSm100:
         m_tile = self.q_tiles * m_block + t
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
-        softmax = OnlineSoftmax(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every, row_lanes=1)
+        softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every, row_lanes=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -651,12 +653,20 @@ class FlashFwdSm100:
                 r = cute.make_rmem_tensor(chunk_regs, Float32)
                 cute.copy(copy_ld, cute.make_tensor(tOt.iterator + j * _CHUNK, tOt.layout), r)
                 cute.arch.fence_view_async_tmem_load()  # registers valid only after wait::ld
-                for k in cutlass.range_constexpr(cute.size(r)):
-                    r[k] = r[k] * scale
+                self._scale(r, scale)
                 cute.copy(copy_st, r, cute.make_tensor(tOt_st.iterator + j * _CHUNK, tOt_st.layout))
             cute.arch.fence_view_async_tmem_store()
             _tcgen05_fence_before_sync()
         pipe_o.consumer_release(o_state)
+
+    @cute.jit
+    def _scale(self, r: cute.Tensor, factor: Float32):
+        """An O chunk in registers times a row factor."""
+        if const_expr(self.cfg.packed_f32x2):
+            scale_pairs(r, factor)
+        else:
+            for k in cutlass.range_constexpr(cute.size(r)):
+                r[k] = r[k] * factor
 
     @cute.jit
     def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld,
@@ -679,8 +689,7 @@ class FlashFwdSm100:
                 cute.arch.fence_view_async_tmem_load()
             else:
                 r.fill(0.0)  # no key visible to the whole CTA: out = 0
-            for k in cutlass.range_constexpr(cute.size(r)):
-                r[k] = r[k] * inv_sum
+            self._scale(r, inv_sum)
             r16 = cute.make_rmem_tensor(r.layout, self.dtype)
             r16.store(r.load().to(self.dtype))
             tOg = thr_ld.partition_D(cute.local_tile(gO, (Q_TILE_ROWS, _CHUNK), (0, j)))

@@ -43,6 +43,9 @@ class Sm100FwdConfig:
     # every k-th exponential on the FMA pipe (a polynomial), the rest on MUFU.EX2; 0: all hardware
     # (fwd_host.default_config picks it per head dim)
     exp2_emulate_every: int = 0
+    # the softmax's per-score scale and row sum and the O rescale on packed fp32 pairs (FFMA2 /
+    # FADD2 / FMUL2: two operations per issue slot; kernels/sm100/packed_softmax.py); False: scalar
+    packed_f32x2: bool = True
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)
