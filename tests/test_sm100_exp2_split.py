@@ -78,5 +78,10 @@ def test_softmax_option_defaults():
     key, aux = M.prepare(M.alibi(M.alibi_slopes(2)), None)
     mod_call = _call(128, mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
     assert fwd_host.default_config(mod_call).exp2_emulate_every == 0
+    assert not fwd_host.default_config(mod_call).packed_f32x2
+    softcap = fwd_host.default_config(_call(128, softcap=30.0))
+    assert softcap.exp2_emulate_every == 0 and not softcap.packed_f32x2
+    assert fwd_host.default_config(_call(128)).packed_f32x2
     # both are plain fields of the variant: a test or a tuning run overrides them
-    assert fwd_host.default_config(_call(64), exp2_emulate_every=4, rescale_threshold=None).exp2_emulate_every == 4
+    tuned = fwd_host.default_config(_call(64), exp2_emulate_every=4, rescale_threshold=None)
+    assert (tuned.exp2_emulate_every, tuned.rescale_threshold) == (4, None)

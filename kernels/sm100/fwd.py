@@ -4,6 +4,7 @@ Compile-verified only: every non-MMA piece is the sm90 kernel's code from kernel
 ranges, masks, online softmax, tile scheduler, varlen bookkeeping).
 
 CTA = two 128-row query tiles (Q0, Q1) x one head x one batch; every K/V tile loaded is used by both.
+(One tile with `q_tiles = 1`, below.)
 Warp roles (16 warps, 512 threads; FA4's specialisation):
 
     warps 0-3   softmax for Q0     S0 (TMEM) -> registers, mask, online softmax, P0 -> TMEM
@@ -27,7 +28,7 @@ tcgen05 MMAs from one thread execute in issue order, so O_t += P_t V always read
 next S_t = Q_t K^T overwrites those columns.
 
 Handshakes (mbarrier pipelines, one stage each unless noted):
-    q (2 stages), kv (kv_stages): TMA -> MMA               (PipelineTmaUmma)
+    q (q_tiles stages), kv (kv_stages): TMA -> MMA         (PipelineTmaUmma)
     s_t:  MMA -> softmax_t "S_t ready";  softmax_t -> MMA "P_t ready"          (PipelineUmmaAsync)
     o_t:  MMA -> correction "O_t += P V done";  correction -> MMA "O_t rescaled" (PipelineUmmaAsync)
     c_t:  softmax_t -> correction: per-row factor (shared memory), then 1/rowsum and LSE (PipelineAsync)
@@ -38,6 +39,15 @@ warp whose 32 rows all kept their reference (conditional rescale).
 
 Key tiles run from last to first, as on sm90, so masked tiles come first. Output is stored from
 registers with a per-row predicate (dense, odd lengths and varlen alike).
+
+One query tile per CTA (`q_tiles = 1`: D=256, whose O and S fill 384 columns, 128-row block masks,
+gathering mask_mods): warps 4-7 idle and give their registers to the softmax, and the MMA order
+is S0 = Q0 K_i^T | O0 += P0 V_i, with nothing to overlap the softmax with.
+
+Mods as on sm90 (kernels/common/tile_mods.py): softcap, score_mod in natural units, the causal /
+window / length masks, then mask_mod, on the thread's row viewed as a one-row wgmma fragment
+(`as_wgmma_row`). With a block mask the key tiles come from its lists (common/kv_tile_walk.py;
+the CTA's rows lie in one block-mask row) and mask_mod runs on its partial tiles only.
 """
 
 from typing import Optional
@@ -58,8 +68,8 @@ from torch_fa4.kernels.common.online_softmax import OnlineSoftmax
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
 from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
-from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
+from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm90.fwd import _sequence_major
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX
 
@@ -545,7 +555,8 @@ class FlashFwdSm100:
         m_tile = self.q_tiles * m_block + t
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
-        softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every, row_lanes=1)
+        softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every,
+                                     row_lanes=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)

@@ -67,7 +67,8 @@ def _block_tiles(call: AttentionCall) -> Optional[dict]:
             return None
         q_tiles = 1
     return dict(tile_n=tile_n, kv_stages=stages, q_tiles=q_tiles, block_sparse=True,
-                bm_tiles_m=call.block_mask_q // (q_tiles * Q_TILE_ROWS), bm_tiles_n=call.block_mask_kv // tile_n)
+                bm_tiles_m=call.block_mask_q // (q_tiles * Q_TILE_ROWS),
+                bm_tiles_n=call.block_mask_kv // tile_n)
 
 
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
@@ -113,15 +114,21 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
 # polynomial (about 9 FMA-pipe instructions) takes a fifth off MUFU while the issue slots still
 # fit under the matmuls; FA4's own D=128 cubin computes 23 of each 128 (18 %) that way
 # (benchmarks/NOTES.md, sm_100 census). D=192 / 256 are matmul-bound (exponentials 2/3 and 1/2 of
-# the matmul time): none. Mods add per-score work on the same issue slots: none either. Not yet
-# measured on a Blackwell GPU.
+# the matmul time): none. Mods add per-score work on the same issue slots: none either; softcap's
+# tanh is a MUFU op per score too, but with the polynomial beside it the 184-register D=128
+# softmax spilled (40 local loads / stores): none. Not yet measured on a Blackwell GPU.
 _EXP2_EMULATE_EVERY = {64: 5, 96: 5, 128: 5, 192: 0, 256: 0}
 
 
 def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
     tile_n, kv_stages, q_tiles = _TILES[call.head_dim]
-    emulate = _EXP2_EMULATE_EVERY[call.head_dim] if call.mods is None else 0
-    opts = dict(tile_n=tile_n, kv_stages=kv_stages, q_tiles=q_tiles, exp2_emulate_every=emulate)
+    emulate = _EXP2_EMULATE_EVERY[call.head_dim] if call.mods is None and call.softcap <= 0 else 0
+    # the packed pairs beside any other per-score work spilled the 184-register D=128 softmax:
+    # softcap's tanh 42-54 local loads / stores (the scale before tanh packed or not), ALiBi 71, a
+    # block-sparse causal mask_mod 31 (scalar: 0 for each). Such calls keep the scalar softmax
+    plain = call.mods is None and call.softcap <= 0
+    opts = dict(tile_n=tile_n, kv_stages=kv_stages, q_tiles=q_tiles, exp2_emulate_every=emulate,
+                packed_f32x2=plain)
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _gathers_per_key(call):

@@ -71,7 +71,8 @@ def exp2_fma_pair(x):
     t = cute.arch.add_packed_f32x2(xc, magic, rnd="rm")  # floor(xc) + 1.5*2^23
     j = cute.arch.sub_packed_f32x2(t, magic)
     f = cute.arch.sub_packed_f32x2(xc, j)
-    p = cute.arch.fma_packed_f32x2(f, (Float32(EXP2_C3), Float32(EXP2_C3)), (Float32(EXP2_C2), Float32(EXP2_C2)))
+    c3, c2 = (Float32(EXP2_C3), Float32(EXP2_C3)), (Float32(EXP2_C2), Float32(EXP2_C2))
+    p = cute.arch.fma_packed_f32x2(f, c3, c2)
     p = cute.arch.fma_packed_f32x2(p, f, (Float32(EXP2_C1), Float32(EXP2_C1)))
     p = cute.arch.fma_packed_f32x2(p, f, (Float32(1.0), Float32(1.0)))
     return tuple(cute.arch.inline_ptx(_SCALE_BY_EXPONENT, write_only_types=[Float32],
