@@ -4,6 +4,7 @@ Compile-verified only: every non-MMA piece is the sm90 kernel's code from kernel
 ranges, masks, online softmax, tile scheduler, varlen bookkeeping).
 
 CTA = two 128-row query tiles (Q0, Q1) x one head x one batch; every K/V tile loaded is used by both.
+(One tile with `q_tiles = 1`, below.)
 Warp roles (16 warps, 512 threads; FA4's specialisation):
 
     warps 0-3   softmax for Q0     S0 (TMEM) -> registers, mask, online softmax, P0 -> TMEM
@@ -27,7 +28,7 @@ tcgen05 MMAs from one thread execute in issue order, so O_t += P_t V always read
 next S_t = Q_t K^T overwrites those columns.
 
 Handshakes (mbarrier pipelines, one stage each unless noted):
-    q (2 stages), kv (kv_stages): TMA -> MMA               (PipelineTmaUmma)
+    q (q_tiles stages), kv (kv_stages): TMA -> MMA         (PipelineTmaUmma)
     s_t:  MMA -> softmax_t "S_t ready";  softmax_t -> MMA "P_t ready"          (PipelineUmmaAsync)
     o_t:  MMA -> correction "O_t += P V done";  correction -> MMA "O_t rescaled" (PipelineUmmaAsync)
     c_t:  softmax_t -> correction: per-row factor (shared memory), then 1/rowsum and LSE (PipelineAsync)
@@ -38,6 +39,15 @@ warp whose 32 rows all kept their reference (conditional rescale).
 
 Key tiles run from last to first, as on sm90, so masked tiles come first. Output is stored from
 registers with a per-row predicate (dense, odd lengths and varlen alike).
+
+One query tile per CTA (`q_tiles = 1`: D=256, whose O and S fill 384 columns, 128-row block masks,
+gathering mask_mods): warps 4-7 idle and give their registers to the softmax, and the MMA order
+is S0 = Q0 K_i^T | O0 += P0 V_i, with nothing to overlap the softmax with.
+
+Mods as on sm90 (kernels/common/tile_mods.py): softcap, score_mod in natural units, the causal /
+window / length masks, then mask_mod, on the thread's row viewed as a one-row wgmma fragment
+(`as_wgmma_row`). With a block mask the key tiles come from its lists (common/kv_tile_walk.py;
+the CTA's rows lie in one block-mask row) and mask_mod runs on its partial tiles only.
 """
 
 from typing import Optional
@@ -52,12 +62,20 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 
 from torch_fa4.kernels.common.block_range import BlockRange
+from torch_fa4.kernels.common.kv_tile_walk import DenseKvWalk, SparseKvWalk
 from torch_fa4.kernels.common.masking import apply_mask
-from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
-from torch_fa4.kernels.common.tile_scheduler import TileScheduler
-from torch_fa4.kernels.sm100.fwd_config import Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.common.online_softmax import OnlineSoftmax
+from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
+from torch_fa4.kernels.common.tile_mods import TileMods
+from torch_fa4.kernels.common.tile_scheduler import TileScheduler
+from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
+from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm90.fwd import _sequence_major
+from torch_fa4.kernels.sm90.fwd_config import MAX_AUX
+
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may allocate on sm_100
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
 
 _SOFTMAX_WARPS = (0, 4)  # first warp of softmax warpgroup 0 / 1
 _CORRECTION_WARP0 = 8
@@ -68,8 +86,12 @@ _NUM_THREADS = 512
 # 128-column score row (P is converted and stored chunk by chunk); correction works on 32-column
 # chunks of O; MMA and load warps need few. 184/80/64 is the split with no spill in the softmax.
 _REGS_SOFTMAX, _REGS_CORRECTION, _REGS_OTHER = 184, 80, 64
+# with one query tile the idle softmax warpgroup gives its registers to the other (240 + 24 + 80 +
+# 64 <= 512 per thread-slot of the four warpgroups): room for a mask_mod's gathered values
+_REGS_SOFTMAX_ALONE, _REGS_IDLE = 240, 24
 _CHUNK = 32  # O columns per tcgen05.ld/st in the correction warps
 _P_CHUNK = 16  # P columns (32 scores) per tcgen05.st in the softmax warps
+_MOD_CHUNK = 32  # scores per score_mod / mask_mod emission (`row_chunks`)
 
 
 @cute.jit
@@ -97,6 +119,16 @@ def as_wgmma_row(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(((1, 1, n), 1, 1))))
 
 
+def row_chunks(t: cute.Tensor, width: int) -> list:
+    """A thread's 1-row fragment (or its coordinates) cut into `width`-column pieces, each as a
+    wgmma row (`as_wgmma_row`): the mods run chunk by chunk, so the values a mod gathers per column
+    (doc_ids[kv_idx]) are live for one chunk at a time beside the row of scores."""
+    n = cute.size(t)
+    flat = cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(n)))
+    pieces = cute.zipped_divide(flat, (width,))
+    return [as_wgmma_row(pieces[None, c]) for c in range(n // width)]
+
+
 @cute.jit
 def _umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate):
     """acc (+)= A @ B over the K blocks; `accumulate` (may be dynamic) only affects the first.
@@ -117,6 +149,19 @@ class FlashFwdSm100:
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         assert self.hdim == self.hdimv, "K and V tiles share one shared-memory ring"
         self.tile_n = cfg.tile_n
+        self.q_tiles = cfg.q_tiles
+        self._softmax_kind = PackedOnlineSoftmax if cfg.packed_f32x2 else OnlineSoftmax
+        assert 1 <= self.q_tiles <= MAX_Q_TILES
+        self.score_graph = self.mask_graph = None
+        self.num_score_aux = 0
+        if cfg.mod_key:
+            from torch_fa4.mods import registry
+
+            mods = registry.lookup(cfg.mod_key)
+            self.score_graph, self.mask_graph = mods.score_graph, mods.mask_graph
+            self.num_score_aux = mods.num_score_aux
+        assert len(cfg.aux_specs) <= MAX_AUX
+        assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         self.cols = cfg.tmem_columns()
         assert self.cols["used"] <= TMEM_COLUMNS, "S0, S1, O0, O1 do not fit in tensor memory"
         assert self.hdimv % _CHUNK == 0
@@ -155,9 +200,18 @@ class FlashFwdSm100:
         heads_per_group: Int32,
         tail_pairs: Int32,  # the last this many (batch, head) pairs as one group (0: none)
         max_ctas: Int32,  # persistent grids only (the sm90 kernel); this one is one-shot
+        # block mask (block_sparse only, else None): kv_num_blocks, kv_indices, full_kv_num_blocks,
+        # full_kv_indices, int32, FlexAttention layout
+        mBmNum: Optional[cute.Tensor], mBmIdx: Optional[cute.Tensor],
+        mBmFullNum: Optional[cute.Tensor], mBmFullIdx: Optional[cute.Tensor],
+        # captured tensors of the mods, ModSet order, None past the last (as the sm90 kernel's)
+        aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
+        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: len(cfg.aux_specs)]
+        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
+        block_mask = (mBmNum, mBmIdx, mBmFullNum, mBmFullIdx) if const_expr(cfg.block_sparse) else None
         # sequence-major views as sm90's: (S, D, H, B), LSE (S, H, B); V as V^T (D, S, H, B), the
         # B operand of O += P V
         mQ, mO, mLSE = (_sequence_major(t, cfg.varlen_q) for t in (mQ, mO, mLSE))
@@ -165,7 +219,7 @@ class FlashFwdSm100:
         mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0, 2, 3]))
 
         qk_mma, pv_mma = self._tiled_mmas()
-        sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, self.dtype, 2)
+        sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, self.dtype, self.q_tiles)
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, self.qk_tiler, self.dtype, cfg.kv_stages)
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, self.dtype, cfg.kv_stages)
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, self.dtype, 1)
@@ -181,7 +235,7 @@ class FlashFwdSm100:
 
         @cute.struct
         class Storage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 4]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
             mbar_s0: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_s1: cute.struct.MemRange[cutlass.Int64, 2]
@@ -191,16 +245,20 @@ class FlashFwdSm100:
             mbar_c1: cute.struct.MemRange[cutlass.Int64, 2]
             tmem_base: Int32
             # softmax -> correction messages, per query tile and row: (factor, lse)
-            msg: cute.struct.MemRange[Float32, 2 * Q_TILE_ROWS * 2]
+            msg: cute.struct.MemRange[Float32, 2 * Q_TILE_ROWS * self.q_tiles]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
+        # every barrier, message and tile: within sm_100's opt-in 227 KB (fwd_config.SMEM_LIMIT
+        # budgets the tiles against this)
+        assert Storage.size_in_bytes() <= SMEM_BYTES, f"{Storage.size_in_bytes()} bytes of shared memory"
         num_m_blocks = (max_seqlen_q + cfg.cta_tile_m - 1) // cfg.cta_tile_m
         self.kernel(
             tQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
             score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, tP_layout, qk_mma, pv_mma,
             num_m_blocks, num_batch, heads_per_group, tail_pairs, bytes_q, bytes_kv, Storage,
+            block_mask, score_aux, mask_aux,
         ).launch(
             grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
             block=[_NUM_THREADS, 1, 1],
@@ -222,8 +280,10 @@ class FlashFwdSm100:
         qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
         num_m_blocks: Int32, num_batch: Int32, heads_per_group: Int32, tail_pairs: Int32,
         bytes_q: cutlass.Constexpr[int], bytes_kv: cutlass.Constexpr[int], Storage: cutlass.Constexpr,
+        block_mask, score_aux, mask_aux,
     ):
         cfg = self.cfg
+        self._score_aux, self._mask_aux = score_aux, mask_aux  # (read by the softmax's mods)
         bidx, _, _ = cute.arch.block_idx()
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
                               cfg.causal)
@@ -241,8 +301,12 @@ class FlashFwdSm100:
             limits = (self.tile_n, cfg.causal, cfg.has_window, window_left, window_right)
             cta_range = BlockRange(cfg.cta_tile_m, *limits)
             tile_range = BlockRange(Q_TILE_ROWS, *limits)
-            n_min, n_max = cta_range.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k)
-            n_count = cutlass.max(n_max - n_min, 0)
+            if const_expr(cfg.block_sparse):
+                # the CTA's rows lie in one block-mask row (bm_tiles_m CTA tiles per block)
+                walk = SparseKvWalk(*block_mask, batch, head, m_block, cfg.bm_tiles_m, cfg.bm_tiles_n)
+            else:
+                walk = DenseKvWalk(*cta_range.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k))
+            n_count = cutlass.max(walk.count, 0)
 
             if warp_idx == _LOAD_WARP:
                 for atom in (tma_Q, tma_K, tma_V):
@@ -253,7 +317,7 @@ class FlashFwdSm100:
             one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
             wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
             pipe_q = pipeline.PipelineTmaUmma.create(
-                num_stages=2, producer_group=one, consumer_group=one, tx_count=bytes_q,
+                num_stages=self.q_tiles, producer_group=one, consumer_group=one, tx_count=bytes_q,
                 barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
             pipe_kv = pipeline.PipelineTmaUmma.create(
                 num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
@@ -263,9 +327,10 @@ class FlashFwdSm100:
                 return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
                                     barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
 
-            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1), one, wg)
-            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1), one, wg)
-            pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1), wg, wg)
+            tiles = slice(0, self.q_tiles)
+            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg)
+            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg)
+            pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1)[tiles], wg, wg)
 
             if warp_idx == _MMA_WARP:
                 cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
@@ -286,16 +351,21 @@ class FlashFwdSm100:
             sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             # V tiles live in the same ring as K tiles, viewed through V's (MN-major) layout
             sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-            msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, 2)))  # (row, field, q tile)
+            # (row, field, q tile)
+            msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, self.q_tiles)))
+            softmax_args = (thr_qk, msg, tile_range, score_scale, softmax_scale_log2, seqlen, m_block, walk,
+                            n_count, batch, head, tidx % 128)
 
             if warp_idx < _SOFTMAX_WARPS[1]:
-                cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
-                self.softmax_role(0, tS[0], thr_qk, pipe_s[0], pipe_c[0], msg, tile_range, score_scale,
-                                  softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
+                cute.arch.setmaxregister_increase(_REGS_SOFTMAX if const_expr(self.q_tiles == 2)
+                                                  else _REGS_SOFTMAX_ALONE)
+                self.softmax_role(0, tS[0], pipe_s[0], pipe_c[0], *softmax_args)
             elif warp_idx < _CORRECTION_WARP0:
-                cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
-                self.softmax_role(1, tS[1], thr_qk, pipe_s[1], pipe_c[1], msg, tile_range, score_scale,
-                                  softmax_scale_log2, seqlen, m_block, n_min, n_max, tidx % 128)
+                if const_expr(self.q_tiles == 2):
+                    cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
+                    self.softmax_role(1, tS[1], pipe_s[1], pipe_c[1], *softmax_args)
+                else:  # no second query tile: this warpgroup idles
+                    cute.arch.setmaxregister_decrease(_REGS_IDLE)
             elif warp_idx < _MMA_WARP:
                 cute.arch.setmaxregister_decrease(_REGS_CORRECTION)
                 self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
@@ -307,7 +377,7 @@ class FlashFwdSm100:
                                   pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
                 elif warp_idx == _LOAD_WARP:
                     self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q,
-                                   pipe_kv, seqlen, m_block, head, head_kv, batch_q, batch_k, n_max, n_count)
+                                   pipe_kv, seqlen, m_block, head, head_kv, batch_q, batch_k, walk, n_count)
 
             # every TMEM reader/writer is done: give the columns back
             cute.arch.sync_threads()
@@ -317,7 +387,7 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ load warp
     @cute.jit
     def load_role(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q, pipe_kv,
-                  seqlen: SeqlenInfo, m_block, head, head_kv, batch_q, batch_k, n_max, n_count):
+                  seqlen: SeqlenInfo, m_block, head, head_kv, batch_q, batch_k, walk, n_count):
         mQ_cur = seqlen.q_rows(mQ[None, None, head, batch_q])
         mK_cur = seqlen.k_rows(mK[None, None, head_kv, batch_k])
         mV_cur = mV[None, None, head_kv, batch_k]
@@ -334,16 +404,19 @@ class FlashFwdSm100:
                                          cute.group_modes(gV, 0, 3))
 
         if n_count > 0:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.kv_stages)
-            # order of need: Q0, K_last, Q1, V_last, then K, V pairs from right to left
-            q_state = self._load(tma_Q, tQg, 2 * m_block, tQs, pipe_q, q_state)
-            kv_state = self._load(tma_K, tKg, n_max - 1, tKs, pipe_kv, kv_state)
-            q_state = self._load(tma_Q, tQg, 2 * m_block + 1, tQs, pipe_q, q_state)
-            kv_state = self._load(tma_V, tVg, n_max - 1, tVs, pipe_kv, kv_state)
+            # order of need: Q0, K of the walk's first tile, Q1, its V, then the walk's K, V pairs
+            n_first = walk.n_block(0)
+            q_state = self._load(tma_Q, tQg, self.q_tiles * m_block, tQs, pipe_q, q_state)
+            kv_state = self._load(tma_K, tKg, n_first, tKs, pipe_kv, kv_state)
+            if const_expr(self.q_tiles == 2):
+                q_state = self._load(tma_Q, tQg, 2 * m_block + 1, tQs, pipe_q, q_state)
+            kv_state = self._load(tma_V, tVg, n_first, tVs, pipe_kv, kv_state)
             for i in cutlass.range(1, n_count, unroll=1):
-                kv_state = self._load(tma_K, tKg, n_max - 1 - i, tKs, pipe_kv, kv_state)
-                kv_state = self._load(tma_V, tVg, n_max - 1 - i, tVs, pipe_kv, kv_state)
+                n_block = walk.n_block(i)
+                kv_state = self._load(tma_K, tKg, n_block, tKs, pipe_kv, kv_state)
+                kv_state = self._load(tma_V, tVg, n_block, tVs, pipe_kv, kv_state)
             # wait until the MMA warp has released every slot: its releases are tcgen05.commit
             # arrivals, which must not land after the CTA has exited
             pipe_kv.producer_tail(kv_state)
@@ -374,7 +447,7 @@ class FlashFwdSm100:
         # through its loops only that way
         if n_count > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
-            q_state = pipeline.make_pipeline_state(Consumer, 2)
+            q_state = pipeline.make_pipeline_state(Consumer, self.q_tiles)
             kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
             s0_state, s1_state, o0_state, o1_state = (
                 pipeline.make_pipeline_state(Producer, 1) for _ in range(4))
@@ -388,15 +461,18 @@ class FlashFwdSm100:
             tSrK0 = tSrK[None, None, None, k_state.index]
             self._qk(qk_mma, 0, tS, tSrQ, tSrK0, pipe_s, s0_state, True)
             s0_state.advance()
-            pipe_q.consumer_wait(q_state)
-            self._qk(qk_mma, 1, tS, tSrQ, tSrK0, pipe_s, s1_state, True)
-            s1_state.advance()
+            if const_expr(self.q_tiles == 2):
+                pipe_q.consumer_wait(q_state)
+                self._qk(qk_mma, 1, tS, tSrQ, tSrK0, pipe_s, s1_state, True)
+                s1_state.advance()
             pipe_kv.consumer_release(k_state)
             v_state = kv_state.clone()
             pipe_kv.consumer_wait(v_state)
             kv_state.advance()
             self._pv(pv_mma, 0, tO, tOrP, tOrV, v_state, False, pipe_s, s0_state, pipe_o, o0_state)
             o0_state.advance()
+            if const_expr(self.q_tiles == 1):
+                pipe_kv.consumer_release(v_state)
 
             for i in cutlass.range(1, n_count, unroll=1):
                 k_state = kv_state.clone()
@@ -406,13 +482,14 @@ class FlashFwdSm100:
                 # S0 = Q0 K_i^T (S0 came back with P0 before the last O0 += P0 V)
                 self._qk(qk_mma, 0, tS, tSrQ, tSrKi, pipe_s, s0_state, False)
                 s0_state.advance()
-                # O1 += P1 V_{i-1}; the first P1 V starts O1 afresh
-                self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, i > 1, pipe_s, s1_state, pipe_o, o1_state)
-                o1_state.advance()
-                pipe_kv.consumer_release(v_state)
-                # S1 = Q1 K_i^T
-                self._qk(qk_mma, 1, tS, tSrQ, tSrKi, pipe_s, s1_state, False)
-                s1_state.advance()
+                if const_expr(self.q_tiles == 2):
+                    # O1 += P1 V_{i-1}; the first P1 V starts O1 afresh
+                    self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, i > 1, pipe_s, s1_state, pipe_o, o1_state)
+                    o1_state.advance()
+                    pipe_kv.consumer_release(v_state)
+                    # S1 = Q1 K_i^T
+                    self._qk(qk_mma, 1, tS, tSrQ, tSrKi, pipe_s, s1_state, False)
+                    s1_state.advance()
                 pipe_kv.consumer_release(k_state)
                 # O0 += P0 V_i
                 v_state = kv_state.clone()
@@ -420,9 +497,12 @@ class FlashFwdSm100:
                 kv_state.advance()
                 self._pv(pv_mma, 0, tO, tOrP, tOrV, v_state, True, pipe_s, s0_state, pipe_o, o0_state)
                 o0_state.advance()
+                if const_expr(self.q_tiles == 1):
+                    pipe_kv.consumer_release(v_state)
 
-            self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, n_count > 1, pipe_s, s1_state, pipe_o, o1_state)
-            pipe_kv.consumer_release(v_state)
+            if const_expr(self.q_tiles == 2):
+                self._pv(pv_mma, 1, tO, tOrP, tOrV, v_state, n_count > 1, pipe_s, s1_state, pipe_o, o1_state)
+                pipe_kv.consumer_release(v_state)
 
     @cute.jit
     def _qk(self, qk_mma, t: cutlass.Constexpr[int], tS, tSrQ, tSrKi, pipe_s, s_state,
@@ -449,10 +529,15 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
-    def softmax_role(self, t: cutlass.Constexpr[int], tS_t, thr_qk, pipe_s, pipe_c, msg,
+    def softmax_role(self, t: cutlass.Constexpr[int], tS_t, pipe_s, pipe_c, thr_qk, msg,
                      tile_range: BlockRange, score_scale, softmax_scale_log2, seqlen: SeqlenInfo,
-                     m_block, n_min, n_max, tid):
+                     m_block, walk, n_count, batch, head, tid):
         cfg = self.cfg
+        mods = None
+        if const_expr(self.score_graph is not None or self.mask_graph is not None):
+            # raw score * natural_scale is the score in natural units: scale, or softcap after tanh
+            mods = TileMods(self.score_graph, self.mask_graph, self._score_aux, self._mask_aux, batch, head,
+                            seqlen.seqlen_q, seqlen.seqlen_k, softmax_scale_log2 * Float32(LN_2))
         load_s = _tmem_copy(Ld32x32bOp, Repetition.x32, tS_t)
         thr_load = load_s.get_slice(tid)
         tSt = thr_load.partition_S(tS_t)
@@ -467,25 +552,37 @@ class FlashFwdSm100:
         s_per_chunk = 2 * _P_CHUNK  # scores per P chunk (two 16-bit values per column)
         chunk_scores = cute.make_layout(s_per_chunk)
 
-        m_tile = 2 * m_block + t
-        softmax = OnlineSoftmax(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every, row_lanes=1)
+        m_tile = self.q_tiles * m_block + t
+        if const_expr(self.score_graph is not None):
+            softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
+        softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every,
+                                     row_lanes=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        for i in cutlass.range(n_max - n_min, unroll=1):
-            n_block = n_max - 1 - i
+        for i in cutlass.range(n_count, unroll=1):
+            n_block = walk.n_block(i)
             pipe_s.consumer_wait(s_state)
             _tcgen05_fence_after_sync()
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
             cute.copy(load_s, tSt, rS)
             cute.arch.fence_view_async_tmem_load()
-            # raw q.k -> softmax units (softcap) and masks, as sm90's FwdConsumer._scores on one row
+            # raw q.k -> softmax units (softcap, score_mod) and masks (causal / window / length,
+            # then mask_mod), as sm90's FwdConsumer._scores on one row
             if const_expr(cfg.softcap):
                 for j in cutlass.range_constexpr(cute.size(rS)):
                     rS[j] = cute.math.tanh(rS[j] * score_scale, fastmath=True)
+            row0, col0 = m_tile * Q_TILE_ROWS, n_block * self.tile_n
+            if const_expr(self.score_graph is not None):
+                for s_c, c_c in zip(row_chunks(rS, _MOD_CHUNK), row_chunks(tSc, _MOD_CHUNK)):
+                    mods.score_mod(s_c, c_c, row0, col0)
             if tile_range.needs_mask(n_block, m_tile, seqlen.seqlen_q, seqlen.seqlen_k):
                 apply_mask(as_wgmma_row(rS), as_wgmma_row(tSc), tile_range, m_tile, n_block,
                            seqlen.seqlen_q, seqlen.seqlen_k)
+            if const_expr(self.mask_graph is not None):
+                if self._is_partial(walk, i):  # (a full tile of a block mask: mask_mod is true there)
+                    for s_c, c_c in zip(row_chunks(rS, _MOD_CHUNK), row_chunks(tSc, _MOD_CHUNK)):
+                        mods.mask_mod(s_c, c_c, row0, col0)
             softmax.step(as_wgmma_row(rS), row_scale)
             # rS holds the row in column order (flat index = column)
             for c in cutlass.range_constexpr(self.tile_n // s_per_chunk):
@@ -511,6 +608,9 @@ class FlashFwdSm100:
         msg[tid, 1, t] = lse[0]
         pipe_c.producer_commit(c_state)
 
+    def _is_partial(self, walk, i):
+        return walk.is_partial(i) if const_expr(self.cfg.block_sparse) else True
+
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
     def correction_role(self, tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen: SeqlenInfo,
@@ -534,12 +634,13 @@ class FlashFwdSm100:
                           msg, tid)
             o0_state.advance()
             c0_state.advance()
-            self._rescale(1, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o1_state, pipe_c, c1_state,
-                          msg, tid)
-            o1_state.advance()
-            c1_state.advance()
+            if const_expr(self.q_tiles == 2):
+                self._rescale(1, tOt, tOt_st, chunk_regs, copy_ld, copy_st, pipe_o, o1_state, pipe_c,
+                              c1_state, msg, tid)
+                o1_state.advance()
+                c1_state.advance()
 
-        for t, o_state, c_state in ((0, o0_state, c0_state), (1, o1_state, c1_state)):
+        for t, o_state, c_state in ((0, o0_state, c0_state), (1, o1_state, c1_state))[: self.q_tiles]:
             if n_count > 0:
                 pipe_o[t].consumer_wait(o_state)  # the last O_t += P_t V is done
             pipe_c[t].consumer_wait(c_state)
@@ -563,24 +664,33 @@ class FlashFwdSm100:
                 r = cute.make_rmem_tensor(chunk_regs, Float32)
                 cute.copy(copy_ld, cute.make_tensor(tOt.iterator + j * _CHUNK, tOt.layout), r)
                 cute.arch.fence_view_async_tmem_load()  # registers valid only after wait::ld
-                for k in cutlass.range_constexpr(cute.size(r)):
-                    r[k] = r[k] * scale
+                self._scale(r, scale)
                 cute.copy(copy_st, r, cute.make_tensor(tOt_st.iterator + j * _CHUNK, tOt_st.layout))
             cute.arch.fence_view_async_tmem_store()
             _tcgen05_fence_before_sync()
         pipe_o.consumer_release(o_state)
 
     @cute.jit
+    def _scale(self, r: cute.Tensor, factor: Float32):
+        """An O chunk in registers times a row factor."""
+        if const_expr(self.cfg.packed_f32x2):
+            scale_pairs(r, factor)
+        else:
+            for k in cutlass.range_constexpr(cute.size(r)):
+                r[k] = r[k] * factor
+
+    @cute.jit
     def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld,
                  inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
         """Row tid of query tile t: O / rowsum to global memory (a row past the end writes nothing)."""
-        row = (2 * m_block + t) * Q_TILE_ROWS + tid
+        m_tile = self.q_tiles * m_block + t
+        row = m_tile * Q_TILE_ROWS + tid
         in_bounds = row < seqlen.seqlen_q
         mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
         if in_bounds:
             mLSE_cur[row] = lse
         mO_cur = seqlen.q_rows(mO[None, None, head, batch_q])
-        gO = cute.local_tile(mO_cur, (Q_TILE_ROWS, self.hdimv), (2 * m_block + t, 0))
+        gO = cute.local_tile(mO_cur, (Q_TILE_ROWS, self.hdimv), (m_tile, 0))
         if n_count > 0:
             _tcgen05_fence_after_sync()
         for j in cutlass.range_constexpr(self.hdimv // _CHUNK):
@@ -590,8 +700,7 @@ class FlashFwdSm100:
                 cute.arch.fence_view_async_tmem_load()
             else:
                 r.fill(0.0)  # no key visible to the whole CTA: out = 0
-            for k in cutlass.range_constexpr(cute.size(r)):
-                r[k] = r[k] * inv_sum
+            self._scale(r, inv_sum)
             r16 = cute.make_rmem_tensor(r.layout, self.dtype)
             r16.store(r.load().to(self.dtype))
             tOg = thr_ld.partition_D(cute.local_tile(gO, (Q_TILE_ROWS, _CHUNK), (0, j)))

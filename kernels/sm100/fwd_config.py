@@ -1,10 +1,11 @@
-"""The sm100 forward's variant key and its tensor-memory budget (plain Python: no CuTe DSL import).
+"""The sm100 forward's variant key and its memory budgets (plain Python: no CuTe DSL import).
 
-Tensor memory (TMEM) is 128 lanes x 512 columns of 32 bits per SM. A CTA works on two 128-row query
-tiles at once and keeps, per tile, the score accumulator S (tile_n fp32 columns, reused in place for
-the bf16/fp16 probabilities P, which take half of them) and the output accumulator O (head_dim_v
-columns). All four must fit: 2 * tile_n + 2 * head_dim_v <= 512. That is what limits the head dims
-this kernel takes (D=128 at tile_n=128 uses every column; D=192 needs tile_n=64; D=256 does not fit).
+Tensor memory (TMEM) is 128 lanes x 512 columns of 32 bits per SM. A CTA works on `q_tiles`
+128-row query tiles at once and keeps, per tile, the score accumulator S (tile_n fp32 columns,
+reused in place for the bf16/fp16 probabilities P, which take half of them) and the output
+accumulator O (head_dim_v columns): q_tiles * (tile_n + head_dim_v) <= 512. Two tiles (the
+ping-pong) fit up to D=128 at tile_n=128 and D=192 at tile_n=64; D=256 takes one tile (384
+columns). Shared memory: the Q tiles and a ring of K/V tiles within sm_100's 227 KB.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 
 TMEM_COLUMNS = 512
 Q_TILE_ROWS = 128  # one UMMA M=128 tile per softmax warpgroup: TMEM lane i holds row i
-Q_TILES_PER_CTA = 2  # ping-pong: two query tiles per CTA share every K/V tile
+MAX_Q_TILES = 2  # softmax warpgroups in the CTA (the second one idles with q_tiles = 1)
 
 
 @dataclass(frozen=True)
@@ -32,23 +33,42 @@ class Sm100FwdConfig:
     varlen_q: bool
     varlen_k: bool
     has_seqused_k: bool
-    rescale_threshold: Optional[float] = 8.0  # FA4 conditional rescale (log2 units); None: always
-    exp2_emulate_every: int = 0  # every k-th exponential on the FMA pipe; 0: all hardware ex2
+    # 128-row query tiles per CTA, all sharing each K/V tile: 2 is the ping-pong (one tile's
+    # softmax under the other's matmuls); 1 where two do not fit TMEM (D=256) or a block mask's
+    # query blocks are 128 rows (the CTA's key tiles come from one block-mask row)
+    q_tiles: int = 2
+    # FA4's conditional rescale: a row's reference max moves only when the tile max exceeds it by
+    # more than this (log2 units: 8 = a factor 256, safe in fp32 and bf16); None: always rescale
+    rescale_threshold: Optional[float] = 8.0
+    # every k-th exponential on the FMA pipe (a polynomial), the rest on MUFU.EX2; 0: all hardware
+    # (fwd_host.default_config picks it per head dim)
+    exp2_emulate_every: int = 0
+    # the softmax's per-score scale and row sum and the O rescale on packed fp32 pairs (FFMA2 /
+    # FADD2 / FMUL2: two operations per issue slot; kernels/sm100/packed_softmax.py); False: scalar
+    packed_f32x2: bool = True
+    mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
+    aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
+    block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)
+    bm_tiles_m: int = 1  # CTA tiles (q_tiles * 128 rows) per block-mask tile along queries
+    bm_tiles_n: int = 1  # key tiles per block-mask tile along keys
 
     @property
     def cta_tile_m(self) -> int:
-        return Q_TILE_ROWS * Q_TILES_PER_CTA
+        return Q_TILE_ROWS * self.q_tiles
 
     def tmem_columns(self) -> dict:
-        """Column offsets of S0, S1, O0, O1 (P_t lives in the first tile_n/2 columns of S_t)."""
-        o0 = 2 * self.tile_n
-        return {"s": (0, self.tile_n), "o": (o0, o0 + self.head_dim_v), "used": o0 + 2 * self.head_dim_v}
+        """Column offsets of S_t and O_t per query tile t (P_t lives in the first tile_n/2 columns
+        of S_t), and the columns used."""
+        s = tuple(t * self.tile_n for t in range(self.q_tiles))
+        o0 = self.q_tiles * self.tile_n
+        o = tuple(o0 + t * self.head_dim_v for t in range(self.q_tiles))
+        return {"s": s, "o": o, "used": o0 + self.q_tiles * self.head_dim_v}
 
     def smem_bytes(self) -> int:
-        """Q (two tiles) plus the K/V ring, in bytes (2-byte elements), without barriers."""
-        q = Q_TILES_PER_CTA * Q_TILE_ROWS * self.head_dim * 2
+        """Q (q_tiles tiles) plus the K/V ring, in bytes (2-byte elements), without barriers."""
+        q = self.q_tiles * Q_TILE_ROWS * self.head_dim * 2
         kv = self.kv_stages * self.tile_n * max(self.head_dim, self.head_dim_v) * 2
         return q + kv
 
 
-SMEM_LIMIT = 227 * 1024 - 2048  # opt-in maximum per CTA, less room for mbarriers and scratch
+SMEM_LIMIT = 227 * 1024 - 3072  # opt-in maximum per CTA, less room for mbarriers and messages
