@@ -135,20 +135,23 @@ def _accumulate_segment(call: AttentionCall, graph, loads, seg, accs, determinis
             k1 = min(hi, k0 + kv_chunk)
             kv_idx = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
             kc, vc = _expand_heads(k[:, :, k0:k1], H), _expand_heads(v[:, :, k0:k1], H)
-            s = matmul(qc, kc) * call.scale
+            s = matmul(qc, kc).mul_(call.scale)
             if call.softcap > 0:
-                s = call.softcap * torch.tanh(s / call.softcap)
+                s = s.div_(call.softcap).tanh_().mul_(call.softcap)
             env = lower_torch.evaluate_nodes(graph, {"score": s, "b": b_idx, "h": h_idx, "q_idx": q_idx,
                                                      "kv_idx": kv_idx}, aux)
-            s = torch.broadcast_to(torch.as_tensor(env[graph.output], device=dev).to(cdt), s.shape)
+            # P = exp(masked score_mod output - LSE), written in place into fresh tensors only (a
+            # node's value may be shared with others: the input score, a derivative)
+            p = torch.broadcast_to(torch.as_tensor(env[graph.output], device=dev).to(cdt), s.shape) - lse_c
             visible = _visibility(call, b_idx, h_idx, q_idx, kv_idx, sq, sk)
             if visible is not None:
-                s = s.masked_fill(~visible, -math.inf)
-            p = torch.exp(s - lse_c)
-            ds = p * (matmul(doc, vc) - delta_c)  # dL / d(score_mod's output)
+                p.masked_fill_(~visible, -math.inf)
+            p.exp_()
+            ds = matmul(doc, vc).sub_(delta_c).mul_(p)  # dL / d(score_mod's output)
+            del p
             for load in loads:
                 index = [env[i] for i in load.index]
-                _add_at(accs[load.slot], call.aux_tensors[load.slot].shape, ds * env[load.derivative], index,
+                _add_at(accs[load.slot], call.aux_tensors[load.slot].shape, ds, env[load.derivative], index,
                         deterministic)
 
 
@@ -199,9 +202,10 @@ def _visibility(call: AttentionCall, b, h, q_idx, kv_idx, sq: int, sk: int) -> O
     return vis
 
 
-def _add_at(acc: torch.Tensor, shape, grad, index, deterministic: bool) -> None:
-    """acc (the flat gradient of a tensor of `shape`) [index] += grad, index being one value per
-    dimension (a broadcastable integer tensor or a Python int; negative counts from the end)."""
+def _add_at(acc: torch.Tensor, shape, ds: torch.Tensor, derivative, index, deterministic: bool) -> None:
+    """acc (the flat gradient of a tensor of `shape`) [index] += ds * derivative, `index` being one
+    value per dimension (a broadcastable integer tensor or a Python int; negative counts from the
+    end) and `derivative` a broadcastable tensor or a number."""
     linear, stride = 0, 1
     for d in range(len(shape) - 1, -1, -1):
         i, n = index[d], shape[d]
@@ -212,17 +216,32 @@ def _add_at(acc: torch.Tensor, shape, grad, index, deterministic: bool) -> None:
             i += n
         linear = linear + i * stride
         stride *= n
+    rank = ds.dim()
+    linear_shape = _aligned(linear, rank)
+    derivative_shape = _aligned(derivative, rank)
+    # Sum over the dimensions the index does not vary along before touching memory, and over those
+    # the derivative does not vary along either before multiplying by it.
+    fold = [d for d in range(rank) if linear_shape[d] == 1 and ds.shape[d] != 1]
+    first = [d for d in fold if derivative_shape[d] == 1]
+    grad = ds.sum(first, keepdim=True) if first else ds
+    if isinstance(derivative, torch.Tensor) or derivative != 1.0:
+        grad = grad * derivative
+    rest = [d for d in fold if d not in first]
+    if rest:
+        grad = grad.sum(rest, keepdim=True)
     if not isinstance(linear, torch.Tensor):
         acc[linear] += grad.sum().to(acc.dtype)
         return
-    linear = linear.reshape((1,) * (grad.dim() - linear.dim()) + tuple(linear.shape))
-    # sum over the dimensions the index does not vary along before touching memory
-    same = [d for d in range(grad.dim()) if linear.shape[d] == 1 and grad.shape[d] != 1]
-    if same:
-        grad = grad.sum(same, keepdim=True)
-    linear, grad = torch.broadcast_tensors(linear, grad)
+    linear, grad = torch.broadcast_tensors(linear.reshape(linear_shape), grad)
     linear, grad = linear.reshape(-1), grad.reshape(-1).to(acc.dtype)
     if deterministic:
         acc.index_put_((linear,), grad, accumulate=True)
     else:
         acc.index_add_(0, linear, grad)
+
+
+def _aligned(x, rank: int) -> tuple[int, ...]:
+    """The shape `x` broadcasts with at `rank` dimensions (a number: all ones)."""
+    if not isinstance(x, torch.Tensor):
+        return (1,) * rank
+    return (1,) * (rank - x.dim()) + tuple(x.shape)
