@@ -435,3 +435,41 @@ def test_captured_gradient_chunks_agree(monkeypatch):
     monkeypatch.setattr(capture_grad, "_CHUNK_ELEMENTS", 2 * 16 * 3)
     monkeypatch.setattr(capture_grad, "_KV_CHUNK", 16)
     assert rel_error(grad(), whole) < 1e-12 and not math.isnan(whole.sum().item())
+
+
+def test_block_mask_folded_causal_and_document_mask():
+    """flex_attention with block masks: a causal one (run as `causal`, mods.idioms) and a document
+    mask over a captured integer tensor, with a learnable table in the score_mod."""
+    B, S, H, D = 2, 40, 2, 8
+    q, k, v = _leaf(B, H, S, D), _leaf(B, H, S, D), _leaf(B, H, S, D)
+    table = _leaf(H, 9)
+    mod, _ = relative_table_pair(table, 4)
+    doc = torch.randint(0, 3, (S,)).sort().values
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    for mask in (causal, document):
+        bm = torch_fa4.create_block_mask(mask, B, H, S, S, device="cpu", BLOCK_SIZE=16)
+        out = torch_fa4.flex_attention(q, k, v, score_mod=mod, block_mask=bm)
+        want, _ = naive_attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=mod, mask_mod=mask,
+                                  differentiable=True)
+        _grads_match(out, want.transpose(1, 2), (q, k, v, table))
+
+
+def test_one_tensor_under_two_names():
+    """The same tensor reached twice (two closure variables): both reads' gradients add up."""
+    B, S, H, D = 1, 12, 2, 8
+    q, k, v = _leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D)
+    slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
+    other = slopes
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs() + other[h] * (kv_idx * 0.1)
+
+    out = torch_fa4.attention(q, k, v, score_mod=mod)
+    want, _ = naive_attention(q, k, v, score_mod=mod, differentiable=True)
+    _grads_match(out, want, (q, k, v, slopes))
