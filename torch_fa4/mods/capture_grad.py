@@ -131,8 +131,8 @@ def _accumulate_segment(call: AttentionCall, graph, loads, seg, accs, determinis
         q_idx = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
         qc, doc = q[:, :, q0:q1], dout[:, :, q0:q1]
         lse_c, delta_c = lse[:, :, q0:q1, None], delta[:, :, q0:q1, None]
-        for k0 in range(lo, hi, kv_chunk):
-            k1 = min(hi, k0 + kv_chunk)
+        for k1 in range(hi, lo, -kv_chunk):  # from the band's right end: no chunk sticks out past it
+            k0 = max(lo, k1 - kv_chunk)
             kv_idx = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
             kc, vc = _expand_heads(k[:, :, k0:k1], H), _expand_heads(v[:, :, k0:k1], H)
             s = matmul(qc, kc).mul_(call.scale)
