@@ -473,3 +473,21 @@ def test_one_tensor_under_two_names():
     out = torch_fa4.attention(q, k, v, score_mod=mod)
     want, _ = naive_attention(q, k, v, score_mod=mod, differentiable=True)
     _grads_match(out, want, (q, k, v, slopes))
+
+
+def test_captured_tensor_changed_in_place_before_backward_is_an_error():
+    """The gradient needs the values the forward read: a captured tensor updated in place between the
+    forward and the backward raises autograd's error (both autograds), never a gradient of other values."""
+    B, S, H, D = 1, 8, 2, 8
+    q, k, v = _leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D)
+    slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
+    mod, _ = alibi_pair(slopes)
+    mods, aux = trace_graphs(mod, None)
+    eager = torch_fa4.attention(q, k, v, score_mod=mod)
+    op_out, _ = torch.ops.torch_fa4.fwd(q, k, v, aux, None, None, None, [], S, S, 0.25, False, -1, -1, 0.0,
+                                        mods.key, 128, 128, False)
+    with torch.no_grad():
+        slopes.add_(0.5)
+    for out in (eager, op_out):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), (q, slopes))

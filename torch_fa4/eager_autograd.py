@@ -41,7 +41,9 @@ class AttentionFunction(torch.autograd.Function):
             out, lse = ops.fwd_impl(q, k, v, *rest)
         else:
             out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # captured tensors that require grad are saved too: one changed in place before the
+        # backward is then autograd's error, not a gradient of other values
+        ctx.save_for_backward(q, k, v, out, lse, *aux)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)  # the API returns LSE detached
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse on every backward
@@ -54,22 +56,23 @@ class AttentionFunction(torch.autograd.Function):
         aux_grads = [None] * (len(needs) - 4)  # the captured tensors, when apply passed them
         if grad_out is None:  # nothing reached `out` (grads are not materialized)
             return None, None, None, None, *aux_grads
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *aux = ctx.saved_tensors
+        rest = (aux, *ctx.rest[1:]) if aux else ctx.rest
         grad_out = grad_out.contiguous()
         plain = _plain(grad_out, q, k, v)
         dq = dk = dv = None
         if needs[0] or needs[1] or needs[2]:
             if plain:
                 # what the bwd op's kernel does, without the op's entry and exit (~80 us on the host)
-                dq, dk, dv = ops.bwd_impl(grad_out, q, k, v, out, lse, *ctx.rest)
+                dq, dk, dv = ops.bwd_impl(grad_out, q, k, v, out, lse, *rest)
             else:  # a dispatch mode or tensor subclass must see the op
-                dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *ctx.rest)
-        slots = ops.captured_slots(ctx.rest, needs[4:]) if aux_grads else []
+                dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
+        slots = ops.captured_slots(rest, needs[4:]) if aux_grads else []
         if slots:
-            if plain and _plain(*ctx.rest[0]):
-                found = ops.bwd_captured_impl(grad_out, q, k, v, out, lse, *ctx.rest, slots)
+            if plain and _plain(*aux):
+                found = ops.bwd_captured_impl(grad_out, q, k, v, out, lse, *rest, slots)
             else:
-                found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *ctx.rest, slots)
+                found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *rest, slots)
             for slot, g in zip(slots, found):
                 aux_grads[slot] = g
         return dq, dk, dv, None, *aux_grads

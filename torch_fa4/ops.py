@@ -119,23 +119,26 @@ def captured_slots(rest, needs_aux) -> list[int]:
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    # the captured tensors too: one changed in place before the backward is then autograd's error,
+    # not a gradient of other values
+    ctx.save_for_backward(q, k, v, out, lse, *inputs[3])
     ctx.rest = inputs[3:]
 
 
 def _backward(ctx, grad_out, grad_lse):
     # The API returns LSE detached, so no gradient reaches it through torch_fa4's public functions.
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, *aux = ctx.saved_tensors
+    rest = (aux, *ctx.rest[1:])
     grad_out = grad_out.contiguous()
     needs = ctx.needs_input_grad  # with the inputs' structure: the captured tensors' is a list
     dq = dk = dv = None
     if needs[0] or needs[1] or needs[2]:
-        dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *ctx.rest)
+        dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
     # Autograd wants one entry per input with the input's structure: lists get lists of None.
-    grads = [[None] * len(x) if isinstance(x, (list, tuple)) else None for x in ctx.rest]
-    slots = captured_slots(ctx.rest, needs[3])
+    grads = [[None] * len(x) if isinstance(x, (list, tuple)) else None for x in rest]
+    slots = captured_slots(rest, needs[3])
     if slots:
-        found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *ctx.rest, slots)
+        found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *rest, slots)
         for slot, g in zip(slots, found):
             grads[0][slot] = g
     return (dq, dk, dv, *grads)
