@@ -106,8 +106,8 @@ def _segments(call: AttentionCall, dout, out, lse):
             k, v = k[:, : used[bi]], v[:, : used[bi]]
         seg_lse = lse[:, rows] if cu_q is not None else lse[rows]  # (H, total_q) varlen, (B, H, Sq) dense
         b = torch.full((1, 1, 1, 1), bi, device=dev, dtype=torch.int64)
-        yield (b, *(bhsd(x[rows].unsqueeze(0)) for x in (call.q,)), bhsd(k), bhsd(v),
-               *(bhsd(x[rows].unsqueeze(0)) for x in (dout, out)), seg_lse.unsqueeze(0))
+        q, do, o = (bhsd(x[rows].unsqueeze(0)) for x in (call.q, dout, out))
+        yield b, q, bhsd(k), bhsd(v), do, o, seg_lse.unsqueeze(0)
 
 
 def _accumulate_segment(call: AttentionCall, graph, loads, seg, accs, deterministic: bool) -> None:
@@ -157,13 +157,14 @@ def _accumulate_segment(call: AttentionCall, graph, loads, seg, accs, determinis
 
 def _matmul_for(like: torch.Tensor):
     """x @ y^T in the compute dtype, for (B, H, n, D) x and y."""
-    if like.device.type == "cuda" and like.dtype in _HALF:
+    if like.device.type == "cuda" and like.dtype in _HALF and hasattr(torch.ops.aten.bmm, "dtype"):
         def half_to_fp32(x, y):  # half operands, fp32 sums: the kernels' tensor-core arithmetic
             B, H = x.shape[:2]
             r = torch.bmm(x.reshape(B * H, *x.shape[2:]), y.reshape(B * H, *y.shape[2:]).transpose(1, 2),
                           out_dtype=torch.float32)
             return r.view(B, H, x.shape[2], y.shape[2])
         return half_to_fp32
+    # (half inputs on a torch without bmm's out_dtype: fp32 operands hold them exactly)
     cdt = torch.float64 if like.dtype == torch.float64 else torch.float32
     return lambda x, y: torch.matmul(x.to(cdt), y.to(cdt).transpose(-1, -2))
 
