@@ -97,7 +97,8 @@ def main():
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     rows = []
     print(f"B {B}, H {H}, S {S}, D {D}, bf16, causal; backward ms ({torch.cuda.get_device_name()})")
-    print("| score_mod | torch_fa4 | torch_fa4, frozen | captured grad alone | FlexAttention | Flex / torch_fa4 |")
+    print("| score_mod | torch_fa4 | torch_fa4, frozen | captured grad alone | FlexAttention "
+          "| Flex / torch_fa4 |")
     print("|---|---|---|---|---|---|")
     for name in ("relative bias table", "ALiBi slopes"):
         make_mod, param = captured(name, H)

@@ -144,7 +144,8 @@ def test_varlen_and_seqused(layout):
         return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, torch.clamp(kv_idx - q_idx, -3, 3) + 3]
 
     if layout == "varlen":
-        cu_q, cu_k = torch.tensor([0, 5, 5, 17], dtype=torch.int32), torch.tensor([0, 9, 12, 25], dtype=torch.int32)
+        cu_q = torch.tensor([0, 5, 5, 17], dtype=torch.int32)
+        cu_k = torch.tensor([0, 9, 12, 25], dtype=torch.int32)
         q, k, v = _leaf(17, H, D), _leaf(25, H, D), _leaf(25, H, D)
         kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     else:
@@ -186,7 +187,8 @@ def test_gradcheck_captured_and_inputs():
 
     def run(q, k, v, slopes, table):
         def mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, torch.clamp(q_idx - kv_idx, -2, 2) + 2]
+            bucket = torch.clamp(q_idx - kv_idx, -2, 2) + 2
+            return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, bucket]
         return torch_fa4.attention(q, k, v, score_mod=mod, window_size=(3, 1), softcap=3.0)
 
     args = (_leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D), slopes, table)
@@ -314,7 +316,8 @@ def test_torch_compile_fullgraph_training_step(backend):
 
     def step(q, k, v, slopes, table):
         def mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, torch.clamp(q_idx - kv_idx, -4, 4) + 4]
+            bucket = torch.clamp(q_idx - kv_idx, -4, 4) + 4
+            return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, bucket]
         return torch_fa4.flex_attention(q, k, v, score_mod=mod).square().sum()
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
@@ -332,8 +335,8 @@ def test_deterministic_mode_repeats_bit_for_bit():
     table = _leaf(H, 9)
     mod, _ = relative_table_pair(table, 4)
     dout = torch.randn(B, S, H, D, dtype=torch.float64)
-    runs = [torch.autograd.grad(torch_fa4.attention(q, k, v, score_mod=mod, deterministic=det), (table,), dout)[0]
-            for det in (True, True, False)]
+    runs = [torch.autograd.grad(torch_fa4.attention(q, k, v, score_mod=mod, deterministic=det), (table,),
+                                dout)[0] for det in (True, True, False)]
     assert torch.equal(runs[0], runs[1])
     assert rel_error(runs[2], runs[0]) < 1e-12
 
@@ -393,14 +396,15 @@ def test_load_derivatives_match_autograd(name):
     t = torch.rand(H, 4, dtype=torch.float64) + 0.5
     mods = {
         "alibi": lambda s, b, h, q, kv: s - t[h, 0] * (q - kv).abs(),
-        "ties": lambda s, b, h, q, kv: torch.maximum(s * 0.0 + t[h, 1], t[h, 1]) + torch.minimum(t[h, 2], t[h, 3]),
+        "ties": lambda s, b, h, q, kv: (torch.maximum(s * 0.0 + t[h, 1], t[h, 1])
+                                        + torch.minimum(t[h, 2], t[h, 3])),
         "where": lambda s, b, h, q, kv: torch.where(q >= kv, s * t[h, 0], t[h, 1] - s),
         "div_log": lambda s, b, h, q, kv: torch.log(t[h, 0] + s.abs()) / t[h, 1] + torch.exp(-t[h, 2]),
     }
     mods_, aux = trace_graphs(mods[name], None)
     derivs = load_derivatives(mods_.score_graph)
-    grid = dict(score=torch.randn(1, H, S, S, dtype=torch.float64), b=torch.zeros(1, 1, 1, 1, dtype=torch.long),
-                h=torch.arange(H).view(1, H, 1, 1), q_idx=torch.arange(S).view(1, 1, S, 1),
+    grid = dict(score=torch.randn(1, H, S, S, dtype=torch.float64),
+                b=torch.zeros(1, 1, 1, 1, dtype=torch.long), h=torch.arange(H).view(1, H, 1, 1), q_idx=torch.arange(S).view(1, 1, S, 1),
                 kv_idx=torch.arange(S).view(1, 1, 1, S))
     if name == "ties":
         t[:, 3] = t[:, 2]

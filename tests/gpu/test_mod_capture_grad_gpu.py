@@ -61,6 +61,10 @@ def _captured(b, hq, sk, dtype=torch.float32):
     return [t.to(dtype).requires_grad_() for t in (slopes, table, bias)]
 
 
+def _bf16_leaves(n, *shape):
+    return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(n)]
+
+
 def _check(make_mod, q, k, v, captured, used, attention=naive_attention, oracle_kw=None, **kw):
     """torch_fa4 (keywords `kw`) against the float64 oracle (`attention` with `oracle_kw`, by default
     the same), within twice eager low precision's error, for out, dQ, dK, dV and the captured tensors
@@ -100,7 +104,7 @@ def test_captured_gradients_dense(name, dtype, kernel_backward_only):
 @pytest.mark.parametrize("kw", [dict(window_size=(200, 50)), dict(softcap=20.0, scale=0.1), dict()], ids=str)
 def test_captured_gradients_window_softcap_d64(kw, kernel_backward_only):
     b, s, hq, d = 2, 513, 6, 64
-    q, k, v = (torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = _bf16_leaves(3, b, s, hq, d)
     oracle_kw = {("window" if key == "window_size" else key): value for key, value in kw.items()}
     _check(_tanh_bias, q, k, v, _captured(b, hq, s), [0, 2], oracle_kw=oracle_kw, **kw)
 
@@ -114,14 +118,14 @@ def test_captured_gradients_varlen(kernel_backward_only):
     k, v = (torch.randn(sum(lens_k), hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
     layout = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
-    _check(_tanh_bias, q, k, v, _captured(3, hq, max(lens_k)), [0, 2], attention=naive_varlen, oracle_kw=layout,
-           max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **layout)
+    _check(_tanh_bias, q, k, v, _captured(3, hq, max(lens_k)), [0, 2], attention=naive_varlen,
+           oracle_kw=layout, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **layout)
 
 
 def test_low_precision_captured_tensor(kernel_backward_only):
     """A bf16 bias table: its gradient is summed in fp32 and returned in bf16."""
     b, s, hq, d = 2, 640, 4, 128
-    q, k, v = (torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = _bf16_leaves(3, b, s, hq, d)
     _check(_relative_table, q, k, v, _captured(b, hq, s, torch.bfloat16), [1], causal=True)
 
 
@@ -139,7 +143,7 @@ def test_only_captured_tensor_requires_grad_and_deterministic_repeats():
 def test_compiled_training_step_matches_eager():
     torch._dynamo.reset()
     b, s, hq, d = 2, 700, 4, 128
-    q, k, v = (torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = _bf16_leaves(3, b, hq, s, d)
     captured = _captured(b, hq, s)
 
     def step(q, k, v, slopes, table, bias):

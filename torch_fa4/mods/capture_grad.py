@@ -66,16 +66,18 @@ def captured_grads(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, l
     n_score = call.mods.num_score_aux if call.mods is not None else 0
     for slot in slots:
         if not 0 <= slot < n_score:
-            raise ValueError(f"torch_fa4: captured tensor {slot} is not read by the score_mod: it has no gradient")
+            raise ValueError(f"torch_fa4: captured tensor {slot} is not read by the score_mod: it has no "
+                             "gradient")
         if not aux[slot].is_floating_point():
-            raise TypeError(f"torch_fa4: captured tensor {slot} has dtype {aux[slot].dtype}: only floating tensors "
-                            "have gradients")
+            raise TypeError(f"torch_fa4: captured tensor {slot} has dtype {aux[slot].dtype}: only floating "
+                            "tensors have gradients")
     from torch_fa4 import dispatch
 
     dispatch.host_checks(call)  # indices in range, as before any backend runs
     acc_dtype = {slot: torch.float64 if torch.float64 in (aux[slot].dtype, call.lse_dtype) else torch.float32
                  for slot in slots}
-    accs = {slot: torch.zeros(aux[slot].numel(), dtype=acc_dtype[slot], device=aux[slot].device) for slot in slots}
+    accs = {slot: torch.zeros(aux[slot].numel(), dtype=acc_dtype[slot], device=aux[slot].device)
+            for slot in slots}
     derivs = call.mods.load_derivatives if slots else None
     loads = [d for d in derivs.loads if d.slot in accs] if derivs is not None else []
     if loads and call.q.numel() and call.k.numel():

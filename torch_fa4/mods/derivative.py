@@ -71,7 +71,8 @@ def load_derivatives(graph: ModGraph) -> LoadDerivatives:
             found.append((n.attr, tuple(new[a] for a in n.args), tangent[graph.output]))
     roots = [new[graph.output]] + [x for _, index, d in found for x in (*index, d)]
     nodes, renumber = _keep_ancestors(g.nodes, roots)
-    loads = tuple(LoadDerivative(slot, tuple(renumber[a] for a in index), renumber[d]) for slot, index, d in found)
+    loads = tuple(LoadDerivative(slot, tuple(renumber[a] for a in index), renumber[d])
+                  for slot, index, d in found)
     return LoadDerivatives(ModGraph("score", nodes, renumber[new[graph.output]], graph.aux), loads)
 
 
