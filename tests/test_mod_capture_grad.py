@@ -421,18 +421,20 @@ def test_load_derivatives_match_autograd(name):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_captured_gradient_chunks_agree(monkeypatch):
-    """The chunked walk (query blocks x key blocks, band-skipped) gives the one-block answer."""
+@pytest.mark.parametrize("kw", [dict(window_size=(20, 5)), dict(causal=True), dict(window_size=(9, -1))], ids=str)
+def test_captured_gradient_chunks_agree(monkeypatch, kw):
+    """The chunked walk (query blocks x key blocks, blocks outside the band skipped, blocks inside it
+    unmasked) gives the one-block answer."""
     from torch_fa4.mods import capture_grad
 
-    B, S, H, D = 1, 70, 2, 8
-    q, k, v = _leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D)
+    B, Sq, Sk, H, D = 1, 61, 70, 2, 8
+    q, k, v = _leaf(B, Sq, H, D), _leaf(B, Sk, H, D), _leaf(B, Sk, H, D)
     table = _leaf(H, 9)
     mod, _ = relative_table_pair(table, 4)
-    dout = torch.randn(B, S, H, D, dtype=torch.float64)
+    dout = torch.randn(B, Sq, H, D, dtype=torch.float64)
 
     def grad():
-        out = torch_fa4.attention(q, k, v, score_mod=mod, window_size=(20, 5))
+        out = torch_fa4.attention(q, k, v, score_mod=mod, **kw)
         return torch.autograd.grad(out, (table,), dout)[0]
 
     whole = grad()

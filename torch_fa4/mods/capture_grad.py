@@ -145,7 +145,8 @@ def _accumulate_segment(call: AttentionCall, graph, loads, seg, accs, determinis
             # P = exp(masked score_mod output - LSE), written in place into fresh tensors only (a
             # node's value may be shared with others: the input score, a derivative)
             p = torch.broadcast_to(torch.as_tensor(env[graph.output], device=dev).to(cdt), s.shape) - lse_c
-            visible = _visibility(call, b_idx, h_idx, q_idx, kv_idx, sq, sk)
+            inside = _inside_band(call, sq, sk, q0, q1, k0, k1)
+            visible = _visibility(call, b_idx, h_idx, q_idx, kv_idx, sq, sk, band=not inside)
             if visible is not None:
                 p.masked_fill_(~visible, -math.inf)
             p.exp_()
@@ -188,14 +189,25 @@ def _key_range(call: AttentionCall, sq: int, sk: int, q0: int, q1: int) -> tuple
     return lo, max(lo, hi)
 
 
-def _visibility(call: AttentionCall, b, h, q_idx, kv_idx, sq: int, sk: int) -> Optional[torch.Tensor]:
-    """docs/INTERNALS.md's masks (keys past seqused_k are already cut off by the segment)."""
+def _inside_band(call: AttentionCall, sq: int, sk: int, q0: int, q1: int, k0: int, k1: int) -> bool:
+    """Whether every (row, key) of the block lies inside the causal / window band."""
+    offset = sk - sq
+    right = 0 if call.causal else call.window_right
+    if (call.causal or call.window_right >= 0) and k1 - 1 > q0 + offset + right:
+        return False
+    return not (call.window_left >= 0 and k0 < q1 - 1 + offset - call.window_left)
+
+
+def _visibility(call: AttentionCall, b, h, q_idx, kv_idx, sq: int, sk: int, band: bool = True
+                ) -> Optional[torch.Tensor]:
+    """docs/INTERNALS.md's masks (keys past seqused_k are already cut off by the segment); `band`:
+    False where the block lies inside the causal / window band (only the mask_mod can hide keys)."""
     vis = None
     diag = q_idx + (sk - sq)
     right = 0 if call.causal else call.window_right
-    if call.causal or call.window_right >= 0:
+    if band and (call.causal or call.window_right >= 0):
         vis = kv_idx <= diag + right
-    if call.window_left >= 0:
+    if band and call.window_left >= 0:
         left = kv_idx >= diag - call.window_left
         vis = left if vis is None else vis & left
     mods = call.mods
