@@ -497,3 +497,34 @@ def test_captured_tensor_changed_in_place_before_backward_is_an_error():
     for out in (eager, op_out):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(out.sum(), (q, slopes))
+
+
+class _BiasedAttention(torch.nn.Module):
+    """A layer whose score_mod (a bound method) reads its own parameters."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(heads, 9, dtype=torch.float64))
+        self.slopes = torch.nn.Parameter(torch.rand(heads, dtype=torch.float64))
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        bucket = torch.clamp(q_idx - kv_idx, -4, 4) + 4
+        return score + self.table[h, bucket] - self.slopes[h] * (q_idx - kv_idx).abs()
+
+    def forward(self, q, k, v):
+        return torch_fa4.flex_attention(q, k, v, score_mod=self.score_mod)
+
+
+def test_module_parameters_train_eager_and_compiled():
+    torch._dynamo.reset()
+    layer = _BiasedAttention(2)
+    q, k, v = _leaf(1, 2, 12, 8), _leaf(1, 2, 12, 8), _leaf(1, 2, 12, 8)
+    layer(q, k, v).square().sum().backward()
+    eager = [p.grad.clone() for p in layer.parameters()]
+    want_out, _ = naive_attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=layer.score_mod,
+                                  differentiable=True)
+    want = torch.autograd.grad(want_out.transpose(1, 2).square().sum(), list(layer.parameters()))
+    layer.zero_grad()
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v).square().sum().backward()
+    for p, e, w in zip(layer.parameters(), eager, want):
+        assert torch.equal(p.grad, e) and rel_error(e, w) < TOL
