@@ -216,6 +216,8 @@ def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, windo
 
 
 def _check_aux_tensors(aux_tensors, device) -> None:
+    # Captured tensors may require grad: the score_mod's get gradients (torch_fa4/mods/capture_grad.py),
+    # the mask_mod's none (a boolean output has no derivative), as torch autograd's comparisons.
     for t in aux_tensors:
         # A kernel reads captured tensors through raw device pointers: a host tensor would be garbage.
         if t.device != device:
@@ -223,8 +225,3 @@ def _check_aux_tensors(aux_tensors, device) -> None:
                 f"torch_fa4: a tensor captured by score_mod/mask_mod is on {t.device} but q is on {device}; "
                 "create it on q's device"
             )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in aux_tensors):
-        raise NotImplementedError(
-            "torch_fa4: a tensor captured by score_mod/mask_mod requires grad; gradients for captured "
-            "tensors are not supported yet (detach it, or compute the bias outside attention)"
-        )

@@ -22,15 +22,28 @@ from torch_fa4 import ops
 
 
 class AttentionFunction(torch.autograd.Function):
-    """apply(q, k, v, rest) -> (out, lse); `rest` is the tuple of op arguments after v."""
+    """apply(q, k, v, rest) -> (out, lse); `rest` is the tuple of op arguments after v.
+
+    When a captured tensor (rest[0]) requires grad, `apply` also passes the captured tensors as
+    inputs of their own, so that autograd asks for their gradients (torch_fa4/mods/capture_grad.py);
+    the common call passes only q, k, v."""
+
+    @classmethod
+    def apply(cls, q, k, v, rest):
+        aux = rest[0]
+        if aux and torch.is_grad_enabled() and any(t.requires_grad for t in aux):
+            return super().apply(q, k, v, rest, *aux)
+        return super().apply(q, k, v, rest)
 
     @staticmethod
-    def forward(ctx, q, k, v, rest):
+    def forward(ctx, q, k, v, rest, *aux):
         if _plain(q, k, v, *_tensors(rest)):
             out, lse = ops.fwd_impl(q, k, v, *rest)
         else:
             out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # captured tensors that require grad are saved too: one changed in place before the
+        # backward is then autograd's error, not a gradient of other values
+        ctx.save_for_backward(q, k, v, out, lse, *aux)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)  # the API returns LSE detached
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse on every backward
@@ -39,16 +52,30 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
+        needs = ctx.needs_input_grad
+        aux_grads = [None] * (len(needs) - 4)  # the captured tensors, when apply passed them
         if grad_out is None:  # nothing reached `out` (grads are not materialized)
-            return None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
+            return None, None, None, None, *aux_grads
+        q, k, v, out, lse, *aux = ctx.saved_tensors
+        rest = (aux, *ctx.rest[1:]) if aux else ctx.rest
         grad_out = grad_out.contiguous()
-        if _plain(grad_out, q, k, v):
-            # what the bwd op's kernel does, without the op's entry and exit (~80 us on the host)
-            dq, dk, dv = ops.bwd_impl(grad_out, q, k, v, out, lse, *ctx.rest)
-        else:  # a dispatch mode or tensor subclass must see the op
-            dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *ctx.rest)
-        return dq, dk, dv, None
+        plain = _plain(grad_out, q, k, v)
+        dq = dk = dv = None
+        if needs[0] or needs[1] or needs[2]:
+            if plain:
+                # what the bwd op's kernel does, without the op's entry and exit (~80 us on the host)
+                dq, dk, dv = ops.bwd_impl(grad_out, q, k, v, out, lse, *rest)
+            else:  # a dispatch mode or tensor subclass must see the op
+                dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
+        slots = ops.captured_slots(rest, needs[4:]) if aux_grads else []
+        if slots:
+            if plain and _plain(*aux):
+                found = ops.bwd_captured_impl(grad_out, q, k, v, out, lse, *rest, slots)
+            else:
+                found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *rest, slots)
+            for slot, g in zip(slots, found):
+                aux_grads[slot] = g
+        return dq, dk, dv, None, *aux_grads
 
 
 def _plain(*tensors) -> bool:
@@ -73,12 +100,13 @@ def route(q, k, v, rest) -> str:
     """How an eager API call reaches the fwd op (this sits on every call's path): "function"
     (AttentionFunction: eager, with autograd to record), "direct" (the op's body, ~40 us less host
     time: no autograd to record, and nothing that could intercept the op, `_plain`) or "op" (the op
-    itself: under torch.compile or functorch, which trace it, or when something could intercept)."""
+    itself: under torch.compile or functorch, which trace it, or when something could intercept).
+    A captured tensor that requires grad takes "function" too (AttentionFunction.apply)."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return "op"  # they trace the op itself
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "function"
     extra = _tensors(rest)
     if torch.is_grad_enabled() and any(t.requires_grad for t in extra):
-        return "op"
+        return "function"  # a captured tensor requires grad (only they can: the others are integers)
     return "direct" if _plain(q, k, v, *extra) else "op"

@@ -83,19 +83,66 @@ def _bwd_fake(dout, q, k, v, out, lse, *args):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+def bwd_captured_impl(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux_tensors: list[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+    block_mask: list[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, mod_key: str, block_mask_q: int,
+    block_mask_kv: int, deterministic: bool, grad_slots: list[int],
+) -> list[Tensor]:
+    """Gradients of the captured tensors at `grad_slots` (score_mod slots), shaped and typed like
+    them, on every backend (torch_fa4/mods/capture_grad.py says how)."""
+    from torch_fa4.mods import capture_grad
+
+    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+                     max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+                     block_mask_kv)
+    return capture_grad.captured_grads(call, dout, out, lse, grad_slots, deterministic)
+
+
+bwd_captured = torch.library.custom_op("torch_fa4::bwd_captured", bwd_captured_impl, mutates_args=())
+
+
+@bwd_captured.register_fake
+def _bwd_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args):
+    return [torch.empty_like(aux_tensors[i], memory_format=torch.contiguous_format) for i in args[-1]]
+
+
+def captured_slots(rest, needs_aux) -> list[int]:
+    """The captured tensors (`rest[0]`) that get a gradient: the score_mod's that autograd asks for."""
+    if not rest[0] or not any(needs_aux):
+        return []
+    from torch_fa4.mods import capture_grad, registry
+
+    return capture_grad.gradient_slots(registry.lookup(rest[12]), needs_aux)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    # the captured tensors too: one changed in place before the backward is then autograd's error,
+    # not a gradient of other values
+    ctx.save_for_backward(q, k, v, out, lse, *inputs[3])
     ctx.rest = inputs[3:]
 
 
 def _backward(ctx, grad_out, grad_lse):
     # The API returns LSE detached, so no gradient reaches it through torch_fa4's public functions.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.rest)
+    q, k, v, out, lse, *aux = ctx.saved_tensors
+    rest = (aux, *ctx.rest[1:])
+    grad_out = grad_out.contiguous()
+    needs = ctx.needs_input_grad  # with the inputs' structure: the captured tensors' is a list
+    dq = dk = dv = None
+    if needs[0] or needs[1] or needs[2]:
+        dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
     # Autograd wants one entry per input with the input's structure: lists get lists of None.
-    return (dq, dk, dv) + tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in ctx.rest)
+    grads = [[None] * len(x) if isinstance(x, (list, tuple)) else None for x in rest]
+    slots = captured_slots(rest, needs[3])
+    if slots:
+        found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *rest, slots)
+        for slot, g in zip(slots, found):
+            grads[0][slot] = g
+    return (dq, dk, dv, *grads)
 
 
 torch.library.register_autograd("torch_fa4::fwd", _backward, setup_context=_setup_context)

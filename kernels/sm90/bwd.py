@@ -57,8 +57,6 @@ def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING
             return "score_mod/mask_mod with varlen need the packed-rows backward"
         if len(call.aux_tensors) > MAX_AUX:
             return f"mods capture {len(call.aux_tensors)} tensors (sm90 backward: at most {MAX_AUX})"
-        if any(t.requires_grad for t in call.score_aux):
-            return "gradients for tensors captured by score_mod are not supported"
     if call.num_heads % call.num_heads_kv != 0:
         return "query heads are not a multiple of KV heads"
     for name, t in (("q", q), ("k", k), ("v", v)):

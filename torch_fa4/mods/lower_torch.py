@@ -73,6 +73,12 @@ _OPS: dict[str, Callable] = {
 
 def evaluate(graph: ModGraph, inputs: dict[str, Value], aux: Sequence[torch.Tensor]) -> Value:
     """Run the graph's nodes in order; returns a tensor or a Python number."""
+    return evaluate_nodes(graph, inputs, aux)[graph.output]
+
+
+def evaluate_nodes(graph: ModGraph, inputs: dict[str, Value], aux: Sequence[torch.Tensor]) -> list[Value]:
+    """Run the graph's nodes in order; returns every node's value (for graphs with several results,
+    such as derivative.load_derivatives')."""
     if len(aux) != len(graph.aux):
         raise ValueError(f"{graph.role}_mod expects {len(graph.aux)} captured tensors, got {len(aux)}")
     env: list[Value] = []
@@ -90,7 +96,7 @@ def evaluate(graph: ModGraph, inputs: dict[str, Value], aux: Sequence[torch.Tens
             env.append(v)
         else:
             env.append(_OPS[n.op](*(env[a] for a in n.args)))
-    return env[graph.output]
+    return env
 
 
 def score_torch(graph: ModGraph, score: torch.Tensor, b: Value, h: Value, q_idx: Value, kv_idx: Value,

@@ -57,6 +57,16 @@ class ModSet:
 
         return score_derivative(self.score_graph)
 
+    @functools.cached_property
+    def load_derivatives(self):
+        """d score_mod / d (each loaded captured value), with the loads' indices (for the gradients
+        of captured tensors: torch_fa4/mods/capture_grad.py); None without a score_mod."""
+        if self.score_graph is None:
+            return None
+        from torch_fa4.mods.derivative import load_derivatives
+
+        return load_derivatives(self.score_graph)
+
     def score_torch(self, score: torch.Tensor, b, h, q_idx, kv_idx, score_aux: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.score_graph is None:
             return score
