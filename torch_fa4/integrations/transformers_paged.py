@@ -45,10 +45,10 @@ def fa4_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                 softcap: Optional[float] = None, **kwargs):
     """AttentionInterface function for "paged|fa4". Returns (attn_output (1, total_q, Hq, Dv), None)."""
     _check_supported(None, dropout, kwargs)  # (no mask: continuous batching packs, it does not pad)
-    cache = kwargs.get("cache")
-    if cache is None:
+    if "read_index" not in kwargs and kwargs.get("block_table") is None:
         raise ValueError('attn_implementation="paged|fa4" needs the PagedAttentionCache of continuous batching '
                          '(generate_batch / ContinuousBatchingManager); use "fa4" for a standard forward')
+    cache = kwargs.get("cache")  # (handed over only where the attention owns the cache update)
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
     layer_type = "sliding_attention" if sliding_window else "full_attention"
@@ -66,7 +66,7 @@ def fa4_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         # Decode fast path, cache updated by the model (later 5.x): the new tokens are ours to write.
         out = _decode_on_pages(q[:n_q], key, value, kwargs["k_cache"], kwargs["v_cache"], kwargs["block_table"],
                                cu_q, cu_k, options)
-    elif _model_updated_cache(cache):
+    elif cache is None or _model_updated_cache(cache):
         out = _varlen(q[:n_q], key[0].transpose(0, 1)[:n_k], value[0].transpose(0, 1)[:n_k], cu_q, cu_k, max_k,
                       options)
     else:
