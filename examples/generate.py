@@ -26,7 +26,8 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", type=int, default=512 if CUDA else 12, help="longest prompt (tokens)")
     parser.add_argument("--new-tokens", type=int, default=128 if CUDA else 6)
     parser.add_argument("--layers", type=int, default=8 if CUDA else 2)
-    parser.add_argument("--heads", type=int, default=16 if CUDA else 4, help="query heads (a quarter are KV heads)")
+    parser.add_argument("--heads", type=int, default=16 if CUDA else 4,
+                        help="query heads (a quarter of them KV heads)")
     parser.add_argument("--head-dim", type=int, default=128 if CUDA else 16)
     parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic")
     return parser.parse_args(argv)
@@ -36,8 +37,9 @@ def build_model(args):
     hidden = args.heads * args.head_dim
     config = transformers.LlamaConfig(
         vocab_size=32000 if CUDA else 256, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 4),
-        head_dim=args.head_dim, max_position_embeddings=args.prompt + args.new_tokens, initializer_range=0.1,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 4), head_dim=args.head_dim,
+        max_position_embeddings=args.prompt + args.new_tokens, initializer_range=0.1,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     return model.to(device="cuda" if CUDA else "cpu", dtype=torch.bfloat16 if CUDA else torch.float32)
@@ -91,12 +93,13 @@ def main(argv=None):
     model = build_model(args)
     inputs = padded_prompts(args, model.config.vocab_size, model.device)
     print(f"Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {model.dtype} on "
-          f"{model.device}; batch {args.batch}, prompts up to {args.prompt} tokens, {args.new_tokens} new tokens, "
-          f"{args.cache} cache")
+          f"{model.device}; batch {args.batch}, prompts up to {args.prompt} tokens, "
+          f"{args.new_tokens} new tokens, {args.cache} cache")
     results = {}
     for implementation in ("fa4", "sdpa"):
         results[implementation], seconds = timed_generate(model, implementation, inputs, args)
-        print(f"{implementation:>5}: {args.batch * args.new_tokens / seconds:10.1f} tokens/s ({seconds:.3f} s)")
+        tokens_per_second = args.batch * args.new_tokens / seconds
+        print(f"{implementation:>5}: {tokens_per_second:10.1f} tokens/s ({seconds:.3f} s)")
     ours, ref = results["fa4"], results["sdpa"]
     same = (ours.sequences == ref.sequences).all(dim=1)
     print(f"rows generating identical tokens: {int(same.sum())}/{len(same)}")

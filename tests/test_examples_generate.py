@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("transformers")
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
-TINY = ["--batch", "2", "--prompt", "6", "--new-tokens", "3", "--layers", "1", "--heads", "2", "--head-dim", "16"]
+TINY = ["--batch", "2", "--prompt", "6", "--new-tokens", "3", "--layers", "1", "--heads", "2",
+        "--head-dim", "16"]
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ def _generate(model, impl, ids, mask, cache):
     # (the cache argument was renamed `cache` in later Transformers 5.x)
     cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0, output_logits=True, return_dict_in_generate=True, **{cache_arg: cache})
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                          **{cache_arg: cache})
 
 
 def _assert_same_greedy_decoding(ours, ref, tol=1e-4):

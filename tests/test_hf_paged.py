@@ -42,8 +42,8 @@ def paged_reference(attention):
 
     def paged(q, k, v, *, page_table=None, seqused_k=None, cu_seqlens_q=None, max_seqlen_q=None, **options):
         if page_table is None:
-            return attention(q, k, v, seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                             **options)
+            return attention(q, k, v, seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q,
+                             max_seqlen_q=max_seqlen_q, **options)
         batch = page_table.shape[0]
         assert k.dim() == 4 and v.dim() == 4 and k.shape[:3] == v.shape[:3], (k.shape, v.shape)
         assert page_table.dtype == torch.int32 and page_table.dim() == 2
@@ -54,11 +54,11 @@ def paged_reference(attention):
         assert all(n <= page_table.shape[1] * page for n in lengths)
         gathered = []
         for cache in (k, v):
-            rows = [cache[page_table[b, :-(-n // page)].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths)]
-            gathered.append(torch.cat(rows))
+            pages = [page_table[b, :-(-n // page)].long() for b, n in enumerate(lengths)]  # the used pages
+            gathered.append(torch.cat([cache[p].flatten(0, 1)[:n] for p, n in zip(pages, lengths)]))
         cu_k = torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
-        return attention(q, *gathered, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-                         **options)
+        return attention(q, *gathered, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_k,
+                         max_seqlen_q=max_seqlen_q, **options)
 
     return paged
 
@@ -113,7 +113,8 @@ def _cb_config():
 def _generate_batch(model, impl, prompts):
     model.set_attn_implementation(impl)
     config = transformers.GenerationConfig(max_new_tokens=7, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    out = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=_cb_config())
+    out = model.generate_batch(inputs=prompts, generation_config=config,
+                               continuous_batching_config=_cb_config())
     return [out[key].generated_tokens for key in sorted(out, key=lambda k: int(k.split("_")[-1]))]
 
 
@@ -147,7 +148,8 @@ def test_pages_from_read_index():
     page = 4
     tables = [[5, 2, 7], [3], [0, 6]]
     lengths = [10, 2, 5]
-    read = torch.tensor([tables[b][t // page] * page + t % page for b, n in enumerate(lengths) for t in range(n)])
+    read = torch.tensor([tables[b][t // page] * page + t % page
+                         for b, n in enumerate(lengths) for t in range(n)])
     cu_k = torch.tensor([0, 10, 12, 17], dtype=torch.int32)
     pages = transformers_paged._pages_from_read_index(read, cu_k, max(lengths), page)
     assert pages.dtype == torch.int32 and pages.shape == (3, 3)

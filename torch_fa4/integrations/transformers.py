@@ -22,13 +22,16 @@ import warnings
 ATTN_IMPLEMENTATION = "fa4"
 PAGED_ATTN_IMPLEMENTATION = "paged|fa4"
 
-# module that defines an interface -> (the interface, [(name, our entry: a module of this package, a function)])
+# module that defines an interface -> (the interface, [(name, our entry: a module of this package, a
+# function)])
 _ENTRIES = {
     "transformers.modeling_utils": ("AttentionInterface", [
         (ATTN_IMPLEMENTATION, "transformers_attention", "fa4_attention_forward"),
         (PAGED_ATTN_IMPLEMENTATION, "transformers_paged", "fa4_paged_attention_forward"),
     ]),
-    "transformers.masking_utils": ("AttentionMaskInterface", [(ATTN_IMPLEMENTATION, "transformers_mask", "fa4_mask")]),
+    "transformers.masking_utils": ("AttentionMaskInterface", [
+        (ATTN_IMPLEMENTATION, "transformers_mask", "fa4_mask"),
+    ]),
 }
 
 

@@ -76,7 +76,8 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         from torch_fa4.integrations.transformers_paged import fa4_paged_attention_forward
 
         return fa4_paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                           scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
+                                           scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                                           **kwargs)
     _check_supported(attention_mask, dropout, kwargs)
     if kwargs.get("output_attentions"):
         warnings.warn('attn_implementation="fa4" never materialises attention weights; they are returned as None',

@@ -40,14 +40,16 @@ from torch_fa4.tensor_memo import TensorMemo
 
 
 def fa4_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                                scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                                softcap: Optional[float] = None, **kwargs):
+                                value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                                dropout: float = 0.0, scaling: Optional[float] = None,
+                                sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                                **kwargs):
     """AttentionInterface function for "paged|fa4". Returns (attn_output (1, total_q, Hq, Dv), None)."""
     _check_supported(None, dropout, kwargs)  # (no mask: continuous batching packs, it does not pad)
     if "read_index" not in kwargs and kwargs.get("block_table") is None:
-        raise ValueError('attn_implementation="paged|fa4" needs the PagedAttentionCache of continuous batching '
-                         '(generate_batch / ContinuousBatchingManager); use "fa4" for a standard forward')
+        raise ValueError('attn_implementation="paged|fa4" needs the PagedAttentionCache of continuous '
+                         'batching (generate_batch / ContinuousBatchingManager); use "fa4" for a standard '
+                         'forward')
     cache = kwargs.get("cache")  # (handed over only where the attention owns the cache update)
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
@@ -64,11 +66,11 @@ def fa4_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 
     if "k_cache" in kwargs and kwargs.get("block_table") is not None:
         # Decode fast path, cache updated by the model (later 5.x): the new tokens are ours to write.
-        out = _decode_on_pages(q[:n_q], key, value, kwargs["k_cache"], kwargs["v_cache"], kwargs["block_table"],
-                               cu_q, cu_k, options)
+        out = _decode_on_pages(q[:n_q], key, value, kwargs["k_cache"], kwargs["v_cache"],
+                               kwargs["block_table"], cu_q, cu_k, options)
     elif cache is None or _model_updated_cache(cache):
-        out = _varlen(q[:n_q], key[0].transpose(0, 1)[:n_k], value[0].transpose(0, 1)[:n_k], cu_q, cu_k, max_k,
-                      options)
+        k, v = (t[0].transpose(0, 1)[:n_k] for t in (key, value))  # (total_k, Hkv, D) views
+        out = _varlen(q[:n_q], k, v, cu_q, cu_k, max_k, options)
     else:
         out = _attend_and_update(module, q[:n_q], key, value, cache, kwargs, cu_q, cu_k, max_k, options)
     if n_q < q.shape[0]:  # batches padded to a fixed size (CUDA graphs): padded rows are zero
@@ -93,8 +95,8 @@ def _attend_and_update(module, q, key, value, cache, kwargs, cu_q, cu_k, max_k, 
             c.view(-1, *c.shape[2:]).index_copy_(0, write_index, new)
         page_table = _pages_from_read_index(read_index, cu_k, max_k, page)
         return _on_pages(q, k_cache, v_cache, page_table, cu_k[1:] - cu_k[:-1], cu_q, options)
-    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=kwargs["read_index"],
-                        write_index=kwargs["write_index"])
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     n_k = _used_tokens(cu_q, cu_k)[1]
     return _varlen(q, k[:n_k], v[:n_k], cu_q, cu_k, max_k, options)
 
