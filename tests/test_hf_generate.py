@@ -138,3 +138,27 @@ def test_static_cache_without_padding_is_a_dense_call(attention_calls):
     for q, k, kwargs in decode:
         assert not {"mask_mod", "cu_seqlens_k", "seqused_k"} & {n for n, x in kwargs.items() if x is not None}
         assert k.shape[1] < cache.layers[0].keys.shape[2]  # the written slots only
+
+
+def test_padding_mask_keeps_decode_packed_gqa():
+    """Decode's packed GQA (the query heads of a KV head as rows of one tile) reads each K/V tile
+    once per KV head; the padding mask_mod reads only the batch and key, so it keeps that, while a
+    mask_mod reading the query position does not."""
+    from torch_fa4 import mods
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.integrations.transformers_attention import key_padding_mask
+    from torch_fa4.kernels.host import packed_gqa
+    from torch_fa4.mods import registry
+
+    q, k = torch.empty(2, 1, 8, 64), torch.empty(2, 30, 2, 64)
+
+    def call(mask_mod, q=q):
+        key, aux = mods.prepare(None, mask_mod)
+        return AttentionCall(q=q, k=k, v=k, scale=0.125, causal=True, mod_key=key, mods=registry.lookup(key),
+                             aux_tensors=tuple(aux))
+
+    padding = key_padding_mask(torch.ones(2, 30, dtype=torch.bool))
+    assert packed_gqa.applies(call(padding))
+    assert not packed_gqa.applies(call(mods.causal_mask))  # reads q_idx
+    assert not packed_gqa.applies(call(lambda b, h, q_idx, kv_idx: h >= 1))  # reads the head
+    assert not packed_gqa.applies(call(padding, q=torch.empty(2, 2, 8, 64)))  # two query rows
