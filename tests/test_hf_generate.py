@@ -117,7 +117,22 @@ def test_decode_reads_the_cache_in_place(cache_kind, monkeypatch):
         return original(q, k, v, **kwargs)
 
     monkeypatch.setattr(torch_fa4, "attention", check_against_cache)
+    # The mask builder tells the layers whether a mask holds padding: no layer asks the device.
+    from torch_fa4.integrations import transformers_attention
+
+    unknown = []
+    memo = transformers_attention._HAS_PADDING
+    original_get = memo.get
+
+    def get(*args):
+        found = original_get(*args)
+        if found is None:
+            unknown.append(args)
+        return found
+
+    monkeypatch.setattr(memo, "get", get)
     _generate(model, "fa4", ids, mask, cache)
+    assert not unknown, "a layer had to read the mask from the device"
     steps = NEW_TOKENS - 1  # the first token comes from the prefill
     assert len(seen) == steps * model.config.num_hidden_layers
     for in_cache, batch, kwargs in seen:

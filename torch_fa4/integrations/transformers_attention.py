@@ -67,8 +67,8 @@ def _window(sliding_window: Optional[int], causal: bool) -> tuple[Optional[int],
     return (w - 1, 0) if causal else (w, w)
 
 
-def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                           scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                           softcap: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     """AttentionInterface function for "fa4". Returns (attn_output (B, Sq, H, Dv), None)."""
@@ -80,8 +80,8 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
                                            **kwargs)
     _check_supported(attention_mask, dropout, kwargs)
     if kwargs.get("output_attentions"):
-        warnings.warn('attn_implementation="fa4" never materialises attention weights; they are returned as None',
-                      stacklevel=2)
+        warnings.warn('attn_implementation="fa4" never materialises attention weights; they are returned as '
+                      'None', stacklevel=2)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     options = dict(scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
                    softcap=float(softcap or 0.0))
@@ -104,7 +104,8 @@ def _packed_from_kwargs(q, k, v, kwargs, options):
     cu_k = kwargs.get("cu_seq_lens_k")
     cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
     out = torch_fa4.attention(
-        q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=_int_or_none(kwargs.get("max_length_q")),
+        q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=_int_or_none(kwargs.get("max_length_q")),
         max_seqlen_k=_int_or_none(kwargs.get("max_length_k")), **options,
     )
     return out.unsqueeze(0)
@@ -137,25 +138,24 @@ def _is_continuous_batching(kwargs) -> bool:
     return "read_index" in kwargs or kwargs.get("block_table") is not None
 
 
-# Masks known to hold no padding (a static cache's count of real keys): a model hands the same mask to
-# every layer, and asking the device is a sync, so each mask is asked once while it lives unmodified.
-_WITHOUT_PADDING = TensorMemo(capacity=16)
+# Whether a mask holds padding: a model hands the same mask to every layer, and asking the device is a
+# sync, so each mask is asked once while it lives unmodified (transformers_mask tells what it knows).
+_HAS_PADDING = TensorMemo(capacity=16)
 
 
-def mark_without_padding(mask: torch.Tensor) -> None:
+def note_padding(mask: torch.Tensor, present: bool) -> None:
     if not torch.compiler.is_compiling():
-        _WITHOUT_PADDING.put((mask,), (), True)
+        _HAS_PADDING.put((mask,), (), present)
 
 
-def _without_padding(mask: torch.Tensor) -> bool:
+def _has_padding(mask: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
-        return False  # (no device read in a graph: the mask_mod serves every mask)
-    if _WITHOUT_PADDING.get((mask,)):
-        return True
-    if bool(mask.all()):
-        mark_without_padding(mask)
-        return True
-    return False
+        return True  # (no device read in a graph: the mask_mod serves every mask)
+    present = _HAS_PADDING.get((mask,))
+    if present is None:
+        present = not bool(mask.all())
+        note_padding(mask, present)
+    return present
 
 
 def _real_key(b, h, q_idx, kv_idx, valid=None):
@@ -174,11 +174,11 @@ def _padded(q, k, v, mask, options):
     m = mask.shape[1]
     if m > k.shape[1] or (m < sq and options["causal"]) or mask.shape[0] != b:
         raise ValueError(
-            f'attn_implementation="fa4": padding mask of shape {tuple(mask.shape)} does not fit {sq} queries, '
-            f"{k.shape[1]} keys and batch {b}"
+            f'attn_implementation="fa4": padding mask of shape {tuple(mask.shape)} does not fit {sq} '
+            f"queries, {k.shape[1]} keys and batch {b}"
         )
     mask = mask.to(device=q.device, dtype=torch.bool)
     k, v = k[:, :m], v[:, :m]  # slots past M were never written (views)
-    if _without_padding(mask):
+    if not _has_padding(mask):
         return torch_fa4.attention(q, k, v, **options)
     return torch_fa4.attention(q, k, v, mask_mod=key_padding_mask(mask), **options)

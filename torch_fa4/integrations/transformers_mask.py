@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_fa4.integrations.transformers_attention import mark_without_padding, refuse
+from torch_fa4.integrations.transformers_attention import note_padding, refuse
 
 # Transformers' mask building blocks (masking_utils, by qualified name) that `fa4_mask` represents
 # faithfully: causality and windows travel as attention arguments, padding as the 2-D mask, packed
@@ -110,10 +110,10 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     if attention_mask is not None:
         # Padding: keep the columns of the cached keys (sliding-window caches hold the last ones).
         mask = attention_mask.to(dtype=torch.bool)[:, -kv_length:]
-        if bool(mask.all()):  # one device read per forward, not one per layer
-            if mask.shape[1] == kv_length:
-                return None
-            mark_without_padding(mask)
+        padded = not bool(mask.all())  # one device read per forward, not one per layer
+        if not padded and mask.shape[1] == kv_length:
+            return None
+        note_padding(mask, padded)
         return mask
     # No padding. A cache with free slots (a static cache) still needs the count of real keys, so
     # the attention does not read the unwritten tail.
@@ -121,5 +121,5 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     if seen >= kv_length:
         return None
     mask = torch.ones((batch_size, max(seen, 0)), dtype=torch.bool, device=device)
-    mark_without_padding(mask)
+    note_padding(mask, False)
     return mask
