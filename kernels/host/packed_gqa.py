@@ -6,8 +6,9 @@ K/V tile once per KV head instead of once per query head, and a query tile holds
 rows instead of one. The packed call views the same memory: q (B, 1, Hq, D) as (B, group, Hkv, D),
 out alike, lse (B, Hq, 1) as (B, Hkv, group); nothing is copied. The one query row sits on the
 diagonal of the last used key, so a causal mask or a right window hides nothing: the packed rows
-(whose diagonals would differ) go without them. A left window, mods or a block mask (which see
-the row index or the head) keep the call unpacked.
+(whose diagonals would differ) go without them. A left window, a score_mod, a block mask or a
+mask_mod that reads the query's head or position keep the call unpacked; a mask_mod of the batch
+and key alone (a KV cache's padding) sees every packed row alike and packs.
 """
 
 from __future__ import annotations
@@ -15,11 +16,27 @@ from __future__ import annotations
 import torch
 
 from torch_fa4.call import AttentionCall
+from torch_fa4.kernels.host.mod_hoisting import live_nodes
 
 
 def applies(call: AttentionCall) -> bool:
     return (not call.is_varlen and call.q.shape[1] == 1 and call.num_heads > call.num_heads_kv
-            and call.mods is None and not call.block_mask and call.window_left < 0)
+            and (call.mods is None or _rows_alike(call.mods)) and not call.block_mask
+            and call.window_left < 0)
+
+
+_ROWS_ALIKE: dict[str, bool] = {}  # mod key -> verdict
+
+
+def _rows_alike(mods) -> bool:
+    """A mask_mod alone whose value depends on neither `h` nor `q_idx`."""
+    verdict = _ROWS_ALIKE.get(mods.key)
+    if verdict is None:
+        graph = mods.mask_graph
+        verdict = mods.score_graph is None and graph is not None and all(
+            graph.nodes[i].attr in ("b", "kv_idx") for i in live_nodes(graph) if graph.nodes[i].op == "input")
+        _ROWS_ALIKE[mods.key] = verdict
+    return verdict
 
 
 # (one as_strided view and a shallow copy of the call: this runs on every decode step, where

@@ -3,10 +3,12 @@ set_attn_implementation.
 
 Registering adds "fa4" to Transformers' AttentionInterface (the attention call,
 `transformers_attention.fa4_attention_forward`) and AttentionMaskInterface (the mask a model builds
-for it, `transformers_mask.fa4_mask`). Importing Transformers takes seconds, so `import torch_fa4`
-never does: `register_if_available()` registers at once if Transformers is already loaded, and
-otherwise leaves a hook in `sys.meta_path` that registers each half the moment Transformers
-finishes loading the module defining its interface. Whatever the import order, "fa4" is there
+for it, `transformers_mask.fa4_mask`), and "paged|fa4" to AttentionInterface (continuous batching,
+`transformers_paged.fa4_paged_attention_forward`; continuous batching builds no mask for it).
+Importing Transformers takes seconds, so `import torch_fa4` never does: `register_if_available()`
+registers at once if Transformers is already loaded, and otherwise leaves a hook in `sys.meta_path`
+that registers each half the moment Transformers finishes loading the module defining its
+interface. Whatever the import order, "fa4" is there
 before any model can ask for it; a program that never imports Transformers pays one `find_spec`.
 """
 
@@ -18,18 +20,26 @@ import sys
 import warnings
 
 ATTN_IMPLEMENTATION = "fa4"
+PAGED_ATTN_IMPLEMENTATION = "paged|fa4"
 
-# module that defines an interface -> (the interface, our entry for it: a module of this package, a function)
+# module that defines an interface -> (the interface, [(name, our entry: a module of this package, a
+# function)])
 _ENTRIES = {
-    "transformers.modeling_utils": ("AttentionInterface", "transformers_attention", "fa4_attention_forward"),
-    "transformers.masking_utils": ("AttentionMaskInterface", "transformers_mask", "fa4_mask"),
+    "transformers.modeling_utils": ("AttentionInterface", [
+        (ATTN_IMPLEMENTATION, "transformers_attention", "fa4_attention_forward"),
+        (PAGED_ATTN_IMPLEMENTATION, "transformers_paged", "fa4_paged_attention_forward"),
+    ]),
+    "transformers.masking_utils": ("AttentionMaskInterface", [
+        (ATTN_IMPLEMENTATION, "transformers_mask", "fa4_mask"),
+    ]),
 }
 
 
 def _register_in(module) -> None:
-    interface, source, function = _ENTRIES[module.__name__]
-    entry = getattr(importlib.import_module(f"{__package__}.{source}"), function)
-    getattr(module, interface).register(ATTN_IMPLEMENTATION, entry)
+    interface, entries = _ENTRIES[module.__name__]
+    for name, source, function in entries:
+        entry = getattr(importlib.import_module(f"{__package__}.{source}"), function)
+        getattr(module, interface).register(name, entry)
 
 
 def is_registered() -> bool:
@@ -37,10 +47,10 @@ def is_registered() -> bool:
     others (False when Transformers is not loaded at all)."""
     if not any(name in sys.modules for name in _ENTRIES):
         return False
-    for name, (interface, _, _) in _ENTRIES.items():
+    for name, (interface, entries) in _ENTRIES.items():
         module = sys.modules.get(name)
         if module is not None:
-            if ATTN_IMPLEMENTATION not in getattr(module, interface)._global_mapping:
+            if any(entry[0] not in getattr(module, interface)._global_mapping for entry in entries):
                 return False
         elif _hook is None or _hook not in sys.meta_path or name not in _hook.pending:
             return False

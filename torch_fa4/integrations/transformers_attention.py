@@ -9,22 +9,27 @@ without copies; GQA is native; `scaling`, logit softcapping (Gemma 2) and slidin
 - None: a dense call; causal is bottom-right aligned, so decoding (Sq = 1) and chunked prefill
   against a longer cache need nothing more.
 - int32 document ids of packed sequences: one variable-length sequence per document.
-- a (B, M) bool mask: the keys are cut to M (a view). If some of the M are padding, real queries
-  and keys are gathered into variable-length sequences, as flash-attn's own Transformers path
-  does, and the output is scattered back with zeros in padded query rows.
+- a (B, M) bool mask: the keys are cut to M (a view) and the mask travels as a mask_mod reading
+  `mask[b, kv_idx]`, so a padded batch (left or right padding, holes included) reads its KV cache
+  where it lies: no step gathers, packs or copies the cache. Causality and windows count key slots,
+  as Transformers' own masks do. A query row that sees no real key (a left-padded row's padding)
+  gives zeros.
 
+Continuous batching (Transformers' PagedAttentionCache) goes to `transformers_paged`.
 Anything else (dropout, attention sinks, a position bias, a dense 4-D mask) raises an error that
 names the feature.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
 import torch
 
 import torch_fa4
+from torch_fa4.tensor_memo import TensorMemo
 
 
 def refuse(feature: str):
@@ -62,15 +67,21 @@ def _window(sliding_window: Optional[int], causal: bool) -> tuple[Optional[int],
     return (w - 1, 0) if causal else (w, w)
 
 
-def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                           scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                           softcap: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     """AttentionInterface function for "fa4". Returns (attn_output (B, Sq, H, Dv), None)."""
+    if _is_continuous_batching(kwargs):
+        from torch_fa4.integrations.transformers_paged import fa4_paged_attention_forward
+
+        return fa4_paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                                           **kwargs)
     _check_supported(attention_mask, dropout, kwargs)
     if kwargs.get("output_attentions"):
-        warnings.warn('attn_implementation="fa4" never materialises attention weights; they are returned as None',
-                      stacklevel=2)
+        warnings.warn('attn_implementation="fa4" never materialises attention weights; they are returned as '
+                      'None', stacklevel=2)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     options = dict(scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
                    softcap=float(softcap or 0.0))
@@ -93,7 +104,8 @@ def _packed_from_kwargs(q, k, v, kwargs, options):
     cu_k = kwargs.get("cu_seq_lens_k")
     cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
     out = torch_fa4.attention(
-        q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=_int_or_none(kwargs.get("max_length_q")),
+        q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=_int_or_none(kwargs.get("max_length_q")),
         max_seqlen_k=_int_or_none(kwargs.get("max_length_k")), **options,
     )
     return out.unsqueeze(0)
@@ -121,38 +133,52 @@ def _packed_documents(q, k, v, doc_ids, options):
     return out.reshape(b, s, *out.shape[1:])
 
 
+def _is_continuous_batching(kwargs) -> bool:
+    """Transformers' continuous batching calls with its PagedAttentionCache's indices (or page table)."""
+    return "read_index" in kwargs or kwargs.get("block_table") is not None
+
+
+# Whether a mask holds padding: a model hands the same mask to every layer, and asking the device is a
+# sync, so each mask is asked once while it lives unmodified (transformers_mask tells what it knows).
+_HAS_PADDING = TensorMemo(capacity=16)
+
+
+def note_padding(mask: torch.Tensor, present: bool) -> None:
+    if not torch.compiler.is_compiling():
+        _HAS_PADDING.put((mask,), (), present)
+
+
+def _has_padding(mask: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True  # (no device read in a graph: the mask_mod serves every mask)
+    present = _HAS_PADDING.get((mask,))
+    if present is None:
+        present = not bool(mask.all())
+        note_padding(mask, present)
+    return present
+
+
+def _real_key(b, h, q_idx, kv_idx, valid=None):
+    return valid[b, kv_idx]
+
+
+def key_padding_mask(valid: torch.Tensor):
+    """A mask_mod keeping the key slots where the (B, M) bool `valid` is True."""
+    return functools.partial(_real_key, valid=valid)
+
+
 def _padded(q, k, v, mask, options):
     """Attention under a (B, M) key-validity mask (see transformers_mask); queries are its last Sq
-    columns."""
+    columns. K and V are read in place (views of the cache): the mask is a mask_mod over key slots."""
     b, sq = q.shape[:2]
     m = mask.shape[1]
     if m > k.shape[1] or (m < sq and options["causal"]) or mask.shape[0] != b:
         raise ValueError(
-            f'attn_implementation="fa4": padding mask of shape {tuple(mask.shape)} does not fit {sq} queries, '
-            f"{k.shape[1]} keys and batch {b}"
+            f'attn_implementation="fa4": padding mask of shape {tuple(mask.shape)} does not fit {sq} '
+            f"queries, {k.shape[1]} keys and batch {b}"
         )
     mask = mask.to(device=q.device, dtype=torch.bool)
     k, v = k[:, :m], v[:, :m]  # slots past M were never written (views)
-    if options["causal"]:
-        q_valid = mask[:, m - sq:]  # causal queries are the newest tokens: bottom-right aligned
-    else:
-        # Without causality a query's row does not depend on its own padding (and in cross-attention
-        # the mask describes the keys only): compute every row, as eager does.
-        q_valid = torch.ones((b, sq), dtype=torch.bool, device=q.device)
-    n_k = mask.sum(1, dtype=torch.int32)
-    n_q = q_valid.sum(1, dtype=torch.int32)
-    # A row whose real tokens are not one run has holes; causal order survives packing, window
-    # distances would not.
-    runs = mask[:, :1].sum(1) + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
-    n_k_host, n_q_host, runs_host = torch.stack([n_k, n_q, runs.to(torch.int32)]).tolist()  # one device read
-    if all(n == m for n in n_k_host):
+    if not _has_padding(mask):
         return torch_fa4.attention(q, k, v, **options)
-    if options["window_size"] != (None, None) and any(r > 1 for r in runs_host):
-        refuse("a padding mask with gaps between real tokens in a sliding-window layer")
-    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (n_q, n_k))
-    out_packed = torch_fa4.attention(
-        q[q_valid], k[mask], v[mask], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=max(n_q_host), max_seqlen_k=max(n_k_host), **options,
-    )
-    out = out_packed.new_zeros((b, sq, *out_packed.shape[1:]))
-    return out.index_put((q_valid,), out_packed)
+    return torch_fa4.attention(q, k, v, mask_mod=key_padding_mask(mask), **options)

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_fa4.integrations.transformers_attention import refuse
+from torch_fa4.integrations.transformers_attention import note_padding, refuse
 
 # Transformers' mask building blocks (masking_utils, by qualified name) that `fa4_mask` represents
 # faithfully: causality and windows travel as attention arguments, padding as the 2-D mask, packed
@@ -110,12 +110,16 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     if attention_mask is not None:
         # Padding: keep the columns of the cached keys (sliding-window caches hold the last ones).
         mask = attention_mask.to(dtype=torch.bool)[:, -kv_length:]
-        if mask.shape[1] == kv_length and bool(mask.all()):
+        padded = not bool(mask.all())  # one device read per forward, not one per layer
+        if not padded and mask.shape[1] == kv_length:
             return None
+        note_padding(mask, padded)
         return mask
     # No padding. A cache with free slots (a static cache) still needs the count of real keys, so
     # the attention does not read the unwritten tail.
     seen = int(q_offset) + q_length - kv_offset  # q_offset is a tensor for static caches: one read
     if seen >= kv_length:
         return None
-    return torch.ones((batch_size, max(seen, 0)), dtype=torch.bool, device=device)
+    mask = torch.ones((batch_size, max(seen, 0)), dtype=torch.bool, device=device)
+    note_padding(mask, False)
+    return mask
