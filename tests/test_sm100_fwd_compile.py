@@ -180,3 +180,15 @@ def test_compile_cache_reuses_variants():
     assert cfg2 == cfg
     assert fwd_host.compile_fwd(cfg2) is first
     assert compile_cache.stats()["entries"] == entries
+
+
+def test_a_variant_past_shared_memory_does_not_compile(tmp_path):
+    """The shared-memory check cannot pass vacuously: one K/V stage more than D=192's five needs
+    250 KB, and the kernel refuses while tracing (before any cubin exists)."""
+    from torch_fa4.kernels.sm100 import fwd_host
+    from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT
+
+    cfg = replace(fwd_host.default_config(_call(192)), kv_stages=6)
+    assert cfg.smem_bytes() > SMEM_LIMIT
+    with pytest.raises(Exception, match="bytes of shared memory"):
+        fwd_host.compile_fwd(cfg, arch="sm_100a", dump_dir=str(tmp_path))
