@@ -73,7 +73,7 @@ def _compile_and_check_sass(cfg, tmp_path) -> str:
     assert cfg.tmem_columns()["used"] <= TMEM_COLUMNS and cfg.smem_bytes() <= SMEM_LIMIT
     fwd_host.compile_fwd(cfg, arch="sm_100a", dump_dir=str(tmp_path))  # bypasses the cache
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
-    # S = Q K^T and O += P V: two issue sites each per query tile (the walk's first key tile and
+    # S = Q K^T and O += P V: two call sites each per query tile (the walk's first key tile and
     # the loop; fwd.mma_role), D/16 and tile_n/16 k-blocks each
     expected_umma = 2 * cfg.q_tiles * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert sass.count("UTCHMMA") == expected_umma, "matmuls did not all become tcgen05 UMMAs"
