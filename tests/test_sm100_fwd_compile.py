@@ -73,7 +73,7 @@ def _compile_and_check_sass(cfg, tmp_path) -> str:
     assert cfg.tmem_columns()["used"] <= TMEM_COLUMNS and cfg.smem_bytes() <= SMEM_LIMIT
     fwd_host.compile_fwd(cfg, arch="sm_100a", dump_dir=str(tmp_path))  # bypasses the cache
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
-    # S = Q K^T and O += P V: two issue sites each per query tile (the walk's first key tile and
+    # S = Q K^T and O += P V: two call sites each per query tile (the walk's first key tile and
     # the loop; fwd.mma_role), D/16 and tile_n/16 k-blocks each
     expected_umma = 2 * cfg.q_tiles * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert sass.count("UTCHMMA") == expected_umma, "matmuls did not all become tcgen05 UMMAs"
@@ -180,3 +180,15 @@ def test_compile_cache_reuses_variants():
     assert cfg2 == cfg
     assert fwd_host.compile_fwd(cfg2) is first
     assert compile_cache.stats()["entries"] == entries
+
+
+def test_a_variant_past_shared_memory_does_not_compile(tmp_path):
+    """The shared-memory check cannot pass vacuously: one K/V stage more than D=192's five needs
+    250 KB, and the kernel refuses while tracing (before any cubin exists)."""
+    from torch_fa4.kernels.sm100 import fwd_host
+    from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT
+
+    cfg = replace(fwd_host.default_config(_call(192)), kv_stages=6)
+    assert cfg.smem_bytes() > SMEM_LIMIT
+    with pytest.raises(Exception, match="bytes of shared memory"):
+        fwd_host.compile_fwd(cfg, arch="sm_100a", dump_dir=str(tmp_path))

@@ -82,11 +82,10 @@ _CORRECTION_WARP0 = 8
 _MMA_WARP = 12
 _LOAD_WARP = 13
 _NUM_THREADS = 512
-# registers per thread after setmaxnreg (512 threads x 128 on entry = 64K): softmax holds a full
-# 128-column score row (P is converted and stored chunk by chunk); correction works on 32-column
-# chunks of O; MMA and load warps need few. 184/80/64 is the split with no spill in the softmax.
-_REGS_SOFTMAX, _REGS_CORRECTION, _REGS_OTHER = 184, 80, 64
-# with one query tile the idle softmax warpgroup gives its registers to the other (240 + 24 + 80 +
+# registers per thread after setmaxnreg (512 threads x 128 on entry = 64K): Sm100FwdConfig.registers.
+# The softmax holds a full 128-column score row (P is converted and stored chunk by chunk); the
+# correction works on 32-column chunks of O; MMA and load warps need few.
+# With one query tile the idle softmax warpgroup gives its registers to the other (240 + 24 + 80 +
 # 64 <= 512 per thread-slot of the four warpgroups): room for a mask_mod's gathered values
 _REGS_SOFTMAX_ALONE, _REGS_IDLE = 240, 24
 _CHUNK = 32  # O columns per tcgen05.ld/st in the correction warps
@@ -152,6 +151,9 @@ class FlashFwdSm100:
         self.q_tiles = cfg.q_tiles
         self._softmax_kind = PackedOnlineSoftmax if cfg.packed_f32x2 else OnlineSoftmax
         assert 1 <= self.q_tiles <= MAX_Q_TILES
+        regs_softmax, regs_correction, regs_other = cfg.registers
+        assert 2 * max(regs_softmax, _REGS_SOFTMAX_ALONE // 2) + regs_correction + regs_other <= 512
+        assert all(r % 8 == 0 for r in cfg.registers), "setmaxnreg takes multiples of 8"
         self.score_graph = self.mask_graph = None
         self.num_score_aux = 0
         if cfg.mod_key:
@@ -356,22 +358,23 @@ class FlashFwdSm100:
             softmax_args = (thr_qk, msg, tile_range, score_scale, softmax_scale_log2, seqlen, m_block, walk,
                             n_count, batch, head, tidx % 128)
 
+            regs_softmax, regs_correction, regs_other = cfg.registers
             if warp_idx < _SOFTMAX_WARPS[1]:
-                cute.arch.setmaxregister_increase(_REGS_SOFTMAX if const_expr(self.q_tiles == 2)
+                cute.arch.setmaxregister_increase(regs_softmax if const_expr(self.q_tiles == 2)
                                                   else _REGS_SOFTMAX_ALONE)
                 self.softmax_role(0, tS[0], pipe_s[0], pipe_c[0], *softmax_args)
             elif warp_idx < _CORRECTION_WARP0:
                 if const_expr(self.q_tiles == 2):
-                    cute.arch.setmaxregister_increase(_REGS_SOFTMAX)
+                    cute.arch.setmaxregister_increase(regs_softmax)
                     self.softmax_role(1, tS[1], pipe_s[1], pipe_c[1], *softmax_args)
                 else:  # no second query tile: this warpgroup idles
                     cute.arch.setmaxregister_decrease(_REGS_IDLE)
             elif warp_idx < _MMA_WARP:
-                cute.arch.setmaxregister_decrease(_REGS_CORRECTION)
+                cute.arch.setmaxregister_decrease(regs_correction)
                 self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
                                      batch_q, n_count, tidx % 128)
             else:
-                cute.arch.setmaxregister_decrease(_REGS_OTHER)
+                cute.arch.setmaxregister_decrease(regs_other)
                 if warp_idx == _MMA_WARP:
                     self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
                                   pipe_q, pipe_kv, pipe_s, pipe_o, n_count)

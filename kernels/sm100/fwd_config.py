@@ -44,8 +44,12 @@ class Sm100FwdConfig:
     # (fwd_host.default_config picks it per head dim)
     exp2_emulate_every: int = 0
     # the softmax's per-score scale and row sum and the O rescale on packed fp32 pairs (FFMA2 /
-    # FADD2 / FMUL2: two operations per issue slot; kernels/sm100/packed_softmax.py); False: scalar
+    # FADD2 / FMUL2: two operations per instruction slot; kernels/sm100/packed_softmax.py); False: scalar
     packed_f32x2: bool = True
+    # registers per thread after setmaxnreg for the softmax, correction and other warpgroups, with two
+    # query tiles: 2 * softmax + correction + other <= 512 (512 threads x 128 on entry). One query
+    # tile: the softmax takes 240 and its idle twin 24 (fwd.py)
+    registers: tuple = (184, 80, 64)
     mod_key: str = ""  # a ModSet in torch_fa4.mods.registry, whose graphs are inlined; "": none
     aux_specs: tuple = ()  # (torch dtype name, ndim) of each captured tensor, in ModSet order
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)

@@ -111,10 +111,10 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
 # per clock against about 8192 dense bf16 matmul FLOP: for a 128 x 128 score tile the 16384
 # exponentials take 1024 clocks, its two matmuls 4 * 128 * 128 * D / 8192 = 8 D clocks, so at D=128
 # MUFU is as busy as the tensor core and at D=64 twice as busy. Every 5th exponential as a
-# polynomial (about 9 FMA-pipe instructions) takes a fifth off MUFU while the issue slots still
+# polynomial (about 9 FMA-pipe instructions) takes a fifth off MUFU while the instruction slots still
 # fit under the matmuls; FA4's own D=128 cubin computes 23 of each 128 (18 %) that way
 # (benchmarks/NOTES.md, sm_100 census). D=192 / 256 are matmul-bound (exponentials 2/3 and 1/2 of
-# the matmul time): none. Mods add per-score work on the same issue slots: none either; softcap's
+# the matmul time): none. Mods add per-score work on the same instruction slots: none either; softcap's
 # tanh is a MUFU op per score too, but with the polynomial beside it the 184-register D=128
 # softmax spilled (40 local loads / stores): none. Not yet measured on a Blackwell GPU.
 _EXP2_EMULATE_EVERY = {64: 5, 96: 5, 128: 5, 192: 0, 256: 0}

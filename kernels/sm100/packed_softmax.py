@@ -1,11 +1,12 @@
 """The shared online softmax (kernels/common/online_softmax.py) with its per-score arithmetic on
-Blackwell's packed fp32 pairs: FFMA2 / FADD2 / FMUL2 do two fp32 operations per issue slot.
+Blackwell's packed fp32 pairs: FFMA2 / FADD2 / FMUL2 do two fp32 operations per instruction slot.
 
-On sm_100 a thread of the softmax holds a whole score row, and the softmax warps are issue-bound
-next to the tensor core: per score one scale-and-subtract, one exponential, one add to the row
-sum, half a conversion. Pairing the scale (p = s * scale_log2 - ref) and the row sum halves two of
-those four instructions per score. Same results as the scalar path up to rounding: the scale is
-one fused multiply-add, and the row sum is kept as two interleaved partial sums.
+On sm_100 a thread of the softmax holds a whole score row, and the softmax warps are bound by
+instruction throughput next to the tensor core: per score one scale-and-subtract, one
+exponential, one add to the row sum, half a conversion. Pairing the scale (p = s * scale_log2 -
+ref) and the row sum halves two of those four instructions per score. Same results as the
+scalar path up to rounding: the scale is one fused multiply-add, and the row sum is kept as two
+interleaved partial sums.
 
 The exponentials on the FMA pipe (`emulate_every` = k) come in pairs here: both columns of every
 k-th column pair, so still one exponential in k, each pair one packed polynomial
