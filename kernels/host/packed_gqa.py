@@ -7,7 +7,8 @@ rows instead of one. The packed call views the same memory: q (B, 1, Hq, D) as (
 out alike, lse (B, Hq, 1) as (B, Hkv, group); nothing is copied. The one query row sits on the
 diagonal of the last used key, so a causal mask or a right window hides nothing: the packed rows
 (whose diagonals would differ) go without them. A left window, mods or a block mask (which see
-the row index or the head) keep the call unpacked.
+the row index or the head) keep the call unpacked. Paged KV caches pack the same way (the page
+table and the caches pass through untouched: only q, out and lse are viewed).
 """
 
 from __future__ import annotations
