@@ -29,12 +29,13 @@ DT = torch.bfloat16
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Each sm90 forward launch: (paged, page_box, split_ways) of its variant; out / lse are poisoned
-    with NaN at the kernel's host entry, and every gather of a paged cache is counted."""
+    """Each sm90 forward launch: (paged, page_box, split_ways) of its variant, and the shape of the
+    q it ran on; out / lse are poisoned with NaN at the kernel's host entry, and every gather of a
+    paged cache is counted."""
     from torch_fa4.kernels.host import paged_kv
     from torch_fa4.kernels.sm90 import fwd_host
 
-    seen = {"launches": [], "gathers": 0}
+    seen = {"launches": [], "gathers": 0, "q_shapes": []}
     real_forward, real_launch, real_gathered = fwd_host.forward, fwd_host.launch, paged_kv.gathered
 
     def poisoned(call, out, lse, **kw):
@@ -44,6 +45,7 @@ def launches(monkeypatch):
 
     def launch(kernel, cfg, call, leading, split):
         seen["launches"].append((call.page_table is not None, cfg.page_box, cfg.split_ways))
+        seen["q_shapes"].append(tuple(call.q.shape))
         real_launch(kernel, cfg, call, leading, split)
 
     def gathered(call):
@@ -131,6 +133,8 @@ def test_decode(launches, page_size, group):
         assert launches["gathers"] == 1 and all(not paged for paged, _, _ in launches["launches"])
     else:
         ran_paged(launches)
+    if group > 1:  # the query heads of each KV head ran as rows of one tile
+        assert launches["q_shapes"] == [(len(used), group, hkv, d)]
 
 
 @pytest.mark.parametrize("page_size", [16, 256])
