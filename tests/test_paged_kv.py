@@ -374,3 +374,33 @@ def test_paged_launch_arguments_match_the_compiled_signature(monkeypatch):
         pytest.fail("a kernel launch with CPU tensors did not raise")
     assert "device_type=cuda" in text, text
     assert "mPageTable: Tensor([n" in text, text
+
+
+def test_single_row_packed_queries_run_as_the_dense_decode():
+    """Continuous batching's decode step (packed queries, one per sequence, over a paged cache) is
+    the dense one-row call on views of the same q and out; its LSE comes back transposed."""
+    from torch_fa4 import reference
+    from torch_fa4.kernels.host import packed_gqa
+
+    used = [9, 0, 30]
+    k_cache, v_cache, table, _, _ = paged_cache(used, 8, 2, 16)
+    q = torch.randn(3, 4, 16, dtype=torch.float64)
+    cu = torch.arange(4, dtype=torch.int32)
+    call = AttentionCall(q=q, k=k_cache, v=v_cache, scale=0.25, causal=True, page_table=table, cu_seqlens_q=cu,
+                         max_seqlen_q=1, seqused_k=torch.tensor(used, dtype=torch.int32))
+    assert packed_gqa.single_rows(call)
+    want_out, want_lse = reference.forward(call)
+    out = torch.full_like(want_out, float("nan"))
+    dense, dense_out, dense_lse = packed_gqa.as_dense(call, out)
+    assert dense.q.shape == (3, 1, 4, 16) and dense.q.data_ptr() == q.data_ptr() and not dense.is_varlen
+    assert dense_out.data_ptr() == out.data_ptr() and dense_lse.shape == (3, 4, 1)
+    got_out, got_lse = reference.forward(dense)
+    dense_out.copy_(got_out)
+    assert torch.equal(out, want_out) and torch.equal(got_lse.view(3, 4).t(), want_lse)
+    assert packed_gqa.applies(dense)  # and on to the packed GQA rows
+    for other in (dict(max_seqlen_q=2), dict(page_table=None), dict(cu_seqlens_q=torch.tensor([0, 1, 1, 3],
+                                                                                               dtype=torch.int32))):
+        changed = AttentionCall(**{**call.__dict__, **other})
+        if "cu_seqlens_q" in other:
+            changed.max_seqlen_q = 2
+        assert not packed_gqa.single_rows(changed)

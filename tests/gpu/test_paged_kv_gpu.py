@@ -325,3 +325,25 @@ def test_cuda_graph_replays_follow_the_table(launches, page_size):
         ref, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, device="cuda")
         low, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, device="cuda", score_dtype=DT)
         assert rel_error(out, ref) <= 2 * max(rel_error(low, ref), 2 ** -9)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_packed_decode_rows(launches, page_size, group):
+    """Continuous batching's decode step: packed queries, one per sequence, over a paged cache. It
+    runs as the dense decode (query heads packed as rows, keys split across SMs), its LSE in the
+    packed layout."""
+    hkv, d = 2, 128
+    used = [0, 20000, 5, 9000]
+    k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d)
+    B = len(used)
+    q = torch.randn(B, hkv * group, d, device="cuda", dtype=DT)
+    cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, cu_seqlens_q=cu,
+                                   causal=True, return_lse=True)
+    check(out, lse, q, k, v, used, varlen=cu, causal=True)
+    ran_paged(launches)
+    want = (B, group, hkv, d) if group > 1 else (B, 1, hkv, d)
+    assert launches["q_shapes"] == [want]
+    assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
