@@ -10,7 +10,8 @@ ceiling printed first.
 
 Paged KV caches (`--pages`, empty for none): the same rows with the cache in pages of each size,
 handed to the sequences in a random order (seqused_k = the cache length), torch_fa4 beside its
-contiguous cache with the same seqused_k (the ratio: paged time / contiguous time) and
+contiguous cache with the same seqused_k (the ratio: paged time / contiguous time), the same
+call with packed queries (cu_seqlens_q, one per sequence: continuous batching's layout) and
 flash-attn-4's paged call (`flash_attn_varlen_func(..., page_table=...)`, when installed).
 FlexAttention's paged decoding needs its own cache manager and block mask conversion, so it is
 not timed here.
@@ -78,6 +79,10 @@ def paged_peers(q, k, v, page_sizes) -> dict:
         k_cache, v_cache, table = paged_cache(k, v, size)
         found[f"paged {size}"] = (lambda kc=k_cache, vc=v_cache, t=table: torch_fa4.attention(
             q, kc, vc, page_table=t, seqused_k=seqused, causal=True))
+        if q.shape[1] == 1:  # continuous batching's layout: packed queries, one per sequence
+            packed, cu = q.view(B, *q.shape[2:]), torch.arange(B + 1, dtype=torch.int32, device=q.device)
+            found[f"paged {size} packed q"] = (lambda kc=k_cache, vc=v_cache, t=table: torch_fa4.attention(
+                packed, kc, vc, page_table=t, seqused_k=seqused, cu_seqlens_q=cu, max_seqlen_q=1, causal=True))
         if flash_attn_varlen_func is not None:
             found[f"fa4 paged {size}"] = (lambda kc=k_cache, vc=v_cache, t=table: flash_attn_varlen_func(
                 q, kc, vc, page_table=t, seqused_k=seqused, causal=True))

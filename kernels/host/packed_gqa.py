@@ -8,7 +8,15 @@ out alike, lse (B, Hq, 1) as (B, Hkv, group); nothing is copied. The one query r
 diagonal of the last used key, so a causal mask or a right window hides nothing: the packed rows
 (whose diagonals would differ) go without them. A left window, a score_mod, a block mask or a
 mask_mod that reads the query's head or position keep the call unpacked; a mask_mod of the batch
-and key alone (a KV cache's padding) sees every packed row alike and packs.
+and key alone (a KV cache's padding) sees every packed row alike and packs. Paged KV caches pack
+the same way (the page table and the caches pass through untouched: only q, out and lse are
+viewed).
+
+Continuous batching hands decode steps over as packed queries (cu_seqlens_q) over a paged cache,
+one row per sequence. Such a call (`single_rows`: as many query rows as sequences, at most one
+each, so exactly one each) is the dense call with q (B, 1, Hq, D) (`as_dense`: a view), so it
+takes the same packing and the split of the keys; only its LSE, (Hq, B) where the kernel writes
+(B, Hq, 1), is written to a buffer and copied back.
 """
 
 from __future__ import annotations
@@ -17,6 +25,25 @@ import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels.host.mod_hoisting import live_nodes
+
+
+def single_rows(call: AttentionCall) -> bool:
+    """Packed queries over a paged cache, one row per sequence (decode under continuous batching):
+    max_seqlen_q 1 and as many rows as sequences (cu_seqlens_q's last entry is the row count, which
+    eager calls check), no block mask (its tiles follow the packed layout)."""
+    return (call.is_varlen and call.page_table is not None and call.max_seqlen_q == 1
+            and call.q.shape[0] == call.batch and not call.block_mask)
+
+
+def as_dense(call: AttentionCall, out: torch.Tensor) -> tuple[AttentionCall, torch.Tensor, torch.Tensor]:
+    """A `single_rows` call as the dense call with one query row per sequence: (call, out, lse),
+    q and out views of the packed ones ((B, Hq, X) -> (B, 1, Hq, X)); lse a new (B, Hq, 1) buffer
+    whose transpose the packed call's (Hq, B) LSE is."""
+    dense = object.__new__(AttentionCall)
+    dense.__dict__.update(call.__dict__)
+    dense.q, dense.cu_seqlens_q = call.q.unsqueeze(1), None
+    lse = torch.empty((call.batch, call.num_heads, 1), dtype=torch.float32, device=call.q.device)
+    return dense, out.unsqueeze(1), lse
 
 
 def applies(call: AttentionCall) -> bool:

@@ -10,6 +10,11 @@ from torch_fa4.kernels.sm90.fwd_host import unsupported_reason  # noqa: F401
 
 
 def forward(call, out, lse) -> None:
+    if packed_gqa.single_rows(call):  # decode steps of packed queries over a paged cache
+        dense, dense_out, dense_lse = packed_gqa.as_dense(call, out)
+        forward(dense, dense_out, dense_lse)
+        lse.copy_(dense_lse.view(call.batch, call.num_heads).t())
+        return
     if packed_gqa.applies(call):  # decode: each K/V tile read once per KV head
         out, lse = packed_gqa.pack_results(out, lse, call.num_heads_kv)
         call = packed_gqa.pack(call)
@@ -19,6 +24,8 @@ def forward(call, out, lse) -> None:
 def variant(call, direction: str, deterministic: bool):
     """The compiled variant that runs `call` (what the first-use self-check verifies)."""
     if direction == "forward":
+        if packed_gqa.single_rows(call):
+            call = packed_gqa.as_dense(call, call.q)[0]
         return fwd_host.default_config(packed_gqa.pack(call) if packed_gqa.applies(call) else call)
     from torch_fa4.kernels.sm90 import bwd
 

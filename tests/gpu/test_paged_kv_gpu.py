@@ -29,12 +29,13 @@ DT = torch.bfloat16
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Each sm90 forward launch: (paged, page_box, split_ways) of its variant; out / lse are poisoned
-    with NaN at the kernel's host entry, and every gather of a paged cache is counted."""
+    """Each sm90 forward launch: (paged, page_box, split_ways) of its variant, and the shape of the
+    q it ran on; out / lse are poisoned with NaN at the kernel's host entry, and every gather of a
+    paged cache is counted."""
     from torch_fa4.kernels.host import paged_kv
     from torch_fa4.kernels.sm90 import fwd_host
 
-    seen = {"launches": [], "gathers": 0}
+    seen = {"launches": [], "gathers": 0, "q_shapes": []}
     real_forward, real_launch, real_gathered = fwd_host.forward, fwd_host.launch, paged_kv.gathered
 
     def poisoned(call, out, lse, **kw):
@@ -44,6 +45,7 @@ def launches(monkeypatch):
 
     def launch(kernel, cfg, call, leading, split):
         seen["launches"].append((call.page_table is not None, cfg.page_box, cfg.split_ways))
+        seen["q_shapes"].append(tuple(call.q.shape))
         real_launch(kernel, cfg, call, leading, split)
 
     def gathered(call):
@@ -131,6 +133,8 @@ def test_decode(launches, page_size, group):
         assert launches["gathers"] == 1 and all(not paged for paged, _, _ in launches["launches"])
     else:
         ran_paged(launches)
+    if group > 1:  # the query heads of each KV head ran as rows of one tile
+        assert launches["q_shapes"] == [(len(used), group, hkv, d)]
 
 
 @pytest.mark.parametrize("page_size", [16, 256])
@@ -321,3 +325,25 @@ def test_cuda_graph_replays_follow_the_table(launches, page_size):
         ref, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, device="cuda")
         low, _ = naive_attention(q, k, v, seqlen_k=used, causal=True, device="cuda", score_dtype=DT)
         assert rel_error(out, ref) <= 2 * max(rel_error(low, ref), 2 ** -9)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_packed_decode_rows(launches, page_size, group):
+    """Continuous batching's decode step: packed queries, one per sequence, over a paged cache. It
+    runs as the dense decode (query heads packed as rows, keys split across SMs), its LSE in the
+    packed layout."""
+    hkv, d = 2, 128
+    used = [0, 20000, 5, 9000]
+    k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d)
+    B = len(used)
+    q = torch.randn(B, hkv * group, d, device="cuda", dtype=DT)
+    cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, cu_seqlens_q=cu,
+                                   causal=True, return_lse=True)
+    check(out, lse, q, k, v, used, varlen=cu, causal=True)
+    ran_paged(launches)
+    want = (B, group, hkv, d) if group > 1 else (B, 1, hkv, d)
+    assert launches["q_shapes"] == [want]
+    assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
