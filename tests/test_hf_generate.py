@@ -177,3 +177,28 @@ def test_padding_mask_keeps_decode_packed_gqa():
     assert not packed_gqa.applies(call(mods.causal_mask))  # reads q_idx
     assert not packed_gqa.applies(call(lambda b, h, q_idx, kv_idx: h >= 1))  # reads the head
     assert not packed_gqa.applies(call(padding, q=torch.empty(2, 2, 8, 64)))  # two query rows
+
+
+@pytest.mark.parametrize("padding", ["left", "none"])
+def test_compiled_decode_with_static_cache_matches_sdpa(padding):
+    """On a GPU, generate() compiles the decode step of a static cache by itself; here it is made to
+    on the CPU (Dynamo with the eager backend: the graph capture is what is checked). The mask the
+    compiled step builds covers the whole cache, the same shape every step, with no device read."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    if not hasattr(CompileConfig, "_compile_all_devices"):
+        pytest.skip("this Transformers has no way to compile generate() on a CPU")
+    model = _llama()
+    ids, mask = _batch("left")
+    if padding == "none":
+        ids, mask = ids.clamp_min(1), torch.ones_like(mask)
+    outs = {}
+    for impl in ("sdpa", "fa4"):
+        torch._dynamo.reset()
+        config = CompileConfig(backend="eager", fullgraph=False)
+        config._compile_all_devices = True
+        model.set_attn_implementation(impl)
+        outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                    do_sample=False, pad_token_id=0, cache_implementation="static",
+                                    compile_config=config, output_logits=True, return_dict_in_generate=True)
+    _assert_same_greedy_decoding(outs["fa4"], outs["sdpa"])

@@ -160,29 +160,34 @@ def test_pages_from_read_index():
 @pytest.mark.parametrize("page_table_api", [True, False], ids=["page_table", "gathered"])
 def test_decode_fast_path_writes_then_reads_pages(page_table_api, request):
     """The decode fast path's arguments (one new token per sequence, the raw page cache and its block
-    table): the new K/V land after each sequence's cached tokens, and the output is attention over
-    the sequence's keys, new one included."""
+    table): the new K/V land after each sequence's cached tokens and nowhere else (an empty sequence
+    padding the batch writes nothing), and the output is attention over the sequence's keys, new one
+    included."""
     if page_table_api:
         request.getfixturevalue("paged_calls")
     page, hq, hkv, d = 4, 4, 2, 16
-    lengths = [5, 1, 9]  # cached tokens + the new one
+    lengths = [5, 1, 9, 0]  # cached tokens + the new one; the last sequence pads the batch
     k_cache, v_cache = torch.randn(2, 10, page, hkv, d).unbind(0)
-    block_table = torch.tensor([[7, 2, -1], [4, -1, -1], [0, 9, 3]], dtype=torch.int32)
-    q, k_new, v_new = torch.randn(1, hq, 3, d), torch.randn(1, hkv, 3, d), torch.randn(1, hkv, 3, d)
-    cu_k = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    block_table = torch.tensor([[7, 2, -1], [4, -1, -1], [0, 9, 3], [-1, -1, -1]], dtype=torch.int32)
+    q, k_new, v_new = torch.randn(1, hq, 4, d), torch.randn(1, hkv, 4, d), torch.randn(1, hkv, 4, d)
+    cu_q = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 6, 15, 15], dtype=torch.int32)
     out, _ = transformers_paged.fa4_paged_attention_forward(
-        torch.nn.Module(), q, k_new, v_new, None, scaling=0.25,
-        cu_seq_lens_q=torch.arange(4, dtype=torch.int32), cu_seq_lens_k=cu_k, max_length_q=1, max_length_k=1, k_cache=k_cache, v_cache=v_cache,
-        block_table=block_table)
-    assert out.shape == (1, 3, hq, d)
-    for b, n in enumerate(lengths):
+        torch.nn.Module(), q, k_new, v_new, None, scaling=0.25, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
+        max_length_q=1, max_length_k=1, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
+    assert out.shape == (1, 4, hq, d)
+    assert not out[0, 3].any()  # the padding row
+    for b, n in enumerate(lengths[:3]):
         pos = n - 1
         slot = (int(block_table[b, pos // page]), pos % page)
         torch.testing.assert_close(k_cache[slot], k_new[0, :, b])
         torch.testing.assert_close(v_cache[slot], v_new[0, :, b])
+        k_before[slot], v_before[slot] = k_new[0, :, b], v_new[0, :, b]
         pages = block_table[b, :-(-n // page)].long()
         keys, values = (c[pages].flatten(0, 1)[:n] for c in (k_cache, v_cache))
         keys, values = (t.repeat_interleave(hq // hkv, dim=1) for t in (keys, values))
         scores = torch.einsum("hd,khd->hk", q[0, :, b].double(), keys.double()) * 0.25
         want = torch.einsum("hk,khd->hd", scores.softmax(-1), values.double())
         torch.testing.assert_close(out[0, b].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # nothing else written

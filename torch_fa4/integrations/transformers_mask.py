@@ -107,6 +107,8 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     if packed is not None:
         # Several documents per row (no padding, no cache): their ids, as int32 (see module doc).
         return packed.to(torch.int32)
+    if torch.compiler.is_compiling() and q_length == 1:
+        return _decoding_step_in_a_graph(batch_size, kv_length, q_offset, kv_offset, attention_mask, device)
     if attention_mask is not None:
         # Padding: keep the columns of the cached keys (sliding-window caches hold the last ones).
         mask = attention_mask.to(dtype=torch.bool)[:, -kv_length:]
@@ -123,3 +125,15 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     mask = torch.ones((batch_size, max(seen, 0)), dtype=torch.bool, device=device)
     note_padding(mask, False)
     return mask
+
+
+def _decoding_step_in_a_graph(batch_size, kv_length, q_offset, kv_offset, attention_mask, device):
+    """Under torch.compile, a one-token step (generate() compiles those for static caches): a
+    (B, kv_length) mask of the real, written slots, the same shape every step and read from the
+    device never, so one graph serves every step. The one query follows every written slot, so
+    bottom-right causality over the whole cache hides none of them, and the mask hides the rest."""
+    if attention_mask is None:
+        written = torch.arange(kv_length, device=device) < q_offset + 1 - kv_offset
+        return written.repeat(batch_size, 1)
+    mask = attention_mask.to(dtype=torch.bool)[:, -kv_length:]
+    return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]), value=False)

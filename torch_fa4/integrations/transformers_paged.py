@@ -109,8 +109,9 @@ def _decode_on_pages(q, key, value, k_cache, v_cache, block_table, cu_q, cu_k, o
     page = k_cache.shape[1]
     position = (lens - 1).long()
     slots = block_table[torch.arange(b, device=lens.device), position // page].long() * page + position % page
+    real = lens > 0  # (batches padded to a fixed size end in empty sequences: nothing of theirs is written)
     for c, new in ((k_cache, k_new), (v_cache, v_new)):
-        c.view(-1, *c.shape[2:]).index_copy_(0, slots, new)
+        c.view(-1, *c.shape[2:]).index_copy_(0, slots[real], new[real])
     if not takes_page_table():
         return _varlen(q, *(_gather_pages(c, block_table, lens) for c in (k_cache, v_cache)), cu_q, cu_k,
                        None, options)
