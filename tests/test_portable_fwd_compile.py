@@ -197,3 +197,35 @@ def test_blackwell_calls_the_sm100_forward_refuses_run_portable(monkeypatch, tmp
     with pytest.warns(UserWarning, match="sm100 forward falls back to the portable kernels"):
         torch_fa4.attention(q, k, v)
     assert len(launches) == 2 and launches[1].q is q
+
+
+def test_blackwell_sm100_failing_its_check_runs_portable(monkeypatch, tmp_path):
+    """On 10.0 an sm100 variant that fails its first-use self-check hands the call to the portable
+    forward (checked in turn), not to the reference."""
+    import torch_fa4
+    from torch_fa4 import dispatch
+    from torch_fa4.kernels import portable, sm100
+
+    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(self_check, "_verdicts", {})
+    monkeypatch.setattr(self_check, "_warned", set())
+    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
+    monkeypatch.setattr(dispatch, "capability", lambda device: (10, 0))
+    monkeypatch.setattr(fwd_host, "device_arch", lambda device: "sm_100a")
+    wrong = []
+
+    def wrong_forward(call, out, lse):
+        wrong.append(call)
+        out.zero_()
+        lse.zero_()
+
+    monkeypatch.setattr(sm100, "forward", wrong_forward)
+    launches = []
+    _stand_in(monkeypatch, portable, launches)
+    q, k, v = (torch.randn(1, 200, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.warns(self_check.SelfCheckWarning, match="sm100 forward variant"):
+        out = torch_fa4.attention(q, k, v)
+    assert len(wrong) == 1, "the sm100 variant ran its check only"
+    assert len(launches) == 2 and launches[1].q is q, "the portable check, then the call"
+    ref = torch_fa4.attention(q.double(), k.double(), v.double())
+    assert (out.double() - ref).abs().max() < 0.05

@@ -271,3 +271,30 @@ def test_dispatch_reaches_the_portable_kernel(portable):
 def test_decode_one_query_row(portable, H, Hkv):
     """One query row (decode; GQA packs a KV head's query heads as rows of one tile)."""
     _dense(portable, 3, 1, 1000, H, Hkv, 128, causal=True)
+
+
+def _tile_rows():
+    from torch_fa4.kernels.portable import tiles
+
+    rows = {(D, tuple(row)) for arch in tiles.TABLES for D, row in tiles.table_of(arch).items()}
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("D,row", _tile_rows(), ids=lambda x: str(x))
+def test_every_architectures_tile_rows(D, row):
+    """The tile rows of the other architectures (sm_86 / sm_89 / sm_120's 99 KB table), run here
+    through the kernel's host entry with the row as overrides: causal, GQA, ragged lengths."""
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.portable import fwd_host, tiles
+
+    overrides = dict(zip(tiles.TileRow._fields, row))
+    q, k, v = _qkv(2, 333, 400, 4, 2, D)
+    call = AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(call.lse_shape(), float("nan"), dtype=torch.float32, device="cuda")
+    fwd_host.forward(call, out, lse, **overrides)
+    torch.cuda.synchronize()
+    kw = dict(scale=D ** -0.5, causal=True)
+    ref_out, ref_lse = naive_attention(q, k, v, **kw)
+    eager, _ = naive_attention(q, k, v, **kw, differentiable=True)
+    _compare(out, lse, ref_out, ref_lse, eager)
