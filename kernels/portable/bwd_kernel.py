@@ -172,7 +172,7 @@ class PortableBackwardKernel:
         group = mQ.shape[2] // mK.shape[2]
         n0 = n_block * tn
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         lq, ldo, lk, lv, lp = self._smem_layouts()
         sQ_all = st.sQ.get_tensor(lq)  # (tm, D, stages)
