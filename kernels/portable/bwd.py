@@ -146,8 +146,10 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if varlen:
         batch = call.cu_seqlens_q.numel() - 1
         # (the grid and the deterministic counters are sized by these: measured when not given)
-        max_q = int(call.max_seqlen_q) or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
-        max_k = int(call.max_seqlen_k) or int((call.cu_seqlens_k[1:] - call.cu_seqlens_k[:-1]).max())
+        max_q, max_k = int(call.max_seqlen_q), int(call.max_seqlen_k)
+        if batch and not (max_q and max_k):
+            max_q = max_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
+            max_k = max_k or int((call.cu_seqlens_k[1:] - call.cu_seqlens_k[:-1]).max())
         q, k, v, dout = (t.unsqueeze(0) for t in (q, k, v, dout))
         dk4, dv4 = dk.unsqueeze(0), dv.unsqueeze(0)
     else:
