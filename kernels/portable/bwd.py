@@ -16,8 +16,8 @@ have more than 99 KB of shared memory: sm_80, sm_87, Hopper, sm_100); causal (bo
 sliding windows, softcap; GQA/MQA (each CTA walks every query head of its KV group, so dK/dV are
 reduced in registers, deterministic by construction); varlen (cu_seqlens on both sides) and
 seqused_k; deterministic dQ; score_mod (its traced derivative joins dS) and mask_mod, inlined per
-element; block masks (which come with their mask_mod: the walk stays dense and the mask_mod decides
-every element -- correct, without the block-sparse speed-up).
+element; block masks (which come with their mask_mod, deciding every element): their empty (key tile,
+query tile) steps are skipped (bwd_sparse.py; deterministic and varlen calls walk densely).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from torch_fa4.kernels.portable import bwd_sparse
 from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant, most_stages, smem_limit
 
 if TYPE_CHECKING:
@@ -93,10 +94,13 @@ def variant_of(call: "AttentionCall", deterministic: bool, stages: Optional[int]
     limit = smem_limit(torch.cuda.get_device_capability(call.q.device)) if call.q.is_cuda else 0
 
     def make(large):
-        return make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
-                            softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
-                            seqused_k=call.seqused_k is not None,
-                            mods_key=call.mods.key if call.mods is not None else "", large_tiles=large)
+        v = make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
+                         softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
+                         seqused_k=call.seqused_k is not None,
+                         mods_key=call.mods.key if call.mods is not None else "", large_tiles=large)
+        return dataclasses.replace(v, sparse=sparse)
+
+    sparse = bool(call.block_mask) and bwd_sparse.walk_reason(call, deterministic) is None
 
     v = make(large_tiles)
     if large_tiles is None:
@@ -141,8 +145,11 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     dout_rows = dout  # as the ops hand it (varlen: 3-d)
     if varlen:
         batch = call.cu_seqlens_q.numel() - 1
-        max_q = int(call.max_seqlen_q)
-        max_k = int(call.max_seqlen_k)
+        # (the grid and the deterministic counters are sized by these: measured when not given)
+        max_q, max_k = int(call.max_seqlen_q), int(call.max_seqlen_k)
+        if batch and not (max_q and max_k):
+            max_q = max_q or int((call.cu_seqlens_q[1:] - call.cu_seqlens_q[:-1]).max())
+            max_k = max_k or int((call.cu_seqlens_k[1:] - call.cu_seqlens_k[:-1]).max())
         q, k, v, dout = (t.unsqueeze(0) for t in (q, k, v, dout))
         dk4, dv4 = dk.unsqueeze(0), dv.unsqueeze(0)
     else:
@@ -171,7 +178,8 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     _, left, right = _window(call)
     q, k, v, dout, dk4, dv4 = map(_rows_ready, (q, k, v, dout, dk4, dv4))
     assert dk4.data_ptr() == dk.data_ptr() and dv4.data_ptr() == dv.data_ptr(), "dk / dv must be contiguous"
-    fn(q, k, v, dout, lse2, dpsum, _rows_ready(dq_acc), dk4, dv4, cu_q, cu_k, used, sem,
+    visits = bwd_sparse.tile_visits(call, variant.tile_m, variant.tile_n) if variant.sparse else None
+    fn(q, k, v, dout, lse2, dpsum, _rows_ready(dq_acc), dk4, dv4, cu_q, cu_k, used, sem, visits,
        float(call.scale), float(call.scale * LOG2E), float(call.softcap or 1.0), int(left), int(right),
        int(batch), int(max_k), *_aux(call))
     with torch.no_grad():

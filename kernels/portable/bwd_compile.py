@@ -34,10 +34,11 @@ def kernel_object(variant: BwdVariant):
         variant.num_warps, variant.bounded, variant.softcap, variant.deterministic, variant.varlen,
         variant.seqused_k, sdp_warps_n=variant.sdp_warps_n, kv_warps_n=variant.kv_warps_n,
         dq_warps_n=variant.dq_warps_n, stages=variant.stages,
-        mods=_mods(variant))
+        mods=_mods(variant), sparse=variant.sparse)
 
 
 def _compile(variant: BwdVariant, arch: str, dump_dir: str | None, jit: bool = True):
+    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -73,5 +74,8 @@ def _compile(variant: BwdVariant, arch: str, dump_dir: str | None, jit: bool = T
         specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
-    args = (q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, *scalars, *aux)
+    visit = None
+    if variant.sparse:  # (B, Hq, key tiles, query tiles), batch / head broadcast by stride 0
+        visit = fake(cutlass.Uint8, (b, hq, sym(), sym()), (s64(), s64(), s64(), 1), 1)
+    args = (q, k, v, do, lse2, dpsum, dq_acc, dk, dvv, cu_q, cu_k, used, sem, visit, *scalars, *aux)
     return compile_with_stream(kernel_object(variant), args, arch, dump_dir, jit)

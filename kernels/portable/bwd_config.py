@@ -34,6 +34,7 @@ class BwdVariant:
     seqused_k: bool
     stages: int = 1  # Q / dO buffers (2: the next query tile loads while this one computes)
     mods_key: str = ""  # score_mod / mask_mod inlined (torch_fa4.mods registry key)
+    sparse: bool = False  # a block mask's tile map prunes the walk (bwd_sparse.py)
 
     def smem_bytes(self) -> int:
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v

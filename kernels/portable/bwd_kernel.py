@@ -70,7 +70,7 @@ class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
                  sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1,
-                 mods=None):
+                 mods=None, sparse: bool = False):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -93,6 +93,7 @@ class PortableBackwardKernel:
             self.grad_graph = mods.score_grad_graph
         self.num_score_aux = mods.num_score_aux if mods is not None else 0
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
+        self.sparse = sparse  # a block mask's tile map prunes the walk (bwd_sparse.py)
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -141,7 +142,7 @@ class PortableBackwardKernel:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mDpsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mCuQ, mCuK, mSeqUsedK, mSem, scale: Float32, scale_log2: Float32,
+                 mdV: cute.Tensor, mCuQ, mCuK, mSeqUsedK, mSem, mVisit, scale: Float32, scale_log2: Float32,
                  softcap: Float32, window_left: Int32, window_right: Int32, num_batch: Int32,
                  max_seqlen_k: Int32, aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7, stream):
         # aux*: the mods' captured tensors (None when unused; separate arguments: TVM-FFI takes no
@@ -150,7 +151,7 @@ class PortableBackwardKernel:
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         Storage = self._smem_struct()
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mK.shape[2], num_batch)
-        self.kernel(mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem,
+        self.kernel(mQ, mK, mV, mdO, mLSE2, mDpsum, mdQacc, mdK, mdV, mCuQ, mCuK, mSeqUsedK, mSem, mVisit,
                     scale, scale_log2, softcap, window_left, window_right, score_aux, mask_aux,
                     Storage).launch(
             grid=grid, block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
@@ -158,7 +159,7 @@ class PortableBackwardKernel:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mDpsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mCuQ, mCuK, mSeqUsedK, mSem, scale: Float32, scale_log2: Float32,
+               mdV: cute.Tensor, mCuQ, mCuK, mSeqUsedK, mSem, mVisit, scale: Float32, scale_log2: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, score_aux, mask_aux,
                Storage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -172,7 +173,7 @@ class PortableBackwardKernel:
         group = mQ.shape[2] // mK.shape[2]
         n0 = n_block * tn
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         lq, ldo, lk, lv, lp = self._smem_layouts()
         sQ_all = st.sQ.get_tensor(lq)  # (tm, D, stages)
@@ -294,73 +295,79 @@ class PortableBackwardKernel:
             cute.arch.cp_async_wait_group(1 if const_expr(self.stages > 1) else 0)
             cute.arch.barrier()
 
-            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-            acc_S.fill(0.0)
-            self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
-            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-            acc_dP.fill(0.0)
-            self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
+            # a block mask's empty steps are skipped (their loads were issued: harmless)
+            visit = cutlass.Boolean(True)
+            if const_expr(self.sparse):
+                visit = mVisit[batch, h, n_block, m_block] != 0
+            if visit:
+                acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+                acc_S.fill(0.0)
+                self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
+                acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+                acc_dP.fill(0.0)
+                self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
 
-            S = _rows_cols(acc_S)
-            dP = _rows_cols(acc_dP)
-            for r in cutlass.range_constexpr(n_rows):
-                row = m0 + cS[r, 0][0]
-                lo = Int32(0)
-                hi = seqlen_k
-                if const_expr(self.bounded):
-                    lo = row + shift - window_left
-                    hi = cutlass.min(hi, row + shift + window_right + 1)
-                # positions that feed a mod, kept inside the sequence (padded rows and keys)
-                i_in = cutlass.min(row, seqlen_q - 1)
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    col = n0 + cS[r, c][1]
-                    s = S[r, c]
-                    dcap = Float32(1.0)
-                    if const_expr(self.softcap):
-                        t = cute.math.tanh(s * scale / softcap, fastmath=True)
-                        dcap = Float32(1.0) - t * t
-                        s = t * softcap * Float32(LOG2E)
-                    else:
-                        s = s * scale_log2
-                    j_in = cutlass.min(col, seqlen_k - 1)
-                    if const_expr(self.score_graph is not None):
-                        # the mod takes the scaled (capped) score in natural units; its derivative
-                        # at that score joins the chain rule for dS
-                        s_nat = s * Float32(1.0 / LOG2E)
-                        s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
-                                                     score_aux) * Float32(LOG2E)
-                        if const_expr(self.grad_graph is not None):
-                            dcap = dcap * mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in,
-                                                                    j_in, score_aux)
-                    p = cute.math.exp2(s - lse[r], fastmath=True)
-                    if const_expr(self.mask_graph is not None):
-                        keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
-                        p = Float32(cutlass.select_(keep, p, Float32(0.0)))
-                    if col >= hi:
-                        p = Float32(0.0)
+                S = _rows_cols(acc_S)
+                dP = _rows_cols(acc_dP)
+                for r in cutlass.range_constexpr(n_rows):
+                    row = m0 + cS[r, 0][0]
+                    lo = Int32(0)
+                    hi = seqlen_k
                     if const_expr(self.bounded):
-                        if col < lo:
+                        lo = row + shift - window_left
+                        hi = cutlass.min(hi, row + shift + window_right + 1)
+                    # positions that feed a mod, kept inside the sequence (padded rows and keys)
+                    i_in = cutlass.min(row, seqlen_q - 1)
+                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                        col = n0 + cS[r, c][1]
+                        s = S[r, c]
+                        dcap = Float32(1.0)
+                        if const_expr(self.softcap):
+                            t = cute.math.tanh(s * scale / softcap, fastmath=True)
+                            dcap = Float32(1.0) - t * t
+                            s = t * softcap * Float32(LOG2E)
+                        else:
+                            s = s * scale_log2
+                        j_in = cutlass.min(col, seqlen_k - 1)
+                        if const_expr(self.score_graph is not None):
+                            # the mod takes the scaled (capped) score in natural units; its derivative
+                            # at that score joins the chain rule for dS
+                            s_nat = s * Float32(1.0 / LOG2E)
+                            s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
+                                                         score_aux) * Float32(LOG2E)
+                            if const_expr(self.grad_graph is not None):
+                                grad = mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in, j_in,
+                                                                 score_aux)
+                                dcap = dcap * grad
+                        p = cute.math.exp2(s - lse[r], fastmath=True)
+                        if const_expr(self.mask_graph is not None):
+                            keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
+                            p = Float32(cutlass.select_(keep, p, Float32(0.0)))
+                        if col >= hi:
                             p = Float32(0.0)
-                    S[r, c] = p
-                    dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
+                        if const_expr(self.bounded):
+                            if col < lo:
+                                p = Float32(0.0)
+                        S[r, c] = p
+                        dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
 
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            rdSv = cute.make_fragment_like(acc_dP, self.dtype)
-            rdSv.store(acc_dP.load().to(self.dtype))
-            cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
-            cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
-            cute.arch.barrier()
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                rdSv = cute.make_fragment_like(acc_dP, self.dtype)
+                rdSv.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
+                cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
+                cute.arch.barrier()
 
-            self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
-            self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
+                self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
+                self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
 
-            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
-            acc_dQ.fill(0.0)
-            self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
-            gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
-            self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
-                         window_left)
+                acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
+                acc_dQ.fill(0.0)
+                self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
+                gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
+                self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
+                             window_left)
             cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
         # ---- epilogue: dK (with the softmax scale), dV ----

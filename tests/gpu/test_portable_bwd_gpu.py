@@ -217,12 +217,16 @@ def test_mods(name):
     _case(FP, 2, 70, 70, 3, 1, 128, score_mod=score_mod, mask_mod=mask_mod, deterministic=True)
 
 
-def test_block_mask():
-    # a block mask comes with its mask_mod, which decides every element (the walk stays dense)
+@pytest.mark.parametrize("block", [(64, 64), (128, 128), (32, 96)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_mask(d, block):
+    # a block mask comes with its mask_mod, which decides every element; its empty (key tile,
+    # query tile) steps are skipped (deterministic: the dense walk)
     from torch_fa4 import mods as M
 
     mask = M.and_masks(M.causal_mask, M.sliding_window_mask(100, 0))
-    _case(BF, 2, 300, 300, 2, 2, 64, mask_mod=mask, block_size=(64, 64))
+    _case(BF, 2, 300, 300, 2, 2, d, mask_mod=mask, block_size=block)
+    _case(BF, 2, 300, 300, 2, 2, d, mask_mod=mask, block_size=block, deterministic=True)
 
 
 def test_deterministic_varlen_window():
