@@ -390,8 +390,9 @@ def test_single_row_packed_queries_run_as_the_dense_decode():
                          max_seqlen_q=1, seqused_k=torch.tensor(used, dtype=torch.int32))
     assert packed_gqa.single_rows(call)
     want_out, want_lse = reference.forward(call)
-    out = torch.full_like(want_out, float("nan"))
-    dense, dense_out, dense_lse = packed_gqa.as_dense(call, out)
+    out, lse = torch.full_like(want_out, float("nan")), torch.full_like(want_lse, float("nan"))
+    dense, dense_out, dense_lse = packed_gqa.as_dense(call, out, lse)
+    assert dense_lse.dtype == lse.dtype
     assert dense.q.shape == (3, 1, 4, 16) and dense.q.data_ptr() == q.data_ptr() and not dense.is_varlen
     assert dense_out.data_ptr() == out.data_ptr() and dense_lse.shape == (3, 4, 1)
     got_out, got_lse = reference.forward(dense)
@@ -404,3 +405,35 @@ def test_single_row_packed_queries_run_as_the_dense_decode():
         if "cu_seqlens_q" in other:
             changed.max_seqlen_q = 2
         assert not packed_gqa.single_rows(changed)
+
+
+@pytest.mark.parametrize("hq", [2, 8])
+def test_sm90_entry_plumbs_single_row_packed_queries(monkeypatch, hq):
+    """The sm90 forward's entry on a one-row packed call: the dense call, packed GQA on top where
+    Hq > Hkv, the kernel's out / lse views of the call's buffers and the LSE copied back. The kernel
+    is stood in for by the reference writing into the views it is handed."""
+    from torch_fa4 import reference
+    from torch_fa4.kernels import sm90
+    from torch_fa4.kernels.sm90 import fwd_host
+
+    seen = []
+
+    def kernel(call, out, lse, **kw):
+        seen.append(tuple(call.q.shape))
+        o, l = reference.forward(call)
+        out.copy_(o)
+        lse.copy_(l)
+
+    monkeypatch.setattr(fwd_host, "forward", kernel)
+    used = [17, 0, 40, 3]
+    k_cache, v_cache, table, _, _ = paged_cache(used, 8, 2, 16)
+    q = torch.randn(4, hq, 16, dtype=torch.float64)
+    call = AttentionCall(q=q, k=k_cache, v=v_cache, scale=0.25, causal=True, page_table=table,
+                         cu_seqlens_q=torch.arange(5, dtype=torch.int32), max_seqlen_q=1,
+                         seqused_k=torch.tensor(used, dtype=torch.int32))
+    want_out, want_lse = reference.forward(call)
+    out, lse = torch.full_like(want_out, float("nan")), torch.full_like(want_lse, float("nan"))
+    sm90.forward(call, out, lse)
+    assert seen == [(4, hq // 2, 2, 16) if hq > 2 else (4, 1, 2, 16)]
+    assert torch.allclose(out, want_out, rtol=0, atol=1e-12) and torch.equal(lse.isinf(), want_lse.isinf())
+    assert torch.allclose(lse[~lse.isinf()], want_lse[~want_lse.isinf()], rtol=0, atol=1e-12)

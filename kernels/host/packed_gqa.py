@@ -35,15 +35,16 @@ def single_rows(call: AttentionCall) -> bool:
             and call.q.shape[0] == call.batch and not call.block_mask)
 
 
-def as_dense(call: AttentionCall, out: torch.Tensor) -> tuple[AttentionCall, torch.Tensor, torch.Tensor]:
+def as_dense(call: AttentionCall, out: torch.Tensor,
+             lse: torch.Tensor) -> tuple[AttentionCall, torch.Tensor, torch.Tensor]:
     """A `single_rows` call as the dense call with one query row per sequence: (call, out, lse),
     q and out views of the packed ones ((B, Hq, X) -> (B, 1, Hq, X)); lse a new (B, Hq, 1) buffer
-    whose transpose the packed call's (Hq, B) LSE is."""
+    of the packed (Hq, B) `lse`'s dtype, whose transpose that LSE is."""
     dense = object.__new__(AttentionCall)
     dense.__dict__.update(call.__dict__)
     dense.q, dense.cu_seqlens_q = call.q.unsqueeze(1), None
-    lse = torch.empty((call.batch, call.num_heads, 1), dtype=torch.float32, device=call.q.device)
-    return dense, out.unsqueeze(1), lse
+    rows = torch.empty((call.batch, call.num_heads, 1), dtype=lse.dtype, device=lse.device)
+    return dense, out.unsqueeze(1), rows
 
 
 def applies(call: AttentionCall) -> bool:

@@ -11,7 +11,7 @@ from torch_fa4.kernels.sm90.fwd_host import unsupported_reason  # noqa: F401
 
 def forward(call, out, lse) -> None:
     if packed_gqa.single_rows(call):  # decode steps of packed queries over a paged cache
-        dense, dense_out, dense_lse = packed_gqa.as_dense(call, out)
+        dense, dense_out, dense_lse = packed_gqa.as_dense(call, out, lse)
         forward(dense, dense_out, dense_lse)
         lse.copy_(dense_lse.view(call.batch, call.num_heads).t())
         return
@@ -25,7 +25,7 @@ def variant(call, direction: str, deterministic: bool):
     """The compiled variant that runs `call` (what the first-use self-check verifies)."""
     if direction == "forward":
         if packed_gqa.single_rows(call):
-            call = packed_gqa.as_dense(call, call.q)[0]
+            call = packed_gqa.as_dense(call, call.q, call.q)[0]
         return fwd_host.default_config(packed_gqa.pack(call) if packed_gqa.applies(call) else call)
     from torch_fa4.kernels.sm90 import bwd
 
