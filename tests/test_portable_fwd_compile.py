@@ -179,11 +179,11 @@ def test_backend_portable_on_a_verified_hopper(monkeypatch):
 
 
 def test_blackwell_calls_the_sm100_forward_refuses_run_portable(monkeypatch, tmp_path):
-    """On 10.0 a call the sm100 forward cannot take (D=256) runs on the portable forward, after
-    its self-check, with a warning naming the fallback."""
+    """On 10.0 a call the sm100 forward cannot take runs on the portable forward, after its
+    self-check, with a warning naming the fallback."""
     import torch_fa4
     from torch_fa4 import dispatch
-    from torch_fa4.kernels import portable
+    from torch_fa4.kernels import portable, sm100
 
     monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(self_check, "_verdicts", {})
@@ -193,7 +193,8 @@ def test_blackwell_calls_the_sm100_forward_refuses_run_portable(monkeypatch, tmp
     monkeypatch.setattr(fwd_host, "device_arch", lambda device: "sm_100a")
     launches = []
     _stand_in(monkeypatch, portable, launches)
-    q, k, v = (torch.randn(1, 200, 2, 256, dtype=torch.bfloat16) for _ in range(3))
+    monkeypatch.setattr(sm100, "unsupported_reason", lambda call: "a feature it lacks")
+    q, k, v = (torch.randn(1, 200, 2, 128, dtype=torch.bfloat16) for _ in range(3))
     with pytest.warns(UserWarning, match="sm100 forward falls back to the portable kernels"):
         torch_fa4.attention(q, k, v)
     assert len(launches) == 2 and launches[1].q is q
