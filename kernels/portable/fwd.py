@@ -345,7 +345,10 @@ class FlashFwdPortable:
                     mLSE_cur[row] = lse[r]
         r_o = cute.make_rmem_tensor(acc_o.layout, self.dtype)
         convert_pairs(acc_o, r_o)
-        cute.arch.sync_threads()  # every read of Q is done: O goes over it
+        # every read of Q is done, and no load is still landing in its buffer (with an empty key
+        # walk and Q read from shared memory, nothing waited for Q's own load): O goes over it
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
         sO = cute.make_tensor(sQ.iterator, sQ.layout)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma)
         thr_r2s = r2s.get_slice(tidx)

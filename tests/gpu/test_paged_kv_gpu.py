@@ -234,7 +234,8 @@ def test_split_decode(launches, page_size):
                                    return_lse=True)
     check(out, lse, q, k, v, used, causal=True)
     ran_paged(launches)
-    assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
+    if group > 1:  # (one query head per KV head keeps the causal mask, whose calls are not split)
+        assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 24, 40])
@@ -346,4 +347,5 @@ def test_packed_decode_rows(launches, page_size, group):
     ran_paged(launches)
     want = (B, group, hkv, d) if group > 1 else (B, 1, hkv, d)
     assert launches["q_shapes"] == [want]
-    assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
+    if group > 1:  # (one query head per KV head keeps the causal mask, whose calls are not split)
+        assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
