@@ -34,6 +34,28 @@ def operand_reason(call: AttentionCall, kernel: str, head_dims: tuple, head_dim_
     return None
 
 
+# the mod lowering's fp32 index arithmetic is exact below 2^23 (host/mod_hoisting.py)
+MOD_MAX_POSITION = 1 << 23
+
+
+def mods_reason(call: AttentionCall, kernel: str, max_aux: int) -> Optional[str]:
+    """Why a forward kernel cannot take these mods and captured tensors (None: it can)."""
+    if call.mod_key and call.mods is None:
+        return "mod_key given without its resolved ModSet"
+    if len(call.aux_tensors) > max_aux:
+        return f"mods capture {len(call.aux_tensors)} tensors ({kernel} kernel: at most {max_aux})"
+    if any(t.device != call.q.device for t in call.aux_tensors):
+        return "a captured tensor is not on q's device"
+    if call.mods is not None and max(max_seqlens(call)) > MOD_MAX_POSITION:
+        return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
+    return None
+
+
+def uses_block_mask(call: AttentionCall) -> bool:
+    # a block mask only speeds up a mask_mod; without one it is ignored
+    return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
+
+
 def call_features(call: AttentionCall) -> dict:
     """The fields of a forward variant (sm90 FwdConfig, sm100 Sm100FwdConfig) that come straight
     from the call."""

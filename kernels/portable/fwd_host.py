@@ -23,7 +23,6 @@ from torch_fa4.kernels.portable import tiles
 from torch_fa4.kernels.portable.fwd_config import MAX_AUX, PortableFwdConfig
 
 SUPPORTED_HEAD_DIMS = tiles.HEAD_DIMS
-MOD_MAX_POSITION = 1 << 23  # the mod lowering's fp32 index arithmetic is exact below 2^23
 L2_BYTES = 40 * 1024 * 1024  # A100's L2 (the L2 grouping of causal / window items)
 
 
@@ -42,23 +41,13 @@ def device_arch(device: torch.device) -> str:
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
     if (reason := fwd_launch.operand_reason(call, "portable", SUPPORTED_HEAD_DIMS)) is not None:
         return reason
-    if call.mod_key and call.mods is None:
-        return "mod_key given without its resolved ModSet"
-    if len(call.aux_tensors) > MAX_AUX:
-        return f"mods capture {len(call.aux_tensors)} tensors (portable kernel: at most {MAX_AUX})"
-    if any(t.device != call.q.device for t in call.aux_tensors):
-        return "a captured tensor is not on q's device"
-    if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
-        return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
-    if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
+    if (reason := fwd_launch.mods_reason(call, "portable", MAX_AUX)) is not None:
+        return reason
+    if fwd_launch.uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
         return reason
     # (16-byte aligned rows: the cp.async loads' requirement, as the TMA's of the other kernels)
     return fwd_launch.layout_reason(call)
 
-
-def _uses_block_mask(call: AttentionCall) -> bool:
-    # a block mask only speeds up a mask_mod; without one it is ignored
-    return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
 
 
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
@@ -86,7 +75,7 @@ def default_config(call: AttentionCall, arch: Optional[str] = None, **overrides)
     opts = dict(tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, q_in_regs=q_in_regs)
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
-    if _uses_block_mask(call):
+    if fwd_launch.uses_block_mask(call):
         opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // tile_m,
                     bm_tiles_n=call.block_mask_kv // tile_n)
     cfg = PortableFwdConfig(**fwd_launch.call_features(call), **opts)

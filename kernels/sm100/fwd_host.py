@@ -24,7 +24,7 @@ from torch_fa4.kernels.host import fwd_launch
 from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm100.fwd_config import Q_TILE_ROWS, SMEM_LIMIT, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX
-from torch_fa4.kernels.sm90.fwd_host import MOD_MAX_POSITION, _launch_aux
+from torch_fa4.kernels.sm90.fwd_host import _launch_aux
 
 L2_BYTES = 126 * 1024 * 1024  # B200
 ARCH = "sm_100a"
@@ -47,10 +47,6 @@ def _gathers_per_key(call: AttentionCall) -> bool:
     mods = call.mods
     return mods is not None and mods.mask_graph is not None and len(call.aux_tensors) > mods.num_score_aux
 
-
-def _uses_block_mask(call: AttentionCall) -> bool:
-    # a block mask only speeds up a mask_mod; without one it is ignored (as on sm90)
-    return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
 
 
 def _block_tiles(call: AttentionCall) -> Optional[dict]:
@@ -93,16 +89,9 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
     reason = fwd_launch.operand_reason(call, "sm100", SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
-    if call.mod_key and call.mods is None:
-        return "mod_key given without its resolved ModSet"
-    if len(call.aux_tensors) > MAX_AUX:
-        return f"mods capture {len(call.aux_tensors)} tensors (sm100 kernel: at most {MAX_AUX})"
-    if any(t.device != q.device for t in call.aux_tensors):
-        return "a captured tensor is not on q's device"
-    if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
-        # the mod lowering's fp32 index arithmetic is exact below 2^23 (host/mod_hoisting.py)
-        return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
-    if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
+    if (reason := fwd_launch.mods_reason(call, "sm100", MAX_AUX)) is not None:
+        return reason
+    if fwd_launch.uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
         return reason
     return fwd_launch.layout_reason(call)
 
@@ -133,7 +122,7 @@ def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _gathers_per_key(call):
         opts["q_tiles"] = 1
-    if _uses_block_mask(call):
+    if fwd_launch.uses_block_mask(call):
         opts.update(_block_tiles(call))
     cfg = Sm100FwdConfig(**fwd_launch.call_features(call), **opts)
     cfg = replace(cfg, **overrides) if overrides else cfg

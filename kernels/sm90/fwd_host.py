@@ -26,7 +26,7 @@ from torch_fa4.kernels.sm90 import fwd_launch_record
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-MOD_MAX_POSITION = 1 << 23
+MOD_MAX_POSITION = fwd_launch.MOD_MAX_POSITION
 L2_BYTES = 50 * 1024 * 1024
 
 # (tile_m, tile_n) per head dim: 64 query rows per consumer warpgroup; key tiles sized so two
@@ -52,16 +52,9 @@ _DEFAULT_OPTIONS = {
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
     if (reason := fwd_launch.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)) is not None:
         return reason
-    if call.mod_key and call.mods is None:
-        return "mod_key given without its resolved ModSet"
-    if len(call.aux_tensors) > MAX_AUX:
-        return f"mods capture {len(call.aux_tensors)} tensors (sm90 kernel: at most {MAX_AUX})"
-    if any(t.device != call.q.device for t in call.aux_tensors):
-        return "a captured tensor is not on q's device"
-    if call.mods is not None and max(fwd_launch.max_seqlens(call)) > MOD_MAX_POSITION:
-        # the mod lowering's fp32 index arithmetic is exact below 2^23 (host/mod_hoisting.py)
-        return f"mods on sequences longer than {MOD_MAX_POSITION} positions"
-    if _uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
+    if (reason := fwd_launch.mods_reason(call, "sm90", MAX_AUX)) is not None:
+        return reason
+    if fwd_launch.uses_block_mask(call) and (reason := _block_mask_reason(call)) is not None:
         return reason
     if call.page_table is not None and (call.k.shape[0] == 0 or call.page_table.shape[1] == 0):
         return "a paged cache without pages"
@@ -72,10 +65,6 @@ def _dense(call: AttentionCall) -> bool:
     """No softcap, window or variable lengths (a causal mask and mods allowed)."""
     return call.softcap <= 0 and not call.has_window and not call.is_varlen and call.cu_seqlens_k is None
 
-
-def _uses_block_mask(call: AttentionCall) -> bool:
-    # a block mask only speeds up a mask_mod; without one it is ignored
-    return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
 
 
 def _block_tile_n(call: AttentionCall) -> Optional[int]:
@@ -156,7 +145,7 @@ def default_config(call: AttentionCall, **overrides) -> FwdConfig:
     opts["persistent"] = opts["persistent"] and call.mods is None
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
-    if _uses_block_mask(call):
+    if fwd_launch.uses_block_mask(call):
         opts["tile_n"] = _block_tile_n(call)
         opts.update(block_sparse=True, bm_tiles_m=call.block_mask_q // opts["tile_m"],
                     bm_tiles_n=call.block_mask_kv // opts["tile_n"])
