@@ -88,7 +88,7 @@ def _same_launch(a, b):
     (cfg_a, args_a), (cfg_b, args_b) = a, b
     assert cfg_a == cfg_b
     assert len(args_a) == len(args_b)
-    workspace = len(args_a) - 3  # (the split tail's state: uninitialised)
+    workspace = len(args_a) - 4  # (the split's state, uninitialised; then counters, items, page table)
     for i, (x, y) in enumerate(zip(args_a, args_b)):
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor), f"argument {i}"
