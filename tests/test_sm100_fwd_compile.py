@@ -40,7 +40,7 @@ VARIANTS = {
     "d128_window": (dict(D=128, window_left=64, window_right=0), {}),
     "d128_softcap_causal": (dict(D=128, softcap=10.0, causal=True), {}),
     "d64_varlen_causal": (dict(D=64, causal=True), dict(varlen_q=True, varlen_k=True)),
-    "d128_seqused": (dict(D=128), dict(has_seqused_k=True)),
+    "d128_seqused": (dict(D=128), dict(has_seqused_k=True, packed_f32x2=False)),  # (as for such a call)
     "d64_emulated_exp2_always_rescale": (dict(D=64), dict(exp2_emulate_every=4, rescale_threshold=None)),
     "d96_scalar_softmax": (dict(D=96), dict(packed_f32x2=False, exp2_emulate_every=3)),
     # D=192: two query tiles of 64-key tiles; D=256: one query tile (fwd_host._TILES)

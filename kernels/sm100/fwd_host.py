@@ -114,10 +114,13 @@ def default_config(call: AttentionCall, **overrides) -> Sm100FwdConfig:
     emulate = _EXP2_EMULATE_EVERY[call.head_dim] if call.mods is None and call.softcap <= 0 else 0
     # the packed pairs beside any other per-score work spilled the 184-register D=128 softmax:
     # softcap's tanh 42-54 local loads / stores (the scale before tanh packed or not), ALiBi 71, a
-    # block-sparse causal mask_mod 31 (scalar: 0 for each). Such calls keep the scalar softmax
+    # block-sparse causal mask_mod 31 (scalar: 0 for each). Such calls keep the scalar softmax,
+    # and so do calls with a causal or key-length mask: CUDA 13's ptxas spilled those 29-49 local
+    # loads / stores with the pairs (CUDA 12's: none)
     plain = call.mods is None and call.softcap <= 0
+    packed = plain and not call.causal and call.seqused_k is None and call.cu_seqlens_k is None
     opts = dict(tile_n=tile_n, kv_stages=kv_stages, q_tiles=q_tiles, exp2_emulate_every=emulate,
-                packed_f32x2=plain)
+                packed_f32x2=packed)
     if call.mods is not None:
         opts.update(mod_key=call.mods.key, aux_specs=tuple((str(t.dtype), t.dim()) for t in call.aux_tensors))
     if _gathers_per_key(call):
