@@ -783,7 +783,9 @@ def test_captured_tensors_as_launched():
     call = _call(128)
     call.aux_tensors = (flags, strided, scalar)
     cfg = replace(fwd_host.default_config(call), aux_specs=(("torch.bool", 1), ("torch.int32", 1), ("torch.float32", 0)))
-    launched = fwd_host._launch_aux(cfg, call)
+    from torch_fa4.kernels.host import fwd_launch
+
+    launched = fwd_launch.launch_aux(call, len(cfg.aux_specs), fwd_host.MAX_AUX)
     assert len(launched) == fwd_host.MAX_AUX and all(t is None for t in launched[3:])
     assert launched[0].dtype == torch.uint8 and torch.equal(launched[0].bool(), flags)
     assert launched[1].stride(-1) == 1 and torch.equal(launched[1], strided)

@@ -56,6 +56,32 @@ def uses_block_mask(call: AttentionCall) -> bool:
     return bool(call.block_mask) and call.mods is not None and call.mods.mask_graph is not None
 
 
+def block_mask_coverage_reason(call: AttentionCall) -> Optional[str]:
+    """Why a block mask does not cover the call (None: it does): one built for shorter sequences
+    would be read past its end, or would drop keys."""
+    num, idx = call.block_mask[0], call.block_mask[1]
+    max_q, max_k = max_seqlens(call)
+    if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
+        return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
+                f"positions, the call needs {max_q} x {max_k}")
+    return None
+
+
+def launch_aux(call: AttentionCall, num_specs: int, max_aux: int) -> list:
+    """The captured tensors as a forward kernel takes them (as mod_lowering.kernel_aux_tensors,
+    without importing CuTe DSL: a kernel from the disk cache), padded with None to max_aux."""
+    aux = []
+    for t in call.aux_tensors[:num_specs]:
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        if t.stride(-1) != 1:
+            t = t.clone(memory_format=torch.contiguous_format)
+        aux.append(t)
+    return aux + [None] * (max_aux - len(aux))
+
+
 def call_features(call: AttentionCall) -> dict:
     """The fields of a forward variant (sm90 FwdConfig, sm100 Sm100FwdConfig) that come straight
     from the call."""

@@ -60,12 +60,7 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     if call.block_mask_kv % tile_n != 0:
         return (f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of the kernel's "
                 f"{tile_n}-key tile")
-    num, idx = call.block_mask[0], call.block_mask[1]
-    max_q, max_k = fwd_launch.max_seqlens(call)
-    if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
-        return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
-                f"positions, the call needs {max_q} x {max_k}")
-    return None
+    return fwd_launch.block_mask_coverage_reason(call)
 
 
 def default_config(call: AttentionCall, arch: Optional[str] = None, **overrides) -> PortableFwdConfig:
@@ -126,18 +121,5 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
     block_mask = [None] * 4
     if cfg.block_sparse:
         block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
-    kernel(*args, *block_mask, *_launch_aux(cfg, call))
+    kernel(*args, *block_mask, *fwd_launch.launch_aux(call, len(cfg.aux_specs), MAX_AUX))
 
-
-def _launch_aux(cfg: PortableFwdConfig, call: AttentionCall) -> list:
-    # as mod_lowering.kernel_aux_tensors, without importing CuTe DSL (a kernel from the disk cache)
-    aux = []
-    for t in call.aux_tensors[: len(cfg.aux_specs)]:
-        if t.dtype == torch.bool:
-            t = t.view(torch.uint8)
-        if t.dim() == 0:
-            t = t.reshape(1)
-        if t.stride(-1) != 1:
-            t = t.clone(memory_format=torch.contiguous_format)
-        aux.append(t)
-    return aux + [None] * (MAX_AUX - len(aux))

@@ -24,7 +24,6 @@ from torch_fa4.kernels.host import fwd_launch
 from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm100.fwd_config import Q_TILE_ROWS, SMEM_LIMIT, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX
-from torch_fa4.kernels.sm90.fwd_host import _launch_aux
 
 L2_BYTES = 126 * 1024 * 1024  # B200
 ARCH = "sm_100a"
@@ -73,12 +72,7 @@ def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     if _block_tiles(call) is None:
         return (f"block_mask BLOCK_SIZE ({call.block_mask_q}, {call.block_mask_kv}) is not a multiple of "
                 f"({Q_TILE_ROWS}, 64)")
-    num, idx = call.block_mask[0], call.block_mask[1]
-    max_q, max_k = fwd_launch.max_seqlens(call)
-    if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
-        return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
-                f"positions, the call needs {max_q} x {max_k}")
-    return None
+    return fwd_launch.block_mask_coverage_reason(call)
 
 
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
@@ -178,4 +172,4 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
     block_mask = [None] * 4
     if cfg.block_sparse:
         block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
-    kernel(*args, *block_mask, *_launch_aux(cfg, call))
+    kernel(*args, *block_mask, *fwd_launch.launch_aux(call, len(cfg.aux_specs), MAX_AUX))

@@ -80,18 +80,12 @@ def _block_tile_n(call: AttentionCall) -> Optional[int]:
 def _block_mask_reason(call: AttentionCall) -> Optional[str]:
     if (reason := block_mask_tensors_reason(call)) is not None:
         return reason
-    num, idx = call.block_mask[0], call.block_mask[1]
     tile_m = _TILES[call.head_dim][0]
     if call.block_mask_q % tile_m != 0:
         return f"block_mask BLOCK_SIZE q={call.block_mask_q} is not a multiple of the kernel's {tile_m}-row tile"
     if _block_tile_n(call) is None:
         return f"block_mask BLOCK_SIZE kv={call.block_mask_kv} is not a multiple of 64"
-    # a block mask built for shorter sequences would be read past its end, or would drop keys
-    max_q, max_k = fwd_launch.max_seqlens(call)
-    if num.shape[2] * call.block_mask_q < max_q or idx.shape[3] * call.block_mask_kv < max_k:
-        return (f"block_mask covers {num.shape[2] * call.block_mask_q} x {idx.shape[3] * call.block_mask_kv} "
-                f"positions, the call needs {max_q} x {max_k}")
-    return None
+    return fwd_launch.block_mask_coverage_reason(call)
 
 
 # D=64 calls past 2048 queries without mods (a score_mod alone is fine, "Experiment 90"), softcap,
@@ -364,7 +358,7 @@ def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split
     if cfg.block_sparse:
         block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
     counter = torch.zeros(1, dtype=torch.int32, device=device) if cfg.dynamic_schedule else None
-    kernel(*leading, *block_mask, *_launch_aux(cfg, call), counter, *split_buffers(split, device),
+    kernel(*leading, *block_mask, *fwd_launch.launch_aux(call, len(cfg.aux_specs), MAX_AUX), counter, *split_buffers(split, device),
            call.page_table)
 
 
@@ -407,16 +401,3 @@ def split_buffers(spec: Optional[tuple], device: torch.device) -> list:
     ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
     return [ws, torch.zeros(slots, dtype=torch.int32, device=device), items]
 
-
-def _launch_aux(cfg: FwdConfig, call: AttentionCall) -> list:
-    # as mod_lowering.kernel_aux_tensors, without importing CuTe DSL (a kernel from the disk cache)
-    aux = []
-    for t in call.aux_tensors[: len(cfg.aux_specs)]:
-        if t.dtype == torch.bool:
-            t = t.view(torch.uint8)
-        if t.dim() == 0:
-            t = t.reshape(1)
-        if t.stride(-1) != 1:
-            t = t.clone(memory_format=torch.contiguous_format)
-        aux.append(t)
-    return aux + [None] * (MAX_AUX - len(aux))
