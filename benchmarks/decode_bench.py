@@ -1,6 +1,6 @@
 """Decode: one query row per sequence against a long KV cache, torch_fa4 beside its peers.
 
-    python benchmarks/decode_bench.py [--rows 8x4096,8x32768,64x8192] [--pages 16,256]
+    python benchmarks/decode_bench.py [--rows 8x4096,8x32768,64x8192] [--pages 16,256] [--host [--cprofile N]]
 
 bf16, Hq 32, Hkv 8, D 128, causal (one row: every key is visible). Each row prints the median
 time of each implementation, the K/V bytes it reads per second, and torch_fa4's ratio to the
@@ -15,6 +15,11 @@ call with packed queries (cu_seqlens_q, one per sequence: continuous batching's 
 flash-attn-4's paged call (`flash_attn_varlen_func(..., page_table=...)`, when installed).
 FlexAttention's paged decoding needs its own cache manager and block mask conversion, so it is
 not timed here.
+
+`--host`: for each row and implementation (the paged ones included), the host's time to enqueue
+one call (calls back to back, no synchronisation), the device time and the sum of the call's
+kernel times, so a row bound by the host shows it; `--cprofile N` adds where torch_fa4's host
+time goes (cProfile over N calls, top functions by own time).
 """
 
 from __future__ import annotations
@@ -116,6 +121,26 @@ def paged_rows(rows: str, page_sizes: list, query_rows: int = 1) -> None:
         print(f"{row:>12} {cells} {ratio}")
 
 
+def host_rows(rows: str, page_sizes: list, cprofile: int) -> None:
+    import host_time
+    import profile_kernels
+
+    print("host time per call (calls back to back) against device time and the call's kernels; ms")
+    for row in rows.split(","):
+        B, S = (int(x) for x in row.split("x"))
+        q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        found = {**peers(q, k, v), **paged_peers(q, k, v, page_sizes)}
+        found.pop("flex", None)  # (compiled: its host path is torch.compile's guards, not a peer's)
+        host = {n: min(host_time.host_ms(fn) for _ in range(3)) for n, fn in found.items()}
+        print(f"== {row}")
+        for n, fn in found.items():
+            kernels = sum(profile_kernels._profile(fn, 10).values()) / 1e3
+            print(f"  {n:22s} device {_time_ms(fn):.4f}  host {host[n]:.4f}  kernels {kernels:.4f}")
+            if cprofile and not n.startswith(("sdpa", "fa4", "flash")):
+                print(host_time.cprofile_top(fn, cprofile, top=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="8x4096,8x32768,64x8192")
@@ -123,8 +148,13 @@ def main() -> None:
     parser.add_argument("--paged-only", action="store_true", help="only the paged rows")
     parser.add_argument("--query-rows", type=int, default=1,
                         help="query rows per sequence of the paged rows (chunked prefill: e.g. 512)")
+    parser.add_argument("--host", action="store_true", help="host time per call against device time")
+    parser.add_argument("--cprofile", type=int, default=0, help="with --host: cProfile this many calls")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.pages.split(",") if p]
+    if args.host:
+        host_rows(args.rows, page_sizes, args.cprofile)
+        return
     if args.paged_only:
         paged_rows(args.rows, page_sizes, args.query_rows)
         return

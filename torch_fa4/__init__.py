@@ -7,11 +7,12 @@ CuTe DSL kernels load on the first CUDA call, and no CUDA context is created her
 import sys
 
 from torch_fa4 import _kernels_package
+
+_kernels_package.ensure_importable()  # (before ops: dispatch keeps its memo in torch_fa4.kernels.host)
 from torch_fa4 import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from torch_fa4.api import attention, flex_attention
 from torch_fa4.integrations import sdpa, transformers as _transformers
 
-_kernels_package.ensure_importable()
 sys.modules[__name__ + ".sdpa"] = sdpa  # so that `import torch_fa4.sdpa` finds the same module
 
 # Both are light: neither imports CuTe DSL or Transformers, and neither activates anything unasked.

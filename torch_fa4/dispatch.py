@@ -21,6 +21,7 @@ import torch
 
 from torch_fa4 import reference, self_check
 from torch_fa4.call import AttentionCall, empty_laid_out_like
+from torch_fa4.kernels.host import shape_memo
 
 _SM90 = "torch_fa4.kernels.sm90"
 _SM100 = "torch_fa4.kernels.sm100"
@@ -67,14 +68,47 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
     On a capability where the kernel family is not verified, its variant runs only once it has
     passed its first-use self-check (torch_fa4/self_check.py). With warn=False (SDPA routing,
     which falls back to PyTorch's own kernel instead) a refusal is neither warned about nor
-    remembered as warned.
+    remembered as warned. The choice for a plain call (no mods, block mask, offsets or page table)
+    is kept per layout (`_plain_layout`): decode steps and SDPA calls repeat it on every call.
     """
     backend = os.environ.get("TORCH_FA4_BACKEND", "").lower()
     if backend == "reference":
         return None
     if not on_gpu(call) or call.q.numel() == 0 or call.k.shape[-3] == 0 or call.batch == 0:
         return None
+    layout = _plain_layout(call)
+    if layout is not None:
+        key = (layout, backend, direction, warn, deterministic)
+        found = _chosen.get(key, _UNKNOWN)
+        if found is not _UNKNOWN:
+            return found
     cap = capability(call.q.device)
+    module = _choose(call, direction, warn, deterministic, cap, backend)
+    if layout is not None and not self_check.needed(cap):  # (a self-check's verdict may be pending)
+        if len(_chosen) >= shape_memo.CAPACITY:
+            _chosen.clear()
+        _chosen[key] = module
+    return module
+
+
+_UNKNOWN = object()
+_chosen = shape_memo.table()  # (_plain_layout, backend, direction, warn, deterministic) -> module
+
+
+def _plain_layout(call: AttentionCall):
+    """What a family's `unsupported_reason` reads of a call without mods, block mask, offsets or
+    page table (dtypes, shapes, strides, 16-byte alignment, the scalars, seqused_k's presence);
+    None for other calls, whose choice is made every time."""
+    if (call.mods is not None or call.aux_tensors or call.block_mask or call.cu_seqlens_q is not None
+            or call.cu_seqlens_k is not None or call.page_table is not None):
+        return None
+    q, k, v = call.q, call.k, call.v
+    return (q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, call.seqused_k is None, call.causal,
+            call.window_left, call.window_right, call.softcap, call.scale < 0)
+
+
+def _choose(call: AttentionCall, direction: str, warn: bool, deterministic: bool, cap: tuple, backend: str):
     names = (PORTABLE,) if backend == "portable" else _ARCH_PACKAGES.get(cap[0], ())
     for i, name in enumerate(names):
         module = _kernel_module(name, direction)
@@ -89,7 +123,7 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
                             else "the PyTorch reference")
                 family = name.rsplit('.', 1)[-1]
                 warnings.warn(f"torch_fa4: {family} {direction} falls back to {fallback}: {reason}",
-                              stacklevel=3)
+                              stacklevel=4)
             continue
         if self_check.needed(cap) and not self_check.trusted(_kernel_module(name, "forward"), module, call,
                                                                direction, deterministic, cap):
