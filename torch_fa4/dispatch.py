@@ -68,8 +68,8 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
     On a capability where the kernel family is not verified, its variant runs only once it has
     passed its first-use self-check (torch_fa4/self_check.py). With warn=False (SDPA routing,
     which falls back to PyTorch's own kernel instead) a refusal is neither warned about nor
-    remembered as warned. The choice for a plain call (no mods, block mask, offsets or page table)
-    is kept per layout (`_plain_layout`): decode steps and SDPA calls repeat it on every call.
+    remembered as warned. The choice for a call without mods or block mask is kept per layout
+    (`_plain_layout`): decode steps and SDPA calls repeat it on every call.
     """
     backend = os.environ.get("TORCH_FA4_BACKEND", "").lower()
     if backend == "reference":
@@ -96,16 +96,18 @@ _chosen = shape_memo.table()  # (_plain_layout, backend, direction, warn, determ
 
 
 def _plain_layout(call: AttentionCall):
-    """What a family's `unsupported_reason` reads of a call without mods, block mask, offsets or
-    page table (dtypes, shapes, strides, 16-byte alignment, the scalars, seqused_k's presence);
-    None for other calls, whose choice is made every time."""
-    if (call.mods is not None or call.aux_tensors or call.block_mask or call.cu_seqlens_q is not None
-            or call.cu_seqlens_k is not None or call.page_table is not None):
+    """What a family's `unsupported_reason` reads of a call without mods or block mask: dtypes,
+    shapes, strides, 16-byte alignment, the scalars, which of the offsets / seqused_k / page table
+    come and their shapes (never their values); None for calls with mods or a block mask, whose
+    choice is made every time."""
+    if call.mods is not None or call.aux_tensors or call.block_mask or call.mod_key:
         return None
-    q, k, v = call.q, call.k, call.v
+    q, k, v, table = call.q, call.k, call.v, call.page_table
     return (q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, call.seqused_k is None, call.causal,
-            call.window_left, call.window_right, call.softcap, call.scale < 0)
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, call.causal, call.window_left, call.window_right,
+            call.softcap, call.scale < 0, call.max_seqlen_q, call.max_seqlen_k,
+            *(None if t is None else t.shape for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)),
+            None if table is None else (table.shape, table.stride()))
 
 
 def _choose(call: AttentionCall, direction: str, warn: bool, deterministic: bool, cap: tuple, backend: str):
