@@ -195,7 +195,7 @@ def test_compiled_decode_with_static_cache_matches_sdpa(padding):
     outs = {}
     for impl in ("sdpa", "fa4"):
         torch._dynamo.reset()
-        config = CompileConfig(backend="eager", fullgraph=False)
+        config = CompileConfig(backend="eager", fullgraph=True)  # (a graph break would run eager)
         config._compile_all_devices = True
         model.set_attn_implementation(impl)
         outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,

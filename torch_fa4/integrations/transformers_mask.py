@@ -66,7 +66,11 @@ def _mask_pieces(mask_function: Optional[Callable]):
 
 
 def _qualname(fn) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
+    # (from the code object: under torch.compile, Dynamo cannot read a function's __qualname__)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn).__name__
+    return getattr(code, "co_qualname", None) or fn.__qualname__  # (Python 3.10: no co_qualname)
 
 
 def _transformers_name(fn) -> Optional[str]:
