@@ -103,9 +103,9 @@ def _plain_layout(call: AttentionCall):
     if call.mods is not None or call.aux_tensors or call.block_mask or call.mod_key:
         return None
     q, k, v, table = call.q, call.k, call.v, call.page_table
-    return (q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, call.causal, call.window_left, call.window_right,
-            call.softcap, call.scale < 0, call.max_seqlen_q, call.max_seqlen_k,
+    return (q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(),
+            v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, call.causal, call.window_left,
+            call.window_right, call.softcap, call.scale < 0, call.max_seqlen_q, call.max_seqlen_k,
             *(None if t is None else t.shape for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)),
             None if table is None else (table.shape, table.stride()))
 

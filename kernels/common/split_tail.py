@@ -13,7 +13,9 @@ merge is per warpgroup: every piece stores its state in a global workspace slot,
 that a warp's stores and loads are 128-byte lines and a thread reads back the values it holds
 itself; a counter per (split item, warpgroup) counts the pieces stored, and the piece that brings
 it to k loads the others' states, merges them into its own and runs the ordinary epilogue. The
-counters are zero at launch (the host zeroes them per call).
+counters are zero at launch. In the forward the last piece sets its counter back to zero, so a
+launch leaves them as it found them: the host keeps one zeroed buffer per device and stream
+(`kernels/host/split_counters.py`) instead of zeroing a new one per call.
 
 Memory order: each thread's stores, then its gpu-scope fence, then the warpgroup barrier, then
 one thread's acq_rel atomic (cumulative over what the barrier made it see); on the reading side
@@ -67,10 +69,12 @@ def _merge_state(ws: cute.Tensor, slot: Int32, lane: Int32, acc_o: cute.Tensor, 
 
 @cute.jit
 def _count_piece(counters: cute.Tensor, index: Int32, flags: cute.Tensor, flag: Int32, lane: Int32,
-                 threads: cutlass.Constexpr[int], barrier_id: Int32, ways) -> cutlass.Boolean:
+                 threads: cutlass.Constexpr[int], barrier_id: Int32, ways,
+                 leave_zero: cutlass.Constexpr[bool] = False) -> cutlass.Boolean:
     """After every thread of a group stored its part of a piece: the piece counted in
     `counters[index]`, and whether it was the last of its `ways` (the same answer on every thread
-    of the group; `flags[flag]` hands the counter's value to them)."""
+    of the group; `flags[flag]` hands the counter's value to them). leave_zero: the last piece
+    sets the counter back to zero."""
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
     if lane == 0:
@@ -79,6 +83,8 @@ def _count_piece(counters: cute.Tensor, index: Int32, flags: cute.Tensor, flag: 
     last = flags[flag] == ways - 1
     if last:
         cute.arch.fence_acq_rel_gpu()
+        if leave_zero and lane == 0:  # every piece has counted: nothing reads it again in this launch
+            counters[index] = Int32(0)
     return last
 
 
@@ -91,13 +97,13 @@ def finish_piece(ws: cute.Tensor, counters: cute.Tensor, flags: cute.Tensor, pie
     is the one that writes the item's rows (every thread of the warpgroup gets the same answer).
 
     ws: (slots, values, 128) fp32, slot (split_index * num_wg + wg) * ways + piece; counters:
-    (split items * num_wg,) int32, zero at launch; flags: a shared int32 per warpgroup (the
+    (split items * num_wg,) int32, zero at launch and at exit; flags: a shared int32 per warpgroup (the
     counter's value handed to the whole warpgroup); barrier_id: a named barrier of the
     warpgroup's 128 threads."""
     item_wg = split_index * num_wg + wg
     first_slot = item_wg * ways
     _store_state(ws, first_slot + piece, lane, acc_o, ref, row_sum)
-    last = _count_piece(counters, item_wg, flags, wg, lane, 128, barrier_id, ways)
+    last = _count_piece(counters, item_wg, flags, wg, lane, 128, barrier_id, ways, leave_zero=True)
     if last:
         for q in cutlass.range_constexpr(ways):
             if q != piece:

@@ -84,3 +84,27 @@ def test_decode_softcap_and_its_gradient():
     assert rel_error(out, ref) < 2e-2
     for g, r in zip(grads, ref_grads):
         assert rel_error(g, r) < 3e-2
+
+
+def test_split_counters_are_left_zero_and_kept_per_stream(configs):
+    """The split's piece counters come back to zero after each launch, so one buffer per stream
+    serves every decode step: consecutive steps (fresh inputs) on two streams stay exact."""
+    from torch_fa4.kernels.host import split_counters
+
+    B, Sk, Hq, Hkv, D = 2, 32768 + 5, 16, 2, 128
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        for _ in range(2):
+            q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = torch_fa4.attention(q, k, v, causal=True)
+            torch.cuda.synchronize()
+            ref, _ = naive_attention(q, k, v, causal=True, device="cuda")
+            low, _ = naive_attention(q, k, v, causal=True, device="cuda", score_dtype=torch.bfloat16)
+            assert rel_error(out, ref) <= 2 * max(rel_error(low, ref), 2 ** -9)
+            assert configs[-1][1].split_ways > 1
+    streams = {key[1] for key in split_counters._buffers}
+    assert {torch.cuda.current_stream().cuda_stream, side.cuda_stream} <= streams
+    assert all(int(buf.abs().sum()) == 0 for buf in split_counters._buffers.values())
