@@ -15,7 +15,7 @@ itself; a counter per (split item, warpgroup) counts the pieces stored, and the 
 it to k loads the others' states, merges them into its own and runs the ordinary epilogue. The
 counters are zero at launch. In the forward the last piece sets its counter back to zero, so a
 launch leaves them as it found them: the host keeps one zeroed buffer per device and stream
-(`kernels/host/split_counters.py`) instead of zeroing a new one per call.
+(`kernels/host/split_scratch.py`) instead of zeroing a new one per call.
 
 Memory order: each thread's stores, then its gpu-scope fence, then the warpgroup barrier, then
 one thread's acq_rel atomic (cumulative over what the barrier made it see); on the reading side

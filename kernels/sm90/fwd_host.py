@@ -20,7 +20,7 @@ import torch
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels import compile_cache
 from torch_fa4.kernels.host import fwd_launch, paged_kv
-from torch_fa4.kernels.host import split_counters, split_plan as split_plan_mod
+from torch_fa4.kernels.host import split_plan as split_plan_mod, split_scratch
 from torch_fa4.kernels.host.block_mask_layout import block_mask_tensors_reason
 from torch_fa4.kernels.sm90 import fwd_launch_record
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX, FwdConfig
@@ -394,10 +394,10 @@ def split_spec(cfg: FwdConfig, call: AttentionCall) -> Optional[tuple]:
 
 def split_buffers(spec: Optional[tuple], device: torch.device) -> list:
     """The split tail's launch arguments from `split_spec`: every piece's state (written before it
-    is read) and the piece counters (zero, and left zero by the launch: host/split_counters.py)."""
+    is read) and the piece counters (zero, and left zero by the launch), kept per stream
+    (host/split_scratch.py)."""
     if spec is None:
         return [None, None, 0]
     ws_shape, slots, items = spec
-    ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
-    return [ws, split_counters.zeroed(slots, device), items]
+    return [*split_scratch.buffers(ws_shape, slots, device), items]
 

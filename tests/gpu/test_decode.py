@@ -88,8 +88,9 @@ def test_decode_softcap_and_its_gradient():
 
 def test_split_counters_are_left_zero_and_kept_per_stream(configs):
     """The split's piece counters come back to zero after each launch, so one buffer per stream
-    serves every decode step: consecutive steps (fresh inputs) on two streams stay exact."""
-    from torch_fa4.kernels.host import split_counters
+    (and one workspace per stream and shape) serves every decode step: consecutive steps (fresh
+    inputs) on two streams stay exact."""
+    from torch_fa4.kernels.host import split_scratch
 
     B, Sk, Hq, Hkv, D = 2, 32768 + 5, 16, 2, 128
     side = torch.cuda.Stream()
@@ -105,6 +106,6 @@ def test_split_counters_are_left_zero_and_kept_per_stream(configs):
             low, _ = naive_attention(q, k, v, causal=True, device="cuda", score_dtype=torch.bfloat16)
             assert rel_error(out, ref) <= 2 * max(rel_error(low, ref), 2 ** -9)
             assert configs[-1][1].split_ways > 1
-    streams = {key[1] for key in split_counters._buffers}
+    streams = {key[1] for key in split_scratch._counters}
     assert {torch.cuda.current_stream().cuda_stream, side.cuda_stream} <= streams
-    assert all(int(buf.abs().sum()) == 0 for buf in split_counters._buffers.values())
+    assert all(int(buf.abs().sum()) == 0 for buf in split_scratch._counters.values())
