@@ -1,0 +1,117 @@
+"""sm100 backward entry point: which calls the Blackwell backward takes, and running it.
+
+`backward` = row statistics and the zeroed fp32 dQ buffer (the sm90 backward's fused pass,
+kernels/sm90/bwd_row_stats.py, compiled for sm_100a) -> the tcgen05 kernel (bwd_kernel.py) -> dQ
+fp32 -> dtype with the softmax scale (kernels/sm90/bwd_dq_convert.py, compiled for sm_100a).
+
+Compile-verified only: no Blackwell GPU has run this kernel, so `unsupported_reason` accepts
+exactly the variants tests/test_sm100_bwd_compile.py compiles for sm_100a: fp16 / bf16, D = Dv in
+(64, 96, 128), causal, sliding window, softcap, GQA / MQA, seqused_k, varlen with cu_seqlens on
+both sides, deterministic dQ. It refuses (the call runs on the next kernel family) score_mod /
+mask_mod, block masks, head dims above 128 (dK, dV, S^T and dP^T of a 128-key tile leave no
+tensor-memory columns for them), Dv != D and cu_seqlens on one side only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from torch_fa4.kernels.sm90 import bwd_dq_convert
+from torch_fa4.kernels.sm90.bwd import main_scalars, tma_compatible
+from torch_fa4.kernels.sm90.bwd_buffers import dq_buffer, dq_buffer_shape
+from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, cached_compile, compile_with_stream, cute_dtype, kernel_args
+from torch_fa4.kernels.sm90.bwd_config import BwdConfig
+from torch_fa4.kernels.sm90.bwd_row_stats import row_statistics
+from torch_fa4.kernels.sm90.bwd_variant import LaunchPlan, window
+from torch_fa4.kernels.sm100.bwd_config import TILE_M, TILE_N
+
+if TYPE_CHECKING:
+    from torch_fa4.call import AttentionCall
+
+ARCH = "sm_100a"
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+
+
+def unsupported_reason(call: "AttentionCall") -> Optional[str]:
+    q, k, v = call.q, call.k, call.v
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) != (10, 0):
+        major, minor = torch.cuda.get_device_capability(q.device)
+        return f"sm_{major}{minor} (sm100 backward compiled and checked for sm_100a only)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"sm100 backward takes fp16/bf16, not {q.dtype}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return "q, k, v dtypes differ"
+    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v != call.head_dim:
+        return (f"sm100 backward takes head dims {SUPPORTED_HEAD_DIMS} with Dv = D, "
+                f"not D={call.head_dim}, Dv={call.head_dim_v}")
+    if call.mod_key or call.mods is not None:
+        return "sm100 backward has no score_mod/mask_mod yet"
+    if call.block_mask:
+        return "sm100 backward has no block masks yet"
+    if call.is_varlen != (call.cu_seqlens_k is not None):
+        return "sm100 backward takes cu_seqlens on both sides or neither"
+    if call.num_heads % call.num_heads_kv != 0:
+        return "query heads are not a multiple of KV heads"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not tma_compatible(t):
+            return f"{name} is not TMA-compatible (last dim contiguous, 16-byte strides/pointer)"
+    return None
+
+
+def variant_key(call: "AttentionCall", deterministic: bool) -> BwdConfig:
+    """The compiled variant that runs `call` (the sm90 backward's key, read by bwd_config.py)."""
+    right, left = window(call)
+    return BwdConfig(
+        dtype=call.q.dtype, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
+        group=call.num_heads // call.num_heads_kv, has_right=right is not None, has_left=left is not None,
+        softcap=call.softcap > 0, varlen=call.is_varlen, seqused_k=call.seqused_k is not None,
+        deterministic=bool(deterministic), mods_key="", sparse=None, tile_n=TILE_N, tile_m=TILE_M,
+        persistent=False, fused_dq=False, split_tail=False,
+        mask_key_tail=not call.is_varlen and call.seqused_k is None and call.k.shape[1] % TILE_N != 0,
+    )
+
+
+def compile_variant(config: BwdConfig, arch: str = ARCH, dump_dir: Optional[str] = None):
+    """Compile one variant against symbolic shapes (no GPU needed); dump_dir: also write the cubin
+    there (always compiles, bypassing the cache)."""
+
+    def build(dump, jit=True):
+        from torch_fa4.kernels.sm100.bwd_kernel import Sm100AttentionBackward
+
+        kernel = Sm100AttentionBackward(cute_dtype(config.dtype), config)
+        return compile_with_stream(kernel, kernel_args(config), arch, dump, jit)
+
+    return cached_compile(("sm100_bwd", arch, config), build, dump_dir)
+
+
+def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+    """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's)."""
+    from torch_fa4.kernels.host import fwd_launch
+    from torch_fa4.kernels.sm90.bwd import _tma_view
+
+    key = variant_key(call, deterministic)
+    fn = compile_variant(key)
+    q, k, v = call.q, call.k, call.v
+    if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
+        dout = dout.contiguous()
+    dq_acc_rows, dq_acc = dq_buffer(dq_buffer_shape(call), call.is_varlen, q.device)
+    lse2, dpsum, _ = row_statistics(call, dout, out, lse, 0, TILE_M, zero_dq=dq_acc_rows, arch=ARCH)
+    max_q, max_k = fwd_launch.max_seqlens(call)
+    sem = None
+    if deterministic:
+        sem = torch.zeros((call.batch, call.num_heads, max(math.ceil(max_q / TILE_M), 1)), dtype=torch.int32,
+                          device=q.device)
+    seqused, cu_q, cu_k = (t.to(torch.int32).contiguous() if t is not None else None
+                           for t in (call.seqused_k, call.cu_seqlens_q, call.cu_seqlens_k))
+    q, k, v, dout, dk, dv = map(_tma_view, (q, k, v, dout, dk, dv))
+    plan = LaunchPlan(key, 0, 1, 1, 1, max_q, max_k)
+    fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, None, cu_q, cu_k, seqused, sem, None, None,
+       None, None, None, None, *main_scalars(call, plan), *([None] * MAX_AUX))
+    if bwd_dq_convert.takes(dq_acc_rows, dq):
+        bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, arch=ARCH)
+    else:
+        with torch.no_grad():
+            torch.mul(dq_acc_rows.view(dq.shape), call.scale, out=dq)
