@@ -28,7 +28,8 @@ def smem_bytes(d: int, dv: int, stages: int) -> int:
 
 
 def ring_stages(d: int, dv: int) -> int:
-    """Q / dO ring depth: two stages where they fit (D <= 96), else one (D = 128: 160 KB)."""
+    """Q / dO ring depth: two stages where they fit (every D <= 128: 224 KB of tiles at D = 128,
+    226 KB with the statistics and barriers), else one."""
     for stages in range(MAX_STAGES, 0, -1):
         if smem_bytes(d, dv, stages) <= SMEM_LIMIT:
             return stages
