@@ -1,8 +1,10 @@
 """sm100 backward entry point: which calls the Blackwell backward takes, and running it.
 
 `backward` = row statistics and the zeroed fp32 dQ buffer (the sm90 backward's fused pass,
-kernels/sm90/bwd_row_stats.py, compiled for sm_100a) -> the tcgen05 kernel (bwd_kernel.py) -> dQ
-fp32 -> dtype with the softmax scale (kernels/sm90/bwd_dq_convert.py, compiled for sm_100a).
+kernels/sm90/bwd_prepare.py, compiled for sm_100a) -> the tcgen05 kernel (bwd_kernel.py) -> dQ
+fp32 -> dtype with the softmax scale (kernels/sm90/bwd_dq_convert.py, compiled for sm_100a). Both
+passes are architecture-neutral CuTe DSL (plain loads / stores, programmatic dependent launch,
+which sm_100 has).
 
 Compile-verified only: no Blackwell GPU has run this kernel, so `unsupported_reason` accepts
 exactly the variants tests/test_sm100_bwd_compile.py compiles for sm_100a: fp16 / bf16, D = Dv in
@@ -22,9 +24,9 @@ import torch
 from torch_fa4.kernels.sm90 import bwd_dq_convert
 from torch_fa4.kernels.sm90.bwd import main_scalars, tma_compatible
 from torch_fa4.kernels.sm90.bwd_buffers import dq_buffer, dq_buffer_shape
-from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, cached_compile, compile_with_stream, cute_dtype, kernel_args
+from torch_fa4.kernels.sm90.bwd_compile import (MAX_AUX, cached_compile, compile_with_stream, cute_dtype,
+                                                kernel_args)
 from torch_fa4.kernels.sm90.bwd_config import BwdConfig
-from torch_fa4.kernels.sm90.bwd_row_stats import row_statistics
 from torch_fa4.kernels.sm90.bwd_variant import LaunchPlan, window
 from torch_fa4.kernels.sm100.bwd_config import TILE_M, TILE_N
 
@@ -98,7 +100,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
     dq_acc_rows, dq_acc = dq_buffer(dq_buffer_shape(call), call.is_varlen, q.device)
-    lse2, dpsum, _ = row_statistics(call, dout, out, lse, 0, TILE_M, zero_dq=dq_acc_rows, arch=ARCH)
+    lse2, dpsum = _row_statistics(call, dout, out, lse, dq_acc_rows)
     max_q, max_k = fwd_launch.max_seqlens(call)
     sem = None
     if deterministic:
@@ -110,8 +112,31 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     plan = LaunchPlan(key, 0, 1, 1, 1, max_q, max_k)
     fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, None, cu_q, cu_k, seqused, sem, None, None,
        None, None, None, None, *main_scalars(call, plan), *([None] * MAX_AUX))
+    # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype
     if bwd_dq_convert.takes(dq_acc_rows, dq):
-        bwd_dq_convert.scaled_narrow(dq_acc_rows, dq, call.scale, arch=ARCH)
+        bwd_dq_convert.compile_kernel(dq.dtype, ARCH)(dq_acc_rows.view(-1), dq.view(-1), float(call.scale))
     else:
         with torch.no_grad():
             torch.mul(dq_acc_rows.view(dq.shape), call.scale, out=dq)
+
+
+def _row_statistics(call: "AttentionCall", dout, out, lse, dq_acc_rows) -> tuple:
+    """(lse * log2 e, rowsum(dO * O)) padded to whole 128-query tiles (varlen: at tile-aligned
+    sequence offsets), and the dQ buffer zeroed: the sm90 backward's fused pass compiled for
+    sm_100a (it is architecture-neutral), else bwd_row_stats' torch path."""
+    from torch_fa4.kernels.sm90 import bwd_prepare, bwd_row_stats
+
+    if not (dout.is_cuda and bwd_prepare.unsupported_reason(dout, out, lse) is None):
+        lse2, dpsum, _ = bwd_row_stats.row_statistics(call, dout, out, lse, 0, TILE_M, zero_dq=dq_acc_rows)
+        return lse2, dpsum
+    rows = bwd_row_stats.stat_rows(call, TILE_M)
+    fused_zero = bwd_prepare.dq_zeroing_takes(dq_acc_rows, dout)
+    stats = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
+    fn = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], arch=ARCH,
+                                    d_zero=dq_acc_rows.shape[-1] if fused_zero else 0)
+    bwd_prepare.launch(fn, dout, out, lse, stats[0], stats[1], dq_acc_rows if fused_zero else None)
+    if not fused_zero:
+        dq_acc_rows.zero_()
+    if call.is_varlen:
+        return bwd_row_stats.varlen_stat_layout(call, stats, TILE_M)
+    return stats[0], stats[1]

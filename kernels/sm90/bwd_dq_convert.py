@@ -60,7 +60,6 @@ def takes(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0)
 
 
-def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float, arch: str = "sm_90a") -> None:
-    """dst = src * scale in dst's dtype (call when `takes(src, dst)`; `arch`: what the pass is compiled
-    for, the sm100 backward shares it)."""
-    compile_kernel(dst.dtype, arch)(src.view(-1), dst.view(-1), float(scale))
+def scaled_narrow(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
+    """dst = src * scale in dst's dtype (call when `takes(src, dst)`)."""
+    compile_kernel(dst.dtype)(src.view(-1), dst.view(-1), float(scale))

@@ -130,8 +130,7 @@ def unsupported_reason(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor)
     return None
 
 
-def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None,
-                   arch: str = "sm_90a"):
+def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rows: int, dq_acc=None):
     """lse2 and dpsum stacked in one (2, B, H, rows) dense or (2, H, rows) varlen contiguous fp32
     buffer (`lse2, dpsum = row_statistics(...)` unpacks it), from dout/out (B, S, H, Dv) or
     (T, H, Dv) and lse (B, H, S) or (H, T). Call when unsupported_reason is None.
@@ -139,12 +138,11 @@ def row_statistics(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, row
     # one allocation for both (each costs the host time per call); the second half starts B*H*rows
     # floats in, 16-byte aligned for the backward's TMA with bwd_row_stats.row_statistics' rows (whole tiles)
     stats = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
-    row_statistics_into(dout, out, lse, stats[0], stats[1], dq_acc, arch)
+    row_statistics_into(dout, out, lse, stats[0], stats[1], dq_acc)
     return stats
 
 
-def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None,
-                        arch: str = "sm_90a") -> None:
+def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor, dq_acc=None) -> None:
     """Like row_statistics, into given contiguous fp32 buffers of shape (*lse.shape[:-1], rows),
     rows >= S; every element is written (padding included). dq_acc, if given, must satisfy
     dq_zeroing_takes (the caller checks it once)."""
@@ -152,7 +150,7 @@ def row_statistics_into(dout, out, lse, lse2: torch.Tensor, dpsum: torch.Tensor,
         assert t.dtype == torch.float32 and t.shape[:-1] == lse.shape[:-1] and t.stride(-1) == 1, t.shape
         assert t.shape[-1] >= lse.shape[-1], "fewer rows than the sequence"
     d_zero = 0 if dq_acc is None else dq_acc.shape[-1]
-    fn = compile_kernel(dout.dtype, dout.shape[-1], arch=arch, d_zero=d_zero)
+    fn = compile_kernel(dout.dtype, dout.shape[-1], d_zero=d_zero)
     launch(fn, dout, out, lse, lse2, dpsum, dq_acc)
 
 

@@ -25,7 +25,7 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 
 
 def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, tile_m: int = TILE_M,
-                   zero_dq=None, arch: str = "sm_90a"):
+                   zero_dq=None):
     """(lse * log2 e, rowsum(dO * O), rows) in fp32 per query row, padded to whole query tiles
     of `tile_m` rows (at least `min_rows`, dense: a block-sparse walk's last block-mask row);
     (B, Hq, rows) dense, (Hq, rows) varlen. Rows with no visible key (lse = -inf) and padding
@@ -33,7 +33,6 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
 
     The fused bwd_prepare kernel where it takes the tensors, else (CPU, odd views) the torch
     expression below. `zero_dq`: a dQ buffer to zero as well (inside the fused pass where it can).
-    `arch`: what the fused pass is compiled for (the sm100 backward shares it).
     """
     rows = stat_rows(call, tile_m, min_rows)
     if dout.is_cuda:
@@ -41,7 +40,7 @@ def row_statistics(call: "AttentionCall", dout, out, lse, min_rows: int = 0, til
 
         if bwd_prepare.unsupported_reason(dout, out, lse) is None:
             fused_zero = zero_dq is not None and bwd_prepare.dq_zeroing_takes(zero_dq, dout)
-            stats = bwd_prepare.row_statistics(dout, out, lse, rows, zero_dq if fused_zero else None, arch)
+            stats = bwd_prepare.row_statistics(dout, out, lse, rows, zero_dq if fused_zero else None)
             if zero_dq is not None and not fused_zero:
                 zero_dq.zero_()
             if call.is_varlen:
