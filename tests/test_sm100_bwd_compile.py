@@ -17,6 +17,7 @@ the two canonical layouts agree.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -214,3 +215,55 @@ def test_ring_depth_fits_shared_memory():
     assert smem_bytes(128, 128, 3) > SMEM_LIMIT >= smem_bytes(128, 128, 2)
     with pytest.raises(ValueError, match="shared memory"):
         ring_stages(256, 256)
+
+
+@pytest.mark.parametrize("name", ["prepare", "convert"])
+def test_shared_passes_compile_for_sm100(name, tmp_path):
+    """The row-statistics / dQ-zeroing pass and the dQ conversion are the sm90 backward's modules,
+    compiled for sm_100a here (they use no Hopper-only instruction)."""
+    from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_prepare
+
+    if name == "prepare":
+        bwd_prepare.compile_kernel(torch.bfloat16, 128, arch="sm_100a", dump_dir=str(tmp_path), d_zero=128)
+    else:
+        bwd_dq_convert.compile_kernel(torch.float16, arch="sm_100a", dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path, "*.sm_100a.cubin")
+    assert "LDG" in sass and "STG" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.parametrize("name", ["d128_causal", "d96_seqused_gqa", "d64_varlen_window_deterministic"])
+def test_launch_hands_the_kernel_its_compiled_arguments(name, monkeypatch):
+    """The host's launch (CPU tensors, an emulated kernel) passes exactly the arguments the variant
+    was compiled against: same count, tensors where the compiled signature has tensors, None where
+    it has None, and the scalars."""
+    from torch_fa4.kernels.sm100 import bwd
+    from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, kernel_args
+
+    call_kw, deterministic = VARIANTS[name]
+    call_kw = dict(call_kw, S=200)
+    if call_kw.get("varlen"):
+        call_kw["S"] = 300
+    call = _call(**call_kw)
+    call = replace(call, **{n: torch.randn(t.shape).to(t.dtype) for n, t in (("q", call.q), ("k", call.k),
+                                                                           ("v", call.v))})
+    cfg = bwd.variant_key(call, deterministic)
+    launched = []
+    monkeypatch.setattr(bwd, "compile_variant", lambda key: (lambda *args: launched.append((key, args))))
+    dout = torch.randn(call.out_shape()).to(call.q.dtype)
+    out = torch.randn(call.out_shape()).to(call.q.dtype)
+    lse = torch.randn(call.lse_shape())
+    grads = [torch.empty_like(t) for t in (call.q, call.k, call.v)]
+    bwd.backward(call, dout, out, lse, *grads, deterministic)
+    (key, args), = launched
+    assert key == cfg
+    want = kernel_args(cfg)
+    assert len(args) == len(want)
+    for got, w in zip(args, want):
+        assert (got is None) == (w is None)
+        if isinstance(got, torch.Tensor):
+            assert got.dim() == len(w.shape), (got.shape, w.shape)
+    # the scalars before the captured tensors: scale, scale * log2 e, softcap, window, longest keys
+    scalars = args[-MAX_AUX - 11:-MAX_AUX]
+    assert scalars[0] == pytest.approx(call.scale) and scalars[1] == pytest.approx(call.scale * math.log2(math.e))
+    assert scalars[5] == (call.max_seqlen_k if call.is_varlen else call.k.shape[1])
+    assert all(a is None for a in args[-MAX_AUX:])
