@@ -5,8 +5,8 @@ tests/test_sm100_fwd_compile.py is the forward's). Per variant: the five matmuls
 tcgen05 UMMAs (`UTCHMMA`, exactly as many as the kernel issues: S^T and dP^T over the head dim,
 dV, dK and dQ over 128 queries / keys), S^T, dP^T, dQ, dK and dV move through tensor memory
 (`LDTM`, P^T back with `STTM`), Q / dO / K / V arrive by TMA (`UTMALDG`), dQ leaves by fp32
-atomics (one per head-dim column), nothing spills to local memory, and the tiles fit tensor
-memory (512 columns) and shared memory (227 KB: the kernel asserts its whole shared storage while
+atomics (a RED of four columns each), dS^T by 16-byte shared-memory stores, nothing spills to
+local memory, and the tiles fit tensor memory (512 columns) and shared memory (227 KB: the kernel asserts its whole shared storage while
 compiling). One compile per variant (a few seconds to tens of seconds each); VARIANTS is a
 representative set of the supported feature combinations (each feature at least once, each head
 dim at least twice).
@@ -83,11 +83,13 @@ def test_variant_compiles_to_umma(name, tmp_path):
     assert "STTM" in sass, "P^T does not go back to tensor memory"
     assert "UTMALDG" in sass, "no TMA loads"
     assert sass.count("LDL") + sass.count("STL") == 0, "local-memory spills"
-    # one fp32 add per head-dim column of the thread's dQ row (RED, or ATOM beside the
-    # deterministic mode's fence), and the semaphore's atomics in deterministic mode
-    adds = sass.count("REDG.E.ADD.F32") + sass.count("ATOMG.E.ADD.F32")
-    assert adds == cfg.head_dim, adds
+    # the thread's dQ row added four fp32 columns per RED; the semaphore's atomics in
+    # deterministic mode only
+    assert sass.count("REDG.E.ADD.F32x4") == cfg.head_dim // 4
+    assert "ATOMG.E.ADD.F32" not in sass
     assert ("ATOMG.E.ADD.STRONG.GPU" in sass) == deterministic
+    # dS^T reaches shared memory in 16-byte stores: 4 per 32-query chunk
+    assert sass.count("STS.128") == 4
     exps = sass.count("MUFU.EX2")
     assert exps in (32, 64), f"{exps} exp2: one per query of a 32-query chunk (once or per mask path)"
     assert ("MUFU.TANH" in sass) == cfg.softcap

@@ -63,8 +63,10 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 
+from torch_fa4.kernels.common.convert import convert_pairs
 from torch_fa4.kernels.sm100.bwd_config import (COMPUTE_WARP0, DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS,
                                                 TILE_M, TILE_N, Sm100BwdLayout)
+from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import TMEM_COLUMNS, fence_after_sync, fence_before_sync, tmem_copy, umma
 from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk
 from torch_fa4.kernels.sm90.bwd_scores import BwdScores
@@ -208,6 +210,8 @@ class Sm100AttentionBackward(BwdScores):
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
 
+        # the dS^T stores apply this swizzle by hand (bwd_stores.swizzle_128b)
+        assert str(sdS_layout.inner).startswith(SWIZZLE_128B), sdS_layout.inner
         assert Storage.size_in_bytes() <= SMEM_BYTES, f"{Storage.size_in_bytes()} bytes of shared memory"
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
         grid = (cute.ceil_div(max_seqlen_k, TILE_N), mK.shape[2], batch)  # (key tile, kv head, batch)
@@ -469,8 +473,8 @@ class Sm100AttentionBackward(BwdScores):
         thr_store = store_p.get_slice(tid)
         tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_chunk))
         p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_N, _P_COLS))).shape
-        # this thread's row of dS^T (key tid) in query order
-        sdS_row = sdS[(tid, None), 0, None, 0]
+        # dS^T's raw shared-memory address (the swizzle is applied per store: bwd_stores)
+        sdS_base = sdS.iterator.toint()
         row_layout = cute.make_layout((1, _CHUNK))
         walk = tile.walk
         key0 = tile.n_block * TILE_N
@@ -509,11 +513,16 @@ class Sm100AttentionBackward(BwdScores):
                 rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
                 rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
                 cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
-                # dS^T chunk -> shared memory (key tid, queries 32c ..)
+                # dS^T chunk -> shared memory (key tid, queries 32c ..): 16-byte stores of 8
+                # queries each, at the tile's swizzled byte address
                 rdS16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
-                rdS16.store(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                for k in cutlass.range_constexpr(_CHUNK):
-                    sdS_row[t_q + k] = rdS16[k]
+                convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
+                rdS32 = cute.recast_tensor(rdS16, Int32)
+                for v in cutlass.range_constexpr(_CHUNK // 8):
+                    q = t_q + 8 * v
+                    elem = cute.crd2idx(((tid, q % 16), 0, q // 16, 0), sdS.layout)
+                    addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
+                    st_shared_v4(addr, *(rdS32[4 * v + i] for i in range(4)))
             cute.arch.fence_view_async_tmem_store()
             # the dS^T stores (generic proxy) before the MMA's reads (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -595,8 +604,9 @@ class Sm100AttentionBackward(BwdScores):
             row = m_block * TILE_M + tid
             if row < tile.seqlen_q:
                 g = self._head_rows(mdQacc, h, tile.b, tile.q_off)
-                for k in cutlass.range_constexpr(d):
-                    cute.arch.atomic_add(g.iterator + cute.crd2idx((row, k), g.layout), rdQ[k])
+                row_addr = (g.iterator + cute.crd2idx((row, 0), g.layout)).toint()
+                for k in cutlass.range_constexpr(0, d, 4):  # (the buffer's rows are 16-byte aligned)
+                    red_add_f32x4(row_addr + 4 * k, *(rdQ[k + i] for i in range(4)))
             if const_expr(self.deterministic):
                 self._pass_turn(mSem, tile, h, m_block, tid)
 
