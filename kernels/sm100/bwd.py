@@ -49,10 +49,12 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
     if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v != call.head_dim:
         return (f"sm100 backward takes head dims {SUPPORTED_HEAD_DIMS} with Dv = D, "
                 f"not D={call.head_dim}, Dv={call.head_dim_v}")
-    if call.mod_key or call.mods is not None:
-        return "sm100 backward has no score_mod/mask_mod yet"
-    if call.block_mask:
-        return "sm100 backward has no block masks yet"
+    if call.mod_key and call.mods is None:
+        return "score_mod/mask_mod key given but not resolved to a ModSet"
+    if call.mods is not None and len(call.aux_tensors) > MAX_AUX:
+        return f"mods capture {len(call.aux_tensors)} tensors (sm100 backward: at most {MAX_AUX})"
+    if call.block_mask and (call.mods is None or call.mods.mask_graph is None):
+        return "a block mask without its mask_mod"
     if call.is_varlen != (call.cu_seqlens_k is not None):
         return "sm100 backward takes cu_seqlens on both sides or neither"
     if call.num_heads % call.num_heads_kv != 0:
@@ -65,12 +67,20 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
 
 def variant_key(call: "AttentionCall", deterministic: bool) -> BwdConfig:
     """The compiled variant that runs `call` (the sm90 backward's key, read by bwd_config.py)."""
+    from torch_fa4.kernels.sm90.bwd_sparse import ratios, sparse_walk_reason
+
     right, left = window(call)
+    # a block mask drives the walk where its tiles are whole kernel tiles (else the mask_mod runs
+    # on every tile of the dense walk: slower, same result)
+    sparse = None
+    if sparse_walk_reason(call, deterministic, TILE_N, TILE_M) is None:
+        sparse = ratios(call, TILE_N, TILE_M)
     return BwdConfig(
         dtype=call.q.dtype, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
         group=call.num_heads // call.num_heads_kv, has_right=right is not None, has_left=left is not None,
         softcap=call.softcap > 0, varlen=call.is_varlen, seqused_k=call.seqused_k is not None,
-        deterministic=bool(deterministic), mods_key="", sparse=None, tile_n=TILE_N, tile_m=TILE_M,
+        deterministic=bool(deterministic), mods_key=call.mods.key if call.mods is not None else "",
+        sparse=sparse, tile_n=TILE_N, tile_m=TILE_M,
         persistent=False, fused_dq=False, split_tail=False,
         mask_key_tail=not call.is_varlen and call.seqused_k is None and call.k.shape[1] % TILE_N != 0,
     )
@@ -83,8 +93,13 @@ def compile_variant(config: BwdConfig, arch: str = ARCH, dump_dir: Optional[str]
     def build(dump, jit=True):
         from torch_fa4.kernels.sm100.bwd_kernel import Sm100AttentionBackward
 
-        kernel = Sm100AttentionBackward(cute_dtype(config.dtype), config)
-        return compile_with_stream(kernel, kernel_args(config), arch, dump, jit)
+        mods = None
+        if config.mods_key:
+            from torch_fa4.mods import registry
+
+            mods = registry.lookup(config.mods_key)
+        kernel = Sm100AttentionBackward(cute_dtype(config.dtype), config, mods)
+        return compile_with_stream(kernel, kernel_args(config, mods), arch, dump, jit)
 
     return cached_compile(("sm100_bwd", arch, config), build, dump_dir)
 
@@ -100,7 +115,14 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()
     dq_acc_rows, dq_acc = dq_buffer(dq_buffer_shape(call), call.is_varlen, q.device)
-    lse2, dpsum = _row_statistics(call, dout, out, lse, dq_acc_rows)
+    lists = [None] * 4
+    min_rows = 0
+    if key.sparse is not None:
+        from torch_fa4.kernels.sm90 import bwd_sparse
+
+        lists = bwd_sparse.transposed_lists(call)
+        min_rows = bwd_sparse.padded_rows(call)
+    lse2, dpsum = _row_statistics(call, dout, out, lse, dq_acc_rows, min_rows)
     max_q, max_k = fwd_launch.max_seqlens(call)
     sem = None
     if deterministic:
@@ -110,8 +132,13 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
                            for t in (call.seqused_k, call.cu_seqlens_q, call.cu_seqlens_k))
     q, k, v, dout, dk, dv = map(_tma_view, (q, k, v, dout, dk, dv))
     plan = LaunchPlan(key, 0, 1, 1, 1, max_q, max_k)
+    aux = [None] * MAX_AUX
+    if call.mods is not None:
+        from torch_fa4.kernels.common import mod_lowering
+
+        aux = mod_lowering.kernel_aux_tensors(call.aux_tensors, MAX_AUX)
     fn(q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, None, cu_q, cu_k, seqused, sem, None, None,
-       None, None, None, None, *main_scalars(call, plan), *([None] * MAX_AUX))
+       *lists, *main_scalars(call, plan), *aux)
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype
     if bwd_dq_convert.takes(dq_acc_rows, dq):
         bwd_dq_convert.compile_kernel(dq.dtype, ARCH)(dq_acc_rows.view(-1), dq.view(-1), float(call.scale))
@@ -120,16 +147,16 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
             torch.mul(dq_acc_rows.view(dq.shape), call.scale, out=dq)
 
 
-def _row_statistics(call: "AttentionCall", dout, out, lse, dq_acc_rows) -> tuple:
+def _row_statistics(call: "AttentionCall", dout, out, lse, dq_acc_rows, min_rows: int = 0) -> tuple:
     """(lse * log2 e, rowsum(dO * O)) padded to whole 128-query tiles (varlen: at tile-aligned
     sequence offsets), and the dQ buffer zeroed: the sm90 backward's fused pass compiled for
     sm_100a (it is architecture-neutral), else bwd_row_stats' torch path."""
     from torch_fa4.kernels.sm90 import bwd_prepare, bwd_row_stats
 
     if not (dout.is_cuda and bwd_prepare.unsupported_reason(dout, out, lse) is None):
-        lse2, dpsum, _ = bwd_row_stats.row_statistics(call, dout, out, lse, 0, TILE_M, zero_dq=dq_acc_rows)
+        lse2, dpsum, _ = bwd_row_stats.row_statistics(call, dout, out, lse, min_rows, TILE_M, zero_dq=dq_acc_rows)
         return lse2, dpsum
-    rows = bwd_row_stats.stat_rows(call, TILE_M)
+    rows = bwd_row_stats.stat_rows(call, TILE_M, min_rows)
     fused_zero = bwd_prepare.dq_zeroing_takes(dq_acc_rows, dout)
     stats = torch.empty((2, *lse.shape[:-1], rows), dtype=torch.float32, device=dout.device)
     fn = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], arch=ARCH,

@@ -15,11 +15,14 @@ TILE_M = 128  # queries per step (TMEM lanes of dQ)
 MAX_STAGES = 2
 SMEM_LIMIT = 227 * 1024 - 2048  # per CTA, less room for barriers and the LSE / dPsum buffers
 
-COMPUTE_WARP0 = 0
 DQ_WARP0 = 4
 MMA_WARP = 8
 LOAD_WARP = 9
 NUM_THREADS = 384  # warps 10-11 idle: three whole warpgroups
+# registers per thread after setmaxnreg for the compute, dQ and other (MMA, load, idle) warpgroups:
+# at most 3 * 168 (384 threads share 64K). The compute warps hold a 32-query chunk of S^T and dP^T
+# beside the mods' per-query / per-key values; the dQ warps a whole dQ row (D fp32)
+REGISTERS = (240, 160, 96)
 
 
 def smem_bytes(d: int, dv: int, stages: int) -> int:

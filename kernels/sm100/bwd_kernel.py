@@ -64,11 +64,12 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 
 from torch_fa4.kernels.common.convert import convert_pairs
-from torch_fa4.kernels.sm100.bwd_config import (COMPUTE_WARP0, DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS,
-                                                TILE_M, TILE_N, Sm100BwdLayout)
+from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, REGISTERS, TILE_M,
+                                                TILE_N, Sm100BwdLayout)
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import TMEM_COLUMNS, fence_after_sync, fence_before_sync, tmem_copy, umma
-from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk
+from torch_fa4.kernels.common import mod_lowering as mods_dsl
+from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, SparseQWalk
 from torch_fa4.kernels.sm90.bwd_scores import BwdScores
 
 SMEM_BYTES = 227 * 1024
@@ -78,14 +79,6 @@ _P_COLS = _CHUNK // 2  # 16-bit P^T of a 32-query chunk packs into 16 columns
 # warpgroup's deterministic turn
 _BAR_STATS = 1
 _BAR_DQ_TURN = 2
-
-
-class _ChunkCoords:
-    """A compute thread's 32-query chunk as BwdScores sees a fragment: element (0, c) is key +0,
-    query +c from the thread's origin (static offsets)."""
-
-    def __getitem__(self, rc):
-        return (0, rc[1])
 
 
 class _Tile(NamedTuple):
@@ -101,13 +94,14 @@ class _Tile(NamedTuple):
     rows_k: Int32  # rows of this sequence in the k tensor: dK / dV rows to write
     diag: Int32  # seqlen_k - seqlen_q
     stat_off: Int32  # where the sequence's LSE / dPsum rows start
-    walk: DenseQWalk
+    walk: object  # DenseQWalk / SparseQWalk over the query tiles
 
 
 class Sm100AttentionBackward(BwdScores):
-    def __init__(self, dtype, config):
+    def __init__(self, dtype, config, mods=None):
         """dtype: the cutlass input dtype; config: the variant (kernels/sm90/bwd_config.BwdConfig,
-        its sm100 reading: bwd_config.Sm100BwdLayout)."""
+        its sm100 reading: bwd_config.Sm100BwdLayout); mods: the torch_fa4.mods.registry.ModSet of
+        config.mods_key (None without mods), its graphs inlined as on sm90."""
         c = self.config = config
         self.dtype = dtype
         self.d, self.dv = c.head_dim, c.head_dim_v
@@ -118,10 +112,24 @@ class Sm100AttentionBackward(BwdScores):
         self.has_right, self.has_left = c.has_right, c.has_left
         # keys past seqlen_k (zero-filled tail, the next sequence, the unused cache) are masked
         self.mask_k = c.varlen or c.seqused_k or c.mask_key_tail
-        # BwdScores' mod and block-mask hooks: this kernel takes neither (bwd.unsupported_reason)
-        assert not c.mods_key and c.sparse is None
-        self.score_graph = self.mask_graph = self.grad_graph = None
-        self.sparse = False
+        # score_mod / mask_mod and their derivative, as the sm90 backward reads them (BwdScores)
+        self.score_graph = mods.score_graph if mods is not None else None
+        self.mask_graph = mods.mask_graph if mods is not None else None
+        self.grad_graph = None
+        if self.score_graph is not None and not mods_dsl.mod_graph_is_identity_grad(mods.score_grad_graph):
+            self.grad_graph = mods.score_grad_graph
+        self.num_score_aux = mods.num_score_aux if mods is not None else 0
+        self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
+        # block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles
+        self.sparse = c.sparse is not None
+        self.ratio_m, self.ratio_n = c.sparse if c.sparse is not None else (1, 1)
+        assert not self.sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
+        assert not (self.sparse and c.deterministic), "deterministic mode walks densely"
+        # registers moved to the compute warps (bwd_config.REGISTERS) where mods add per-score work:
+        # at an even 168 per thread the ALiBi + document block mask variant spilled 27 local loads /
+        # stores, rebalanced 12 (per-step scalars). Without mods 168 suffice, and rebalancing
+        # would spill one pre-split scalar (4 local loads / stores)
+        self.rebalance = mods is not None
         assert self.lay.tmem_columns <= TMEM_COLUMNS
 
     # ------------------------------------------------------------------ host side (jit)
@@ -152,6 +160,9 @@ class Sm100AttentionBackward(BwdScores):
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,
         stream,
     ):
+        aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
+        score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
+        q_lists = (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None
         unit = cute.make_layout(1, stride=0)
 
         def view(t, varlen_modes, dense_modes):  # sequence first, batch last (unit batch varlen)
@@ -221,18 +232,19 @@ class Sm100AttentionBackward(BwdScores):
             (sK_layout, sKt_layout, sV_layout, sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sdS_layout,
              sdSt_layout, tP_layout),
             (sdp_mma, dv_mma, dk_mma, dq_mma), (scale, scale_log2, softcap_val, window_left, window_right),
-            bytes_kv, bytes_qdo, Storage,
+            bytes_kv, bytes_qdo, Storage, q_lists, score_aux, mask_aux,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, gmem, tmas, mCuQ, mCuK, mSeqUsedK, mSem, layouts, mmas, scalars,
-               bytes_kv: cutlass.Constexpr[int], bytes_qdo: cutlass.Constexpr[int], Storage: cutlass.Constexpr):
+               bytes_kv: cutlass.Constexpr[int], bytes_qdo: cutlass.Constexpr[int], Storage: cutlass.Constexpr,
+               q_lists, score_aux, mask_aux):
         (sK_layout, sKt_layout, sV_layout, sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sdS_layout,
          sdSt_layout, tP_layout) = layouts
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
         n_block, hkv, b = cute.arch.block_idx()
-        tile = self._tile(gmem, mCuQ, mCuK, mSeqUsedK, n_block, hkv, b, scalars)
+        tile = self._tile(gmem, mCuQ, mCuK, mSeqUsedK, q_lists, n_block, hkv, b, scalars)
         # a key tile past the sequence's rows (varlen grids are sized for the longest): the whole
         # CTA leaves before any barrier
         if n_block * TILE_N < tile.rows_k:
@@ -281,15 +293,24 @@ class Sm100AttentionBackward(BwdScores):
             cols = self.lay.columns()
             acc = self._tmem_tensors(tmem, cols, mmas)
 
+            regs_compute, regs_dq, regs_other = REGISTERS
             if warp_idx < DQ_WARP0:
-                self.compute_role(acc, sdS, stats, pipe_s, pipe_acc, gmem, tile, scalars, tidx % 128)
+                if const_expr(self.rebalance):
+                    cute.arch.setmaxregister_increase(regs_compute)
+                self.compute_role(acc, sdS, stats, pipe_s, pipe_acc, gmem, tile, scalars, (score_aux, mask_aux),
+                                  tidx % 128)
             elif warp_idx < MMA_WARP:
+                if const_expr(self.rebalance):
+                    cute.arch.setmaxregister_decrease(regs_dq)
                 self.dq_role(acc, pipe_dq, gmem, mSem, tile, scalars, tidx % 128)
-            elif warp_idx == MMA_WARP:
-                self.mma_role(mmas, smem_ops, tmem, tP_layout, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq,
-                              pipe_acc, steps)
-            elif warp_idx == LOAD_WARP:
-                self.load_role(gmem, tmas, mmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, tile)
+            else:
+                if const_expr(self.rebalance):
+                    cute.arch.setmaxregister_decrease(regs_other)
+                if warp_idx == MMA_WARP:
+                    self.mma_role(mmas, smem_ops, tmem, tP_layout, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq,
+                                  pipe_acc, steps)
+                elif warp_idx == LOAD_WARP:
+                    self.load_role(gmem, tmas, mmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, tile)
 
             # every TMEM reader / writer is done: give the columns back
             cute.arch.sync_threads()
@@ -297,7 +318,7 @@ class Sm100AttentionBackward(BwdScores):
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     @cute.jit
-    def _tile(self, gmem, mCuQ, mCuK, mSeqUsedK, n_block, hkv, b, scalars) -> _Tile:
+    def _tile(self, gmem, mCuQ, mCuK, mSeqUsedK, q_lists, n_block, hkv, b, scalars) -> _Tile:
         """The key tile's sequence bookkeeping and its walk over query tiles (as the sm90
         backward's _tile_walk: query rows that see any key of [n0, n1))."""
         mQ, mK = gmem[0], gmem[1]
@@ -332,7 +353,10 @@ class Sm100AttentionBackward(BwdScores):
         stat_off = q_off
         if const_expr(self.varlen):  # bwd_row_stats.stat_row_offsets
             stat_off = (q_off + b * TILE_M) // TILE_M * TILE_M
-        walk = DenseQWalk(m_lo, n_m, self.group)
+        if const_expr(self.sparse):
+            walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group, self.ratio_m, self.ratio_n)
+        else:
+            walk = DenseQWalk(m_lo, n_m, self.group)
         return _Tile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, stat_off, walk)
 
     def _tmem_tensors(self, tmem, cols, mmas):
@@ -456,7 +480,7 @@ class Sm100AttentionBackward(BwdScores):
 
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit
-    def compute_role(self, acc, sdS, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, tid):
+    def compute_role(self, acc, sdS, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid):
         tS, tdP, tdV, tdK, _ = acc
         mLSE2, mDpsum = gmem[4], gmem[5]
         sLSE, sDp = stats
@@ -476,15 +500,19 @@ class Sm100AttentionBackward(BwdScores):
         # dS^T's raw shared-memory address (the swizzle is applied per store: bwd_stores)
         sdS_base = sdS.iterator.toint()
         row_layout = cute.make_layout((1, _CHUNK))
+        # a chunk as BwdScores sees a fragment: element (0, c) is key +0, query +c from the
+        # thread's origin (static offsets)
+        c0 = cute.make_identity_tensor((1, _CHUNK))
         walk = tile.walk
         key0 = tile.n_block * TILE_N
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(walk.count, unroll=1):
-            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
+            h_local, m_block, partial = walk.at(step, cur_h, cur_m)
             cur_h, cur_m = walk.advance(cur_h, cur_m)
             h = tile.hkv * self.group + h_local
             row0 = m_block * TILE_M
+            mod_ctx = (tile.b, h, aux[0], aux[1], partial)
             stage = step % 2
             # the query tile's LSE2 / dPsum (padded to whole tiles) into this step's buffer; the
             # buffer's previous readers (two steps back) all passed the last step's barrier
@@ -504,9 +532,9 @@ class Sm100AttentionBackward(BwdScores):
                 S = cute.make_tensor(rS.iterator, row_layout)
                 dP = cute.make_tensor(rdP.iterator, row_layout)
                 t_q = c * _CHUNK
-                cS = (tid, t_q, t_q - tid, _ChunkCoords())
+                cS = (tid, t_q, t_q - tid, c0)
                 at = (cS, sLSE, sDp, stage, row0, key0, tile.seqlen_q, tile.seqlen_k, tile.diag, window_left,
-                      window_right, scale, scale_log2, softcap_val, None)
+                      window_right, scale, scale_log2, softcap_val, mod_ctx)
                 self._p_and_ds(S, dP, at)
                 # P^T chunk (16-bit) over S^T's columns [16c, 16c + 16): read already (chunk c // 2)
                 rP = cute.make_rmem_tensor(p_regs, Float32)
