@@ -30,18 +30,21 @@ from test_sm90_fwd_compile import _alibi, _bias_table, _doc_mask, _mod_call  # n
 from torch_fa4.call import AttentionCall  # noqa: E402
 
 
-def _call(D=128, dtype=torch.bfloat16, H=2, Hkv=2, S=256, varlen=False, seqused=False, **kw):
+def _call(D=128, dtype=torch.bfloat16, H=2, Hkv=2, S=256, varlen=False, seqused=False, Dv=None, **kw):
+    Dv = Dv or D
     if varlen:
         q = torch.empty(S, H, D, dtype=dtype)
         k = torch.empty(S, Hkv, D, dtype=dtype)
+        v = torch.empty(S, Hkv, Dv, dtype=dtype)
         cu = torch.tensor([0, S // 3, S], dtype=torch.int32)
         kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
     else:
         q = torch.empty(1, S, H, D, dtype=dtype)  # shapes are symbolic in the kernel: any will do
         k = torch.empty(1, S, Hkv, D, dtype=dtype)
+        v = torch.empty(1, S, Hkv, Dv, dtype=dtype)
     if seqused:
         kw["seqused_k"] = torch.tensor([S // 2], dtype=torch.int32)
-    return AttentionCall(q=q, k=k, v=k, scale=D ** -0.5, **kw)
+    return AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, **kw)
 
 
 # name -> (call arguments, deterministic)
@@ -55,6 +58,7 @@ VARIANTS = {
     "d96_seqused_gqa": (dict(D=96, H=4, Hkv=1, seqused=True), False),
     "d128_deterministic_causal_gqa": (dict(D=128, H=4, Hkv=2, causal=True), True),
     "d64_varlen_window_deterministic": (dict(D=64, varlen=True, window_left=64, window_right=0), True),
+    "d128_dv64_causal": (dict(D=128, Dv=64, causal=True), False),
 }
 
 
@@ -65,8 +69,9 @@ MOD_VARIANTS = {
     "d64_bias_table_causal": (lambda: _mod_call(64, score_mod=_bias_table(), causal=True), False),
     "d128_document_mask": (lambda: _mod_call(128, mask_mod=_doc_mask()), False),
     "d128_document_block_mask": (lambda: _mod_call(128, mask_mod=_doc_mask(), block_size=128), True),
-    "d96_alibi_document_block_mask_gqa": (
-        lambda: _mod_call(96, score_mod=_alibi(), mask_mod=_doc_mask(), block_size=128), True),
+    # 256-row blocks: two query steps per block-mask row
+    "d96_alibi_document_block_mask_256": (
+        lambda: _mod_call(96, score_mod=_alibi(), mask_mod=_doc_mask(), block_size=(256, 128)), True),
 }
 
 
@@ -220,13 +225,18 @@ def test_unsupported_reason_names_what_is_refused():
     assert "fp16/bf16" in bwd.unsupported_reason(_call(64, dtype=torch.float32))
     q = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16)
     v = torch.empty(1, 8, 2, 64, dtype=torch.bfloat16)
-    assert "Dv" in bwd.unsupported_reason(AttentionCall(q=q, k=q, v=v, scale=0.1))
+    assert bwd.unsupported_reason(AttentionCall(q=q, k=q, v=v, scale=0.1)) is None  # Dv != D
+    v = torch.empty(1, 8, 2, 256, dtype=torch.bfloat16)
+    assert "Dv=256" in bwd.unsupported_reason(AttentionCall(q=q, k=q, v=v, scale=0.1))
     assert "ModSet" in bwd.unsupported_reason(AttentionCall(q=q, k=q, v=q, scale=0.1, mod_key="x"))
     cu = torch.tensor([0, 8], dtype=torch.int32)
     one_side = AttentionCall(q=q, k=q[0], v=q[0], scale=0.1, cu_seqlens_k=cu, max_seqlen_k=8)
     assert "both sides" in bwd.unsupported_reason(one_side)
     strided = torch.empty(1, 8, 2, 136, dtype=torch.bfloat16)[..., 1:129]
     assert "TMA" in bwd.unsupported_reason(AttentionCall(q=strided, k=q, v=q, scale=0.1))
+    lists = (torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32)) * 2
+    bare = AttentionCall(q=q, k=q, v=q, scale=0.1, block_mask=lists, block_mask_q=128, block_mask_kv=128)
+    assert "without its mask_mod" in bwd.unsupported_reason(bare)
 
 
 def test_variant_key_reads_the_features():

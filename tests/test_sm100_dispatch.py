@@ -9,7 +9,7 @@ themselves are compile-checked in tests/test_sm100_fwd_compile.py.
 
 The backward the same way: what the sm100 backward advertises (kernels/sm100/bwd.py) reaches it
 after its own self-check, with the variant `bwd.variant_key` builds for the features; what it
-refuses (mods, head dims above 128) reaches the portable backward with the refusal warned once
+refuses (head dims above 128) reaches the portable backward with the refusal warned once
 (compile-checked in tests/test_sm100_bwd_compile.py).
 """
 
@@ -175,16 +175,16 @@ def _grads(q, k, v, **kw):
         assert (got.double() - want).abs().max() < 0.05 * max(want.abs().max().item(), 1.0)
 
 
-def _check_bwd_route(bwd_launches, family, **variant):
-    """The backward's self-check launch, then the call's own, both on `family`."""
+def _check_bwd_route(bwd_launches, family, checks=2, **variant):
+    """The backward's self-check launch, then the call's own, both on `family`; `checks` self-checks
+    in all (the forward's and the backward's)."""
     assert [f for f, *_ in bwd_launches] == [family, family], bwd_launches
     (_, check, _, check_key), (_, real, deterministic, real_key) = bwd_launches
     if family == "sm100":
         assert check_key == real_key, "the self-check ran another variant"
         for name, value in variant.items():
             assert getattr(real_key, name) == value, (name, getattr(real_key, name), value)
-    # forward and backward: one self-check each
-    assert self_check.checks_run == 2
+    assert self_check.checks_run == checks
 
 
 @pytest.mark.parametrize("D, features, variant", [
@@ -215,9 +215,33 @@ def test_varlen_and_seqused_backward_reach_the_sm100_backward(bwd_launches):
     assert [f for f, *_ in bwd_launches] == ["sm100", "sm100"] and bwd_launches[-1][3].seqused_k
 
 
+def test_mods_reach_the_sm100_backward(bwd_launches):
+    q, k, v = _qkv(D=128, S=300)
+    _grads(q, k, v, causal=True, score_mod=M.alibi(M.alibi_slopes(4)))
+    _check_bwd_route(bwd_launches, "sm100", sparse=None, has_right=True)
+    assert bwd_launches[-1][3].mods_key == bwd_launches[-1][1].mod_key != ""
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_block_mask_reaches_the_sm100_backward(bwd_launches, deterministic):
+    """128 x 128 blocks drive the walk; deterministic mode walks densely with the mask_mod."""
+    q, k, v = _qkv(D=64, S=512)
+    bm = M.create_block_mask(_causal_stripes, None, None, 512, 512, device="cpu", BLOCK_SIZE=128)
+    _grads(q, k, v, block_mask=bm, deterministic=deterministic)
+    _check_bwd_route(bwd_launches, "sm100", sparse=None if deterministic else (1, 1), deterministic=deterministic)
+
+
+def test_head_dims_differ_reach_the_sm100_backward(bwd_launches):
+    q, _, _ = _qkv(D=128, S=300)
+    k, v = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16), torch.randn(2, 300, 2, 64, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="sm100 forward falls back"):  # (the forward takes Dv = D only)
+        _grads(q, k, v, causal=True)
+    _check_bwd_route(bwd_launches, "sm100", checks=1, head_dim=128, head_dim_v=64)
+
+
 @pytest.mark.parametrize("D, features, reason", [
     (192, dict(causal=True), "head dims"),
-    (64, dict(score_mod=M.alibi(M.alibi_slopes(4))), "score_mod"),
+    (256, dict(softcap=15.0), "head dims"),
 ])
 def test_what_the_sm100_backward_refuses_reaches_the_portable_backward(bwd_launches, D, features, reason):
     q, k, v = _qkv(D=D, S=300)

@@ -7,11 +7,14 @@ passes are architecture-neutral CuTe DSL (plain loads / stores, programmatic dep
 which sm_100 has).
 
 Compile-verified only: no Blackwell GPU has run this kernel, so `unsupported_reason` accepts
-exactly the variants tests/test_sm100_bwd_compile.py compiles for sm_100a: fp16 / bf16, D = Dv in
-(64, 96, 128), causal, sliding window, softcap, GQA / MQA, seqused_k, varlen with cu_seqlens on
-both sides, deterministic dQ. It refuses (the call runs on the next kernel family) score_mod /
-mask_mod, block masks, head dims above 128 (dK, dV, S^T and dP^T of a 128-key tile leave no
-tensor-memory columns for them), Dv != D and cu_seqlens on one side only.
+exactly the kinds of variants tests/test_sm100_bwd_compile.py compiles for sm_100a: fp16 / bf16,
+D and Dv in (64, 96, 128), causal, sliding window, softcap, GQA / MQA, seqused_k, varlen with
+cu_seqlens on both sides, deterministic dQ, score_mod / mask_mod (lowered into the kernel, the
+derivative from the traced graph, as on sm90) and block masks (driving the walk where their tiles
+are whole 128 x 128 kernel tiles and the mode is not deterministic; else the mask_mod runs on every
+tile of the dense walk). It refuses (the call runs on the next kernel family) head dims above 128
+(S^T, dP^T, dK and dV of a 128-key tile take 256 + D + Dv of the 512 tensor-memory columns),
+cu_seqlens on one side only and a block mask without its mask_mod.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
         return f"sm100 backward takes fp16/bf16, not {q.dtype}"
     if not (q.dtype == k.dtype == v.dtype):
         return "q, k, v dtypes differ"
-    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v != call.head_dim:
-        return (f"sm100 backward takes head dims {SUPPORTED_HEAD_DIMS} with Dv = D, "
+    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
+        return (f"sm100 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
                 f"not D={call.head_dim}, Dv={call.head_dim_v}")
     if call.mod_key and call.mods is None:
         return "score_mod/mask_mod key given but not resolved to a ModSet"
