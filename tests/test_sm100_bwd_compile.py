@@ -6,10 +6,11 @@ tcgen05 UMMAs (`UTCHMMA`, exactly as many as the kernel issues: S^T and dP^T ove
 dV, dK and dQ over 128 queries / keys), S^T, dP^T, dQ, dK and dV move through tensor memory
 (`LDTM`, P^T back with `STTM`), Q / dO / K / V arrive by TMA (`UTMALDG`), dQ leaves by fp32
 atomics (a RED of four columns each), dS^T by 16-byte shared-memory stores, nothing spills to
-local memory, and the tiles fit tensor memory (512 columns) and shared memory (227 KB: the kernel asserts its whole shared storage while
-compiling). One compile per variant (a few seconds to tens of seconds each); VARIANTS is a
-representative set of the supported feature combinations (each feature at least once, each head
-dim at least twice).
+local memory, and the tiles fit tensor memory (512 columns) and shared memory (227 KB: the
+kernel asserts its whole shared storage while compiling); mod variants spill at most a few per-step
+scalars. One compile per variant (a few seconds to tens of seconds each): VARIANTS and
+MOD_VARIANTS are a representative set of the supported feature combinations (each feature at least
+once, each head dim at least twice), about two minutes in all.
 
 The kernel reads Q, dO, K and the dS^T tile both K-major and MN-major from one shared-memory
 buffer each; `test_transposed_operand_views_are_the_same_bytes` checks, element by element, that
@@ -65,7 +66,8 @@ VARIANTS = {
 # name -> builder of an AttentionCall with mods (traced on CPU: only the captured tensors' dtypes and
 # ranks matter), and whether the block mask must drive the walk
 MOD_VARIANTS = {
-    "d128_alibi_softcap_causal": (lambda: _mod_call(128, score_mod=_alibi(), softcap=20.0, causal=True), False),
+    "d128_alibi_softcap_causal": (
+        lambda: _mod_call(128, score_mod=_alibi(), softcap=20.0, causal=True), False),
     "d64_bias_table_causal": (lambda: _mod_call(64, score_mod=_bias_table(), causal=True), False),
     "d128_document_mask": (lambda: _mod_call(128, mask_mod=_doc_mask()), False),
     "d128_document_block_mask": (lambda: _mod_call(128, mask_mod=_doc_mask(), block_size=128), True),
@@ -246,7 +248,8 @@ def test_variant_key_reads_the_features():
     assert (plain.has_right, plain.has_left, plain.varlen, plain.mask_key_tail, plain.group) == (
         False, False, False, False, 1)
     causal = bwd.variant_key(_call(64, H=8, Hkv=2, S=300, causal=True), True)
-    assert (causal.has_right, causal.deterministic, causal.mask_key_tail, causal.group) == (True, True, True, 4)
+    assert (causal.has_right, causal.deterministic, causal.mask_key_tail, causal.group) == (
+        True, True, True, 4)
     window = bwd.variant_key(_call(96, window_left=10, window_right=-1), False)
     assert (window.has_right, window.has_left) == (False, True)
     assert bwd.variant_key(_call(64, varlen=True), False).varlen
@@ -308,6 +311,7 @@ def test_launch_hands_the_kernel_its_compiled_arguments(name, monkeypatch):
             assert got.dim() == len(w.shape), (got.shape, w.shape)
     # the scalars before the captured tensors: scale, scale * log2 e, softcap, window, longest keys
     scalars = args[-MAX_AUX - 11:-MAX_AUX]
-    assert scalars[0] == pytest.approx(call.scale) and scalars[1] == pytest.approx(call.scale * math.log2(math.e))
+    assert scalars[0] == pytest.approx(call.scale)
+    assert scalars[1] == pytest.approx(call.scale * math.log2(math.e))
     assert scalars[5] == (call.max_seqlen_k if call.is_varlen else call.k.shape[1])
     assert all(a is None for a in args[-MAX_AUX:])

@@ -228,7 +228,8 @@ def test_block_mask_reaches_the_sm100_backward(bwd_launches, deterministic):
     q, k, v = _qkv(D=64, S=512)
     bm = M.create_block_mask(_causal_stripes, None, None, 512, 512, device="cpu", BLOCK_SIZE=128)
     _grads(q, k, v, block_mask=bm, deterministic=deterministic)
-    _check_bwd_route(bwd_launches, "sm100", sparse=None if deterministic else (1, 1), deterministic=deterministic)
+    _check_bwd_route(bwd_launches, "sm100", sparse=None if deterministic else (1, 1),
+                     deterministic=deterministic)
 
 
 def test_head_dims_differ_reach_the_sm100_backward(bwd_launches):

@@ -157,7 +157,8 @@ def _row_statistics(call: "AttentionCall", dout, out, lse, dq_acc_rows, min_rows
     from torch_fa4.kernels.sm90 import bwd_prepare, bwd_row_stats
 
     if not (dout.is_cuda and bwd_prepare.unsupported_reason(dout, out, lse) is None):
-        lse2, dpsum, _ = bwd_row_stats.row_statistics(call, dout, out, lse, min_rows, TILE_M, zero_dq=dq_acc_rows)
+        lse2, dpsum, _ = bwd_row_stats.row_statistics(call, dout, out, lse, min_rows, TILE_M,
+                                                      zero_dq=dq_acc_rows)
         return lse2, dpsum
     rows = bwd_row_stats.stat_rows(call, TILE_M, min_rows)
     fused_zero = bwd_prepare.dq_zeroing_takes(dq_acc_rows, dout)

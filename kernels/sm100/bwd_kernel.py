@@ -195,12 +195,11 @@ class Sm100AttentionBackward(BwdScores):
         cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (sdp_mma.thr_id.shape,)).shape
         load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         first = lambda layout: cute.select(layout, mode=[0, 1, 2])  # noqa: E731
-        tma_K, tK = cute.nvgpu.make_tiled_tma_atom_A(load_op, mK, first(sK_layout), sdp_tiler, sdp_mma, cluster)
-        tma_V, tV = cute.nvgpu.make_tiled_tma_atom_A(load_op, mV, first(sV_layout), sdp_v_tiler, sdp_mma,
-                                                     cluster)
-        tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_B(load_op, mQ, first(sQ_layout), sdp_tiler, sdp_mma, cluster)
-        tma_dO, tdO = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdO, first(sdO_layout), sdp_v_tiler, sdp_mma,
-                                                       cluster)
+        tma_a, tma_b = cute.nvgpu.make_tiled_tma_atom_A, cute.nvgpu.make_tiled_tma_atom_B
+        tma_K, tK = tma_a(load_op, mK, first(sK_layout), sdp_tiler, sdp_mma, cluster)
+        tma_V, tV = tma_a(load_op, mV, first(sV_layout), sdp_v_tiler, sdp_mma, cluster)
+        tma_Q, tQ = tma_b(load_op, mQ, first(sQ_layout), sdp_tiler, sdp_mma, cluster)
+        tma_dO, tdO = tma_b(load_op, mdO, first(sdO_layout), sdp_v_tiler, sdp_mma, cluster)
         bytes_kv = cute.size_in_bytes(dt, first(sK_layout)) + cute.size_in_bytes(dt, first(sV_layout))
         bytes_qdo = cute.size_in_bytes(dt, first(sQ_layout)) + cute.size_in_bytes(dt, first(sdO_layout))
 
@@ -238,8 +237,8 @@ class Sm100AttentionBackward(BwdScores):
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, gmem, tmas, mCuQ, mCuK, mSeqUsedK, mSem, layouts, mmas, scalars,
-               bytes_kv: cutlass.Constexpr[int], bytes_qdo: cutlass.Constexpr[int], Storage: cutlass.Constexpr,
-               q_lists, score_aux, mask_aux):
+               bytes_kv: cutlass.Constexpr[int], bytes_qdo: cutlass.Constexpr[int],
+               Storage: cutlass.Constexpr, q_lists, score_aux, mask_aux):
         (sK_layout, sKt_layout, sV_layout, sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sdS_layout,
          sdSt_layout, tP_layout) = layouts
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
@@ -276,7 +275,8 @@ class Sm100AttentionBackward(BwdScores):
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()  # barriers initialised and the TMEM address published
 
-            tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_base)
+            tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
+                                               ptr_to_buffer_holding_addr=storage.tmem_base)
 
             def smem_view(buf, layout):
                 return cute.make_tensor(cute.recast_ptr(buf.iterator, layout.inner), layout.outer)
@@ -297,8 +297,8 @@ class Sm100AttentionBackward(BwdScores):
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
                     cute.arch.setmaxregister_increase(regs_compute)
-                self.compute_role(acc, sdS, stats, pipe_s, pipe_acc, gmem, tile, scalars, (score_aux, mask_aux),
-                                  tidx % 128)
+                self.compute_role(acc, sdS, stats, pipe_s, pipe_acc, gmem, tile, scalars,
+                                  (score_aux, mask_aux), tidx % 128)
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
                     cute.arch.setmaxregister_decrease(regs_dq)
@@ -307,8 +307,8 @@ class Sm100AttentionBackward(BwdScores):
                 if const_expr(self.rebalance):
                     cute.arch.setmaxregister_decrease(regs_other)
                 if warp_idx == MMA_WARP:
-                    self.mma_role(mmas, smem_ops, tmem, tP_layout, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq,
-                                  pipe_acc, steps)
+                    self.mma_role(mmas, smem_ops, tmem, tP_layout, acc, cols, pipe_kv, pipe_q, pipe_s,
+                                  pipe_dq, pipe_acc, steps)
                 elif warp_idx == LOAD_WARP:
                     self.load_role(gmem, tmas, mmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, tile)
 
@@ -354,7 +354,8 @@ class Sm100AttentionBackward(BwdScores):
         if const_expr(self.varlen):  # bwd_row_stats.stat_row_offsets
             stat_off = (q_off + b * TILE_M) // TILE_M * TILE_M
         if const_expr(self.sparse):
-            walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group, self.ratio_m, self.ratio_n)
+            walk = SparseQWalk(*q_lists, b, hkv, n_block, n0 < seqlen_k, self.group, self.ratio_m,
+                               self.ratio_n)
         else:
             walk = DenseQWalk(m_lo, n_m, self.group)
         return _Tile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, stat_off, walk)
@@ -394,10 +395,10 @@ class Sm100AttentionBackward(BwdScores):
         d, dv = self.d, self.dv
         walk = tile.walk
         if walk.count > 0:
-            gK = thr.partition_A(cute.local_tile(self._head_rows(mK, tile.hkv, tile.b, tile.k_off), (TILE_N, d),
-                                                 (None, 0)))
-            gV = thr.partition_A(cute.local_tile(self._head_rows(mV, tile.hkv, tile.b, tile.k_off), (TILE_N, dv),
-                                                 (None, 0)))
+            mK_cur = self._head_rows(mK, tile.hkv, tile.b, tile.k_off)
+            mV_cur = self._head_rows(mV, tile.hkv, tile.b, tile.k_off)
+            gK = thr.partition_A(cute.local_tile(mK_cur, (TILE_N, d), (None, 0)))
+            gV = thr.partition_A(cute.local_tile(mV_cur, (TILE_N, dv), (None, 0)))
             tKs, tKg = cpasync.tma_partition(tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
                                              cute.group_modes(gK, 0, 3))
             tVs, tVg = cpasync.tma_partition(tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
@@ -414,14 +415,14 @@ class Sm100AttentionBackward(BwdScores):
                 h_local, m_block, _ = walk.at(step, cur_h, cur_m)
                 cur_h, cur_m = walk.advance(cur_h, cur_m)
                 h = tile.hkv * self.group + h_local
-                gQ = thr.partition_B(cute.local_tile(self._head_rows(mQ, h, tile.b, tile.q_off), (TILE_M, d),
-                                                     (None, 0)))
-                gdO = thr.partition_B(cute.local_tile(self._head_rows(mdO, h, tile.b, tile.q_off), (TILE_M, dv),
-                                                      (None, 0)))
+                mQ_cur = self._head_rows(mQ, h, tile.b, tile.q_off)
+                mdO_cur = self._head_rows(mdO, h, tile.b, tile.q_off)
+                gQ = thr.partition_B(cute.local_tile(mQ_cur, (TILE_M, d), (None, 0)))
+                gdO = thr.partition_B(cute.local_tile(mdO_cur, (TILE_M, dv), (None, 0)))
                 tQs, tQg = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
                                                  cute.group_modes(gQ, 0, 3))
-                tdOs, tdOg = cpasync.tma_partition(tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 3),
-                                                   cute.group_modes(gdO, 0, 3))
+                tdOs, tdOg = cpasync.tma_partition(tma_dO, 0, cute.make_layout(1),
+                                                   cute.group_modes(sdO, 0, 3), cute.group_modes(gdO, 0, 3))
                 pipe_q.producer_acquire(q_state)
                 bar = pipe_q.producer_get_barrier(q_state)
                 cute.copy(tma_Q, tQg[None, m_block], tQs[None, q_state.index], tma_bar_ptr=bar)
@@ -538,7 +539,8 @@ class Sm100AttentionBackward(BwdScores):
                 self._p_and_ds(S, dP, at)
                 # P^T chunk (16-bit) over S^T's columns [16c, 16c + 16): read already (chunk c // 2)
                 rP = cute.make_rmem_tensor(p_regs, Float32)
-                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
+                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype),
+                                        cute.make_layout(_CHUNK))
                 rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
                 cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
                 # dS^T chunk -> shared memory (key tid, queries 32c ..): 16-byte stores of 8

@@ -36,8 +36,8 @@ def _rel(got, ref):
 
 
 def _case(dtype=BF, b=2, sq=333, sk=333, hq=4, hkv=2, d=128, dv=None, causal=False, left=-1, right=-1,
-          softcap=0.0, varlen=False, seqused=False, deterministic=False, lens=None, score_mod=None, mask_mod=None,
-          block_size=None, expect_sparse=None):
+          softcap=0.0, varlen=False, seqused=False, deterministic=False, lens=None, score_mod=None,
+          mask_mod=None, block_size=None, expect_sparse=None):
     """block_size: also hand the kernel a block mask of mask_mod at that (q, kv) tile size;
     expect_sparse: the (query steps, key tiles) per block-mask tile the walk must take (None: dense)."""
     from torch_fa4.kernels.sm100 import bwd
@@ -114,7 +114,8 @@ def test_dense(d, dtype, causal):
     _case(dtype, d=d, causal=causal)
 
 
-@pytest.mark.parametrize("sq, sk", [(1, 1), (1, 300), (127, 129), (128, 128), (129, 127), (300, 40), (40, 300)])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (1, 300), (127, 129), (128, 128), (129, 127), (300, 40),
+                                    (40, 300)])
 def test_odd_lengths(sq, sk):
     _case(sq=sq, sk=sk, causal=True)
     _case(sq=sq, sk=sk, d=64, hq=6, hkv=3)
@@ -125,7 +126,8 @@ def test_gqa_mqa(hq, hkv):
     _case(hq=hq, hkv=hkv, d=96, causal=True)
 
 
-@pytest.mark.parametrize("left, right, causal", [(100, 20, False), (0, 0, False), (200, -1, True), (-1, 50, False)])
+@pytest.mark.parametrize("left, right, causal", [(100, 20, False), (0, 0, False), (200, -1, True),
+                                                 (-1, 50, False)])
 def test_window(left, right, causal):
     _case(left=left, right=right, causal=causal, sq=400, sk=500)
 
