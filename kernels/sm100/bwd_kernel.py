@@ -3,8 +3,9 @@ and dQ in tensor memory. Compile-verified only (no Blackwell GPU has run it).
 
 One CTA owns a tile of 128 keys of one KV head and batch and walks every 128-row query tile of
 every query head of its GQA group that can see those keys (kernels/sm90/bwd_q_walk.DenseQWalk, as
-the sm90 backward). dV and dK accumulate in tensor memory over the whole walk; dQ of each step
-is added into an fp32 buffer in global memory by atomics.
+the sm90 backward; with a block mask SparseQWalk: only the query tiles its transposed lists name).
+dV and dK accumulate in tensor memory over the whole walk; dQ of each step is added into an fp32
+buffer in global memory by atomics.
 
 Per step (query tile of 128 rows, keys along TMEM lanes: thread i of a warpgroup owns key i):
 
@@ -33,6 +34,7 @@ Warp roles (384 threads):
     warp 8      MMA         issues every tcgen05.mma, owns the TMEM allocation
     warp 9      load        TMA: K and V once, then Q and dO per step into a ring
     warps 10-11 idle
+With mods the compute warps take registers from the others (setmaxnreg, bwd_config.REGISTERS).
 
 Tensor memory (columns): S^T | dP^T | dV | dK = 128 + 128 + Dv + D <= 512 for D <= 128; dQ
 (128 query lanes x D) reuses S^T's columns: the MMA warp issues dQ after dV (which reads P^T
@@ -48,7 +50,10 @@ The dS^T buffer is rewritten at step i+1 only after S^T_{i+1} landed, whose comm
 and dQ_i (a tcgen05.commit tracks every earlier MMA of its thread).
 
 Math and conventions are the sm90 backward's (kernels/sm90/bwd_kernel.py): the kernel adds the
-unscaled dS K; the conversion pass applies the softmax scale to dQ.
+unscaled dS K; the conversion pass applies the softmax scale to dQ. The element-wise step (softcap,
+score_mod and its traced derivative, the causal / window / length masks, mask_mod on a block mask's
+partial tiles) is sm90's BwdScores on a one-row fragment of 32 queries. D and Dv (64 / 96 / 128)
+may differ: S^T and dK run over D, dP^T and dV over Dv.
 """
 
 from __future__ import annotations
