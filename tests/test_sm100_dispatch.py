@@ -6,6 +6,11 @@ route: the public call -> dispatch -> `kernels.sm100.unsupported_reason` accepts
 self-check launches the variant once on a small problem of the same features -> the call's own
 launch, whose variant (`fwd_host.default_config`) is built for these exact features. The kernels
 themselves are compile-checked in tests/test_sm100_fwd_compile.py.
+
+The backward the same way: what the sm100 backward advertises (kernels/sm100/bwd.py) reaches it
+after its own self-check, with the variant `bwd.variant_key` builds for the features; what it
+refuses (head dims above 128) reaches the portable backward with the refusal warned once
+(compile-checked in tests/test_sm100_bwd_compile.py).
 """
 
 import pytest
@@ -132,3 +137,115 @@ def test_a_block_mask_the_kernel_cannot_walk_falls_back_with_its_reason(launches
     assert not launches and self_check.checks_run == 0
     ref = torch_fa4.attention(q.double(), k.double(), v.double(), block_mask=bm)
     assert (out.double() - ref).abs().max() < 0.05
+
+
+# ---- backward ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def bwd_launches(launches, monkeypatch):
+    """The backward calls the sm100 backward and the portable backward receive (computed by the
+    reference), as (family, call, deterministic, sm100 variant or None)."""
+    from torch_fa4.kernels.portable import bwd as portable_bwd
+    from torch_fa4.kernels.sm100 import bwd
+
+    seen = []
+
+    def stand_in(family):
+        def backward(call, dout, out, lse, dq, dk, dv, deterministic, *args, **kw):
+            variant = bwd.variant_key(call, deterministic) if family == "sm100" else None
+            seen.append((family, call, deterministic, variant))
+            for got, want in zip((dq, dk, dv), reference.backward(call, dout, out, lse)):
+                got.copy_(want)
+        return backward
+
+    monkeypatch.setattr(bwd, "backward", stand_in("sm100"))
+    monkeypatch.setattr(portable_bwd, "backward", stand_in("portable"))
+    return seen
+
+
+def _grads(q, k, v, **kw):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = torch_fa4.attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch_fa4.attention(qd, kd, vd, **kw)
+    ref.backward(dout.double())
+    for got, want in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        assert (got.double() - want).abs().max() < 0.05 * max(want.abs().max().item(), 1.0)
+
+
+def _check_bwd_route(bwd_launches, family, checks=2, **variant):
+    """The backward's self-check launch, then the call's own, both on `family`; `checks` self-checks
+    in all (the forward's and the backward's)."""
+    assert [f for f, *_ in bwd_launches] == [family, family], bwd_launches
+    (_, check, _, check_key), (_, real, deterministic, real_key) = bwd_launches
+    if family == "sm100":
+        assert check_key == real_key, "the self-check ran another variant"
+        for name, value in variant.items():
+            assert getattr(real_key, name) == value, (name, getattr(real_key, name), value)
+    assert self_check.checks_run == checks
+
+
+@pytest.mark.parametrize("D, features, variant", [
+    (128, dict(), dict(has_right=False, group=2)),
+    (64, dict(causal=True), dict(has_right=True, mask_key_tail=True)),
+    (96, dict(window_size=(100, 20)), dict(has_left=True, has_right=True)),
+    (128, dict(softcap=20.0, causal=True), dict(softcap=True)),
+    (64, dict(deterministic=True), dict(deterministic=True)),
+])
+def test_backward_features_reach_the_sm100_backward(bwd_launches, D, features, variant):
+    q, k, v = _qkv(D=D, S=300)
+    _grads(q, k, v, **features)
+    _check_bwd_route(bwd_launches, "sm100", head_dim=D, **variant)
+
+
+def test_varlen_and_seqused_backward_reach_the_sm100_backward(bwd_launches):
+    q = torch.randn(900, 4, 64, dtype=torch.float16)
+    k, v = (torch.randn(900, 2, 64, dtype=torch.float16) for _ in range(2))
+    cu = torch.tensor([0, 200, 900], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700, max_seqlen_k=700, causal=True)
+    _grads(q, k, v, **kw)
+    _check_bwd_route(bwd_launches, "sm100", varlen=True, has_right=True)
+    bwd_launches.clear()
+    self_check.checks_run = 0
+    q, k, v = _qkv(D=64, S=256)
+    _grads(q, k, v, seqused_k=torch.tensor([100, 256], dtype=torch.int32))
+    # (the forward's variant was checked before: only the backward checks now)
+    assert [f for f, *_ in bwd_launches] == ["sm100", "sm100"] and bwd_launches[-1][3].seqused_k
+
+
+def test_mods_reach_the_sm100_backward(bwd_launches):
+    q, k, v = _qkv(D=128, S=300)
+    _grads(q, k, v, causal=True, score_mod=M.alibi(M.alibi_slopes(4)))
+    _check_bwd_route(bwd_launches, "sm100", sparse=None, has_right=True)
+    assert bwd_launches[-1][3].mods_key == bwd_launches[-1][1].mod_key != ""
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_block_mask_reaches_the_sm100_backward(bwd_launches, deterministic):
+    """128 x 128 blocks drive the walk; deterministic mode walks densely with the mask_mod."""
+    q, k, v = _qkv(D=64, S=512)
+    bm = M.create_block_mask(_causal_stripes, None, None, 512, 512, device="cpu", BLOCK_SIZE=128)
+    _grads(q, k, v, block_mask=bm, deterministic=deterministic)
+    _check_bwd_route(bwd_launches, "sm100", sparse=None if deterministic else (1, 1),
+                     deterministic=deterministic)
+
+
+def test_head_dims_differ_reach_the_sm100_backward(bwd_launches):
+    q, _, _ = _qkv(D=128, S=300)
+    k, v = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16), torch.randn(2, 300, 2, 64, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="sm100 forward falls back"):  # (the forward takes Dv = D only)
+        _grads(q, k, v, causal=True)
+    _check_bwd_route(bwd_launches, "sm100", checks=1, head_dim=128, head_dim_v=64)
+
+
+@pytest.mark.parametrize("D, features, reason", [
+    (192, dict(causal=True), "head dims"),
+    (256, dict(softcap=15.0), "head dims"),
+])
+def test_what_the_sm100_backward_refuses_reaches_the_portable_backward(bwd_launches, D, features, reason):
+    q, k, v = _qkv(D=D, S=300)
+    with pytest.warns(UserWarning, match=f"sm100 backward falls back to the portable kernels: .*{reason}"):
+        _grads(q, k, v, **features)
+    _check_bwd_route(bwd_launches, "portable")

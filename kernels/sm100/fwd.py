@@ -70,6 +70,10 @@ from torch_fa4.kernels.common.tile_mods import TileMods
 from torch_fa4.kernels.common.tile_scheduler import TileScheduler
 from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_COLUMNS, Sm100FwdConfig
 from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
+from torch_fa4.kernels.sm100.tmem import fence_after_sync as _tcgen05_fence_after_sync
+from torch_fa4.kernels.sm100.tmem import fence_before_sync as _tcgen05_fence_before_sync
+from torch_fa4.kernels.sm100.tmem import tmem_copy as _tmem_copy
+from torch_fa4.kernels.sm100.tmem import umma as _umma
 from torch_fa4.kernels.sm90.fwd import _sequence_major
 from torch_fa4.kernels.sm90.fwd_config import MAX_AUX
 
@@ -93,23 +97,6 @@ _P_CHUNK = 16  # P columns (32 scores) per tcgen05.st in the softmax warps
 _MOD_CHUNK = 32  # scores per score_mod / mask_mod emission (`row_chunks`)
 
 
-@cute.jit
-def _tcgen05_fence_before_sync():
-    """Order this thread's earlier tcgen05 ops (ld/st) before the barrier arrive that follows."""
-    cute.arch.inline_ptx("tcgen05.fence::before_thread_sync;")
-
-
-@cute.jit
-def _tcgen05_fence_after_sync():
-    """Order this thread's later tcgen05 ops (mma/ld/st) after the barrier wait that preceded."""
-    cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
-
-
-def _tmem_copy(op, repetition, tmem: cute.Tensor):
-    """A 32x32b tcgen05.ld/st (thread i of a warpgroup: TMEM lane i) over the fp32 columns of tmem."""
-    return tcgen05.make_tmem_copy(cute.make_copy_atom(op(repetition), Float32), tmem)
-
-
 def as_wgmma_row(t: cute.Tensor) -> cute.Tensor:
     """A thread's 1-row fragment (N values in any layout) viewed as a wgmma accumulator, ((1, 1, N), 1,
     1), whose `rows_cols` is one row of N columns in the fragment's order: so the masks and the online
@@ -126,19 +113,6 @@ def row_chunks(t: cute.Tensor, width: int) -> list:
     flat = cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(n)))
     pieces = cute.zipped_divide(flat, (width,))
     return [as_wgmma_row(pieces[None, c]) for c in range(n // width)]
-
-
-@cute.jit
-def _umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate):
-    """acc (+)= A @ B over the K blocks; `accumulate` (may be dynamic) only affects the first.
-
-    A local atom carries the accumulate flag, so no state leaks out of this call into the caller's
-    loops (the tiled MMA object itself is never modified)."""
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(tcgen05.Field.ACCUMULATE, accumulate)
-    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(tcgen05.Field.ACCUMULATE, True)
 
 
 class FlashFwdSm100:

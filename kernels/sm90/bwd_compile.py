@@ -61,16 +61,27 @@ def compile_variant(config: BwdConfig, arch: str = "sm_90a", dump_dir: str | Non
 
 
 def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = True):
+    from .bwd_kernel import Sm90AttentionBackward
+
+    mods = _mods_of(config)
+    kernel = Sm90AttentionBackward(cute_dtype(config.dtype), config, mods)
+    return compile_with_stream(kernel, kernel_args(config, mods), arch, dump_dir, jit)
+
+
+def _mods_of(config: BwdConfig):
+    if not config.mods_key:
+        return None
+    from torch_fa4.mods import registry
+
+    return registry.lookup(config.mods_key)
+
+
+def kernel_args(config: BwdConfig, mods=None) -> tuple:
+    """Stand-ins for the main kernel's arguments (bwd_kernel.__call__ without the stream): symbolic
+    shapes and strides. The sm100 backward takes the same arguments."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .bwd_kernel import Sm90AttentionBackward
-
-    mods = None
-    if config.mods_key:
-        from torch_fa4.mods import registry
-
-        mods = registry.lookup(config.mods_key)
     d, dv = config.head_dim, config.head_dim_v
     cdt = cute_dtype(config.dtype)
     sym, s64 = cute.sym_int, cute.sym_int64
@@ -124,6 +135,5 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
     aux += [None] * (MAX_AUX - len(aux))
     scalars = (Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1),
                Int32(1), Int32(0), Int32(1))  # scale .. split_ways (bwd_kernel.__call__)
-    args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
+    return (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
             *scalars, *aux)
-    return compile_with_stream(Sm90AttentionBackward(cdt, config, mods), args, arch, dump_dir, jit)
