@@ -192,13 +192,19 @@ def test_compiled_decode_with_static_cache_matches_sdpa(padding):
     ids, mask = _batch("left")
     if padding == "none":
         ids, mask = ids.clamp_min(1), torch.ones_like(mask)
+    from torch._dynamo.utils import counters
+
     outs = {}
     for impl in ("sdpa", "fa4"):
         torch._dynamo.reset()
+        counters.clear()
         config = CompileConfig(backend="eager", fullgraph=True)  # (a graph break would run eager)
         config._compile_all_devices = True
         model.set_attn_implementation(impl)
         outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                     do_sample=False, pad_token_id=0, cache_implementation="static",
                                     compile_config=config, output_logits=True, return_dict_in_generate=True)
+        # one graph for every step: a mask whose shape grew per step would recompile (and on a GPU
+        # record a new CUDA graph per step)
+        assert counters["stats"]["unique_graphs"] == 1, f"{impl}: {dict(counters['stats'])}"
     _assert_same_greedy_decoding(outs["fa4"], outs["sdpa"])

@@ -148,6 +148,21 @@ def note_padding(mask: torch.Tensor, present: bool) -> None:
         _HAS_PADDING.put((mask,), (), present)
 
 
+# Masks whose real key slots are exactly their first n columns (a static cache's written slots, no
+# padding): an eager call reads those n densely, without a mask_mod.
+_REAL_PREFIX = TensorMemo(capacity=16)
+
+
+def note_real_prefix(mask: torch.Tensor, n: int) -> None:
+    if not torch.compiler.is_compiling():
+        _REAL_PREFIX.put((mask,), (), n)
+
+
+def is_noted(mask: torch.Tensor) -> bool:
+    """Whether a mask came from transformers_mask (which noted its padding or its real prefix)."""
+    return _REAL_PREFIX.get((mask,)) is not None or _HAS_PADDING.get((mask,)) is not None
+
+
 def _has_padding(mask: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True  # (no device read in a graph: the mask_mod serves every mask)
@@ -177,6 +192,9 @@ def _padded(q, k, v, mask, options):
             f'attn_implementation="fa4": padding mask of shape {tuple(mask.shape)} does not fit {sq} '
             f"queries, {k.shape[1]} keys and batch {b}"
         )
+    prefix = None if torch.compiler.is_compiling() else _REAL_PREFIX.get((mask,))
+    if prefix is not None:
+        return torch_fa4.attention(q, k[:, :prefix], v[:, :prefix], **options)
     mask = mask.to(device=q.device, dtype=torch.bool)
     k, v = k[:, :m], v[:, :m]  # slots past M were never written (views)
     if not _has_padding(mask):

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_fa4.integrations.transformers_attention import note_padding, refuse
+from torch_fa4.integrations.transformers_attention import is_noted, note_padding, note_real_prefix, refuse
 
 # Transformers' mask building blocks (masking_utils, by qualified name) that `fa4_mask` represents
 # faithfully: causality and windows travel as attention arguments, padding as the 2-D mask, packed
@@ -111,8 +111,23 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     if packed is not None:
         # Several documents per row (no padding, no cache): their ids, as int32 (see module doc).
         return packed.to(torch.int32)
-    if torch.compiler.is_compiling() and q_length == 1:
+    if q_length == 1 and torch.compiler.is_compiling():
         return _decoding_step_in_a_graph(batch_size, kv_length, q_offset, kv_offset, attention_mask, device)
+    if q_length == 1 and isinstance(q_offset, torch.Tensor):
+        # A one-token step on a static cache (whose query offset is a tensor). generate() builds this
+        # mask outside its compiled step and hands it in, so it takes the step's fixed shape here too:
+        # a mask growing by a column per step would be a new graph input shape every step (and a new
+        # CUDA graph). Eager calls are told how to read it without a mask_mod where they can.
+        if attention_mask is not None and attention_mask.shape[-1] == kv_length and is_noted(attention_mask):
+            return attention_mask  # (built here already: generate() hands it to the step)
+        mask = _decoding_step_in_a_graph(batch_size, kv_length, q_offset, kv_offset, attention_mask, device)
+        if attention_mask is None:
+            note_real_prefix(mask, min(int(q_offset) + 1 - kv_offset, kv_length))  # (one device read)
+        elif bool(attention_mask.all()):  # (one device read per forward)
+            note_real_prefix(mask, min(attention_mask.shape[-1], kv_length))
+        else:
+            note_padding(mask, True)
+        return mask
     if attention_mask is not None:
         # Padding: keep the columns of the cached keys (sliding-window caches hold the last ones).
         mask = attention_mask.to(dtype=torch.bool)[:, -kv_length:]
