@@ -16,6 +16,16 @@ D128 S4k; bwd D128 S4k and causal when the torch_fa4 backward kernel takes them)
 flash-attn-4, cuDNN and FlexAttention (compiled); same table format.
 
 --rounds N: every implementation of a row timed N times in turn; the row keeps the upper median.
+
+--mods: only the mods table (B 4, H 16, S 4096, D 128, bf16, causal, 128 x 128 block masks), mods
+written as users write them, each row with its peers in the same run: causal as a mask_mod, ALiBi
+from a captured slope tensor, a tanh softcap, the relative bias `s - 0.01 * |q - kv|.clamp(max=64)`,
+a document mask of 8 documents; torch_fa4 through its FlexAttention-style API (torch_fa4.
+flex_attention with a torch_fa4 block mask), the same mask without the score_mod ("own mask", the
+0.9x reference), FlexAttention compiled (Triton) and its FLASH backend. The document row also
+times torch_fa4's `causal=True` at S 512 with the same tokens (the 0.8x reference). One backward
+row: a learnable relative-bias table (requires_grad) against FlexAttention Triton's. FLOPs count
+the computed part (the visible pairs).
 """
 
 from __future__ import annotations
@@ -281,6 +291,160 @@ def sdpa_bwd(backend):
     return make
 
 
+# ------------------------------------------------------------------ the mods table (--mods)
+_MOD_SHAPE = dict(D=128, S=4096)  # with the grid's 16k tokens and H * D = 2048: B 4, H 16
+_REL_RADIUS = 128  # the backward row's table: table[h, clamp(q - kv, -R, R) + R]
+
+
+def _mod_rows(heads: int, S: int, device: str = "cuda") -> list:
+    """(label, score_mod, mask_mod, flops, reference) of the mods table. Masks are ANDed with
+    causal; reference names the torch_fa4 column a row's rate is held against."""
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
+    doc_ids = torch.arange(S, device=device, dtype=torch.int32) // (S // 8)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30 * torch.tanh(score / 30)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs().clamp(max=64)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+
+    _, doc_flops = document_mask(S, S // 8, device)
+    return [
+        ("causal as mask_mod", None, None, _flops, "builtin causal"),
+        ("alibi score_mod (captured slopes)", alibi, None, _flops, "own mask"),
+        ("tanh softcap 30 score_mod", softcap, None, _flops, "own mask"),
+        ("relative bias 0.01|q-kv|<=64", relative, None, _flops, "own mask"),
+        ("document mask_mod, 8 docs", None, document, doc_flops, "causal S512"),
+    ]
+
+
+def _causal_and(mask_mod):
+    def masked(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
+    return masked
+
+
+def _mod_makers(score_mod, mask_mod, reference: str) -> dict:
+    """torch_fa4 (its FlexAttention-style API with its own block mask), its reference column,
+    FlexAttention compiled (Triton) and its FLASH backend, all on the same (B, S, H, D) tensors."""
+    global _flex_compiled
+    import torch_fa4
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention)
+    mask = _causal_and(mask_mod)
+
+    def ours(q, k, v, causal):
+        S = q.shape[1]
+        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device=q.device)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return lambda: torch_fa4.flex_attention(qt, kt, vt, score_mod=score_mod, block_mask=bm)
+
+    def own_mask(q, k, v, causal):
+        S = q.shape[1]
+        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device=q.device)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return lambda: torch_fa4.flex_attention(qt, kt, vt, block_mask=bm)
+
+    def flex(backend):
+        def make(q, k, v, causal):
+            S = q.shape[1]
+            bm = create_block_mask(mask, None, None, S, S)
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            kw = {"kernel_options": {"BACKEND": backend}} if backend else {}
+            return lambda: _flex_compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm, **kw)
+        return make
+
+    makers = {"torch_fa4": ours}
+    if reference == "own mask":
+        makers["torch_fa4 own mask"] = own_mask
+    elif reference == "builtin causal":
+        makers["torch_fa4 causal=True"] = _builtin_causal
+    makers.update({"flex": flex(None), "flex FLASH": flex("FLASH")})
+    return makers
+
+
+def _relative_table_mod(table):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(q_idx - kv_idx, -_REL_RADIUS, _REL_RADIUS) + _REL_RADIUS]
+    return mod
+
+
+def _learnable_table_makers(heads: int, device: str = "cuda") -> dict:
+    """The backward row: a relative-bias table with requires_grad, causal; each maker times
+    autograd.grad of q, k, v and the table with the forward's graph kept."""
+    global _flex_compiled
+    import torch_fa4
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention)
+    table0 = torch.randn(heads, 2 * _REL_RADIUS + 1, device=device) * 0.1
+
+    def leaves(q, k, v, learn=True):
+        return (*(t.detach().requires_grad_() for t in (q, k, v)), table0.clone().requires_grad_(learn))
+
+    def ours(learn):
+        def make(q, k, v, causal):
+            q, k, v, table = leaves(q, k, v, learn)
+            out = torch_fa4.attention(q, k, v, causal=True, score_mod=_relative_table_mod(table))
+            g = torch.randn_like(out)
+            inputs = (q, k, v, table) if learn else (q, k, v)
+            return lambda: torch.autograd.grad(out, inputs, g, retain_graph=True)
+        return make
+
+    def flex(q, k, v, causal):
+        q, k, v, table = leaves(q, k, v)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        S = q.shape[1]
+        bm = create_block_mask(_causal_and(None), None, None, S, S)
+        out = _flex_compiled(qt, kt, vt, score_mod=_relative_table_mod(table), block_mask=bm)
+        g = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v, table), g, retain_graph=True)
+
+    return {"torch_fa4": ours(True), "torch_fa4 frozen table": ours(False), "flex": flex}
+
+
+def _builtin_causal(q, k, v, causal):
+    import torch_fa4
+
+    return lambda: torch_fa4.attention(q, k, v, causal=True)
+
+
+def _print_mod_row(row, names):
+    """A mods-table row: the rates, then torch_fa4 over FLASH (target >= 1.1), over Triton, and
+    over its reference column (>= 0.9; the document row's reference is printed with its own row)."""
+    cells = [f"{n}={row[n]:6.1f}" if row.get(n) else f"{n}=   n/a" for n in names]
+    ours = row.get("torch_fa4") or float("nan")
+    ratios = [f"/{n}={ours / row[n]:.3f}" for n in names[1:] if row.get(n)]
+    print(f"{row['row']:<50} " + "  ".join(cells) + "  " + " ".join(ratios), flush=True)
+    for n, e in row.get("errors", {}).items():
+        print(f"    {n}: {e}", flush=True)
+
+
+def run_mods_table(measure, width: int, backward: bool = True, device: str = "cuda") -> None:
+    D, S = _MOD_SHAPE["D"], _MOD_SHAPE["S"]
+    print("mods fwd TFLOP/s (causal; torch_fa4 over each other column at the end)")
+    for label, score_mod, mask_mod, flops, reference in _mod_rows(width // D, S, device):
+        measure(f"mods fwd D{D} S{S // 1024}k {label}", D, S, True, flops,
+                _mod_makers(score_mod, mask_mod, reference), printer=_print_mod_row)
+        if reference == "causal S512":  # the document row's reference: the same tokens, causal
+            measure(f"mods fwd D{D} S512 causal=True (doc reference)", D, 512, True, _flops,
+                    {"torch_fa4": _builtin_causal}, printer=_print_mod_row)
+    if backward:
+        print("mods bwd TFLOP/s (causal, learnable relative-bias table)")
+        measure(f"mods bwd D{D} S{S // 1024}k relative bias table, learnable", D, S, True,
+                lambda *a: _flops(*a, bwd=True), _learnable_table_makers(width // D, device), printer=_print_mod_row)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -289,6 +453,7 @@ def main():
     ap.add_argument("--no-fwd", action="store_true", help="backward rows only")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
+    ap.add_argument("--mods", action="store_true", help="only the mods table (see the module docstring)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation of a row this many times in turn; report the upper median")
     args = ap.parse_args()
@@ -309,7 +474,7 @@ def main():
         fwd_rows = []
     rows = []
 
-    def measure(label, D, S, causal, flops, makers, extra=None):
+    def measure(label, D, S, causal, flops, makers, extra=None, printer=_print_row):
         B, H = tokens // S, width // D
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         row = {"row": label, "D": D, "S": S, "causal": causal}
@@ -342,7 +507,13 @@ def main():
                 if len(vals) > 1:
                     row.setdefault("spread", {})[name] = (min(vals), max(vals))
         rows.append(row)
-        _print_row(row, list(makers))
+        printer(row, list(makers))
+
+    if args.mods:
+        run_mods_table(measure, width, backward=not args.no_bwd)
+        print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)
+        _dump(rows, args.out)
+        return
 
     print("fwd TFLOP/s")
     for D, S, causal in fwd_rows:
