@@ -187,3 +187,82 @@ def test_folding_under_torch_compile():
     out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
     ref, _ = naive_attention(q, k, v, causal=True, softcap=30.0)
     assert rel_error(out, ref) < 1e-5
+
+
+# ---- clamps that saturate on a whole fragment (kernels/host/mod_hoisting.saturation_split) ------
+
+def _split(score_mod):
+    from torch_fa4.kernels.host import mod_hoisting as H
+
+    graph = trace_graphs(score_mod, None)[0].score_graph
+    return H.saturation_split(graph, H.hoist_plan(graph))
+
+
+SATURATING = {  # score_mod -> (above, value_above, below, value_below) of the split, or None
+    "relative bias": (lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64), (64, 64, -64, 64)),
+    "two-sided clamp": (lambda s, b, h, q, kv: s + 0.05 * (q - kv + 3).clamp(-100, 37).float(), (37, 37, -100, -100)),  # in f = q - kv + 3
+    "one side": (lambda s, b, h, q, kv: s + torch.clamp(kv - q, max=7).float(), (7, 7, None, None)),
+    "clamp of a clamp": (lambda s, b, h, q, kv: s + (q - kv).clamp(min=-9).clamp(max=20).float(), (20, 20, -9, -9)),
+    # a floor under |q - kv| never saturates towards the ends
+    "floor under abs": (lambda s, b, h, q, kv: s + (q - kv).abs().clamp(min=5).float(), None),
+    "no clamp": (lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs(), None),
+    "not affine": (lambda s, b, h, q, kv: s - ((q * kv) % 97).clamp(max=50).float(), None),
+    "two affine operands": (lambda s, b, h, q, kv: s + torch.minimum(q - kv, kv - q).float(), None),
+}
+
+
+@pytest.mark.parametrize("name", list(SATURATING))
+def test_saturation_splits(name):
+    score_mod, want = SATURATING[name]
+    split = _split(score_mod)
+    got = None if split is None else (split.above, split.value_above, split.below, split.value_below)
+    if want is not None and want[2] is None:
+        got = got[:2] + (None, None)
+    assert got == want
+
+
+@pytest.mark.parametrize("name", [n for n, (_, want) in SATURATING.items() if want is not None])
+def test_saturated_sides_are_exact(name):
+    """On the sides the split names, the mod equals the one with the clamp's constant, for every
+    position pair of a grid reaching past both thresholds; just inside, it differs."""
+    score_mod, _ = SATURATING[name]
+    split = _split(score_mod)
+    q = torch.arange(400).view(-1, 1)
+    kv = torch.arange(400).view(1, -1)
+    f = split.form.q * q + split.form.kv * kv + split.form.const
+    s = torch.zeros(400, 400)
+    out = score_mod(s, 0, 0, q, kv)
+    sides = [(f >= split.above, f == split.above - 1)] if split.above is not None else []
+    sides += [(f <= split.below, f == split.below + 1)] if split.below is not None else []
+    for side, edge in sides:
+        assert side.any() and edge.any()
+        vals = out[side]
+        assert (vals == vals[0]).all()  # one constant over the whole side
+        assert (out[edge] != vals[0]).all()  # the threshold is tight
+
+
+def test_saturated_relative_bias_costs_one_fma_per_element(tmp_path):
+    """SASS: the causal relative-bias forward has a key-loop side where the bias is one constant,
+    64 FFMAs with the same immediate (one per element of a thread's 64 x 128 / 128 fragment)."""
+    pytest.importorskip("cutlass")
+    import os
+    import re
+
+    from sass import key_loops, sass_of
+    from torch_fa4 import mods as M
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.mods import registry
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    key, aux = M.prepare(SATURATING["relative bias"][0], None)
+    q = torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16)
+    call = AttentionCall(q=q, k=q, v=q, scale=128 ** -0.5, causal=True, mod_key=key, mods=registry.lookup(key),
+                         aux_tensors=tuple(aux))
+    fwd_host.compile_fwd(fwd_host.default_config(call), dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    bias = -0.01 * 64
+    consts = [re.findall(r"FFMA R\d+, R\d+, R\d+(?:\.reuse)?, (-0\.63\d+)", "\n".join(loop)) for loop in key_loops(sass)]
+    counts = [len(c) for c in consts]
+    assert max(counts) >= 2 * 64, counts  # both saturated sides of the unmasked loop
+    assert all(abs(float(x) - bias) < 1e-6 for c in consts for x in c)

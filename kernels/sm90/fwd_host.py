@@ -245,10 +245,11 @@ def _early_rescale_pays(call: AttentionCall, cfg: FwdConfig, max_k: int) -> bool
 
 def _d128_cond_rescale_pays(call: AttentionCall) -> bool:
     """D=128 plain and causal calls rescale O only when a row's max grows by more than 2^8, not
-    early (NOTES "Experiments 96, 130"; D=64 lost with it); unmeasured rows (mods, softcap,
-    windows) keep the early rescale (both are exact)."""
-    return (call.head_dim == call.head_dim_v == 128
-            and call.mods is None and call.softcap <= 0 and not call.has_window)
+    early (NOTES "Experiments 96, 130"; D=64 lost with it); with mods too (a score_mod's
+    arithmetic and a mask_mod's loads add to the softmax's share of the key loop, which the 64
+    multiplies of an unconditional rescale only lengthen); unmeasured rows (softcap, windows)
+    keep the early rescale (both are exact)."""
+    return call.head_dim == call.head_dim_v == 128 and call.softcap <= 0 and not call.has_window
 
 
 # CTA pairs multicasting each K / V tile (`FwdConfig.kv_multicast`): the H100 runs these kernels
@@ -277,12 +278,24 @@ _DYNAMIC_MAX_D256_SEQLEN = 2048
 def _dynamic_schedule_pays(call: AttentionCall, longest: int) -> bool:
     # its persistent loop compiles clean where the static one does (no mods), and at D <= 128
     # for calls whose only mod is a score_mod (CPU compile tests)
+    if _block_list_walk(call):
+        return True
     if call.mods is not None and not (call.head_dim <= 128 and call.mods.mask_graph is None
                                       and call.softcap <= 0 and not call.has_window and not call.block_mask):
         return False
     if call.has_window or call.causal:
         return True
     return call.head_dim == 256 and longest <= _DYNAMIC_MAX_D256_SEQLEN
+
+
+def _block_list_walk(call: AttentionCall) -> bool:
+    """D=128 calls whose only mod is a mask_mod with its block mask: the walks are the block lists,
+    short and unequal (a document mask's query tiles see 1 to doc_len / 128 key tiles), so the
+    persistent CTAs take items from the counter as causal walks do; its loop compiles with a
+    mask_mod's loads (CPU compile tests)."""
+    return (bool(call.block_mask) and call.mods is not None and call.mods.score_graph is None
+            and call.head_dim == call.head_dim_v == 128 and call.softcap <= 0 and not call.has_window
+            and call.page_table is None)
 
 
 # Q's buffer freed after the walk's last Q K^T (`FwdConfig.early_q_release`) for short walks,
