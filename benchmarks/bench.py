@@ -51,7 +51,8 @@ _WINDOW_1024 = (1024, 0)
 
 def _named_score_mods(heads: int, device: str = "cuda") -> dict:
     """Score_mods by name (the probes' rows D:S:causal:MOD): "alibi" is the grid's ALiBi row (with
-    abs), "alibi-kv-q" the library's slope * (kv_idx - q_idx), which needs no sign branch."""
+    abs), "alibi-kv-q" the library's slope * (kv_idx - q_idx), which needs no sign branch,
+    "relative" the mods table's clamped relative bias."""
     from torch_fa4 import mods as M
 
     slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
@@ -59,7 +60,10 @@ def _named_score_mods(heads: int, device: str = "cuda") -> dict:
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
-    return {"alibi": alibi, "alibi-kv-q": M.alibi(slopes)}
+    def relative(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs().clamp(max=64)
+
+    return {"alibi": alibi, "alibi-kv-q": M.alibi(slopes), "relative": relative}
 
 
 def document_mask(S: int, doc_len: int = 512, device: str = "cuda"):

@@ -14,7 +14,7 @@ TFLOP/s of the rounds, its ratio to flash-attn-4 (else to torch_fa4's defaults) 
 [min-max] spread (0.1-0.5% here, against 2-5% for bench.py's rows).
 
 Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid), or D:S:causal:MOD with a
-score_mod named as in bench._named_score_mods ("alibi", "alibi-kv-q") or "document" (the
+score_mod named as in bench._named_score_mods ("alibi", "alibi-kv-q", "relative") or "document" (the
 grid's block-sparse document mask, causal rows, FlexAttention compiled as a peer); forward only,
 and implementations that take no mods, flash-attn-4 here, sit such rows out. Variants (forward
 only): torch_fa4 with FwdConfig overrides.
