@@ -266,3 +266,96 @@ def test_saturated_relative_bias_costs_one_fma_per_element(tmp_path):
     counts = [len(c) for c in consts]
     assert max(counts) >= 2 * 64, counts  # both saturated sides of the unmasked loop
     assert all(abs(float(x) - bias) < 1e-6 for c in consts for x in c)
+
+
+# ---- band & rest: the band as the built-in causal mask, the rest kept (idioms.mask_band_split) -------
+
+def _split_band(mask_mod):
+    found = idioms.mask_band_split(trace_graphs(None, mask_mod)[0].mask_graph)
+    return None if found is None else found[0]
+
+
+DOC = torch.tensor([0] * 70 + [1] * 3 + [2] * 200 + [3] * 127, dtype=torch.int32)  # 400 positions
+
+
+@pytest.mark.parametrize("mask_mod, band", [
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv), (0, INF)),
+    (lambda b, h, q, kv: (q >= kv) & (DOC[q] == DOC[kv]), (0, INF)),
+    (lambda b, h, q, kv: (q // 64 == kv // 64) & (q >= kv), (0, INF)),  # chunked, causal
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv) & (q - kv < 100) & (h < 3), (0, 99)),
+    (lambda b, h, q, kv: (q > kv) & (DOC[q] == DOC[kv]), (1, INF)),  # a band, not the diagonal's
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) | (q >= kv), None),
+    (lambda b, h, q, kv: (kv <= 30) | (q >= kv), None),  # prefix-LM: an or
+    (lambda b, h, q, kv: DOC[q] == DOC[kv], None),
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q + kv >= 3), None),
+    (lambda b, h, q, kv: (q >= kv) & (q < kv) & (DOC[q] == DOC[kv]), None),  # empty band
+])
+def test_band_splits(mask_mod, band):
+    assert _split_band(mask_mod) == band
+
+
+def _dense_tiles(mask_mod, S, bq, bkv):
+    q = torch.arange(S).view(-1, 1)
+    kv = torch.arange(S).view(1, -1)
+    keep = mask_mod(0, 0, q, kv)
+    causal = q >= kv
+    nt = -(-S // bq)
+    pad = nt * bq - S
+    grid = lambda x, fill: torch.nn.functional.pad(x, (0, pad, 0, pad), value=fill).view(nt, bq, nt, bkv)  # noqa: E731
+    any_ = grid(keep, False).any(3).any(1)
+    rest_full = grid(keep | ~causal, True).all(3).all(1)  # the rest holds wherever causal does
+    return any_, any_ & rest_full
+
+
+def test_block_lists_without_the_band_are_exact():
+    from torch_fa4.mods import block_lists
+    from torch_fa4.mods.block_lists import _flags
+    from torch_fa4.mods.registry import lookup
+
+    S, bq, bkv = 400, 64, 64
+    doc = DOC.clone()
+    mask_mod = lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)  # noqa: E731
+    bm = torch_fa4.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=64)
+    key, aux = api._prepare_mods(None, mask_mod)
+    found = idioms.builtins_of(key)
+    lists = block_lists.without_band(bm.as_tensors(), bq, bkv, found.rest_band, lookup(found.key_with_rest),
+                                     aux, S, S)
+    visible, full = _dense_tiles(mask_mod, S, bq, bkv)
+    partial_got, full_got = _flags(*lists[:2])[0, 0], _flags(*lists[2:])[0, 0]
+    assert torch.equal(full_got, full) and torch.equal(partial_got, visible & ~full)
+    assert full_got.sum() > _flags(*bm.as_tensors()[2:])[0, 0].sum()  # the diagonal tiles moved
+    # kept for the same tensors; a document id changed in place is another mask
+    assert block_lists.without_band(bm.as_tensors(), bq, bkv, found.rest_band, lookup(found.key_with_rest),
+                                    aux, S, S)[0] is lists[0]
+    doc[300:] = 9
+    again = block_lists.without_band(bm.as_tensors(), bq, bkv, found.rest_band, lookup(found.key_with_rest),
+                                     aux, S, S)
+    assert again[0] is not lists[0]
+
+
+@pytest.mark.parametrize("mask_mod, folds", [
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv), True),
+    (lambda b, h, q, kv: (q // 64 == kv // 64) & (q >= kv), True),
+    (lambda b, h, q, kv: (q > kv) & (DOC[q] == DOC[kv]), False),  # near miss: not the diagonal
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv) & (q - kv <= 50), False),  # a window: kept whole
+])
+def test_band_and_rest_fold_into_causal_and_stay_exact(op_args, mask_mod, folds):
+    S = 400
+    bm = torch_fa4.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=128)
+    q, k, v = _qkv(S, S)
+    out = torch_fa4.flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=bm, enable_gqa=True)
+    ref, _ = naive_attention(q, k, v, mask_mod=mask_mod)
+    assert rel_error(out.transpose(1, 2), ref) < 1e-5
+    out = torch_fa4.attention(q, k, v, mask_mod=mask_mod)  # no block mask: the rest alone
+    assert rel_error(out, ref) < 1e-5
+    (with_bm, without_bm) = op_args
+    key, _ = api._prepare_mods(None, mask_mod)
+    for rest in (with_bm, without_bm):
+        assert (rest[12] != key and rest[8] is True) == folds
+        assert rest[12] != ""  # the rest is always kept
+    if folds:
+        got = with_bm[4]
+        want_visible, want_full = _dense_tiles(mask_mod, S, 128, 128)
+        from torch_fa4.mods.block_lists import _flags
+        assert torch.equal(_flags(*got[2:])[0, 0], want_full)
+        assert without_bm[4] == []
