@@ -126,11 +126,14 @@ def _window_flops(window):
 
 
 # ------------------------------------------------------------------ forward implementations
-def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, cfg_opts=None):
+def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, cfg_opts=None,
+             fold=True):
     """q, k, v (B, S, H, D). Calls without mods or overrides go through the public
     torch_fa4.attention, as flash-attn-4's row goes through its flash_attn_func, so the row counts
     our API's host time too. With mods, the mods are traced once here and the kernel is launched
-    directly, so the row times the kernel, not the per-call capture of the public API.
+    directly, so the row times the kernel, not the per-call capture of the public API; what the
+    API folds into built-in arguments (torch_fa4.mods.idioms: a mask `causal & rest` runs causal
+    as the built-in) is folded here too, unless fold=False (the probes' "document-kept" row).
     cfg_opts: FwdConfig overrides (the probes' --variant)."""
     if score_mod is None and mask_mod is None and not cfg_opts:
         import torch_fa4
@@ -153,6 +156,19 @@ def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask
             bm = M.create_block_mask(mask_mod, None, None, S, S, device=q.device)
             mods.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
                         block_mask_kv=bm.BLOCK_SIZE[1])
+        if fold:
+            from torch_fa4 import api
+
+            wl, wr = window if not causal else (window[0], 0)
+            folded = api._as_builtins(key, list(aux), q, q.shape[1], False, False, wl, wr, softcap,
+                                      list(mods.get("block_mask", ())), 128, 128)
+            if folded is not None:
+                key, aux, mask_folded, wl, wr, softcap, bm_tensors = folded
+                causal = causal or (mask_folded and wr == 0)
+                window = (wl, wr)
+                mods = dict(mod_key=key, mods=registry.lookup(key) if key else None, aux_tensors=tuple(aux))
+                if bm_tensors:
+                    mods.update(block_mask=tuple(bm_tensors), block_mask_q=128, block_mask_kv=128)
     call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal, softcap=softcap,
                          window_left=window[0], window_right=window[1], **mods)
     reason = fwd_host.unsupported_reason(call)
@@ -163,7 +179,7 @@ def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask
     return lambda: fwd_host.forward(call, out, lse, **(cfg_opts or {}))
 
 
-def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, **_):
     from flash_attn.cute.interface import flash_attn_func
 
     kw = dict(causal=causal)
@@ -177,7 +193,7 @@ def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_
 
 
 def _sdpa(backend):
-    def make(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+    def make(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, **_):
         if softcap or window != (-1, -1) or score_mod is not None or mask_mod is not None:
             raise RuntimeError("n/a")
         from torch.nn.attention import sdpa_kernel
@@ -196,7 +212,7 @@ def _sdpa(backend):
 _flex_compiled = None
 
 
-def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, **_):
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
