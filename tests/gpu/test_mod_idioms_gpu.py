@@ -109,3 +109,26 @@ def test_document_and_causal_without_a_block_mask(S):
         low, _ = naive_attention(q, k, v, mask_mod=mask_mod, differentiable=True)
         # (the first row of each document sees nothing under q > kv: out 0 there, in both)
         assert rel_error(out, ref) <= 2 * rel_error(low, ref)
+
+
+@pytest.mark.parametrize("name", ["document, causal", "chunked 256, causal"])
+def test_folded_block_mask_backward_against_float64(name):
+    """The backward of a block mask whose causal part runs as the built-in: the re-listed full
+    tiles (mods/block_lists.py) still get the causal limit there."""
+    S = 1000
+    mask_mod = _block_masks(S, "cuda")[name]
+    bm = torch_fa4.create_block_mask(mask_mod, None, None, S, S, device="cuda")
+    q, k, v = (torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = torch_fa4.flex_attention(q, k, v, block_mask=bm)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = lambda dtype: [t.detach().transpose(1, 2).to(dtype).requires_grad_() for t in (q, k, v)]  # noqa: E731
+    refs, lows = leaves(torch.float64), leaves(torch.bfloat16)
+    ref, _ = naive_attention(*refs, mask_mod=mask_mod, differentiable=True)
+    low, _ = naive_attention(*lows, mask_mod=mask_mod, differentiable=True)
+    d = dout.transpose(1, 2)
+    ref_grads = torch.autograd.grad(ref, refs, d.double())
+    low_grads = torch.autograd.grad(low, lows, d)
+    assert rel_error(out.transpose(1, 2), ref) <= 2 * rel_error(low, ref)
+    for g, r, lg in zip(grads, ref_grads, low_grads):
+        assert rel_error(g.transpose(1, 2), r) <= 2 * rel_error(lg, r)
