@@ -293,9 +293,9 @@ def _block_list_walk(call: AttentionCall) -> bool:
     short and unequal (a document mask's query tiles see 1 to doc_len / 128 key tiles), so the
     persistent CTAs take items from the counter as causal walks do; its loop compiles with a
     mask_mod's loads (CPU compile tests)."""
-    return (bool(call.block_mask) and call.mods is not None and call.mods.score_graph is None
-            and call.head_dim == call.head_dim_v == 128 and call.softcap <= 0 and not call.has_window
-            and call.page_table is None)
+    return (fwd_launch.uses_block_mask(call) and call.mods.score_graph is None and _dense(call)
+            and call.head_dim == call.head_dim_v == 128 and call.page_table is None
+            and call.seqused_k is None)
 
 
 # Q's buffer freed after the walk's last Q K^T (`FwdConfig.early_q_release`) for short walks,
