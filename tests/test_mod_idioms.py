@@ -359,3 +359,39 @@ def test_band_and_rest_fold_into_causal_and_stay_exact(op_args, mask_mod, folds)
         from torch_fa4.mods.block_lists import _flags
         assert torch.equal(_flags(*got[2:])[0, 0], want_full)
         assert without_bm[4] == []
+
+
+def test_schedule_and_rescale_of_mod_calls():
+    """D128 block-list walks of a mask_mod alone take the persistent CTAs' counter (short, unequal
+    walks); with a score_mod beside it, other head dims, varlen: one CTA per item as before. D128
+    calls with mods rescale O conditionally, as plain and causal ones do."""
+    from torch_fa4 import mods as M
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.mods import registry
+
+    doc = torch.arange(1024, dtype=torch.int32) // 256
+
+    def cfg(D=128, score_mod=None, mask_mod=None, block=True, **kw):
+        q = torch.empty(2, 1024, 4, D, dtype=torch.bfloat16)
+        key, aux = M.prepare(score_mod, mask_mod)
+        extra = {}
+        if block and mask_mod is not None:
+            bm = M.create_block_mask(mask_mod, None, None, 1024, 1024, device="cpu")
+            extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=128, block_mask_kv=128)
+        call = AttentionCall(q=q, k=q, v=q, scale=0.1, mod_key=key, mods=registry.lookup(key),
+                             aux_tensors=tuple(aux), **extra, **kw)
+        return fwd_host.default_config(call)
+
+    document = lambda b, h, q, kv: doc[q] == doc[kv]  # noqa: E731
+    relative = lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64)  # noqa: E731
+    for kw in (dict(), dict(causal=True)):
+        c = cfg(mask_mod=document, **kw)
+        assert c.block_sparse and c.persistent and c.dynamic_schedule and c.rescale_threshold == 8.0
+    assert not cfg(mask_mod=document, block=False).persistent  # a mask_mod everywhere: one CTA per item
+    assert not cfg(mask_mod=document, score_mod=relative).persistent
+    assert not cfg(D=64, mask_mod=document).persistent
+    assert not cfg(mask_mod=document, softcap=5.0).persistent
+    c = cfg(score_mod=relative, causal=True)
+    assert c.dynamic_schedule and (c.rescale_threshold, c.early_o_rescale) == (8.0, False)
+    assert cfg(D=64, score_mod=relative, causal=True).rescale_threshold is None
