@@ -454,11 +454,13 @@ def run_mods_table(measure, width: int, backward: bool = True, device: str = "cu
     D, S = _MOD_SHAPE["D"], _MOD_SHAPE["S"]
     print("mods fwd TFLOP/s (causal; torch_fa4 over each other column at the end)")
     for label, score_mod, mask_mod, flops, reference in _mod_rows(width // D, S, device):
-        measure(f"mods fwd D{D} S{S // 1024}k {label}", D, S, True, flops,
-                _mod_makers(score_mod, mask_mod, reference), printer=_print_mod_row)
+        row = measure(f"mods fwd D{D} S{S // 1024}k {label}", D, S, True, flops,
+                      _mod_makers(score_mod, mask_mod, reference), printer=_print_mod_row)
         if reference == "causal S512":  # the document row's reference: the same tokens, causal
-            measure(f"mods fwd D{D} S512 causal=True (doc reference)", D, 512, True, _flops,
-                    {"torch_fa4": _builtin_causal}, printer=_print_mod_row)
+            ref = measure(f"mods fwd D{D} S512 causal=True (doc reference)", D, 512, True, _flops,
+                          {"torch_fa4": _builtin_causal}, printer=_print_mod_row)
+            if row and ref and row.get("torch_fa4") and ref.get("torch_fa4"):
+                print(f"  document / causal S512: {row['torch_fa4'] / ref['torch_fa4']:.3f}", flush=True)
     if backward:
         print("mods bwd TFLOP/s (causal, learnable relative-bias table)")
         measure(f"mods bwd D{D} S{S // 1024}k relative bias table, learnable", D, S, True,
@@ -528,6 +530,7 @@ def main():
                     row.setdefault("spread", {})[name] = (min(vals), max(vals))
         rows.append(row)
         printer(row, list(makers))
+        return row
 
     if args.mods:
         run_mods_table(measure, width, backward=not args.no_bwd)
