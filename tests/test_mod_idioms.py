@@ -363,8 +363,8 @@ def test_band_and_rest_fold_into_causal_and_stay_exact(op_args, mask_mod, folds)
 
 def test_schedule_and_rescale_of_mod_calls():
     """D128 block-list walks of a mask_mod alone take the persistent CTAs' counter (short, unequal
-    walks); with a score_mod beside it, other head dims, varlen: one CTA per item as before. D128
-    calls with mods rescale O conditionally, as plain and causal ones do."""
+    walks), the conditional rescale and the early Q release; with a score_mod beside it, other
+    head dims, softcap: one CTA per item as before; score_mod calls keep the early rescale."""
     from torch_fa4 import mods as M
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.sm90 import fwd_host
@@ -387,11 +387,13 @@ def test_schedule_and_rescale_of_mod_calls():
     relative = lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64)  # noqa: E731
     for kw in (dict(), dict(causal=True)):
         c = cfg(mask_mod=document, **kw)
-        assert c.block_sparse and c.persistent and c.dynamic_schedule and c.rescale_threshold == 8.0
+        assert c.block_sparse and c.persistent and c.dynamic_schedule and c.early_q_release
+        assert (c.rescale_threshold, c.early_o_rescale) == (8.0, False)
     assert not cfg(mask_mod=document, block=False).persistent  # a mask_mod everywhere: one CTA per item
     assert not cfg(mask_mod=document, score_mod=relative).persistent
     assert not cfg(D=64, mask_mod=document).persistent
     assert not cfg(mask_mod=document, softcap=5.0).persistent
-    c = cfg(score_mod=relative, causal=True)
-    assert c.dynamic_schedule and (c.rescale_threshold, c.early_o_rescale) == (8.0, False)
-    assert cfg(D=64, score_mod=relative, causal=True).rescale_threshold is None
+    c = cfg(score_mod=relative, causal=True)  # score_mods keep the early rescale
+    assert c.dynamic_schedule and (c.rescale_threshold, c.early_o_rescale) == (None, True)
+    q = torch.empty(2, 4096, 4, 128, dtype=torch.bfloat16)  # (long plain walks keep Q)
+    assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True)).early_q_release
