@@ -464,7 +464,8 @@ def run_mods_table(measure, width: int, backward: bool = True, device: str = "cu
     if backward:
         print("mods bwd TFLOP/s (causal, learnable relative-bias table)")
         measure(f"mods bwd D{D} S{S // 1024}k relative bias table, learnable", D, S, True,
-                lambda *a: _flops(*a, bwd=True), _learnable_table_makers(width // D, device), printer=_print_mod_row)
+                lambda *a: _flops(*a, bwd=True), _learnable_table_makers(width // D, device),
+                printer=_print_mod_row)
 
 
 def main():

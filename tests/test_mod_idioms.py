@@ -200,9 +200,12 @@ def _split(score_mod):
 
 SATURATING = {  # score_mod -> (above, value_above, below, value_below) of the split, or None
     "relative bias": (lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64), (64, 64, -64, 64)),
-    "two-sided clamp": (lambda s, b, h, q, kv: s + 0.05 * (q - kv + 3).clamp(-100, 37).float(), (37, 37, -100, -100)),  # in f = q - kv + 3
+    # (thresholds in f = q - kv + 3)
+    "two-sided clamp": (lambda s, b, h, q, kv: s + 0.05 * (q - kv + 3).clamp(-100, 37).float(),
+                        (37, 37, -100, -100)),
     "one side": (lambda s, b, h, q, kv: s + torch.clamp(kv - q, max=7).float(), (7, 7, None, None)),
-    "clamp of a clamp": (lambda s, b, h, q, kv: s + (q - kv).clamp(min=-9).clamp(max=20).float(), (20, 20, -9, -9)),
+    "clamp of a clamp": (lambda s, b, h, q, kv: s + (q - kv).clamp(min=-9).clamp(max=20).float(),
+                         (20, 20, -9, -9)),
     # a floor under |q - kv| never saturates towards the ends
     "floor under abs": (lambda s, b, h, q, kv: s + (q - kv).abs().clamp(min=5).float(), None),
     "no clamp": (lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs(), None),
@@ -257,12 +260,13 @@ def test_saturated_relative_bias_costs_one_fma_per_element(tmp_path):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     key, aux = M.prepare(SATURATING["relative bias"][0], None)
     q = torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16)
-    call = AttentionCall(q=q, k=q, v=q, scale=128 ** -0.5, causal=True, mod_key=key, mods=registry.lookup(key),
-                         aux_tensors=tuple(aux))
+    call = AttentionCall(q=q, k=q, v=q, scale=128 ** -0.5, causal=True, mod_key=key,
+                         mods=registry.lookup(key), aux_tensors=tuple(aux))
     fwd_host.compile_fwd(fwd_host.default_config(call), dump_dir=str(tmp_path))
     sass = sass_of(tmp_path)
     bias = -0.01 * 64
-    consts = [re.findall(r"FFMA R\d+, R\d+, R\d+(?:\.reuse)?, (-0\.63\d+)", "\n".join(loop)) for loop in key_loops(sass)]
+    fma_of_bias = r"FFMA R\d+, R\d+, R\d+(?:\.reuse)?, (-0\.63\d+)"
+    consts = [re.findall(fma_of_bias, "\n".join(loop)) for loop in key_loops(sass)]
     counts = [len(c) for c in consts]
     assert max(counts) >= 2 * 64, counts  # both saturated sides of the unmasked loop
     assert all(abs(float(x) - bias) < 1e-6 for c in consts for x in c)
@@ -301,7 +305,10 @@ def _dense_tiles(mask_mod, S, bq, bkv):
     causal = q >= kv
     nt = -(-S // bq)
     pad = nt * bq - S
-    grid = lambda x, fill: torch.nn.functional.pad(x, (0, pad, 0, pad), value=fill).view(nt, bq, nt, bkv)  # noqa: E731
+
+    def grid(x, fill):
+        return torch.nn.functional.pad(x, (0, pad, 0, pad), value=fill).view(nt, bq, nt, bkv)
+
     any_ = grid(keep, False).any(3).any(1)
     rest_full = grid(keep | ~causal, True).all(3).all(1)  # the rest holds wherever causal does
     return any_, any_ & rest_full

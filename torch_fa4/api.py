@@ -223,8 +223,8 @@ def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, windo
             found, aux, bm_tensors, bm_q, bm_kv, q.shape[1], k_len)
     if not fold_cap:
         return None
-    return (found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right, found.softcap,
-            bm_tensors)
+    return (found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right,
+            found.softcap, bm_tensors)
 
 
 def _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q_len, k_len):

@@ -31,14 +31,17 @@ MODS = {
                                mask_mod=lambda b, h, q, kv: q >= kv),
     # saturated on tiles at least 64 away from the diagonal, on either side
     "relative bias, clamped": dict(score_mod=lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64)),
-    "relative bias, clamped, causal": dict(score_mod=lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64),
-                                           mask_mod=lambda b, h, q, kv: q >= kv),
+    "relative bias, clamped, causal": dict(
+        score_mod=lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64),
+        mask_mod=lambda b, h, q, kv: q >= kv),
     # a different constant on each side; the upper bound is not a multiple of a tile
     "two-sided clamp": dict(score_mod=lambda s, b, h, q, kv: s + 0.05 * (q - kv + 3).clamp(-100, 37).float()),
     # a clamp of something not affine in the positions: no split, the general code
-    "clamp, not affine": dict(score_mod=lambda s, b, h, q, kv: s - 0.01 * ((q * kv) % 97).clamp(max=50).float()),
-    "alibi with abs, causal": dict(score_mod=lambda s, b, h, q, kv: s - (h + 1) * 0.0625 * (q - kv).abs().float(),
-                                   mask_mod=lambda b, h, q, kv: q >= kv),
+    "clamp, not affine": dict(
+        score_mod=lambda s, b, h, q, kv: s - 0.01 * ((q * kv) % 97).clamp(max=50).float()),
+    "alibi with abs, causal": dict(
+        score_mod=lambda s, b, h, q, kv: s - (h + 1) * 0.0625 * (q - kv).abs().float(),
+        mask_mod=lambda b, h, q, kv: q >= kv),
 }
 
 
@@ -118,11 +121,14 @@ def test_folded_block_mask_backward_against_float64(name):
     S = 1000
     mask_mod = _block_masks(S, "cuda")[name]
     bm = torch_fa4.create_block_mask(mask_mod, None, None, S, S, device="cuda")
-    q, k, v = (torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     out = torch_fa4.flex_attention(q, k, v, block_mask=bm)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    leaves = lambda dtype: [t.detach().transpose(1, 2).to(dtype).requires_grad_() for t in (q, k, v)]  # noqa: E731
+    def leaves(dtype):
+        return [t.detach().transpose(1, 2).to(dtype).requires_grad_() for t in (q, k, v)]
+
     refs, lows = leaves(torch.float64), leaves(torch.bfloat16)
     ref, _ = naive_attention(*refs, mask_mod=mask_mod, differentiable=True)
     low, _ = naive_attention(*lows, mask_mod=mask_mod, differentiable=True)
