@@ -16,6 +16,16 @@ D128 S4k; bwd D128 S4k and causal when the torch_fa4 backward kernel takes them)
 flash-attn-4, cuDNN and FlexAttention (compiled); same table format.
 
 --rounds N: every implementation of a row timed N times in turn; the row keeps the upper median.
+
+--mods: only the mods table (B 4, H 16, S 4096, D 128, bf16, causal, 128 x 128 block masks), mods
+written as users write them, each row with its peers in the same run: causal as a mask_mod, ALiBi
+from a captured slope tensor, a tanh softcap, the relative bias `s - 0.01 * |q - kv|.clamp(max=64)`,
+a document mask of 8 documents; torch_fa4 through its FlexAttention-style API (torch_fa4.
+flex_attention with a torch_fa4 block mask), the same mask without the score_mod ("own mask", the
+0.9x reference), FlexAttention compiled (Triton) and its FLASH backend. The document row also
+times torch_fa4's `causal=True` at S 512 with the same tokens (the 0.8x reference). One backward
+row: a learnable relative-bias table (requires_grad) against FlexAttention Triton's. FLOPs count
+the computed part (the visible pairs).
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ _WINDOW_1024 = (1024, 0)
 
 def _named_score_mods(heads: int, device: str = "cuda") -> dict:
     """Score_mods by name (the probes' rows D:S:causal:MOD): "alibi" is the grid's ALiBi row (with
-    abs), "alibi-kv-q" the library's slope * (kv_idx - q_idx), which needs no sign branch."""
+    abs), "alibi-kv-q" the library's slope * (kv_idx - q_idx), which needs no sign branch,
+    "relative" the mods table's clamped relative bias."""
     from torch_fa4 import mods as M
 
     slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
@@ -49,7 +60,10 @@ def _named_score_mods(heads: int, device: str = "cuda") -> dict:
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
-    return {"alibi": alibi, "alibi-kv-q": M.alibi(slopes)}
+    def relative(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs().clamp(max=64)
+
+    return {"alibi": alibi, "alibi-kv-q": M.alibi(slopes), "relative": relative}
 
 
 def document_mask(S: int, doc_len: int = 512, device: str = "cuda"):
@@ -112,11 +126,14 @@ def _window_flops(window):
 
 
 # ------------------------------------------------------------------ forward implementations
-def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, cfg_opts=None):
+def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, cfg_opts=None,
+             fold=True):
     """q, k, v (B, S, H, D). Calls without mods or overrides go through the public
     torch_fa4.attention, as flash-attn-4's row goes through its flash_attn_func, so the row counts
     our API's host time too. With mods, the mods are traced once here and the kernel is launched
-    directly, so the row times the kernel, not the per-call capture of the public API.
+    directly, so the row times the kernel, not the per-call capture of the public API; what the
+    API folds into built-in arguments (torch_fa4.mods.idioms: a mask `causal & rest` runs causal
+    as the built-in) is folded here too, unless fold=False (the probes' "document-kept" row).
     cfg_opts: FwdConfig overrides (the probes' --variant)."""
     if score_mod is None and mask_mod is None and not cfg_opts:
         import torch_fa4
@@ -139,6 +156,19 @@ def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask
             bm = M.create_block_mask(mask_mod, None, None, S, S, device=q.device)
             mods.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
                         block_mask_kv=bm.BLOCK_SIZE[1])
+        if fold:
+            from torch_fa4 import api
+
+            wl, wr = window if not causal else (window[0], 0)
+            folded = api._as_builtins(key, list(aux), q, q.shape[1], False, False, wl, wr, softcap,
+                                      list(mods.get("block_mask", ())), 128, 128)
+            if folded is not None:
+                key, aux, mask_folded, wl, wr, softcap, bm_tensors = folded
+                causal = causal or (mask_folded and wr == 0)
+                window = (wl, wr)
+                mods = dict(mod_key=key, mods=registry.lookup(key) if key else None, aux_tensors=tuple(aux))
+                if bm_tensors:
+                    mods.update(block_mask=tuple(bm_tensors), block_mask_q=128, block_mask_kv=128)
     call = AttentionCall(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5, causal=causal, softcap=softcap,
                          window_left=window[0], window_right=window[1], **mods)
     reason = fwd_host.unsupported_reason(call)
@@ -149,7 +179,7 @@ def ours_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask
     return lambda: fwd_host.forward(call, out, lse, **(cfg_opts or {}))
 
 
-def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, **_):
     from flash_attn.cute.interface import flash_attn_func
 
     kw = dict(causal=causal)
@@ -163,7 +193,7 @@ def fa4_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_
 
 
 def _sdpa(backend):
-    def make(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+    def make(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, **_):
         if softcap or window != (-1, -1) or score_mod is not None or mask_mod is not None:
             raise RuntimeError("n/a")
         from torch.nn.attention import sdpa_kernel
@@ -182,7 +212,7 @@ def _sdpa(backend):
 _flex_compiled = None
 
 
-def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None):
+def flex_fwd(q, k, v, causal, softcap=0.0, window=(-1, -1), score_mod=None, mask_mod=None, **_):
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -281,6 +311,163 @@ def sdpa_bwd(backend):
     return make
 
 
+# ------------------------------------------------------------------ the mods table (--mods)
+_MOD_SHAPE = dict(D=128, S=4096)  # with the grid's 16k tokens and H * D = 2048: B 4, H 16
+_REL_RADIUS = 128  # the backward row's table: table[h, clamp(q - kv, -R, R) + R]
+
+
+def _mod_rows(heads: int, S: int, device: str = "cuda") -> list:
+    """(label, score_mod, mask_mod, flops, reference) of the mods table. Masks are ANDed with
+    causal; reference names the torch_fa4 column a row's rate is held against."""
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
+    doc_ids = torch.arange(S, device=device, dtype=torch.int32) // (S // 8)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30 * torch.tanh(score / 30)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs().clamp(max=64)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+
+    _, doc_flops = document_mask(S, S // 8, device)
+    return [
+        ("causal as mask_mod", None, None, _flops, "builtin causal"),
+        ("alibi score_mod (captured slopes)", alibi, None, _flops, "own mask"),
+        ("tanh softcap 30 score_mod", softcap, None, _flops, "own mask"),
+        ("relative bias 0.01|q-kv|<=64", relative, None, _flops, "own mask"),
+        ("document mask_mod, 8 docs", None, document, doc_flops, "causal S512"),
+    ]
+
+
+def _causal_and(mask_mod):
+    def masked(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
+    return masked
+
+
+def _mod_makers(score_mod, mask_mod, reference: str) -> dict:
+    """torch_fa4 (its FlexAttention-style API with its own block mask), its reference column,
+    FlexAttention compiled (Triton) and its FLASH backend, all on the same (B, S, H, D) tensors."""
+    global _flex_compiled
+    import torch_fa4
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention)
+    mask = _causal_and(mask_mod)
+
+    def ours(q, k, v, causal):
+        S = q.shape[1]
+        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device=q.device)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return lambda: torch_fa4.flex_attention(qt, kt, vt, score_mod=score_mod, block_mask=bm)
+
+    def own_mask(q, k, v, causal):
+        S = q.shape[1]
+        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device=q.device)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return lambda: torch_fa4.flex_attention(qt, kt, vt, block_mask=bm)
+
+    def flex(backend):
+        def make(q, k, v, causal):
+            S = q.shape[1]
+            bm = create_block_mask(mask, None, None, S, S)
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            kw = {"kernel_options": {"BACKEND": backend}} if backend else {}
+            return lambda: _flex_compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm, **kw)
+        return make
+
+    makers = {"torch_fa4": ours}
+    if reference == "own mask":
+        makers["torch_fa4 own mask"] = own_mask
+    elif reference == "builtin causal":
+        makers["torch_fa4 causal=True"] = _builtin_causal
+    makers.update({"flex": flex(None), "flex FLASH": flex("FLASH")})
+    return makers
+
+
+def _relative_table_mod(table):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(q_idx - kv_idx, -_REL_RADIUS, _REL_RADIUS) + _REL_RADIUS]
+    return mod
+
+
+def _learnable_table_makers(heads: int, device: str = "cuda") -> dict:
+    """The backward row: a relative-bias table with requires_grad, causal; each maker times
+    autograd.grad of q, k, v and the table with the forward's graph kept."""
+    global _flex_compiled
+    import torch_fa4
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention)
+    table0 = torch.randn(heads, 2 * _REL_RADIUS + 1, device=device) * 0.1
+
+    def leaves(q, k, v, learn=True):
+        return (*(t.detach().requires_grad_() for t in (q, k, v)), table0.clone().requires_grad_(learn))
+
+    def ours(learn):
+        def make(q, k, v, causal):
+            q, k, v, table = leaves(q, k, v, learn)
+            out = torch_fa4.attention(q, k, v, causal=True, score_mod=_relative_table_mod(table))
+            g = torch.randn_like(out)
+            inputs = (q, k, v, table) if learn else (q, k, v)
+            return lambda: torch.autograd.grad(out, inputs, g, retain_graph=True)
+        return make
+
+    def flex(q, k, v, causal):
+        q, k, v, table = leaves(q, k, v)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        S = q.shape[1]
+        bm = create_block_mask(_causal_and(None), None, None, S, S)
+        out = _flex_compiled(qt, kt, vt, score_mod=_relative_table_mod(table), block_mask=bm)
+        g = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v, table), g, retain_graph=True)
+
+    return {"torch_fa4": ours(True), "torch_fa4 frozen table": ours(False), "flex": flex}
+
+
+def _builtin_causal(q, k, v, causal):
+    import torch_fa4
+
+    return lambda: torch_fa4.attention(q, k, v, causal=True)
+
+
+def _print_mod_row(row, names):
+    """A mods-table row: the rates, then torch_fa4 over FLASH (target >= 1.1), over Triton, and
+    over its reference column (>= 0.9; the document row's reference is printed with its own row)."""
+    cells = [f"{n}={row[n]:6.1f}" if row.get(n) else f"{n}=   n/a" for n in names]
+    ours = row.get("torch_fa4") or float("nan")
+    ratios = [f"/{n}={ours / row[n]:.3f}" for n in names[1:] if row.get(n)]
+    print(f"{row['row']:<50} " + "  ".join(cells) + "  " + " ".join(ratios), flush=True)
+    for n, e in row.get("errors", {}).items():
+        print(f"    {n}: {e}", flush=True)
+
+
+def run_mods_table(measure, width: int, backward: bool = True, device: str = "cuda") -> None:
+    D, S = _MOD_SHAPE["D"], _MOD_SHAPE["S"]
+    print("mods fwd TFLOP/s (causal; torch_fa4 over each other column at the end)")
+    for label, score_mod, mask_mod, flops, reference in _mod_rows(width // D, S, device):
+        row = measure(f"mods fwd D{D} S{S // 1024}k {label}", D, S, True, flops,
+                      _mod_makers(score_mod, mask_mod, reference), printer=_print_mod_row)
+        if reference == "causal S512":  # the document row's reference: the same tokens, causal
+            ref = measure(f"mods fwd D{D} S512 causal=True (doc reference)", D, 512, True, _flops,
+                          {"torch_fa4": _builtin_causal}, printer=_print_mod_row)
+            if row and ref and row.get("torch_fa4") and ref.get("torch_fa4"):
+                print(f"  document / causal S512: {row['torch_fa4'] / ref['torch_fa4']:.3f}", flush=True)
+    if backward:
+        print("mods bwd TFLOP/s (causal, learnable relative-bias table)")
+        measure(f"mods bwd D{D} S{S // 1024}k relative bias table, learnable", D, S, True,
+                lambda *a: _flops(*a, bwd=True), _learnable_table_makers(width // D, device),
+                printer=_print_mod_row)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -289,6 +476,7 @@ def main():
     ap.add_argument("--no-fwd", action="store_true", help="backward rows only")
     ap.add_argument("--peers", default=None,
                     help="comma-separated; default all (--quick: torch_fa4,flash-attn-4,sdpa-cudnn,flex)")
+    ap.add_argument("--mods", action="store_true", help="only the mods table (see the module docstring)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation of a row this many times in turn; report the upper median")
     args = ap.parse_args()
@@ -309,7 +497,7 @@ def main():
         fwd_rows = []
     rows = []
 
-    def measure(label, D, S, causal, flops, makers, extra=None):
+    def measure(label, D, S, causal, flops, makers, extra=None, printer=_print_row):
         B, H = tokens // S, width // D
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         row = {"row": label, "D": D, "S": S, "causal": causal}
@@ -342,7 +530,14 @@ def main():
                 if len(vals) > 1:
                     row.setdefault("spread", {})[name] = (min(vals), max(vals))
         rows.append(row)
-        _print_row(row, list(makers))
+        printer(row, list(makers))
+        return row
+
+    if args.mods:
+        run_mods_table(measure, width, backward=not args.no_bwd)
+        print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)
+        _dump(rows, args.out)
+        return
 
     print("fwd TFLOP/s")
     for D, S, causal in fwd_rows:

@@ -14,8 +14,9 @@ TFLOP/s of the rounds, its ratio to flash-attn-4 (else to torch_fa4's defaults) 
 [min-max] spread (0.1-0.5% here, against 2-5% for bench.py's rows).
 
 Rows are D:S:causal (B = 16384 / S, H = 2048 / D, bf16, as the grid), or D:S:causal:MOD with a
-score_mod named as in bench._named_score_mods ("alibi", "alibi-kv-q") or "document" (the
-grid's block-sparse document mask, causal rows, FlexAttention compiled as a peer); forward only,
+score_mod named as in bench._named_score_mods ("alibi", "alibi-kv-q", "relative") or "document" (the
+grid's block-sparse document mask, causal rows, FlexAttention compiled as a peer; "document-kept":
+the same with causal kept inside the mask_mod rather than folded out as the API does); forward only,
 and implementations that take no mods, flash-attn-4 here, sit such rows out. Variants (forward
 only): torch_fa4 with FwdConfig overrides.
 """
@@ -53,10 +54,13 @@ def probe_row(D, S, causal, impls, backward, rounds, mod=None):
     if mod is None:
         fns = {name: make(q, k, v, causal) for name, make in impls.items()}
     else:
-        if mod == "document":
+        if mod in ("document", "document-kept"):
             mask_mod, doc_flops = bench.document_mask(S)
             mods, flops = dict(mask_mod=mask_mod), doc_flops(B, H, S, D)
-            impls = {**impls, "flex": bench.flex_fwd}
+            if mod == "document":
+                impls = {**impls, "flex": bench.flex_fwd}
+            else:  # torch_fa4 with the whole mask as its mask_mod, causal not folded out of it
+                mods["fold"] = False
         else:
             mods = dict(score_mod=bench._named_score_mods(H)[mod])
         fns = {}

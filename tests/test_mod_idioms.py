@@ -187,3 +187,220 @@ def test_folding_under_torch_compile():
     out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
     ref, _ = naive_attention(q, k, v, causal=True, softcap=30.0)
     assert rel_error(out, ref) < 1e-5
+
+
+# ---- clamps that saturate on a whole fragment (kernels/host/mod_hoisting.saturation_split) ------
+
+def _split(score_mod):
+    from torch_fa4.kernels.host import mod_hoisting as H
+
+    graph = trace_graphs(score_mod, None)[0].score_graph
+    return H.saturation_split(graph, H.hoist_plan(graph))
+
+
+SATURATING = {  # score_mod -> (above, value_above, below, value_below) of the split, or None
+    "relative bias": (lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64), (64, 64, -64, 64)),
+    # (thresholds in f = q - kv + 3)
+    "two-sided clamp": (lambda s, b, h, q, kv: s + 0.05 * (q - kv + 3).clamp(-100, 37).float(),
+                        (37, 37, -100, -100)),
+    "one side": (lambda s, b, h, q, kv: s + torch.clamp(kv - q, max=7).float(), (7, 7, None, None)),
+    "clamp of a clamp": (lambda s, b, h, q, kv: s + (q - kv).clamp(min=-9).clamp(max=20).float(),
+                         (20, 20, -9, -9)),
+    # a floor under |q - kv| never saturates towards the ends
+    "floor under abs": (lambda s, b, h, q, kv: s + (q - kv).abs().clamp(min=5).float(), None),
+    "no clamp": (lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs(), None),
+    "not affine": (lambda s, b, h, q, kv: s - ((q * kv) % 97).clamp(max=50).float(), None),
+    "two affine operands": (lambda s, b, h, q, kv: s + torch.minimum(q - kv, kv - q).float(), None),
+}
+
+
+@pytest.mark.parametrize("name", list(SATURATING))
+def test_saturation_splits(name):
+    score_mod, want = SATURATING[name]
+    split = _split(score_mod)
+    got = None if split is None else (split.above, split.value_above, split.below, split.value_below)
+    if want is not None and want[2] is None:
+        got = got[:2] + (None, None)
+    assert got == want
+
+
+@pytest.mark.parametrize("name", [n for n, (_, want) in SATURATING.items() if want is not None])
+def test_saturated_sides_are_exact(name):
+    """On the sides the split names, the mod equals the one with the clamp's constant, for every
+    position pair of a grid reaching past both thresholds; just inside, it differs."""
+    score_mod, _ = SATURATING[name]
+    split = _split(score_mod)
+    q = torch.arange(400).view(-1, 1)
+    kv = torch.arange(400).view(1, -1)
+    f = split.form.q * q + split.form.kv * kv + split.form.const
+    s = torch.zeros(400, 400)
+    out = score_mod(s, 0, 0, q, kv)
+    sides = [(f >= split.above, f == split.above - 1)] if split.above is not None else []
+    sides += [(f <= split.below, f == split.below + 1)] if split.below is not None else []
+    for side, edge in sides:
+        assert side.any() and edge.any()
+        vals = out[side]
+        assert (vals == vals[0]).all()  # one constant over the whole side
+        assert (out[edge] != vals[0]).all()  # the threshold is tight
+
+
+def test_saturated_relative_bias_costs_one_fma_per_element(tmp_path):
+    """SASS: the causal relative-bias forward has a key-loop side where the bias is one constant,
+    64 FFMAs with the same immediate (one per element of a thread's 64 x 128 / 128 fragment)."""
+    pytest.importorskip("cutlass")
+    import os
+    import re
+
+    from sass import key_loops, sass_of
+    from torch_fa4 import mods as M
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.mods import registry
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    key, aux = M.prepare(SATURATING["relative bias"][0], None)
+    q = torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16)
+    call = AttentionCall(q=q, k=q, v=q, scale=128 ** -0.5, causal=True, mod_key=key,
+                         mods=registry.lookup(key), aux_tensors=tuple(aux))
+    fwd_host.compile_fwd(fwd_host.default_config(call), dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    bias = -0.01 * 64
+    fma_of_bias = r"FFMA R\d+, R\d+, R\d+(?:\.reuse)?, (-0\.63\d+)"
+    consts = [re.findall(fma_of_bias, "\n".join(loop)) for loop in key_loops(sass)]
+    counts = [len(c) for c in consts]
+    assert max(counts) >= 2 * 64, counts  # both saturated sides of the unmasked loop
+    assert all(abs(float(x) - bias) < 1e-6 for c in consts for x in c)
+
+
+# ---- band & rest: the band as the built-in causal mask, the rest kept (idioms.mask_band_split) -------
+
+def _split_band(mask_mod):
+    found = idioms.mask_band_split(trace_graphs(None, mask_mod)[0].mask_graph)
+    return None if found is None else found[0]
+
+
+DOC = torch.tensor([0] * 70 + [1] * 3 + [2] * 200 + [3] * 127, dtype=torch.int32)  # 400 positions
+
+
+@pytest.mark.parametrize("mask_mod, band", [
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv), (0, INF)),
+    (lambda b, h, q, kv: (q >= kv) & (DOC[q] == DOC[kv]), (0, INF)),
+    (lambda b, h, q, kv: (q // 64 == kv // 64) & (q >= kv), (0, INF)),  # chunked, causal
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv) & (q - kv < 100) & (h < 3), (0, 99)),
+    (lambda b, h, q, kv: (q > kv) & (DOC[q] == DOC[kv]), (1, INF)),  # a band, not the diagonal's
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) | (q >= kv), None),
+    (lambda b, h, q, kv: (kv <= 30) | (q >= kv), None),  # prefix-LM: an or
+    (lambda b, h, q, kv: DOC[q] == DOC[kv], None),
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q + kv >= 3), None),
+    (lambda b, h, q, kv: (q >= kv) & (q < kv) & (DOC[q] == DOC[kv]), None),  # empty band
+])
+def test_band_splits(mask_mod, band):
+    assert _split_band(mask_mod) == band
+
+
+def _dense_tiles(mask_mod, S, bq, bkv):
+    q = torch.arange(S).view(-1, 1)
+    kv = torch.arange(S).view(1, -1)
+    keep = mask_mod(0, 0, q, kv)
+    causal = q >= kv
+    nt = -(-S // bq)
+    pad = nt * bq - S
+
+    def grid(x, fill):
+        return torch.nn.functional.pad(x, (0, pad, 0, pad), value=fill).view(nt, bq, nt, bkv)
+
+    any_ = grid(keep, False).any(3).any(1)
+    rest_full = grid(keep | ~causal, True).all(3).all(1)  # the rest holds wherever causal does
+    return any_, any_ & rest_full
+
+
+def test_block_lists_without_the_band_are_exact():
+    from torch_fa4.mods import block_lists
+    from torch_fa4.mods.block_lists import _flags
+    from torch_fa4.mods.registry import lookup
+
+    S, bq, bkv = 400, 64, 64
+    doc = DOC.clone()
+    mask_mod = lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)  # noqa: E731
+    bm = torch_fa4.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=64)
+    key, aux = api._prepare_mods(None, mask_mod)
+    found = idioms.builtins_of(key)
+    lists = block_lists.without_band(bm.as_tensors(), bq, bkv, found.rest_band, lookup(found.key_with_rest),
+                                     aux, S, S)
+    visible, full = _dense_tiles(mask_mod, S, bq, bkv)
+    partial_got, full_got = _flags(*lists[:2])[0, 0], _flags(*lists[2:])[0, 0]
+    assert torch.equal(full_got, full) and torch.equal(partial_got, visible & ~full)
+    assert full_got.sum() > _flags(*bm.as_tensors()[2:])[0, 0].sum()  # the diagonal tiles moved
+    # kept for the same tensors; a document id changed in place is another mask
+    assert block_lists.without_band(bm.as_tensors(), bq, bkv, found.rest_band, lookup(found.key_with_rest),
+                                    aux, S, S)[0] is lists[0]
+    doc[300:] = 9
+    again = block_lists.without_band(bm.as_tensors(), bq, bkv, found.rest_band, lookup(found.key_with_rest),
+                                     aux, S, S)
+    assert again[0] is not lists[0]
+
+
+@pytest.mark.parametrize("mask_mod, folds", [
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv), True),
+    (lambda b, h, q, kv: (q // 64 == kv // 64) & (q >= kv), True),
+    (lambda b, h, q, kv: (q > kv) & (DOC[q] == DOC[kv]), False),  # near miss: not the diagonal
+    (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv) & (q - kv <= 50), False),  # a window: kept whole
+])
+def test_band_and_rest_fold_into_causal_and_stay_exact(op_args, mask_mod, folds):
+    S = 400
+    bm = torch_fa4.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=128)
+    q, k, v = _qkv(S, S)
+    out = torch_fa4.flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=bm, enable_gqa=True)
+    ref, _ = naive_attention(q, k, v, mask_mod=mask_mod)
+    assert rel_error(out.transpose(1, 2), ref) < 1e-5
+    out = torch_fa4.attention(q, k, v, mask_mod=mask_mod)  # no block mask: the rest alone
+    assert rel_error(out, ref) < 1e-5
+    (with_bm, without_bm) = op_args
+    key, _ = api._prepare_mods(None, mask_mod)
+    for rest in (with_bm, without_bm):
+        assert (rest[12] != key and rest[8] is True) == folds
+        assert rest[12] != ""  # the rest is always kept
+    if folds:
+        got = with_bm[4]
+        want_visible, want_full = _dense_tiles(mask_mod, S, 128, 128)
+        from torch_fa4.mods.block_lists import _flags
+        assert torch.equal(_flags(*got[2:])[0, 0], want_full)
+        assert without_bm[4] == []
+
+
+def test_schedule_and_rescale_of_mod_calls():
+    """D128 block-list walks of a mask_mod alone take the persistent CTAs' counter (short, unequal
+    walks), the conditional rescale and the early Q release; with a score_mod beside it, other
+    head dims, softcap: one CTA per item as before; score_mod calls keep the early rescale."""
+    from torch_fa4 import mods as M
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90 import fwd_host
+    from torch_fa4.mods import registry
+
+    doc = torch.arange(1024, dtype=torch.int32) // 256
+
+    def cfg(D=128, score_mod=None, mask_mod=None, block=True, **kw):
+        q = torch.empty(2, 1024, 4, D, dtype=torch.bfloat16)
+        key, aux = M.prepare(score_mod, mask_mod)
+        extra = {}
+        if block and mask_mod is not None:
+            bm = M.create_block_mask(mask_mod, None, None, 1024, 1024, device="cpu")
+            extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=128, block_mask_kv=128)
+        call = AttentionCall(q=q, k=q, v=q, scale=0.1, mod_key=key, mods=registry.lookup(key),
+                             aux_tensors=tuple(aux), **extra, **kw)
+        return fwd_host.default_config(call)
+
+    document = lambda b, h, q, kv: doc[q] == doc[kv]  # noqa: E731
+    relative = lambda s, b, h, q, kv: s - 0.01 * (q - kv).abs().clamp(max=64)  # noqa: E731
+    for kw in (dict(), dict(causal=True)):
+        c = cfg(mask_mod=document, **kw)
+        assert c.block_sparse and c.persistent and c.dynamic_schedule and c.early_q_release
+        assert (c.rescale_threshold, c.early_o_rescale) == (8.0, False)
+    assert not cfg(mask_mod=document, block=False).persistent  # a mask_mod everywhere: one CTA per item
+    assert not cfg(mask_mod=document, score_mod=relative).persistent
+    assert not cfg(D=64, mask_mod=document).persistent
+    assert not cfg(mask_mod=document, softcap=5.0).persistent
+    c = cfg(score_mod=relative, causal=True)  # score_mods keep the early rescale
+    assert c.dynamic_schedule and (c.rescale_threshold, c.early_o_rescale) == (None, True)
+    q = torch.empty(2, 4096, 4, 128, dtype=torch.bfloat16)  # (long plain walks keep Q)
+    assert not fwd_host.default_config(AttentionCall(q=q, k=q, v=q, scale=0.1, causal=True)).early_q_release

@@ -88,12 +88,13 @@ def attention(
     if mod_key:
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         builtin = _as_builtins(mod_key, aux_tensors, q, keys, varlen, seqused_k is not None, window_left,
-                               window_right, softcap)
+                               window_right, softcap, bm_tensors, bm_q, bm_kv)
         if builtin is not None:
-            mod_key, aux_tensors, mask_folded, window_left, window_right, softcap = builtin
+            mod_key, aux_tensors, mask_folded, window_left, window_right, softcap, bm_tensors = builtin
             if mask_folded:
                 causal = window_right == 0
-                bm_tensors, bm_q, bm_kv = [], 128, 128
+            if not bm_tensors:
+                bm_q, bm_kv = 128, 128
 
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q)
     max_seqlen_k = keys if paged else _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
@@ -193,26 +194,47 @@ def _prepare_mods(score_mod, mask_mod):
     return prepare(score_mod, mask_mod)
 
 
-def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, window_right, softcap):
+def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, window_right, softcap, bm_tensors,
+                 bm_q, bm_kv):
     """Mods that are causal, a sliding window or a tanh softcap, as the built-in arguments
-    (torch_fa4.mods.idioms): (mod_key, aux, mask folded, window_left, window_right, softcap), or
-    None where nothing folds."""
+    (torch_fa4.mods.idioms): (mod_key, aux, mask folded, window_left, window_right, softcap,
+    block mask tensors), or None where nothing folds. A mask `causal & rest` keeps `rest` and its
+    block mask, whose tiles partial only along the diagonal become full (mods.block_lists)."""
     from torch_fa4.mods.idioms import builtins_of, window_for
 
     found = builtins_of(mod_key)
     if found is None:
         return None
-    window = None
-    if found.band is not None and not varlen and not has_seqused:  # one diagonal for the whole call
+    window = rest_window = None
+    one_diagonal = not varlen and not has_seqused  # one diagonal for the whole call
+    if found.band is not None and one_diagonal:
         window = window_for(found.band, q.shape[1], k_len, window_left, window_right)
+    if found.rest_band is not None and one_diagonal and not torch.compiler.is_compiling():
+        # (causal only: the block-sparse kernels' walks are measured and tested with it)
+        if window_for(found.rest_band, q.shape[1], k_len, window_left, window_right) == (-1, 0):
+            rest_window = (-1, 0)
     fold_cap = bool(found.softcap) and not softcap  # (a built-in softcap already comes first)
-    if window is None and not fold_cap:
-        return None
     if window is not None and fold_cap:
-        return "", [], True, *window, found.softcap
+        return "", [], True, *window, found.softcap, []
     if window is not None:
-        return found.key_without_mask, list(aux[:found.score_aux]), True, *window, softcap
-    return found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right, found.softcap
+        return found.key_without_mask, list(aux[:found.score_aux]), True, *window, softcap, []
+    if rest_window is not None:
+        return found.key_with_rest, list(aux), True, *rest_window, softcap, _rest_block_mask(
+            found, aux, bm_tensors, bm_q, bm_kv, q.shape[1], k_len)
+    if not fold_cap:
+        return None
+    return (found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right,
+            found.softcap, bm_tensors)
+
+
+def _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q_len, k_len):
+    if not bm_tensors:
+        return []
+    from torch_fa4.mods import block_lists
+    from torch_fa4.mods.registry import lookup
+
+    return block_lists.without_band(bm_tensors, bm_q, bm_kv, found.rest_band, lookup(found.key_with_rest),
+                                    list(aux[found.score_aux:]), q_len, k_len)
 
 
 def _check_aux_tensors(aux_tensors, device) -> None:

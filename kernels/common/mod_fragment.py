@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
-from torch_fa4.kernels.host.mod_hoisting import (COL, ROW, TILE, ancestors, hoist_plan,
+from torch_fa4.kernels.host.mod_hoisting import (COL, ROW, TILE, ancestors, hoist_plan, saturation_split,
                                                    scaled_affine_operands, sign_split_form)
 from torch_fa4.kernels.common.mod_lowering import CUTE_OPS, as_kind, emit_nodes, emit_op, select, select_min_max
 from torch_fa4.mods.graph import BOOL, FLOAT, ModGraph
@@ -125,6 +125,9 @@ class FragmentEmitter:
         # {Affine: +1 or -1}: affine forms known to be >= 0 (+1) or <= 0 (-1) on every element of
         # this fragment (set by `fork` on one side of emit_score_mod's sign branch)
         self.signs: dict = {}
+        # {int node: Python int}: nodes known to be this constant on every element of this fragment
+        # (set by `fork` on a saturated side of emit_score_mod's clamp branch)
+        self.fixed: dict = {}
         self.affine_fma = affine_fma
         self.plan = hoist_plan(graph, pos.row_offs is not None)
         self.wraps = index_wraps(graph)  # negative indices of loads, wrapped as in PyTorch
@@ -169,7 +172,9 @@ class FragmentEmitter:
         if key in self._memo:
             return self._memo[key]
         n = self.graph.nodes[i]
-        if i in self.tile_vals:
+        if i in self.fixed:
+            v = as_kind(self.fixed[i], n.kind)
+        elif i in self.tile_vals:
             v = self.tile_vals[i]
         elif n.op == "input":
             v = {"score": lambda: self._scaled_score(r, j), "b": lambda: self.b, "h": lambda: self.h,
@@ -229,6 +234,9 @@ class FragmentEmitter:
         """The exact fp32 value of int node i at (r, j), as plan.float_forms says."""
         form = self.plan.float_forms[i]
         kind = form[0]
+        if i in self.fixed:
+            form = ("const", float(self.fixed[i]))
+            kind = "const"
         if kind == "const":
             return self._hashcons(("fconst", form[1]), [], lambda: Float32(form[1]))
         if kind == "convert":
@@ -328,11 +336,13 @@ class FragmentEmitter:
         return self._at_offset(f, r, j, "scaled_affine", [t, tb],
                                lambda tb, off: cute.math.fma(t, Float32(off), tb))
 
-    def fork(self, signs: dict) -> "FragmentEmitter":
+    def fork(self, signs: dict, fixed: Optional[dict] = None) -> "FragmentEmitter":
         """An emitter for one side of a run-time branch: the values emitted so far (which dominate
-        the branch) are shared, new ones stay on that side; `signs` adds sign knowledge."""
+        the branch) are shared, new ones stay on that side; `signs` adds sign knowledge, `fixed`
+        nodes known to be constants."""
         other = copy.copy(self)
         other.signs = {**self.signs, **signs}
+        other.fixed = {**self.fixed, **(fixed or {})}
         other.pos = self.pos.fork()
         other._memo, other._cons, other._fdyn = dict(self._memo), dict(self._cons), dict(self._fdyn)
         return other
@@ -340,6 +350,33 @@ class FragmentEmitter:
 
 def emit_score_mod(em: FragmentEmitter, s: cute.Tensor, scale=None):
     """s[r, j] = score_mod(s[r, j] * scale) over the (rows, cols) fragment s.
+
+    Where the graph clamps a function of an affine form f so that it saturates towards an end
+    (mod_hoisting.saturation_split: `(q_idx - kv_idx).abs().clamp(max=64)`), the code first
+    branches at run time on f's range over this thread's fragment: wholly on a saturated side,
+    the clamp is a constant and whatever is computed from it is computed once (a relative bias
+    costs one fma per element there, as a constant bias does); otherwise the general code below.
+    Under a causal mask all but the tiles near the diagonal are saturated.
+    """
+    split = saturation_split(em.graph, em.plan) if em.pos.row_offs is not None else None
+    if split is None:
+        _emit_score_mod_signed(em, s, scale)
+        return
+    offs = [split.form.offset(ro, co) for ro in em.pos.row_offs for co in em.pos.col_offs]
+    base = em.form_base(split.form)
+    values = {1: split.value_above, -1: split.value_below}
+
+    def emit(side):
+        if side:
+            _emit_scores(em.fork({}, {split.node: values[side]}), s, scale)
+        else:
+            _emit_score_mod_signed(em, s, scale)
+
+    _branch_on_saturation(base + min(offs), base + max(offs), split.above, split.below, emit)
+
+
+def _emit_score_mod_signed(em: FragmentEmitter, s: cute.Tensor, scale=None):
+    """emit_score_mod's code where no clamp saturates.
 
     Where the graph multiplies a tile value by |f| for an affine f (mod_hoisting.sign_split_form:
     ALiBi written with abs), the code branches at run time on f's sign over this thread's
@@ -371,6 +408,30 @@ def _each(s: cute.Tensor, value):
     for r in range(cute.size(s, mode=[0])):
         for j in range(cute.size(s, mode=[1])):
             s[r, j] = value(r, j)
+
+
+@cute.jit
+def _branch_on_saturation(lo: Int32, hi: Int32, above: cutlass.Constexpr, below: cutlass.Constexpr,
+                          emit: cutlass.Constexpr):
+    """emit(+1) where lo >= above, emit(-1) where hi <= below, emit(0) otherwise (a run-time
+    branch; a side whose bound is None is never taken)."""
+    if const_expr(above is not None and below is not None):
+        if lo >= above:
+            emit(1)
+        elif hi <= below:
+            emit(-1)
+        else:
+            emit(0)
+    elif const_expr(above is not None):
+        if lo >= above:
+            emit(1)
+        else:
+            emit(0)
+    else:
+        if hi <= below:
+            emit(-1)
+        else:
+            emit(0)
 
 
 @cute.jit

@@ -312,3 +312,93 @@ def sign_split_form(graph: ModGraph, plan: HoistPlan) -> Optional[Affine]:
         if hit is not None:
             return abs_of_affine(hit[1])
     return None
+
+
+# ---- clamps that saturate on a whole fragment -------------------------------------------------------
+
+# int ops a univariate chain g(f) may use between an affine form f and the clamp on top of it (each
+# with at most one constant operand): their breakpoints all lie within the sum of the constants
+_CHAIN_OPS = ("abs", "neg", "add", "sub", "minimum", "maximum")
+
+
+@dataclass(frozen=True)
+class SaturationSplit:
+    """Int node `node` is g(f) for an affine form f and a piecewise linear g built from abs, neg,
+    +- constants and min / max with constants (a clamp of q_idx - kv_idx, of its abs, ...). g is
+    constant towards either end: node == value_above wherever f >= above, node == value_below
+    wherever f <= below (None: no such side within f's range). On a fragment whose f lies wholly
+    on one side the node is a constant and everything computed from it is per fragment."""
+
+    node: int
+    form: Affine
+    above: Optional[int]
+    value_above: int
+    below: Optional[int]
+    value_below: int
+
+
+def _chain(graph: ModGraph, plan: HoistPlan, i: int):
+    """(affine form f, g as a Python function of f's value, sum of |constants|) when int node i is
+    g(f) for a chain of _CHAIN_OPS over one affine, non-TILE node; else None."""
+    n = graph.nodes[i]
+    if n.kind != INT or plan.levels[i] == TILE:
+        return None
+    if plan.affine[i] is not None and n.op != "const":
+        return plan.affine[i], (lambda x: x), 0
+    if n.op not in _CHAIN_OPS:
+        return None
+    if n.op in ("abs", "neg"):
+        inner = _chain(graph, plan, n.args[0])
+        if inner is None:
+            return None
+        f, g, span = inner
+        return f, ((lambda x: abs(g(x))) if n.op == "abs" else (lambda x: -g(x))), span
+    consts = [k for k, a in enumerate(n.args) if graph.nodes[a].op == "const" and graph.nodes[a].kind == INT]
+    if len(consts) != 1:
+        return None
+    c = int(graph.nodes[n.args[consts[0]]].attr)
+    inner = _chain(graph, plan, n.args[1 - consts[0]])
+    if inner is None:
+        return None
+    f, g, span = inner
+    op, const_first = n.op, consts[0] == 0
+    fn = {"add": lambda x: g(x) + c, "minimum": lambda x: min(g(x), c), "maximum": lambda x: max(g(x), c),
+          "sub": (lambda x: c - g(x)) if const_first else (lambda x: g(x) - c)}[op]
+    return f, fn, span + abs(c)
+
+
+def saturation_split(graph: ModGraph, plan: HoistPlan) -> Optional[SaturationSplit]:
+    """The outermost clamp of a chain over an affine form that saturates towards an end of the
+    form's range (`s - 0.01 * (q_idx - kv_idx).abs().clamp(max=64)`: the clamp is 64 wherever
+    q_idx - kv_idx >= 64 or <= -64), or None. The sides are found by evaluating g on every integer
+    within its breakpoints (they all lie within the sum of the chain's constants)."""
+    live = live_nodes(graph)
+    for i in sorted(live, reverse=True):  # the last one in graph order: outermost of nested clamps
+        if graph.nodes[i].op not in ("minimum", "maximum"):
+            continue
+        chain = _chain(graph, plan, i)
+        if chain is None:
+            continue
+        f, g, span = chain
+        reach = span + 2  # g is linear beyond +-(span + 1)
+        if reach > 1 << 16:  # (a huge constant: not worth the compile-time scan)
+            continue
+        lo_f, hi_f = _affine_range(f, plan.ranges)
+        above = below = None
+        v_above, v_below = g(reach), g(-reach)
+        if g(reach + 1) == v_above:
+            t = reach
+            while t - 1 >= -reach and g(t - 1) == v_above:
+                t -= 1
+            above = t if t <= hi_f else None
+        if g(-reach - 1) == v_below:
+            t = -reach
+            while t + 1 <= reach and g(t + 1) == v_below:
+                t += 1
+            below = t if t >= lo_f else None
+        if above is None and below is None:
+            continue
+        if not all(_exact((v, v)) for v in (v_above, v_below)):
+            continue
+        return SaturationSplit(i, f, above, v_above, below, v_below)
+    return None

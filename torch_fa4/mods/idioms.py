@@ -25,13 +25,17 @@ class Builtins(NamedTuple):
     """What the mods of one key amount to: `band` (lo, hi) bounds q_idx - kv_idx (top-left
     aligned, ±inf unbounded) or None; `softcap` (0: none); the keys of what is left without the
     mask_mod, without the score_mod and without both; how many captured tensors are the
-    score_mod's (they come first)."""
+    score_mod's (they come first). Where the mask_mod is not a band but `band & rest` (a document
+    mask ANDed with causal), `rest_band` is that band and `key_with_rest` the key of the score_mod
+    with `rest` as the mask_mod (same captured tensors); else None and ""."""
 
     band: Optional[tuple[float, float]]
     softcap: float
     key_without_mask: str
     key_without_score: str
     score_aux: int
+    rest_band: Optional[tuple[float, float]] = None
+    key_with_rest: str = ""
 
 
 _MEMO: dict[str, Optional[Builtins]] = {}
@@ -51,11 +55,16 @@ def _analyse(mod_key: str) -> Optional[Builtins]:
     mods = lookup(mod_key)
     band = mask_band(mods.mask_graph) if mods.mask_graph is not None else None
     cap = score_softcap(mods.score_graph) if mods.score_graph is not None else 0.0
-    if band is None and not cap:
+    split = mask_band_split(mods.mask_graph) if mods.mask_graph is not None and band is None else None
+    if band is None and not cap and split is None:
         return None
     key_of = lambda score, mask: register(score, mask).key if (score or mask) else ""
+    rest_band, key_with_rest = None, ""
+    if split is not None:
+        rest_band, rest = split
+        key_with_rest = key_of(mods.score_graph, rest)
     return Builtins(band, cap, key_of(mods.score_graph, None), key_of(None, mods.mask_graph),
-                    mods.num_score_aux)
+                    mods.num_score_aux, rest_band, key_with_rest)
 
 
 # ---- the mask: a band of q_idx - kv_idx ---------------------------------------------------------
@@ -70,6 +79,36 @@ def mask_band(graph: ModGraph) -> Optional[tuple[float, float]]:
         return None
     lo, hi = out[1], out[2]
     return (lo, hi) if lo <= hi else None
+
+
+def mask_band_split(graph: ModGraph) -> Optional[tuple[tuple[float, float], ModGraph]]:
+    """((lo, hi), rest) where graph == band(lo, hi) & rest for every index: the output is an `&`
+    of conjuncts some of which are bands of q_idx - kv_idx (their intersection is the band) and
+    some not (a document mask ANDed with causal); else None. `rest` is the mask graph of the other
+    conjuncts, on the same nodes and captured tensors."""
+    from torch_fa4.mods.graph import BOOL, Node
+
+    values: list = []
+    for node in graph.nodes:
+        values.append(_band_value(node, values))
+
+    def conjuncts(i):
+        n = graph.nodes[i]
+        return conjuncts(n.args[0]) + conjuncts(n.args[1]) if n.op == "and" else [i]
+
+    parts = conjuncts(graph.output)
+    bands = [values[i] for i in parts if isinstance(values[i], tuple) and values[i][0] == "band"]
+    others = [i for i in parts if not (isinstance(values[i], tuple) and values[i][0] == "band")]
+    if not bands or not others:
+        return None
+    lo, hi = max(b[1] for b in bands), min(b[2] for b in bands)
+    if lo > hi:
+        return None
+    nodes, rest = list(graph.nodes), others[0]
+    for other in others[1:]:
+        nodes.append(Node("and", (rest, other), None, BOOL))
+        rest = len(nodes) - 1
+    return (lo, hi), ModGraph(graph.role, tuple(nodes), rest, graph.aux)
 
 
 def _band_value(node, values):
