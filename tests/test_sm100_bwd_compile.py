@@ -125,7 +125,8 @@ def _compile_and_check_sass(call, deterministic, tmp_path):
     # dS^T reaches shared memory in 16-byte stores: 4 per 32-query chunk
     assert sass.count("STS.128") == 4
     exps = sass.count("MUFU.EX2")
-    assert exps in (32, 64), f"{exps} exp2: one per query of a 32-query chunk (once or per mask path)"
+    # one per query of a 32-query chunk, once or per mask path (CUDA 13's ptxas may share one)
+    assert 32 <= exps <= 64, f"{exps} exp2: more than one per query and mask path"
     assert ("MUFU.TANH" in sass) == cfg.softcap
     # registers rebalanced between the warp roles with mods only (bwd_kernel: `rebalance`)
     assert sass.count("USETMAXREG") == (3 if cfg.mods_key else 0)
@@ -135,10 +136,15 @@ def _compile_and_check_sass(call, deterministic, tmp_path):
 
 
 @pytest.mark.parametrize("D", [64, 96, 128])
-def test_transposed_operand_views_are_the_same_bytes(D):
+def test_transposed_operand_views_are_the_same_bytes(D, monkeypatch):
     """Each 16-bit operand buffer is loaded through one layout and read through its transpose: the
     K-major layout of a (rows, cols) tile and the MN-major layout of the (cols, rows) tile must be
     the same map from (row, col) to shared-memory offsets, with the same swizzle."""
+    from cutlass.cute.nvgpu.tcgen05 import mma as tcgen05_mma
+
+    # the tcgen05 MMA atoms below are built outside a compile: they ask the DSL for its target
+    dsl = tcgen05_mma.BaseDSL._get_dsl()
+    monkeypatch.setattr(dsl, "get_arch_enum", lambda: tcgen05_mma.base_dsl.Arch.sm_100a)
     import cutlass.cute as cute
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass import BFloat16, Float32
