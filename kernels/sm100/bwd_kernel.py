@@ -74,7 +74,7 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import TMEM_COLUMNS, fence_after_sync, fence_before_sync, tmem_copy, umma
 from torch_fa4.kernels.common import mod_lowering as mods_dsl
-from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, SparseQWalk
+from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, SparseQWalk, key_tile_sequence, query_tiles_seeing
 from torch_fa4.kernels.sm90.bwd_scores import BwdScores
 
 SMEM_BYTES = 227 * 1024
@@ -328,31 +328,13 @@ class Sm100AttentionBackward(BwdScores):
         backward's _tile_walk: query rows that see any key of [n0, n1))."""
         mQ, mK = gmem[0], gmem[1]
         window_left, window_right = scalars[3], scalars[4]
-        q_off = Int32(0)
-        k_off = Int32(0)
-        if const_expr(self.varlen):
-            q_off = mCuQ[b]
-            k_off = mCuK[b]
-            seqlen_q = mCuQ[b + 1] - q_off
-            seqlen_k = mCuK[b + 1] - k_off
-        else:
-            seqlen_q = mQ.shape[0]
-            seqlen_k = mK.shape[0]
-        rows_k = seqlen_k
-        if const_expr(mSeqUsedK is not None):
-            seqlen_k = mSeqUsedK[b]
+        q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
+                                                                     self.varlen)
         diag = seqlen_k - seqlen_q
         n0 = n_block * TILE_N
         n1 = cutlass.min(n0 + TILE_N, seqlen_k)
-        row_lo = Int32(0)
-        row_hi = seqlen_q
-        if const_expr(self.has_right):
-            row_lo = cutlass.max(n0 - diag - window_right, 0)
-        if const_expr(self.has_left):
-            row_hi = cutlass.min(n1 - diag + window_left, seqlen_q)
-        m_lo = row_lo // TILE_M
-        m_hi = (cutlass.max(row_hi, 0) + TILE_M - 1) // TILE_M
-        n_m = cutlass.max(m_hi - m_lo, 0)
+        m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, TILE_M,
+                                       self.has_left, self.has_right)
         if n0 >= seqlen_k:
             n_m = Int32(0)
         stat_off = q_off

@@ -100,7 +100,7 @@ from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
 from .bwd_dq_fused import COUNT_WARP, CVT_WARP, BwdDqFused
 from .bwd_producer import BwdProducer
-from .bwd_q_walk import DenseQWalk, SparseQWalk
+from .bwd_q_walk import DenseQWalk, SparseQWalk, key_tile_sequence, query_tiles_seeing
 from .bwd_scores import BwdScores
 
 # Named barriers (0 is __syncthreads): 1 both consumer warpgroups (256 threads); 2, 3 one consumer
@@ -591,32 +591,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         mQ, mK = cta.gmem[0], cta.gmem[1]
         mCuQ, mCuK, mSeqUsedK = cta.seqs
         window_left, window_right = cta.scalars[3], cta.scalars[4]
-        q_off = Int32(0)
-        k_off = Int32(0)
-        if const_expr(self.varlen):
-            q_off = mCuQ[b]
-            k_off = mCuK[b]
-            seqlen_q = mCuQ[b + 1] - q_off
-            seqlen_k = mCuK[b + 1] - k_off
-        else:
-            seqlen_q = mQ.shape[0]
-            seqlen_k = mK.shape[0]
-        rows_k = seqlen_k
-        if const_expr(mSeqUsedK is not None):
-            seqlen_k = mSeqUsedK[b]
+        q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
+                                                                     self.varlen)
         diag = seqlen_k - seqlen_q
         n0 = n_block * tn
         n1 = cutlass.min(n0 + tn, seqlen_k)
-        # Query rows that see any key of [n0, n1).
-        row_lo = Int32(0)
-        row_hi = seqlen_q
-        if const_expr(self.has_right):
-            row_lo = cutlass.max(n0 - diag - window_right, 0)
-        if const_expr(self.has_left):
-            row_hi = cutlass.min(n1 - diag + window_left, seqlen_q)
-        m_lo = row_lo // tm
-        m_hi = cute.ceil_div(cutlass.max(row_hi, 0), tm)
-        n_m = cutlass.max(m_hi - m_lo, 0)
+        m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, tm,
+                                       self.has_left, self.has_right)
         if n0 >= seqlen_k:
             n_m = Int32(0)
         if const_expr(self.split_tail):

@@ -6,7 +6,8 @@ of the GQA group come one after the other (`h_local` 0 .. group-1, query head
 hkv * group + h_local).
 
 - `DenseQWalk`: query tiles [m_lo, m_lo + n_m) for every head: the tiles whose rows can see the
-  key tile under causal / window limits (bwd_kernel computes the range).
+  key tile under causal / window limits (`query_tiles_seeing`, from the lengths that
+  `key_tile_sequence` reads; the sm90 and sm100 backwards share both).
 - `SparseQWalk`: only the query tiles the block mask lists for this key tile (the transposed lists
   from bwd_sparse.py): per head, first the partial ones (mask_mod must be evaluated), then the
   full ones (mask_mod is true everywhere). A block-mask tile of (ratio_m * tile_m) rows and
@@ -22,6 +23,44 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32, const_expr
 
 from torch_fa4.kernels.common.dsl_state import DynamicState
+
+
+@cute.jit
+def key_tile_sequence(mQ: cute.Tensor, mK: cute.Tensor, mCuQ, mCuK, mSeqUsedK, b: Int32,
+                      varlen: cutlass.Constexpr[bool]):
+    """(q_off, k_off, seqlen_q, seqlen_k, rows_k) of batch b: where its sequences start in packed
+    tensors (0 otherwise), their lengths (seqlen_k after seqused_k) and the key rows it holds."""
+    q_off = Int32(0)
+    k_off = Int32(0)
+    if const_expr(varlen):
+        q_off = mCuQ[b]
+        k_off = mCuK[b]
+        seqlen_q = mCuQ[b + 1] - q_off
+        seqlen_k = mCuK[b + 1] - k_off
+    else:
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+    rows_k = seqlen_k
+    if const_expr(mSeqUsedK is not None):
+        seqlen_k = mSeqUsedK[b]
+    return q_off, k_off, seqlen_q, seqlen_k, rows_k
+
+
+@cute.jit
+def query_tiles_seeing(n0: Int32, n1: Int32, seqlen_q: Int32, diag: Int32, window_left: Int32,
+                       window_right: Int32, tile_m: cutlass.Constexpr[int], has_left: cutlass.Constexpr[bool],
+                       has_right: cutlass.Constexpr[bool]):
+    """(m_lo, n_m): the query tiles [m_lo, m_lo + n_m) with a row that sees a key of [n0, n1)
+    (diag = seqlen_k - seqlen_q; has_right / has_left: a causal-or-window bound on that side)."""
+    row_lo = Int32(0)
+    row_hi = seqlen_q
+    if const_expr(has_right):
+        row_lo = cutlass.max(n0 - diag - window_right, 0)
+    if const_expr(has_left):
+        row_hi = cutlass.min(n1 - diag + window_left, seqlen_q)
+    m_lo = row_lo // tile_m
+    m_hi = (cutlass.max(row_hi, 0) + tile_m - 1) // tile_m
+    return m_lo, cutlass.max(m_hi - m_lo, 0)
 
 
 class DenseQWalk(DynamicState):
