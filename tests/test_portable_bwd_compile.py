@@ -21,7 +21,8 @@ from torch_fa4.call import AttentionCall  # noqa: E402
 BF, FP = torch.bfloat16, torch.float16
 
 # arch -> opt-in shared memory per block (bytes)
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_120a": 99 * 1024}
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_120a": 99 * 1024,
+              "sm_90a": 227 * 1024}
 
 # (arch, dtype, head dim, features): every head dim on sm_80, the common ones elsewhere
 MATRIX = [
@@ -40,6 +41,10 @@ MATRIX = [
     ("sm_89", BF, 64, {"varlen": True, "stages": 2}),
     ("sm_120a", BF, 128, {}),
     ("sm_120a", FP, 192, {"deterministic": True}),
+    # Hopper's variant: dQ's atomics two columns at a time (red .v2.f32)
+    ("sm_90a", BF, 128, {"stages": 2, "large_tiles": True, "dq_pair_adds": True}),
+    ("sm_90a", BF, 128, {"stages": 2, "large_tiles": True, "bounded": True, "dq_pair_adds": True}),
+    ("sm_90a", BF, 64, {"stages": 2, "bounded": True, "dq_pair_adds": True}),
 ]
 
 
@@ -61,6 +66,8 @@ def test_compiles_to_warp_mma(arch, dtype, d, features, tmp_path):
         assert "ADD.F32" not in sass, "atomic dQ adds in the deterministic variant"
     else:
         assert "RED.E.ADD.F32" in sass or "REDG.E.ADD.F32" in sass, "no dQ atomic adds"
+    if features.get("dq_pair_adds"):
+        assert "ADD.F32x2" in sass, "dQ atomics not paired"
 
 
 def test_variants_fit_shared_memory():

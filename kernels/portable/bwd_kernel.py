@@ -26,7 +26,9 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import dsl_user_op
 
 from torch_fa4.kernels.common import mod_lowering as mods_dsl
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
@@ -58,6 +60,15 @@ def _rows_cols(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, layout)
 
 
+@dsl_user_op
+def red_add_pair(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """*ptr += a, *(ptr + 1) += b, one fp32 vector reduction (PTX red .v2.f32: sm_90 and later)."""
+    llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                           Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
 def _vector_threads(cols: int, threads: int) -> int:
     """Threads along a row for 16-byte copies: the widest of 16, 8, 4 dividing both."""
     for n in (16, 8, 4):
@@ -70,7 +81,7 @@ class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
                  sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1,
-                 mods=None, sparse: bool = False):
+                 mods=None, sparse: bool = False, dq_pair_adds: bool = False, dq_before_dk: bool = True):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -94,6 +105,8 @@ class PortableBackwardKernel:
         self.num_score_aux = mods.num_score_aux if mods is not None else 0
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
         self.sparse = sparse  # a block mask's tile map prunes the walk (bwd_sparse.py)
+        self.dq_pair_adds = dq_pair_adds  # red.global.add.v2.f32 (sm_90+): two columns per atomic
+        self.dq_before_dk = dq_before_dk  # dQ's atomics issue before the dK product, under its MMAs
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -309,47 +322,9 @@ class PortableBackwardKernel:
 
                 S = _rows_cols(acc_S)
                 dP = _rows_cols(acc_dP)
-                for r in cutlass.range_constexpr(n_rows):
-                    row = m0 + cS[r, 0][0]
-                    lo = Int32(0)
-                    hi = seqlen_k
-                    if const_expr(self.bounded):
-                        lo = row + shift - window_left
-                        hi = cutlass.min(hi, row + shift + window_right + 1)
-                    # positions that feed a mod, kept inside the sequence (padded rows and keys)
-                    i_in = cutlass.min(row, seqlen_q - 1)
-                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        col = n0 + cS[r, c][1]
-                        s = S[r, c]
-                        dcap = Float32(1.0)
-                        if const_expr(self.softcap):
-                            t = cute.math.tanh(s * scale / softcap, fastmath=True)
-                            dcap = Float32(1.0) - t * t
-                            s = t * softcap * Float32(LOG2E)
-                        else:
-                            s = s * scale_log2
-                        j_in = cutlass.min(col, seqlen_k - 1)
-                        if const_expr(self.score_graph is not None):
-                            # the mod takes the scaled (capped) score in natural units; its derivative
-                            # at that score joins the chain rule for dS
-                            s_nat = s * Float32(1.0 / LOG2E)
-                            s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
-                                                         score_aux) * Float32(LOG2E)
-                            if const_expr(self.grad_graph is not None):
-                                grad = mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in, j_in,
-                                                                 score_aux)
-                                dcap = dcap * grad
-                        p = cute.math.exp2(s - lse[r], fastmath=True)
-                        if const_expr(self.mask_graph is not None):
-                            keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
-                            p = Float32(cutlass.select_(keep, p, Float32(0.0)))
-                        if col >= hi:
-                            p = Float32(0.0)
-                        if const_expr(self.bounded):
-                            if col < lo:
-                                p = Float32(0.0)
-                        S[r, c] = p
-                        dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
+                args = (S, dP, cS, lse, dps, m0, n0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                        scale, scale_log2, softcap, batch, h, score_aux, mask_aux)
+                self._p_and_ds(*args)
 
                 rP = cute.make_fragment_like(acc_S, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
@@ -360,7 +335,8 @@ class PortableBackwardKernel:
                 cute.arch.barrier()
 
                 self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
-                self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
+                if const_expr(not self.dq_before_dk):
+                    self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
 
                 acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
                 acc_dQ.fill(0.0)
@@ -368,6 +344,8 @@ class PortableBackwardKernel:
                 gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
                 self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
                              window_left)
+                if const_expr(self.dq_before_dk):
+                    self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
             cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
         # ---- epilogue: dK (with the softmax scale), dV ----
@@ -380,6 +358,62 @@ class PortableBackwardKernel:
                          thr_dkv.partition_C(cute.make_identity_tensor((tn, self.dv))), seqlen_k - n0)
 
     # ---- pieces ------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _p_and_ds(self, S, dP, cS, lse, dps, m0, n0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                  scale, scale_log2, softcap, batch, h, score_aux, mask_aux):
+        """S -> P and dP -> dS in place (rows, columns views of the accumulators), the key limits
+        (causal / window / the sequence's last key) applied per element.
+
+        (Skipping the limits on tiles no limit cuts, by a second copy of this code behind a per-tile
+        branch, made ptxas spill 12 registers inside the key loop at D=128 on sm_90a.)"""
+        # the limits as offsets from this thread's first element (row0, col0): an element's own offset
+        # is a compile-time constant, so each test is one compare against a per-tile scalar
+        # (rather than per-element coordinates and per-row bounds held in registers)
+        row0, col0 = cS[0, 0][0], cS[0, 0][1]
+        key_lim = seqlen_k - n0 - col0  # column offset at or past it: past the sequence's end
+        diag = m0 + row0 + shift - n0 - col0
+        hi_lim = diag + window_right + 1  # (column - row) offset at or past it: right of the window
+        lo_lim = diag - window_left  # below it: left of the window
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            row = m0 + cS[r, 0][0]
+            # positions that feed a mod, kept inside the sequence (padded rows and keys)
+            i_in = cutlass.min(row, seqlen_q - 1)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                col = n0 + cS[r, c][1]
+                s = S[r, c]
+                dcap = Float32(1.0)
+                if const_expr(self.softcap):
+                    t = cute.math.tanh(s * scale / softcap, fastmath=True)
+                    dcap = Float32(1.0) - t * t
+                    s = t * softcap * Float32(LOG2E)
+                else:
+                    s = s * scale_log2
+                j_in = cutlass.min(col, seqlen_k - 1)
+                if const_expr(self.score_graph is not None):
+                    # the mod takes the scaled (capped) score in natural units; its derivative at
+                    # that score joins the chain rule for dS
+                    s_nat = s * Float32(1.0 / LOG2E)
+                    s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
+                                                 score_aux) * Float32(LOG2E)
+                    if const_expr(self.grad_graph is not None):
+                        grad = mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in, j_in, score_aux)
+                        dcap = dcap * grad
+                p = cute.math.exp2(s - lse[r], fastmath=True)
+                if const_expr(self.mask_graph is not None):
+                    keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
+                    p = Float32(cutlass.select_(keep, p, Float32(0.0)))
+                c_off = cS[r, c][1] - col0
+                if c_off >= key_lim:
+                    p = Float32(0.0)
+                if const_expr(self.bounded):
+                    diff = c_off - (cS[r, 0][0] - row0)
+                    if diff >= hi_lim:
+                        p = Float32(0.0)
+                    if diff < lo_lim:
+                        p = Float32(0.0)
+                S[r, c] = p
+                dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
 
     @cute.jit
     def _load_item(self, w, stage, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
@@ -433,7 +467,13 @@ class PortableBackwardKernel:
                 n_block, shift, window_left):
         """acc into the fp32 dQ buffer: atomic adds, or (deterministic) plain adds in key-tile
         order behind the tile's counter."""
-        if const_expr(not self.deterministic):
+        if const_expr(not self.deterministic and self.dq_pair_adds):
+            # elements (2j, 2j + 1): adjacent columns of one row (the accumulator's mode 0.0)
+            assert const_expr(cute.size(acc.layout.shape[0][0]) == 2 and g.layout.stride[0][0] == 1)
+            for j in cutlass.range_constexpr(cute.size(acc) // 2):
+                if coords[2 * j][0] < rows_left:
+                    red_add_pair(g.iterator + cute.crd2idx(2 * j, g.layout), acc[2 * j], acc[2 * j + 1])
+        elif const_expr(not self.deterministic):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if coords[i][0] < rows_left:
                     cute.arch.atomic_add(g.iterator + cute.crd2idx(i, g.layout), acc[i])
