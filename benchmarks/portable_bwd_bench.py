@@ -33,6 +33,15 @@ TUNINGS = {
     "old-warps": dict(sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2, dq_pair_adds=False, dq_before_dk=False),
 }
 
+
+def tunings_for(d: int) -> dict:
+    """TUNINGS for head dim d: at 64 the earlier 64-query-row step too, and the old variant with it."""
+    if d != 64:
+        return TUNINGS
+    rows64 = dict(tile_m=64, sdp_warps_n=4, kv_warps_n=2, dq_warps_n=2)
+    return {**TUNINGS, "old-warps": {**TUNINGS["old-warps"], "tile_m": 64}, "64-rows": rows64}
+
+
 TOKENS = 16384
 WIDTH = 2048  # heads * head dim
 
@@ -75,13 +84,13 @@ def main():
     ap.add_argument("--ab", action="store_true", help="every tuning of TUNINGS side by side")
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args()
-    tunings = TUNINGS if args.ab else {"portable": {}}
     print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"bf16, {TOKENS} tokens, H*D={WIDTH}, backward TFLOP/s"
           + (", deterministic" if args.deterministic else ""))
-    print(f"{'D':>4} {'S':>6} {'causal':>6} " + " ".join(f"{n:>10}" for n in tunings)
-          + f" {'sdpa-fa2':>9} {'ratio':>6}")
     for d in args.d:
+        tunings = tunings_for(d) if args.ab else {"portable": {}}
+        print(f"{'D':>4} {'S':>6} {'causal':>6} " + " ".join(f"{n:>10}" for n in tunings)
+              + f" {'sdpa-fa2':>9} {'ratio':>6}")
         for s in args.s:
             for causal in (bool(c) for c in args.causal):
                 q, k, v, do = inputs(s, d)

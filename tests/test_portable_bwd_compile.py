@@ -44,7 +44,8 @@ MATRIX = [
     # Hopper's variant: dQ's atomics two columns at a time (red .v2.f32)
     ("sm_90a", BF, 128, {"stages": 2, "large_tiles": True, "dq_pair_adds": True}),
     ("sm_90a", BF, 128, {"stages": 2, "large_tiles": True, "bounded": True, "dq_pair_adds": True}),
-    ("sm_90a", BF, 64, {"stages": 2, "bounded": True, "dq_pair_adds": True}),
+    ("sm_90a", BF, 64, {"stages": 2, "large_tiles": True, "bounded": True, "dq_pair_adds": True}),
+    ("sm_80", FP, 64, {"stages": 2, "large_tiles": True, "softcap": True}),
 ]
 
 

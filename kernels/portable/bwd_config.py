@@ -60,16 +60,23 @@ def warps_n(m: int, n: int, warps: int) -> int:
     return min(even, key=lambda wn: (m // (warps // wn) + n // wn, wn))
 
 
-def tiles(head_dim: int, head_dim_v: int, mods: bool = False, large: bool = False) -> dict:
+def tiles(head_dim: int, head_dim_v: int, mods: bool = False, large: bool = False,
+          softcap: bool = False) -> dict:
     """(tile_m, tile_n, warps and their arrangement) for the larger of the two head dims: 8 warps,
     so that each thread's share of dK + dV stays within ~128 fp32 registers. Inlined mods take
     registers of their own: head dim 64 then gets the 64-key tile too (128 keys spill).
 
     large: twice the keys per CTA above head dim 64, for GPUs with more than ~128 KB of shared
     memory per block (sm_80, Hopper): each key tile adds its dQ share to the fp32 buffer by
-    atomics, so wider key tiles halve that traffic, the backward's largest memory stream."""
+    atomics, so wider key tiles halve that traffic, the backward's largest memory stream. At head
+    dim 64, twice the query rows per step instead (128 x 128): per flop, fewer operand bytes read
+    by ldmatrix and half the barriers."""
     d = max(head_dim, head_dim_v)
-    if (large and 64 < d <= 128 and not mods) or (d <= 64 and not mods):
+    if large and d <= 64 and not mods and not softcap:
+        # S, dP: 64 + 64 fp32 per thread, dK + dV 64: fits without spilling (softcap's per-element
+        # derivative, held from S to dS, spilled 43 registers on sm_80)
+        tm, tn = 128, 128
+    elif (large and 64 < d <= 128 and not mods) or (d <= 64 and not mods):
         tm, tn = 64, 128
     elif large and d > 128:
         tm, tn = 64, 64
@@ -98,7 +105,8 @@ def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False
                  deterministic: bool = False, varlen: bool = False, seqused_k: bool = False,
                  stages: int = 1, mods_key: str = "", large_tiles: bool = False,
                  dq_pair_adds: bool = False) -> BwdVariant:
-    return BwdVariant(dtype, head_dim, head_dim_v, **tiles(head_dim, head_dim_v, bool(mods_key), large_tiles),
+    return BwdVariant(dtype, head_dim, head_dim_v,
+                      **tiles(head_dim, head_dim_v, bool(mods_key), large_tiles, softcap),
                       bounded=bounded, softcap=softcap, deterministic=deterministic, varlen=varlen,
                       seqused_k=seqused_k, stages=stages, mods_key=mods_key, dq_pair_adds=dq_pair_adds)
 
