@@ -34,9 +34,10 @@ _HIDDEN = 2048  # H * D
 _CANDIDATES = {
     64: [dict(), dict(tile_m=64), dict(num_warps=8, tile_m=128)],
     # 8 warps of 16 rows (one CTA per SM) against 4 warps: of 32 rows (half the K / V operand bytes
-    # per flop, two CTAs per SM) or of 16 (64 x 64, several CTAs per SM)
-    128: [dict(), dict(num_warps=4, q_in_regs=False), dict(tile_m=64, num_warps=4),
-          dict(tile_m=64, num_warps=4, q_in_regs=False)],
+    # per flop, two CTAs per SM; 64-key tiles spill 12-18 registers in the key loop, 32-key tiles
+    # none) or of 16 (64 x 64, several CTAs per SM)
+    128: [dict(), dict(num_warps=4, q_in_regs=False), dict(tile_n=32, num_warps=4, q_in_regs=False),
+          dict(tile_m=64, num_warps=4)],
     256: [dict(), dict(tile_m=64, num_warps=4), dict(tile_n=32)],
 }
 
