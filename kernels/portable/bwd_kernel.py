@@ -467,16 +467,13 @@ class PortableBackwardKernel:
                 n_block, shift, window_left):
         """acc into the fp32 dQ buffer: atomic adds, or (deterministic) plain adds in key-tile
         order behind the tile's counter."""
-        if const_expr(not self.deterministic and self.dq_pair_adds):
-            # elements (2j, 2j + 1): adjacent columns of one row (the accumulator's mode 0.0)
-            assert const_expr(cute.size(acc.layout.shape[0][0]) == 2 and g.layout.stride[0][0] == 1)
-            for j in cutlass.range_constexpr(cute.size(acc) // 2):
-                if coords[2 * j][0] < rows_left:
-                    red_add_pair(g.iterator + cute.crd2idx(2 * j, g.layout), acc[2 * j], acc[2 * j + 1])
-        elif const_expr(not self.deterministic):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if coords[i][0] < rows_left:
-                    cute.arch.atomic_add(g.iterator + cute.crd2idx(i, g.layout), acc[i])
+        if const_expr(not self.deterministic):
+            # a whole tile of rows adds without a per-element row test (each test compiled to a
+            # branch around its atomic)
+            if rows_left >= self.tile_m:
+                self._atomic_adds(acc, g, coords, rows_left, False)
+            else:
+                self._atomic_adds(acc, g, coords, rows_left, True)
         else:
             # key tiles that reach this query tile before this one: the first is the lowest key
             # tile any of its rows sees
@@ -498,6 +495,20 @@ class PortableBackwardKernel:
             cute.arch.barrier()
             if cute.arch.thread_idx()[0] == 0:
                 cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _atomic_adds(self, acc, g: cute.Tensor, coords: cute.Tensor, rows_left: Int32, tested: cutlass.Constexpr):
+        """acc into g by fp32 atomics; `tested`: only rows before rows_left."""
+        if const_expr(self.dq_pair_adds):
+            # elements (2j, 2j + 1): adjacent columns of one row (the accumulator's mode 0.0)
+            assert const_expr(cute.size(acc.layout.shape[0][0]) == 2 and g.layout.stride[0][0] == 1)
+            for j in cutlass.range_constexpr(cute.size(acc) // 2):
+                if not tested or coords[2 * j][0] < rows_left:
+                    red_add_pair(g.iterator + cute.crd2idx(2 * j, g.layout), acc[2 * j], acc[2 * j + 1])
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if not tested or coords[i][0] < rows_left:
+                    cute.arch.atomic_add(g.iterator + cute.crd2idx(i, g.layout), acc[i])
 
     @cute.jit
     def _store_rows(self, acc, g: cute.Tensor, coords: cute.Tensor, rows_left: Int32):
