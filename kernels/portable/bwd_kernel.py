@@ -278,10 +278,6 @@ class PortableBackwardKernel:
             stage = 0
             if const_expr(self.stages > 1):
                 stage = w % self.stages
-                if w + 1 < total:  # the next tile into the other buffer, freed by the last barrier
-                    self._load_item(w + 1, (w + 1) % self.stages, n_m, m_begin, h_kv, group, info, tb, mQ,
-                                    mdO, sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
-                cute.arch.cp_async_commit_group()
             else:
                 self._load_item(w, 0, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
                                 copy_qk, copy_v, seqlen_q, tidx)
@@ -305,7 +301,10 @@ class PortableBackwardKernel:
                     lse[r] = lse_row[row]
                     dps[r] = dps_row[row]
 
-            cute.arch.cp_async_wait_group(1 if const_expr(self.stages > 1) else 0)
+            cute.arch.cp_async_wait_group(0)
+            # this item's tiles landed for every thread, and every warp is done with the last item
+            # (its Q / dO buffer, sP, sdS): with two buffers the next item then loads into the other
+            # one during this step, and no barrier is needed at the end of the step
             cute.arch.barrier()
 
             # a block mask's empty steps are skipped (their loads were issued: harmless)
@@ -333,6 +332,8 @@ class PortableBackwardKernel:
                 cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
                 cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
                 cute.arch.barrier()
+                self._prefetch(w, total, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                               copy_qk, copy_v, seqlen_q, tidx)
 
                 self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
                 if const_expr(not self.dq_before_dk):
@@ -346,7 +347,11 @@ class PortableBackwardKernel:
                              window_left)
                 if const_expr(self.dq_before_dk):
                     self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
-            cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
+            else:
+                self._prefetch(w, total, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                               copy_qk, copy_v, seqlen_q, tidx)
+            if const_expr(self.stages == 1):
+                cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
         # ---- epilogue: dK (with the softmax scale), dV ----
         acc_dK.store(acc_dK.load() * scale)
@@ -414,6 +419,17 @@ class PortableBackwardKernel:
                         p = Float32(0.0)
                 S[r, c] = p
                 dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
+
+    @cute.jit
+    def _prefetch(self, w, total, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
+                  copy_v, seqlen_q, tidx):
+        """With two buffers: the next walk item's loads, issued once S and dP are done (fewer
+        registers live than at the step's start) and landing under the dV, dQ, dK products."""
+        if const_expr(self.stages > 1):
+            if w + 1 < total:
+                self._load_item(w + 1, (w + 1) % self.stages, n_m, m_begin, h_kv, group, info, tb, mQ, mdO,
+                                sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
+                cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _load_item(self, w, stage, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
