@@ -91,10 +91,6 @@ def tiles(head_dim: int, head_dim_v: int, mods: bool = False, large: bool = Fals
                 dq_warps_n=warps_n(tm, head_dim, warps))  # dQ: (queries, D), K = keys
 
 
-# the arrangement before the traffic-minimising one (benchmarks' A/B)
-LEGACY_WARPS = dict(sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2)
-
-
 def smem_limit(capability: tuple) -> int:
     """Opt-in shared memory per block of a compute capability (bytes)."""
     return {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024}.get(
