@@ -133,24 +133,3 @@ def cuda_major() -> int:
         if "_cutlass_ir" in name and found:
             return int(found.group(1))
     return 12  # a build without flavour tags
-
-
-def spills_in_loops(sass: str) -> int:
-    """Local-memory spill instructions inside a loop of `sass` (between a backward branch and its
-    target): where a spill costs on every iteration, not once per CTA."""
-    lines = sass.splitlines()
-    address = {}
-    for i, line in enumerate(lines):
-        m = re.search(r"/\*([0-9a-f]{4,})\*/", line)
-        if m:
-            address[int(m.group(1), 16)] = i
-    loops = []
-    for i, line in enumerate(lines):
-        m = re.search(r"\bBRA\b[^`]*`?\(?\.L_x_(\d+)", line)
-        if m:
-            label = f".L_x_{m.group(1)}:"
-            starts = [j for j, x in enumerate(lines) if x.strip().startswith(label)]
-            if starts and starts[0] < i:
-                loops.append((starts[0], i))
-    return sum(1 for i, line in enumerate(lines)
-               if ("LDL" in line or "STL" in line) and any(a <= i <= b for a, b in loops))
