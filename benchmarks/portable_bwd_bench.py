@@ -31,6 +31,7 @@ TUNINGS = {
     "dk-first": dict(dq_before_dk=False),
     "scalar-red": dict(dq_pair_adds=False),
     "old-warps": dict(sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2, dq_pair_adds=False, dq_before_dk=False),
+    "split-walk": dict(split_masked_walk=True),
 }
 
 

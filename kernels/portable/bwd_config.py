@@ -41,6 +41,10 @@ class BwdVariant:
     # the dQ product and its atomics before the dK product, whose MMAs then cover the atomics'
     # issue (False: after it)
     dq_before_dk: bool = True
+    # the walk's query tiles that the key limits cut (per-element masks) in one loop, the others in
+    # a second, unmasked copy of the loop (False: one loop, every tile masked; True spills a few
+    # registers in the loops at D=128 on sm_90a)
+    split_masked_walk: bool = False
 
     def smem_bytes(self) -> int:
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
