@@ -302,7 +302,7 @@ class PortableBackwardKernel:
                     stage = w % self.stages
                 else:
                     self._load_item(w, 0, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
-                                    copy_qk, copy_v, seqlen_q, tidx)
+                                    copy_qk, copy_v, seqlen_q, tidx, part)
                     cute.arch.cp_async_commit_group()
                 dq_rows = info.q_rows(mdQacc[tb, None, h, None])
                 lse_row = info.q_rows(mLSE2[tb, h, None])
@@ -355,7 +355,7 @@ class PortableBackwardKernel:
                     cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
                     cute.arch.barrier()
                     self._prefetch(w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
-                                   copy_qk, copy_v, seqlen_q, tidx)
+                                   copy_qk, copy_v, seqlen_q, tidx, part)
 
                     self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
                     if const_expr(not self.dq_before_dk):
@@ -371,7 +371,7 @@ class PortableBackwardKernel:
                         self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
                 else:
                     self._prefetch(w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
-                                   copy_qk, copy_v, seqlen_q, tidx)
+                                   copy_qk, copy_v, seqlen_q, tidx, part)
                 if const_expr(self.stages == 1):
                     cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
@@ -484,20 +484,21 @@ class PortableBackwardKernel:
 
     @cute.jit
     def _prefetch(self, w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
-                  copy_v, seqlen_q, tidx):
+                  copy_v, seqlen_q, tidx, part: cutlass.Constexpr):
         """With two buffers: the next walk item's loads, issued once S and dP are done (fewer
-        registers live than at the step's start) and landing under the dV, dQ, dK products."""
+        registers live than at the step's start) and landing under the dV, dQ, dK products. (From
+        the walk's second part the next item is in it too; from the first, in either.)"""
         if const_expr(self.stages > 1):
             if w + 1 < total:
                 self._load_item(w + 1, (w + 1) % self.stages, walk, h_kv, group, info, tb, mQ, mdO,
-                                sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
+                                sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx, 1 if part == 1 else None)
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _load_item(self, w, stage, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
-                   copy_v, seqlen_q, tidx):
+                   copy_v, seqlen_q, tidx, part: cutlass.Constexpr = None):
         """cp.async the Q and dO tiles of walk item w into buffer `stage` (no commit)."""
-        hh, m_block = self._walk_item(w, walk)
+        hh, m_block = self._walk_item(w, walk, part)
         h = h_kv * group + hh
         gQ = cute.local_tile(info.q_rows(mQ[tb, None, h, None]), (self.tile_m, self.d), (m_block, 0))
         gdO = cute.local_tile(info.q_rows(mdO[tb, None, h, None]), (self.tile_m, self.dv), (m_block, 0))
