@@ -28,10 +28,8 @@ import bench  # noqa: E402
 # name -> BwdVariant fields replaced (--ab); the default variant first
 TUNINGS = {
     "default": {},
-    "dk-first": dict(dq_before_dk=False),
     "scalar-red": dict(dq_pair_adds=False),
-    "old-warps": dict(sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2, dq_pair_adds=False, dq_before_dk=False),
-    "split-walk": dict(split_masked_walk=True),
+    "old-warps": dict(sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2, dq_pair_adds=False),
 }
 
 

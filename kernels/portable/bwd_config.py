@@ -38,13 +38,9 @@ class BwdVariant:
     # dQ's fp32 adds two adjacent columns per instruction (red.global.add.v2.f32: sm_90 and later):
     # half the atomic instructions, and each fills whole 32-byte sectors
     dq_pair_adds: bool = False
-    # the dQ product and its atomics before the dK product, whose MMAs then cover the atomics'
-    # issue (False: after it)
-    dq_before_dk: bool = True
-    # the walk's query tiles that the key limits cut (per-element masks) in one loop, the others in
-    # a second, unmasked copy of the loop (False: one loop, every tile masked; True spills a few
-    # registers in the loops at D=128 on sm_90a)
-    split_masked_walk: bool = False
+    # lse2 / dpsum read under the dP product instead of before S's, so that they hold no registers
+    # through it: set where ptxas otherwise spilled inside the loops (make_variant)
+    late_row_stats: bool = False
 
     def smem_bytes(self) -> int:
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
@@ -105,7 +101,11 @@ def make_variant(dtype, head_dim: int, head_dim_v: int, *, bounded: bool = False
                  deterministic: bool = False, varlen: bool = False, seqused_k: bool = False,
                  stages: int = 1, mods_key: str = "", large_tiles: bool = False,
                  dq_pair_adds: bool = False) -> BwdVariant:
-    return BwdVariant(dtype, head_dim, head_dim_v,
+    # the paired atomics' 64 x 128 variants at head dims 96 / 128 (dK + dV: 128 fp32 per thread)
+    # spilled 4-5 registers in their loops with the statistics read early; elsewhere reading them
+    # late spilled instead (sm_80, head dims 64 and 256)
+    late = dq_pair_adds and large_tiles and 64 < max(head_dim, head_dim_v) <= 128 and not mods_key
+    return BwdVariant(dtype, head_dim, head_dim_v, late_row_stats=late,
                       **tiles(head_dim, head_dim_v, bool(mods_key), large_tiles, softcap),
                       bounded=bounded, softcap=softcap, deterministic=deterministic, varlen=varlen,
                       seqused_k=seqused_k, stages=stages, mods_key=mods_key, dq_pair_adds=dq_pair_adds)

@@ -81,8 +81,7 @@ class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
                  sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1,
-                 mods=None, sparse: bool = False, dq_pair_adds: bool = False, dq_before_dk: bool = True,
-                 split_masked_walk: bool = False):
+                 mods=None, sparse: bool = False, dq_pair_adds: bool = False, late_row_stats: bool = False):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -107,8 +106,7 @@ class PortableBackwardKernel:
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
         self.sparse = sparse  # a block mask's tile map prunes the walk (bwd_sparse.py)
         self.dq_pair_adds = dq_pair_adds  # red.global.add.v2.f32 (sm_90+): two columns per atomic
-        self.dq_before_dk = dq_before_dk  # dQ's atomics issue before the dK product, under its MMAs
-        self.split_masked_walk = split_masked_walk  # cut tiles in one loop, the rest in an unmasked one
+        self.late_row_stats = late_row_stats  # lse2 / dpsum read after S's product, not before it
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -264,23 +262,23 @@ class PortableBackwardKernel:
         if n0 >= seqlen_k:
             m_end = m_begin  # a tile past this sequence's keys (varlen): nothing to do, nothing to write
 
-        # the walk: (query head of the group, query tile) pairs, heads outermost; with
-        # split_masked_walk, first every head's query tiles that the key limits cut (per element
-        # masks), then the others (no masks), each part its own loop (its own register allocation)
+        # the walk: (query head of the group, query tile) pairs, heads outermost: first every head's
+        # query tiles that the key limits cut (per-element masks), then the others (no masks), each
+        # part its own loop (its own register allocation; one loop with a per-tile branch between
+        # the two element codes spilled). One loop masking every tile was 4-12% slower.
         m_end = cutlass.max(m_end, m_begin)
         n_m = m_end - m_begin
         u_begin = m_end  # the uncut query tiles: [u_begin, u_end)
         u_end = m_end
-        if const_expr(self.split_masked_walk):
-            if n0 + tn <= seqlen_k:
-                u_begin = m_begin
-                if const_expr(self.bounded):
-                    # a tile is uncut when its last key is at most its first row's last visible
-                    # key, and its first key at least its last row's first visible key
-                    first_ok = cutlass.max(n0 + tn - shift - window_right - 1, 0)
-                    u_begin = cutlass.min(cutlass.max((first_ok + tm - 1) // tm, m_begin), m_end)
-                    last_ok = cutlass.max(n0 + window_left - shift - tm + 1, -tm)
-                    u_end = cutlass.min(cutlass.max((last_ok + tm) // tm, u_begin), m_end)
+        if n0 + tn <= seqlen_k:
+            u_begin = m_begin
+            if const_expr(self.bounded):
+                # a tile is uncut when its last key is at most its first row's last visible key,
+                # and its first key at least its last row's first visible key
+                first_ok = cutlass.max(n0 + tn - shift - window_right - 1, 0)
+                u_begin = cutlass.min(cutlass.max((first_ok + tm - 1) // tm, m_begin), m_end)
+                last_ok = cutlass.max(n0 + window_left - shift - tm + 1, -tm)
+                u_end = cutlass.min(cutlass.max((last_ok + tm) // tm, u_begin), m_end)
         walk = (m_begin, u_begin, u_end, m_end, group)
         total = group * n_m
         total_masked = group * (n_m - (u_end - u_begin))
@@ -289,10 +287,10 @@ class PortableBackwardKernel:
                 self._load_item(Int32(0), 0, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
                                 copy_qk, copy_v, seqlen_q, tidx)
             cute.arch.cp_async_commit_group()
-        for part in cutlass.range_constexpr(2 if self.split_masked_walk else 1):
+        for part in cutlass.range_constexpr(2):
             masked = part == 0
             w_lo = 0 if masked else total_masked
-            w_hi = total_masked if masked and self.split_masked_walk else total
+            w_hi = total_masked if masked else total
             for w in cutlass.range(w_lo, w_hi, unroll=1):
                 hh, m_block = self._walk_item(w, walk, part)
                 h = h_kv * group + hh
@@ -311,17 +309,13 @@ class PortableBackwardKernel:
                 sdO = sdO_all[None, None, stage]
                 sQt, sdOt = _transposed(sQ), _transposed(sdO)
 
-                # row statistics of this thread's rows, read while the tiles land
+                # row statistics of this thread's rows, read while the tiles land (or, late_row_stats,
+                # under the dP product)
                 n_rows = cute.size(cS, mode=[0])
                 lse = cute.make_rmem_tensor((n_rows,), Float32)
                 dps = cute.make_rmem_tensor((n_rows,), Float32)
-                for r in cutlass.range_constexpr(n_rows):
-                    row = m0 + cS[r, 0][0]
-                    lse[r] = Float32.inf
-                    dps[r] = Float32(0.0)
-                    if row < seqlen_q:
-                        lse[r] = lse_row[row]
-                        dps[r] = dps_row[row]
+                if const_expr(not self.late_row_stats):
+                    self._row_stats(lse, dps, cS, m0, seqlen_q, lse_row, dps_row)
 
                 cute.arch.cp_async_wait_group(0)
                 # this item's tiles landed for every thread, and every warp is done with the last item
@@ -337,6 +331,8 @@ class PortableBackwardKernel:
                     acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
                     acc_S.fill(0.0)
                     self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
+                    if const_expr(self.late_row_stats):
+                        self._row_stats(lse, dps, cS, m0, seqlen_q, lse_row, dps_row)
                     acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
                     acc_dP.fill(0.0)
                     self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
@@ -357,9 +353,10 @@ class PortableBackwardKernel:
                     self._prefetch(w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
                                    copy_qk, copy_v, seqlen_q, tidx, part)
 
+                    # (dK before dQ: dQ's product and atomics first, under dK's MMAs, measured 3% slower
+                    # at D=128 on the H200)
                     self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
-                    if const_expr(not self.dq_before_dk):
-                        self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
+                    self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
 
                     acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
                     acc_dQ.fill(0.0)
@@ -367,8 +364,6 @@ class PortableBackwardKernel:
                     gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
                     self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
                                  window_left)
-                    if const_expr(self.dq_before_dk):
-                        self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
                 else:
                     self._prefetch(w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
                                    copy_qk, copy_v, seqlen_q, tidx, part)
@@ -445,6 +440,17 @@ class PortableBackwardKernel:
                 dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
 
     @cute.jit
+    def _row_stats(self, lse, dps, cS, m0, seqlen_q, lse_row, dps_row):
+        """lse2 and dpsum of this thread's rows (+inf and 0 past the sequence: P = 0)."""
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = m0 + cS[r, 0][0]
+            lse[r] = Float32.inf
+            dps[r] = Float32(0.0)
+            if row < seqlen_q:
+                lse[r] = lse_row[row]
+                dps[r] = dps_row[row]
+
+    @cute.jit
     def _walk_item(self, w, walk, part: cutlass.Constexpr = None):
         """(query head within the group, query tile) of walk item w: the cut tiles of every head
         first (a head's front ones, before the uncut range, then its back ones), then the uncut;
@@ -454,10 +460,7 @@ class PortableBackwardKernel:
         n_masked = n_front + m_end - u_end
         hh = Int32(0)
         m_block = Int32(0)
-        if const_expr(not self.split_masked_walk):  # one part: the query tiles in order
-            hh = w // (m_end - m_begin)
-            m_block = m_begin + w - hh * (m_end - m_begin)
-        elif const_expr(part == 0):
+        if const_expr(part == 0):
             hh, m_block = self._cut_item(w, m_begin, u_end, n_front, n_masked)
         elif const_expr(part == 1):
             hh, m_block = self._uncut_item(w - group * n_masked, u_begin, u_end - u_begin)
