@@ -33,11 +33,10 @@ _HIDDEN = 2048  # H * D
 # per head dim: overrides of PortableFwdConfig to time against the default row (--tune)
 _CANDIDATES = {
     64: [dict(), dict(tile_m=64), dict(num_warps=8, tile_m=128)],
-    # 8 warps of 16 rows (one CTA per SM) against 4 warps: of 32 rows (half the K / V operand bytes
-    # per flop, two CTAs per SM; 64-key tiles spill 12-18 registers in the key loop, 32-key tiles
-    # none) or of 16 (64 x 64, several CTAs per SM)
-    128: [dict(), dict(num_warps=4, q_in_regs=False), dict(tile_n=32, num_warps=4, q_in_regs=False),
-          dict(tile_m=64, num_warps=4)],
+    # the row (4 warps of 32 rows, 64 keys: spills 12-18 registers in the key loop) against 8 warps
+    # of 16 rows (one CTA per SM, each warp reading all of K and V), 32-key tiles (no spills) and
+    # 64 x 64 with 4 warps of 16 rows (several CTAs per SM)
+    128: [dict(), dict(num_warps=8, q_in_regs=True), dict(tile_n=32), dict(tile_m=64, q_in_regs=True)],
     256: [dict(), dict(tile_m=64, num_warps=4), dict(tile_n=32)],
 }
 
