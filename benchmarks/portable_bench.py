@@ -109,7 +109,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true")
-    parser.add_argument("--tune-d", type=int, nargs="+", default=list(_CANDIDATES), help="--tune: these head dims")
+    parser.add_argument("--tune-d", type=int, nargs="+", default=list(_CANDIDATES),
+                        help="--tune: these head dims")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     os.environ["TORCH_FA4_BACKEND"] = "portable"

@@ -142,8 +142,8 @@ def run_rows(rows, bwd: bool):
                 times[name] = math.nan
                 print(f"  {row} {name}: {type(e).__name__}: {str(e)[:160]}")
         tf = {n: flops / t / 1e9 for n, t in times.items()}
-        print(f"{row:>9} {tf['portable']:>9.1f} {tf['flex']:>9.1f} {times['flex'] / times['portable']:>17.2f}x",
-              flush=True)
+        ratio = times["flex"] / times["portable"]
+        print(f"{row:>9} {tf['portable']:>9.1f} {tf['flex']:>9.1f} {ratio:>17.2f}x", flush=True)
 
 
 def compile_one(which: str) -> None:
