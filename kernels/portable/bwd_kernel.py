@@ -81,7 +81,8 @@ class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
                  sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1,
-                 mods=None, sparse: bool = False, dq_pair_adds: bool = False, late_row_stats: bool = False):
+                 mods=None, sparse: bool = False, dq_pair_adds: bool = False, late_row_stats: bool = False,
+                 split_walk: bool = True):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -107,6 +108,7 @@ class PortableBackwardKernel:
         self.sparse = sparse  # a block mask's tile map prunes the walk (bwd_sparse.py)
         self.dq_pair_adds = dq_pair_adds  # red.global.add.v2.f32 (sm_90+): two columns per atomic
         self.late_row_stats = late_row_stats  # lse2 / dpsum read after S's product, not before it
+        self.split_walk = split_walk  # cut query tiles in a masked loop, the rest in an unmasked one
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -262,23 +264,24 @@ class PortableBackwardKernel:
         if n0 >= seqlen_k:
             m_end = m_begin  # a tile past this sequence's keys (varlen): nothing to do, nothing to write
 
-        # the walk: (query head of the group, query tile) pairs, heads outermost: first every head's
-        # query tiles that the key limits cut (per-element masks), then the others (no masks), each
-        # part its own loop (its own register allocation; one loop with a per-tile branch between
-        # the two element codes spilled). One loop masking every tile was 4-12% slower.
+        # the walk: (query head of the group, query tile) pairs, heads outermost. split_walk: first
+        # every head's query tiles that the key limits cut (per-element masks), then the others (no
+        # masks), each part its own loop (its own register allocation; one loop with a per-tile
+        # branch between the two element codes spilled); without, one loop masks every tile.
         m_end = cutlass.max(m_end, m_begin)
         n_m = m_end - m_begin
         u_begin = m_end  # the uncut query tiles: [u_begin, u_end)
         u_end = m_end
-        if n0 + tn <= seqlen_k:
-            u_begin = m_begin
-            if const_expr(self.bounded):
-                # a tile is uncut when its last key is at most its first row's last visible key,
-                # and its first key at least its last row's first visible key
-                first_ok = cutlass.max(n0 + tn - shift - window_right - 1, 0)
-                u_begin = cutlass.min(cutlass.max((first_ok + tm - 1) // tm, m_begin), m_end)
-                last_ok = cutlass.max(n0 + window_left - shift - tm + 1, -tm)
-                u_end = cutlass.min(cutlass.max((last_ok + tm) // tm, u_begin), m_end)
+        if const_expr(self.split_walk):
+            if n0 + tn <= seqlen_k:
+                u_begin = m_begin
+                if const_expr(self.bounded):
+                    # a tile is uncut when its last key is at most its first row's last visible key,
+                    # and its first key at least its last row's first visible key
+                    first_ok = cutlass.max(n0 + tn - shift - window_right - 1, 0)
+                    u_begin = cutlass.min(cutlass.max((first_ok + tm - 1) // tm, m_begin), m_end)
+                    last_ok = cutlass.max(n0 + window_left - shift - tm + 1, -tm)
+                    u_end = cutlass.min(cutlass.max((last_ok + tm) // tm, u_begin), m_end)
         walk = (m_begin, u_begin, u_end, m_end, group)
         total = group * n_m
         total_masked = group * (n_m - (u_end - u_begin))
@@ -287,7 +290,7 @@ class PortableBackwardKernel:
                 self._load_item(Int32(0), 0, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
                                 copy_qk, copy_v, seqlen_q, tidx)
             cute.arch.cp_async_commit_group()
-        for part in cutlass.range_constexpr(2):
+        for part in cutlass.range_constexpr(2 if self.split_walk else 1):
             masked = part == 0
             w_lo = 0 if masked else total_masked
             w_hi = total_masked if masked else total
