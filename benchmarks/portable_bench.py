@@ -7,7 +7,7 @@ triton.testing.do_bench (CUDA events) after warm-up. The portable kernels run th
 torch_fa4.attention with TORCH_FA4_BACKEND=portable (dispatch included, as a user runs them); a
 row the kernel would hand to the reference is reported as such, never timed as the kernel.
 
-    python benchmarks/portable_bench.py [--quick] [--tune] [--json out.json]
+    python benchmarks/portable_bench.py [--quick] [--tune [--tune-d 128]] [--json out.json]
 
 --quick: D64 / D128 at S4k, causal and not.
 --tune: instead, the tile candidates of `_CANDIDATES` (PortableFwdConfig overrides, launched
@@ -32,20 +32,23 @@ _HIDDEN = 2048  # H * D
 
 # per head dim: overrides of PortableFwdConfig to time against the default row (--tune)
 _CANDIDATES = {
-    64: [dict(), dict(q_in_regs=False), dict(tile_m=64), dict(num_warps=8, tile_m=128),
-         dict(tile_n=128, q_in_regs=False)],
-    128: [dict(), dict(q_in_regs=False), dict(tile_m=64, num_warps=4), dict(num_warps=4, q_in_regs=False),
-          dict(tile_n=128, q_in_regs=False), dict(tile_n=32, num_warps=4, q_in_regs=False)],
+    64: [dict(), dict(tile_m=64), dict(num_warps=8, tile_m=128)],
+    # the row (4 warps of 32 rows, 64 keys: spills 12-18 registers in the key loop) against 8 warps
+    # of 16 rows (one CTA per SM, each warp reading all of K and V), 32-key tiles (no spills) and
+    # 64 x 64 with 4 warps of 16 rows (several CTAs per SM)
+    128: [dict(), dict(num_warps=8, q_in_regs=True), dict(tile_n=32), dict(tile_m=64, q_in_regs=True)],
     256: [dict(), dict(tile_m=64, num_warps=4), dict(tile_n=32)],
 }
 
 
-def _tune(warmup, rep):
+def _tune(warmup, rep, head_dims):
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.portable import fwd_host
 
     print(f"{'D':>4} {'causal':>6} {'TFLOP/s':>8}  overrides (S 4096, B 4, H*D 2048)")
     for D, candidates in _CANDIDATES.items():
+        if D not in head_dims:
+            continue
         for causal in (False, True):
             S, B, H = 4096, 4, _HIDDEN // D
             q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -106,6 +109,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune-d", type=int, nargs="+", default=list(_CANDIDATES),
+                        help="--tune: these head dims")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     os.environ["TORCH_FA4_BACKEND"] = "portable"
@@ -117,7 +122,7 @@ def main():
           f"{props.multi_processor_count} SMs), "
           f"torch {torch.__version__}; bf16, {_TOKENS} tokens per row, H*D = {_HIDDEN}; forward TFLOP/s")
     if args.tune:
-        _tune(warmup, rep)
+        _tune(warmup, rep, args.tune_d)
         return
     peers = {"sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)}
     header = f"{'D':>4} {'S':>6} {'causal':>6} | {'portable':>9} {'sdpa-flash':>10} {'cudnn':>8} | " \

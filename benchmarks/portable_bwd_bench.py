@@ -8,7 +8,10 @@ output (its own preprocessing included). TFLOP/s count 2.5 forward matmuls (benc
 causal half where causal.
 
     python benchmarks/portable_bwd_bench.py [--d 64 128] [--s 1024 4096 16384] [--deterministic]
-        [--stages 1|2] [--small-tiles]
+        [--stages 1|2] [--small-tiles] [--ab] [--causal 0 1]
+
+--ab: each row timed under every kernel tuning of `TUNINGS` (BwdVariant fields replaced) side by
+side, the first being the default variant.
 """
 
 import argparse
@@ -22,6 +25,22 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 
+# name -> BwdVariant fields replaced (--ab); the default variant first
+TUNINGS = {
+    "default": {},
+    "scalar-red": dict(dq_pair_adds=False),
+    "old-warps": dict(sdp_warps_n=2, kv_warps_n=1, dq_warps_n=2, dq_pair_adds=False),
+}
+
+
+def tunings_for(d: int) -> dict:
+    """TUNINGS for head dim d: at 64 the earlier 64-query-row step too, and the old variant with it."""
+    if d != 64:
+        return TUNINGS
+    rows64 = dict(tile_m=64, sdp_warps_n=4, kv_warps_n=2, dq_warps_n=2)
+    return {**TUNINGS, "old-warps": {**TUNINGS["old-warps"], "tile_m": 64}, "64-rows": rows64}
+
+
 TOKENS = 16384
 WIDTH = 2048  # heads * head dim
 
@@ -31,7 +50,7 @@ def inputs(s, d):
     return [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
 
 
-def ours(q, k, v, do, causal, deterministic, stages=None, large_tiles=None):
+def ours(q, k, v, do, causal, deterministic, stages=None, large_tiles=None, tuning=None):
     from torch_fa4 import reference
     from torch_fa4.call import AttentionCall
     from torch_fa4.kernels.portable import bwd
@@ -41,7 +60,7 @@ def ours(q, k, v, do, causal, deterministic, stages=None, large_tiles=None):
     out, lse = reference.forward(call)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     return lambda: bwd.backward(call, do, out, lse, dq, dk, dv, deterministic, stages=stages,
-                                large_tiles=large_tiles)
+                                large_tiles=large_tiles, tuning=tuning)
 
 
 def sdpa_flash(q, k, v, do, causal):
@@ -61,25 +80,30 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--stages", type=int, default=None, help="Q / dO buffers (default: as many as fit)")
     ap.add_argument("--small-tiles", action="store_true", help="the tiles of the ~99 KB shared-memory GPUs")
+    ap.add_argument("--ab", action="store_true", help="every tuning of TUNINGS side by side")
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"bf16, {TOKENS} tokens, H*D={WIDTH}, backward TFLOP/s"
           + (", deterministic" if args.deterministic else ""))
-    print(f"{'D':>4} {'S':>6} {'causal':>6} {'portable':>9} {'sdpa-fa2':>9} {'ratio':>6}")
     for d in args.d:
+        tunings = tunings_for(d) if args.ab else {"portable": {}}
+        print(f"{'D':>4} {'S':>6} {'causal':>6} " + " ".join(f"{n:>10}" for n in tunings)
+              + f" {'sdpa-fa2':>9} {'ratio':>6}")
         for s in args.s:
-            for causal in (False, True):
+            for causal in (bool(c) for c in args.causal):
                 q, k, v, do = inputs(s, d)
                 flops = bench._flops(q.shape[0], q.shape[2], s, d, causal, bwd=True)
-                t_ours = bench._time_ms(ours(q, k, v, do, causal, args.deterministic, args.stages,
-                                             False if args.small_tiles else None))
+                times = [bench._time_ms(ours(q, k, v, do, causal, args.deterministic, args.stages,
+                                             False if args.small_tiles else None, tuning))
+                         for tuning in tunings.values()]
                 try:
                     t_ref = bench._time_ms(sdpa_flash(q, k, v, do, causal))
                 except RuntimeError:  # no flash backend for this GPU / build
                     t_ref = math.nan
                 tf = lambda ms: flops / ms / 1e9  # noqa: E731
-                print(f"{d:>4} {s:>6} {str(causal):>6} {tf(t_ours):>9.1f} {tf(t_ref):>9.1f} "
-                      f"{t_ref / t_ours:>6.2f}", flush=True)
+                print(f"{d:>4} {s:>6} {str(causal):>6} " + " ".join(f"{tf(t):>10.1f}" for t in times)
+                      + f" {tf(t_ref):>9.1f} {t_ref / times[0]:>6.2f}", flush=True)
                 del q, k, v, do
                 torch.cuda.empty_cache()
 

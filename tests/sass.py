@@ -133,3 +133,19 @@ def cuda_major() -> int:
         if "_cutlass_ir" in name and found:
             return int(found.group(1))
     return 12  # a build without flavour tags
+
+
+def spills(sass: str) -> tuple:
+    """(local-memory spill instructions in all of `sass`, those inside a loop: between a backward
+    branch and its target, where a spill costs on every iteration rather than once per CTA)."""
+    lines = sass.splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b[^`]*`\(\.L_x_(\d+)\)", line)
+        if m:
+            label = f".L_x_{m.group(1)}:"
+            starts = [j for j, x in enumerate(lines) if x.strip().startswith(label)]
+            if starts and starts[0] < i:
+                loops.append((starts[0], i))
+    at = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
+    return len(at), sum(1 for i in at if any(a <= i <= b for a, b in loops))

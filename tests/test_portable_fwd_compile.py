@@ -1,5 +1,6 @@
 """CPU: the portable forward compiles for sm_80, sm_86, sm_89 and sm_120a; its SASS uses HMMA
-(mma.sync), ldmatrix and cp.async and nothing spills to local memory; every tile row fits its
+(mma.sync), ldmatrix and cp.async and nothing spills to local memory (except, bounded, the
+measured D=128 row of 32 rows per warp: tiles.py); every tile row fits its
 architecture's shared memory; dispatch routes compute capabilities 8.x / 12.x (and any GPU under
 TORCH_FA4_BACKEND=portable) to it.
 
@@ -13,7 +14,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from sass import sass_of  # noqa: E402
+from sass import sass_of, spills  # noqa: E402
 from torch_fa4 import reference, self_check  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
 from torch_fa4.kernels.portable import fwd_host, tiles  # noqa: E402
@@ -60,6 +61,8 @@ def _doc_mask(S=256):
     return M.document_mask(torch.randint(0, 3, (S,), dtype=torch.int32).sort().values)
 
 
+SPILL_BOUND_D128 = 48  # measured on sm_80: 27-35 spill instructions, 15-17 of them in the key loop
+
 # (arch, name) -> builder of the call; every architecture gets a head dim of each tile row kind
 VARIANTS = {
     ("sm_80", "d64"): lambda: _call(64),
@@ -88,7 +91,13 @@ def test_variant_compiles_to_hmma_without_spills(tmp_path, arch, name):
     sass = sass_of(tmp_path)
     assert "HMMA.16816.F32" in sass, "the matmuls are not warp-level MMAs"
     assert "LDSM" in sass and "LDGSTS" in sass, "no ldmatrix / cp.async"
-    assert "LDL" not in sass and "STL" not in sass, "local memory (register spills)"
+    total, in_loops = spills(sass)
+    if call.head_dim == 128 and cfg.num_warps == 4:
+        # the large-memory parts' D=128 row: 32 rows per warp spill in the key loop, measured
+        # faster than the spill-free 8-warp row (tiles.py); bounded so that growth is caught
+        assert total <= SPILL_BOUND_D128, f"{total} local-memory (spill) instructions"
+    else:
+        assert total == 0, f"{total} local-memory (spill) instructions ({in_loops} in loops)"
     assert "HGMMA" not in sass and "UTMALDG" not in sass, "Hopper-only instructions in portable code"
 
 

@@ -87,18 +87,21 @@ def _window(call: "AttentionCall") -> tuple[bool, int, int]:
 
 
 def variant_of(call: "AttentionCall", deterministic: bool, stages: Optional[int] = None,
-               large_tiles: Optional[bool] = None):
+               large_tiles: Optional[bool] = None, tuning: Optional[dict] = None):
     """The kernel variant for `call`: the large tiles and two Q / dO buffers where the GPU's shared
-    memory holds them (`stages`, `large_tiles`: given choices instead)."""
+    memory holds them, dQ's paired atomics from sm_90 on (`stages`, `large_tiles`: given choices
+    instead; `tuning`: BwdVariant fields to replace, the benchmarks' A/B)."""
     bounded, _, _ = _window(call)
-    limit = smem_limit(torch.cuda.get_device_capability(call.q.device)) if call.q.is_cuda else 0
+    capability = torch.cuda.get_device_capability(call.q.device) if call.q.is_cuda else (8, 0)
+    limit = smem_limit(capability) if call.q.is_cuda else 0
 
     def make(large):
         v = make_variant(call.q.dtype, call.head_dim, call.head_dim_v, bounded=bounded,
                          softcap=bool(call.softcap), deterministic=deterministic, varlen=call.is_varlen,
                          seqused_k=call.seqused_k is not None,
-                         mods_key=call.mods.key if call.mods is not None else "", large_tiles=large)
-        return dataclasses.replace(v, sparse=sparse)
+                         mods_key=call.mods.key if call.mods is not None else "", large_tiles=large,
+                         dq_pair_adds=capability[0] >= 9)
+        return dataclasses.replace(v, sparse=sparse, **(tuning or {}))
 
     sparse = bool(call.block_mask) and bwd_sparse.walk_reason(call, deterministic) is None
 
@@ -134,10 +137,11 @@ def _rows_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool,
-             stages: Optional[int] = None, large_tiles: Optional[bool] = None) -> None:
+             stages: Optional[int] = None, large_tiles: Optional[bool] = None,
+             tuning: Optional[dict] = None) -> None:
     """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's), in place.
     stages, large_tiles: the tests' and benchmarks' choices of Q / dO buffers and tiles (None: as
-    many / as large as the GPU's shared memory holds)."""
+    many / as large as the GPU's shared memory holds); tuning: BwdVariant fields replaced (A/B)."""
     from torch_fa4.kernels.portable.bwd_compile import compile_variant
 
     q, k, v = call.q, call.k, call.v
@@ -167,7 +171,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
         return
 
     lse2, dpsum, dq_acc = _row_statistics(dout_rows, out, lse, q.shape[:3] + (call.head_dim,))
-    variant = variant_of(call, deterministic, stages, large_tiles)
+    variant = variant_of(call, deterministic, stages, large_tiles, tuning)
     fn = compile_variant(variant, arch=_arch(q.device))
     sem = None
     if deterministic:

@@ -34,7 +34,8 @@ def kernel_object(variant: BwdVariant):
         variant.num_warps, variant.bounded, variant.softcap, variant.deterministic, variant.varlen,
         variant.seqused_k, sdp_warps_n=variant.sdp_warps_n, kv_warps_n=variant.kv_warps_n,
         dq_warps_n=variant.dq_warps_n, stages=variant.stages,
-        mods=_mods(variant), sparse=variant.sparse)
+        mods=_mods(variant), sparse=variant.sparse, dq_pair_adds=variant.dq_pair_adds,
+        late_row_stats=variant.late_row_stats, split_walk=variant.split_walk)
 
 
 def _compile(variant: BwdVariant, arch: str, dump_dir: str | None, jit: bool = True):

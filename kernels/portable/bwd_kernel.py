@@ -26,7 +26,9 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import dsl_user_op
 
 from torch_fa4.kernels.common import mod_lowering as mods_dsl
 from torch_fa4.kernels.common.seqlen_info import SeqlenInfo
@@ -58,6 +60,15 @@ def _rows_cols(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, layout)
 
 
+@dsl_user_op
+def red_add_pair(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """*ptr += a, *(ptr + 1) += b, one fp32 vector reduction (PTX red .v2.f32: sm_90 and later)."""
+    llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                           Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
 def _vector_threads(cols: int, threads: int) -> int:
     """Threads along a row for 16-byte copies: the widest of 16, 8, 4 dividing both."""
     for n in (16, 8, 4):
@@ -70,7 +81,8 @@ class PortableBackwardKernel:
     def __init__(self, dtype, d: int, dv: int, tile_m: int, tile_n: int, num_warps: int,
                  causal_or_window: bool, softcap: bool, deterministic: bool, varlen: bool, seqused: bool,
                  sdp_warps_n: int = 1, kv_warps_n: int = 1, dq_warps_n: int = 1, stages: int = 1,
-                 mods=None, sparse: bool = False):
+                 mods=None, sparse: bool = False, dq_pair_adds: bool = False, late_row_stats: bool = False,
+                 split_walk: bool = True):
         self.dtype = dtype
         self.d, self.dv = d, dv
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -94,6 +106,9 @@ class PortableBackwardKernel:
         self.num_score_aux = mods.num_score_aux if mods is not None else 0
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
         self.sparse = sparse  # a block mask's tile map prunes the walk (bwd_sparse.py)
+        self.dq_pair_adds = dq_pair_adds  # red.global.add.v2.f32 (sm_90+): two columns per atomic
+        self.late_row_stats = late_row_stats  # lse2 / dpsum read after S's product, not before it
+        self.split_walk = split_walk  # cut query tiles in a masked loop, the rest in an unmasked one
 
     # ---- static layouts --------------------------------------------------------------------------
 
@@ -249,126 +264,114 @@ class PortableBackwardKernel:
         if n0 >= seqlen_k:
             m_end = m_begin  # a tile past this sequence's keys (varlen): nothing to do, nothing to write
 
-        # the walk: (query head of the group, query tile) pairs, heads outermost
-        n_m = cutlass.max(m_end - m_begin, 0)
+        # the walk: (query head of the group, query tile) pairs, heads outermost. split_walk: first
+        # every head's query tiles that the key limits cut (per-element masks), then the others (no
+        # masks), each part its own loop (its own register allocation; one loop with a per-tile
+        # branch between the two element codes spilled); without, one loop masks every tile.
+        m_end = cutlass.max(m_end, m_begin)
+        n_m = m_end - m_begin
+        u_begin = m_end  # the uncut query tiles: [u_begin, u_end)
+        u_end = m_end
+        if const_expr(self.split_walk):
+            if n0 + tn <= seqlen_k:
+                u_begin = m_begin
+                if const_expr(self.bounded):
+                    # a tile is uncut when its last key is at most its first row's last visible key,
+                    # and its first key at least its last row's first visible key
+                    first_ok = cutlass.max(n0 + tn - shift - window_right - 1, 0)
+                    u_begin = cutlass.min(cutlass.max((first_ok + tm - 1) // tm, m_begin), m_end)
+                    last_ok = cutlass.max(n0 + window_left - shift - tm + 1, -tm)
+                    u_end = cutlass.min(cutlass.max((last_ok + tm) // tm, u_begin), m_end)
+        walk = (m_begin, u_begin, u_end, m_end, group)
         total = group * n_m
+        total_masked = group * (n_m - (u_end - u_begin))
         if const_expr(self.stages > 1):
             if total > 0:
-                self._load_item(Int32(0), 0, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                self._load_item(Int32(0), 0, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
                                 copy_qk, copy_v, seqlen_q, tidx)
             cute.arch.cp_async_commit_group()
-        for w in cutlass.range(total, unroll=1):
-            hh = w // n_m
-            m_block = m_begin + w - hh * n_m
-            h = h_kv * group + hh
-            m0 = m_block * tm
-            stage = 0
-            if const_expr(self.stages > 1):
-                stage = w % self.stages
-                if w + 1 < total:  # the next tile into the other buffer, freed by the last barrier
-                    self._load_item(w + 1, (w + 1) % self.stages, n_m, m_begin, h_kv, group, info, tb, mQ,
-                                    mdO, sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx)
-                cute.arch.cp_async_commit_group()
-            else:
-                self._load_item(w, 0, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
-                                copy_qk, copy_v, seqlen_q, tidx)
-                cute.arch.cp_async_commit_group()
-            dq_rows = info.q_rows(mdQacc[tb, None, h, None])
-            lse_row = info.q_rows(mLSE2[tb, h, None])
-            dps_row = info.q_rows(mDpsum[tb, h, None])
-            sQ = sQ_all[None, None, stage]
-            sdO = sdO_all[None, None, stage]
-            sQt, sdOt = _transposed(sQ), _transposed(sdO)
+        for part in cutlass.range_constexpr(2 if self.split_walk else 1):
+            masked = part == 0
+            w_lo = 0 if masked else total_masked
+            w_hi = total_masked if masked else total
+            for w in cutlass.range(w_lo, w_hi, unroll=1):
+                hh, m_block = self._walk_item(w, walk, part)
+                h = h_kv * group + hh
+                m0 = m_block * tm
+                stage = 0
+                if const_expr(self.stages > 1):
+                    stage = w % self.stages
+                else:
+                    self._load_item(w, 0, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                                    copy_qk, copy_v, seqlen_q, tidx, part)
+                    cute.arch.cp_async_commit_group()
+                dq_rows = info.q_rows(mdQacc[tb, None, h, None])
+                lse_row = info.q_rows(mLSE2[tb, h, None])
+                dps_row = info.q_rows(mDpsum[tb, h, None])
+                sQ = sQ_all[None, None, stage]
+                sdO = sdO_all[None, None, stage]
+                sQt, sdOt = _transposed(sQ), _transposed(sdO)
 
-            # row statistics of this thread's rows, read while the tiles land
-            n_rows = cute.size(cS, mode=[0])
-            lse = cute.make_rmem_tensor((n_rows,), Float32)
-            dps = cute.make_rmem_tensor((n_rows,), Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                row = m0 + cS[r, 0][0]
-                lse[r] = Float32.inf
-                dps[r] = Float32(0.0)
-                if row < seqlen_q:
-                    lse[r] = lse_row[row]
-                    dps[r] = dps_row[row]
+                # row statistics of this thread's rows, read while the tiles land (or, late_row_stats,
+                # under the dP product)
+                n_rows = cute.size(cS, mode=[0])
+                lse = cute.make_rmem_tensor((n_rows,), Float32)
+                dps = cute.make_rmem_tensor((n_rows,), Float32)
+                if const_expr(not self.late_row_stats):
+                    self._row_stats(lse, dps, cS, m0, seqlen_q, lse_row, dps_row)
 
-            cute.arch.cp_async_wait_group(1 if const_expr(self.stages > 1) else 0)
-            cute.arch.barrier()
-
-            # a block mask's empty steps are skipped (their loads were issued: harmless)
-            visit = cutlass.Boolean(True)
-            if const_expr(self.sparse):
-                visit = mVisit[batch, h, n_block, m_block] != 0
-            if visit:
-                acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-                acc_S.fill(0.0)
-                self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
-                acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-                acc_dP.fill(0.0)
-                self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
-
-                S = _rows_cols(acc_S)
-                dP = _rows_cols(acc_dP)
-                for r in cutlass.range_constexpr(n_rows):
-                    row = m0 + cS[r, 0][0]
-                    lo = Int32(0)
-                    hi = seqlen_k
-                    if const_expr(self.bounded):
-                        lo = row + shift - window_left
-                        hi = cutlass.min(hi, row + shift + window_right + 1)
-                    # positions that feed a mod, kept inside the sequence (padded rows and keys)
-                    i_in = cutlass.min(row, seqlen_q - 1)
-                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        col = n0 + cS[r, c][1]
-                        s = S[r, c]
-                        dcap = Float32(1.0)
-                        if const_expr(self.softcap):
-                            t = cute.math.tanh(s * scale / softcap, fastmath=True)
-                            dcap = Float32(1.0) - t * t
-                            s = t * softcap * Float32(LOG2E)
-                        else:
-                            s = s * scale_log2
-                        j_in = cutlass.min(col, seqlen_k - 1)
-                        if const_expr(self.score_graph is not None):
-                            # the mod takes the scaled (capped) score in natural units; its derivative
-                            # at that score joins the chain rule for dS
-                            s_nat = s * Float32(1.0 / LOG2E)
-                            s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
-                                                         score_aux) * Float32(LOG2E)
-                            if const_expr(self.grad_graph is not None):
-                                grad = mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in, j_in,
-                                                                 score_aux)
-                                dcap = dcap * grad
-                        p = cute.math.exp2(s - lse[r], fastmath=True)
-                        if const_expr(self.mask_graph is not None):
-                            keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
-                            p = Float32(cutlass.select_(keep, p, Float32(0.0)))
-                        if col >= hi:
-                            p = Float32(0.0)
-                        if const_expr(self.bounded):
-                            if col < lo:
-                                p = Float32(0.0)
-                        S[r, c] = p
-                        dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
-
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                rdSv = cute.make_fragment_like(acc_dP, self.dtype)
-                rdSv.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
-                cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
+                cute.arch.cp_async_wait_group(0)
+                # this item's tiles landed for every thread, and every warp is done with the last item
+                # (its Q / dO buffer, sP, sdS): with two buffers the next item then loads into the other
+                # one during this step, and no barrier is needed at the end of the step
                 cute.arch.barrier()
 
-                self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
-                self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
+                # a block mask's empty steps are skipped (their loads were issued: harmless)
+                visit = cutlass.Boolean(True)
+                if const_expr(self.sparse):
+                    visit = mVisit[batch, h, n_block, m_block] != 0
+                if visit:
+                    acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+                    acc_S.fill(0.0)
+                    self._gemm(mma_sdp, acc_S, rQ, rK, thr_sdp, s2r_sdp_a, s2r_sdp_b, sQ, sK)
+                    if const_expr(self.late_row_stats):
+                        self._row_stats(lse, dps, cS, m0, seqlen_q, lse_row, dps_row)
+                    acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+                    acc_dP.fill(0.0)
+                    self._gemm(mma_sdp, acc_dP, rdO, rV, thr_sdp, s2r_sdp_a, s2r_sdp_b, sdO, sV)
 
-                acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
-                acc_dQ.fill(0.0)
-                self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
-                gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
-                self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
-                             window_left)
-            cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
+                    S = _rows_cols(acc_S)
+                    dP = _rows_cols(acc_dP)
+                    args = (S, dP, cS, lse, dps, m0, n0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                            scale, scale_log2, softcap, batch, h, score_aux, mask_aux)
+                    self._p_and_ds(*args, masked)
+
+                    rP = cute.make_fragment_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    rdSv = cute.make_fragment_like(acc_dP, self.dtype)
+                    rdSv.store(acc_dP.load().to(self.dtype))
+                    cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(sP))
+                    cute.copy(r2s, r2s_thr.retile(rdSv), r2s_thr.partition_D(sdS))
+                    cute.arch.barrier()
+                    self._prefetch(w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                                   copy_qk, copy_v, seqlen_q, tidx, part)
+
+                    # (dK before dQ: dQ's product and atomics first, under dK's MMAs, measured 3% slower
+                    # at D=128 on the H200)
+                    self._gemm(mma_dkv, acc_dV, rPt, rdOt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sPt, sdOt)
+                    self._gemm(mma_dkv, acc_dK, rdSt, rQt, thr_dkv, s2r_dkv_a, s2r_dkv_b, sdSt, sQt)
+
+                    acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.d)), Float32)
+                    acc_dQ.fill(0.0)
+                    self._gemm(mma_dq, acc_dQ, rdS, rKt, thr_dq, s2r_dq_a, s2r_dq_b, sdS, sKt)
+                    gdQ = thr_dq.partition_C(cute.local_tile(dq_rows, (tm, self.d), (m_block, 0)))
+                    self._add_dq(acc_dQ, gdQ, cdQ, seqlen_q - m0, mSem, h, m_block, batch, n_block, shift,
+                                 window_left)
+                else:
+                    self._prefetch(w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all,
+                                   copy_qk, copy_v, seqlen_q, tidx, part)
+                if const_expr(self.stages == 1):
+                    cute.arch.barrier()  # every warp is done with sQ, sdO, sP, sdS before the next loads
 
         # ---- epilogue: dK (with the softmax scale), dV ----
         acc_dK.store(acc_dK.load() * scale)
@@ -382,11 +385,126 @@ class PortableBackwardKernel:
     # ---- pieces ------------------------------------------------------------------------------------
 
     @cute.jit
-    def _load_item(self, w, stage, n_m, m_begin, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
-                   copy_v, seqlen_q, tidx):
+    def _p_and_ds(self, S, dP, cS, lse, dps, m0, n0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                  scale, scale_log2, softcap, batch, h, score_aux, mask_aux, masked: cutlass.Constexpr):
+        """S -> P and dP -> dS in place (rows, columns views of the accumulators); `masked`: with the
+        key limits (causal / window / the sequence's last key) applied per element.
+
+        (Skipping the limits on uncut tiles by a second copy of this code behind a per-tile branch
+        made ptxas spill 12 registers in the key loop at D=128 on sm_90a.)"""
+        # the limits as offsets from this thread's first element (row0, col0): an element's own offset
+        # is a compile-time constant, so each test is one compare against a per-tile scalar
+        # (rather than per-element coordinates and per-row bounds held in registers)
+        row0, col0 = cS[0, 0][0], cS[0, 0][1]
+        key_lim = seqlen_k - n0 - col0  # column offset at or past it: past the sequence's end
+        diag = m0 + row0 + shift - n0 - col0
+        hi_lim = diag + window_right + 1  # (column - row) offset at or past it: right of the window
+        lo_lim = diag - window_left  # below it: left of the window
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            row = m0 + cS[r, 0][0]
+            # positions that feed a mod, kept inside the sequence (padded rows and keys)
+            i_in = cutlass.min(row, seqlen_q - 1)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                col = n0 + cS[r, c][1]
+                s = S[r, c]
+                dcap = Float32(1.0)
+                if const_expr(self.softcap):
+                    t = cute.math.tanh(s * scale / softcap, fastmath=True)
+                    dcap = Float32(1.0) - t * t
+                    s = t * softcap * Float32(LOG2E)
+                else:
+                    s = s * scale_log2
+                j_in = cutlass.min(col, seqlen_k - 1)
+                if const_expr(self.score_graph is not None):
+                    # the mod takes the scaled (capped) score in natural units; its derivative at
+                    # that score joins the chain rule for dS
+                    s_nat = s * Float32(1.0 / LOG2E)
+                    s = mods_dsl.score_mod_value(self.score_graph, s_nat, batch, h, i_in, j_in,
+                                                 score_aux) * Float32(LOG2E)
+                    if const_expr(self.grad_graph is not None):
+                        grad = mods_dsl.score_grad_value(self.grad_graph, s_nat, batch, h, i_in, j_in,
+                                                         score_aux)
+                        dcap = dcap * grad
+                p = cute.math.exp2(s - lse[r], fastmath=True)
+                if const_expr(self.mask_graph is not None):
+                    keep = mods_dsl.mask_mod_value(self.mask_graph, batch, h, i_in, j_in, mask_aux)
+                    p = Float32(cutlass.select_(keep, p, Float32(0.0)))
+                if const_expr(masked):
+                    c_off = cS[r, c][1] - col0
+                    if c_off >= key_lim:
+                        p = Float32(0.0)
+                    if const_expr(self.bounded):
+                        diff = c_off - (cS[r, 0][0] - row0)
+                        if diff >= hi_lim:
+                            p = Float32(0.0)
+                        if diff < lo_lim:
+                            p = Float32(0.0)
+                S[r, c] = p
+                dP[r, c] = p * (dP[r, c] - dps[r]) * dcap
+
+    @cute.jit
+    def _row_stats(self, lse, dps, cS, m0, seqlen_q, lse_row, dps_row):
+        """lse2 and dpsum of this thread's rows (+inf and 0 past the sequence: P = 0)."""
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = m0 + cS[r, 0][0]
+            lse[r] = Float32.inf
+            dps[r] = Float32(0.0)
+            if row < seqlen_q:
+                lse[r] = lse_row[row]
+                dps[r] = dps_row[row]
+
+    @cute.jit
+    def _walk_item(self, w, walk, part: cutlass.Constexpr = None):
+        """(query head within the group, query tile) of walk item w: the cut tiles of every head
+        first (a head's front ones, before the uncut range, then its back ones), then the uncut;
+        `part` 0 or 1: w is known to lie in the first or the second."""
+        m_begin, u_begin, u_end, m_end, group = walk
+        n_front = u_begin - m_begin
+        n_masked = n_front + m_end - u_end
+        hh = Int32(0)
+        m_block = Int32(0)
+        if const_expr(part == 0):
+            hh, m_block = self._cut_item(w, m_begin, u_end, n_front, n_masked)
+        elif const_expr(part == 1):
+            hh, m_block = self._uncut_item(w - group * n_masked, u_begin, u_end - u_begin)
+        else:
+            if w < group * n_masked:
+                hh, m_block = self._cut_item(w, m_begin, u_end, n_front, n_masked)
+            else:
+                hh, m_block = self._uncut_item(w - group * n_masked, u_begin, u_end - u_begin)
+        return hh, m_block
+
+    @cute.jit
+    def _cut_item(self, w, m_begin, u_end, n_front, n_masked):
+        hh = w // n_masked
+        i = w - hh * n_masked
+        m_block = m_begin + i
+        if i >= n_front:
+            m_block = u_end + i - n_front
+        return hh, m_block
+
+    @cute.jit
+    def _uncut_item(self, v, u_begin, n_plain):
+        hh = v // n_plain
+        return hh, u_begin + v - hh * n_plain
+
+    @cute.jit
+    def _prefetch(self, w, total, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
+                  copy_v, seqlen_q, tidx, part: cutlass.Constexpr):
+        """With two buffers: the next walk item's loads, issued once S and dP are done (fewer
+        registers live than at the step's start) and landing under the dV, dQ, dK products. (From
+        the walk's second part the next item is in it too; from the first, in either.)"""
+        if const_expr(self.stages > 1):
+            if w + 1 < total:
+                self._load_item(w + 1, (w + 1) % self.stages, walk, h_kv, group, info, tb, mQ, mdO,
+                                sQ_all, sdO_all, copy_qk, copy_v, seqlen_q, tidx, 1 if part == 1 else None)
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _load_item(self, w, stage, walk, h_kv, group, info, tb, mQ, mdO, sQ_all, sdO_all, copy_qk,
+                   copy_v, seqlen_q, tidx, part: cutlass.Constexpr = None):
         """cp.async the Q and dO tiles of walk item w into buffer `stage` (no commit)."""
-        hh = w // n_m
-        m_block = m_begin + w - hh * n_m
+        hh, m_block = self._walk_item(w, walk, part)
         h = h_kv * group + hh
         gQ = cute.local_tile(info.q_rows(mQ[tb, None, h, None]), (self.tile_m, self.d), (m_block, 0))
         gdO = cute.local_tile(info.q_rows(mdO[tb, None, h, None]), (self.tile_m, self.dv), (m_block, 0))
@@ -434,9 +552,12 @@ class PortableBackwardKernel:
         """acc into the fp32 dQ buffer: atomic adds, or (deterministic) plain adds in key-tile
         order behind the tile's counter."""
         if const_expr(not self.deterministic):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if coords[i][0] < rows_left:
-                    cute.arch.atomic_add(g.iterator + cute.crd2idx(i, g.layout), acc[i])
+            # a whole tile of rows adds without a per-element row test (each test compiled to a
+            # branch around its atomic)
+            if rows_left >= self.tile_m:
+                self._atomic_adds(acc, g, coords, rows_left, False)
+            else:
+                self._atomic_adds(acc, g, coords, rows_left, True)
         else:
             # key tiles that reach this query tile before this one: the first is the lowest key
             # tile any of its rows sees
@@ -458,6 +579,21 @@ class PortableBackwardKernel:
             cute.arch.barrier()
             if cute.arch.thread_idx()[0] == 0:
                 cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _atomic_adds(self, acc, g: cute.Tensor, coords: cute.Tensor, rows_left: Int32,
+                     tested: cutlass.Constexpr):
+        """acc into g by fp32 atomics; `tested`: only rows before rows_left."""
+        if const_expr(self.dq_pair_adds):
+            # elements (2j, 2j + 1): adjacent columns of one row (the accumulator's mode 0.0)
+            assert const_expr(cute.size(acc.layout.shape[0][0]) == 2 and g.layout.stride[0][0] == 1)
+            for j in cutlass.range_constexpr(cute.size(acc) // 2):
+                if not tested or coords[2 * j][0] < rows_left:
+                    red_add_pair(g.iterator + cute.crd2idx(2 * j, g.layout), acc[2 * j], acc[2 * j + 1])
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if not tested or coords[i][0] < rows_left:
+                    cute.arch.atomic_add(g.iterator + cute.crd2idx(i, g.layout), acc[i])
 
     @cute.jit
     def _store_rows(self, acc, g: cute.Tensor, coords: cute.Tensor, rows_left: Int32):

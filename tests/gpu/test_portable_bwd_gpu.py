@@ -54,7 +54,7 @@ def _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens):
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1, softcap=0.0,
           varlen=False, seqused=False, deterministic=False, lens=None, stages=None, score_mod=None,
-          mask_mod=None, block_size=None, large_tiles=None):
+          mask_mod=None, block_size=None, large_tiles=None, tuning=None):
     from torch_fa4.kernels.portable import bwd
 
     dv = dv or d
@@ -83,7 +83,8 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1
     runs = []
     for _ in range(2 if deterministic else 1):
         got = [torch.full(t.shape, math.nan, dtype=dtype, device="cuda") for t in (q, k, v)]
-        bwd.backward(call, do, out, lse, *got, deterministic, stages=stages, large_tiles=large_tiles)
+        bwd.backward(call, do, out, lse, *got, deterministic, stages=stages, large_tiles=large_tiles,
+                     tuning=tuning)
         torch.cuda.synchronize()
         runs.append(got)
     if deterministic:
@@ -227,6 +228,16 @@ def test_block_mask(d, block):
     mask = M.and_masks(M.causal_mask, M.sliding_window_mask(100, 0))
     _case(BF, 2, 300, 300, 2, 2, d, mask_mod=mask, block_size=block)
     _case(BF, 2, 300, 300, 2, 2, d, mask_mod=mask, block_size=block, deterministic=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_scalar_dq_atomics(d):
+    # the one-float dQ atomics of sm_8x (Hopper's variant adds column pairs): causal with Sq != Sk
+    # and GQA, a two-sided window, varlen with the last key tile cut by the sequence's end
+    scalar = dict(dq_pair_adds=False)
+    _case(BF, 2, 300, 333, 4, 2, d, causal=True, tuning=scalar)
+    _case(BF, 2, 300, 260, 2, 1, d, left=50, right=20, tuning=scalar)
+    _case(FP, 3, 100, 170, 2, 1, d, varlen=True, causal=True, tuning=scalar)
 
 
 def test_deterministic_varlen_window():
