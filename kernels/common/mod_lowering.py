@@ -35,6 +35,7 @@ These are per element; `mod_fragment` emits the same ops (`emit_op`, from the on
   off (exp still becomes `ex2.approx` after range scaling, a few ulp), so scores match the PyTorch
   lowering to fp32 rounding (relative ~1e-6) and masks match exactly.
 - `mod_graph_is_identity_grad(grad_graph)`: d score_mod / d score == 1 everywhere (ALiBi, biases).
+- `backward_mods(mods)`: the graphs and captured-tensor counts a backward kernel inlines.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ def kernel_aux_tensors(aux: Sequence, max_aux: int | None = None) -> list:
 def mod_graph_is_identity_grad(grad_graph: ModGraph) -> bool:
     out = grad_graph.nodes[grad_graph.output]
     return out.op == "const" and out.attr == 1.0
+
+
+def backward_mods(mods) -> tuple:
+    """What a backward kernel inlines of a ModSet (or None): (score graph, mask graph, d score_mod /
+    d score's graph (None where it is 1 everywhere), the score_mod's captured tensors, all of them)."""
+    if mods is None:
+        return None, None, None, 0, 0
+    grad = mods.score_grad_graph
+    if mods.score_graph is None or mod_graph_is_identity_grad(grad):
+        grad = None
+    return mods.score_graph, mods.mask_graph, grad, mods.num_score_aux, mods.num_score_aux + mods.num_mask_aux
 
 
 def fake_aux_tensor(dtype_name: str, ndim: int):

@@ -98,13 +98,8 @@ class PortableBackwardKernel:
         self.dq_warps_n = dq_warps_n
         self.stages = stages  # Q / dO buffers: 2 loads the next query tile while this one computes
         # score_mod / mask_mod (a ModSet): inlined per element; d score_mod / d score joins dS
-        self.score_graph = mods.score_graph if mods is not None else None
-        self.mask_graph = mods.mask_graph if mods is not None else None
-        self.grad_graph = None
-        if self.score_graph is not None and not mods_dsl.mod_graph_is_identity_grad(mods.score_grad_graph):
-            self.grad_graph = mods.score_grad_graph
-        self.num_score_aux = mods.num_score_aux if mods is not None else 0
-        self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
+        (self.score_graph, self.mask_graph, self.grad_graph, self.num_score_aux,
+         self.num_aux) = mods_dsl.backward_mods(mods)
         self.sparse = sparse  # a block mask's tile map prunes the walk (bwd_sparse.py)
         self.dq_pair_adds = dq_pair_adds  # red.global.add.v2.f32 (sm_90+): two columns per atomic
         self.late_row_stats = late_row_stats  # lse2 / dpsum read after S's product, not before it

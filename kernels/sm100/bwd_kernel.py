@@ -118,13 +118,8 @@ class Sm100AttentionBackward(BwdScores):
         # keys past seqlen_k (zero-filled tail, the next sequence, the unused cache) are masked
         self.mask_k = c.varlen or c.seqused_k or c.mask_key_tail
         # score_mod / mask_mod and their derivative, as the sm90 backward reads them (BwdScores)
-        self.score_graph = mods.score_graph if mods is not None else None
-        self.mask_graph = mods.mask_graph if mods is not None else None
-        self.grad_graph = None
-        if self.score_graph is not None and not mods_dsl.mod_graph_is_identity_grad(mods.score_grad_graph):
-            self.grad_graph = mods.score_grad_graph
-        self.num_score_aux = mods.num_score_aux if mods is not None else 0
-        self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
+        (self.score_graph, self.mask_graph, self.grad_graph, self.num_score_aux,
+         self.num_aux) = mods_dsl.backward_mods(mods)
         # block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles
         self.sparse = c.sparse is not None
         self.ratio_m, self.ratio_n = c.sparse if c.sparse is not None else (1, 1)
