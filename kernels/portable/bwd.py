@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from torch_fa4.kernels.host import bwd_operands
 from torch_fa4.kernels.portable import bwd_sparse
 from torch_fa4.kernels.portable.bwd_config import SUPPORTED_HEAD_DIMS, make_variant, most_stages, smem_limit
 
@@ -43,16 +44,9 @@ __all__ = ["SUPPORTED_HEAD_DIMS", "backward", "unsupported_reason", "variant", "
 
 
 def unsupported_reason(call: "AttentionCall") -> Optional[str]:
-    q, k, v = call.q, call.k, call.v
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"portable backward takes fp16/bf16, not {q.dtype}"
-    if not (q.dtype == k.dtype == v.dtype):
-        return "q, k, v dtypes differ"
-    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
-        return (f"portable backward takes head dims {SUPPORTED_HEAD_DIMS}, "
-                f"not D={call.head_dim}, Dv={call.head_dim_v}")
-    if call.mod_key and call.mods is None:
-        return "score_mod/mask_mod key given but not resolved to a ModSet"
+    q = call.q
+    if (reason := bwd_operands.operand_reason(call, "portable", SUPPORTED_HEAD_DIMS)) is not None:
+        return reason
     if call.mods is not None:
         if len(call.aux_tensors) > MAX_AUX:
             return f"mods capture {len(call.aux_tensors)} tensors (portable backward: at most {MAX_AUX})"
@@ -62,8 +56,6 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
         return "a block mask without its mask_mod"
     if (call.cu_seqlens_q is None) != (call.cu_seqlens_k is None):
         return "portable backward takes cu_seqlens on both sides or neither"
-    if call.num_heads % call.num_heads_kv != 0:
-        return "query heads are not a multiple of KV heads"
     if call.num_heads_kv > MAX_GRID_YZ or call.batch > MAX_GRID_YZ:
         return "batch or KV heads beyond the grid's y/z limit (65535)"
     if q.is_cuda:

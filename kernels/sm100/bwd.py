@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from torch_fa4.kernels.host import bwd_operands
 from torch_fa4.kernels.sm90 import bwd_dq_convert
 from torch_fa4.kernels.sm90.bwd import main_scalars, tma_compatible
 from torch_fa4.kernels.sm90.bwd_buffers import dq_buffer, dq_buffer_shape
@@ -45,23 +46,14 @@ def unsupported_reason(call: "AttentionCall") -> Optional[str]:
     if q.is_cuda and torch.cuda.get_device_capability(q.device) != (10, 0):
         major, minor = torch.cuda.get_device_capability(q.device)
         return f"sm_{major}{minor} (sm100 backward compiled and checked for sm_100a only)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"sm100 backward takes fp16/bf16, not {q.dtype}"
-    if not (q.dtype == k.dtype == v.dtype):
-        return "q, k, v dtypes differ"
-    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
-        return (f"sm100 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
-                f"not D={call.head_dim}, Dv={call.head_dim_v}")
-    if call.mod_key and call.mods is None:
-        return "score_mod/mask_mod key given but not resolved to a ModSet"
+    if (reason := bwd_operands.operand_reason(call, "sm100", SUPPORTED_HEAD_DIMS)) is not None:
+        return reason
     if call.mods is not None and len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm100 backward: at most {MAX_AUX})"
     if call.block_mask and (call.mods is None or call.mods.mask_graph is None):
         return "a block mask without its mask_mod"
     if call.is_varlen != (call.cu_seqlens_k is not None):
         return "sm100 backward takes cu_seqlens on both sides or neither"
-    if call.num_heads % call.num_heads_kv != 0:
-        return "query heads are not a multiple of KV heads"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not tma_compatible(t):
             return f"{name} is not TMA-compatible (last dim contiguous, 16-byte strides/pointer)"
