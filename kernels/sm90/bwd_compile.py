@@ -12,6 +12,7 @@ from torch_fa4.kernels.host.fwd_launch import fake_packed
 from torch_fa4.kernels.sm90.bwd_config import BwdConfig
 
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
+MAX_CAPTURE_GRADS = 4  # captured tensors whose gradients the kernel accumulates (BwdConfig.capture_slots)
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -122,8 +123,11 @@ def _compile(config: BwdConfig, arch: str, dump_dir: str | None, jit: bool = Tru
         specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
+    grads = [None] * MAX_CAPTURE_GRADS
+    for i, slot in enumerate(config.capture_slots):  # fp32, laid out like the captured tensor
+        grads[i] = fake_packed(Float32, max(specs[slot].ndim, 1), align=4)
     scalars = (Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1),
                Int32(1), Int32(0), Int32(1))  # scale .. split_ways (bwd_kernel.__call__)
     args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
-            *scalars, *aux)
+            *scalars, *aux, *grads)
     return compile_with_stream(Sm90AttentionBackward(cdt, config, mods), args, arch, dump_dir, jit)

@@ -5,6 +5,7 @@ limits applied where a tile needs them."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -13,6 +14,8 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from ..common import masking
 from ..common import mod_lowering as mods_dsl
 from ..common.mod_fragment import FragmentEmitter, FragmentPositions
+from ..common.mod_lowering import as_kind, select
+from torch_fa4.mods.graph import FLOAT
 
 LOG2_E = math.log2(math.e)
 
@@ -119,8 +122,15 @@ class BwdScores:
             # columns), hoisted per query, key or distinct offset as in the forward
             # (kernels/common/mod_fragment); indices that feed a captured tensor's load are clamped
             pos = FragmentPositions.transposed(c0, row0 + t_q, key0 + t_key)
-            em = FragmentEmitter(self.score_graph, pos, mod_ctx[0], mod_ctx[1], mod_ctx[2], None,
+            # with captured gradients, the graph that also holds the loads' indices and
+            # derivatives (its output is the score_mod's): one emission serves both
+            graph = self.capture_graph if const_expr(self.captured) else self.score_graph
+            em = FragmentEmitter(graph, pos, mod_ctx[0], mod_ctx[1], mod_ctx[2], None,
                                  cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0))
+        captured = None
+        if const_expr(self.captured):
+            assert dP is not None, "captured gradients need dS: P and dS in one pass"
+            captured = CapturedGrads(self.captured, em, mod_ctx[5], c0, row0 + t_q, key0 + t_key)
         for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc
@@ -174,4 +184,165 @@ class BwdScores:
                     p = Float32(cutlass.select_(visible, p, Float32(0.0)))  # a select, not an scf.if
                 S[r, c] = p
                 if const_expr(dP is not None):
-                    dP[r, c] = p * (dP[r, c] - dpsum) * grad_factor
+                    ds = p * (dP[r, c] - dpsum)  # dS at the mod's output
+                    if const_expr(captured is not None):
+                        captured.element(r, c, ds)
+                    dP[r, c] = ds * grad_factor
+        if const_expr(captured is not None):
+            captured.flush()
+
+
+# ---- gradients of captured tensors (BwdConfig.capture_slots) ---------------------------------------
+# Which lanes of a warp hold the same addresses of a load, from the wgmma accumulator layout: lane
+# 4 g + t holds keys g (+ 8, + 16 per warp) and queries 2 t (+ 1, + 8 j) of S^T, the same static
+# offsets from those bases on every lane.
+TILE_LANES = "tile"  # index per (b, h): the whole warp adds to one address
+QUERY_LANES = "query"  # index of the query only: lanes g = 0..7 of one t share theirs (xor 4, 8, 16)
+KEY_LANES = "key"  # index of the key only: lanes t = 0..3 of one g share theirs (xor 1, 2)
+DIAGONAL_LANES = "diagonal"  # a (q_idx - kv_idx) in every index: lane (g, t) and (g + 2, t + 1) share
+OWN_LANE = "own"  # anything else: every lane adds its own
+
+
+class CapturedLoad(NamedTuple):
+    """One load of a captured tensor whose gradient the kernel accumulates (bwd_scores)."""
+
+    buffer: int  # position of its slot in BwdConfig.capture_slots: the gradient buffer
+    index: tuple  # the LoadDerivatives graph's nodes of its index values, one per dimension
+    forms: Optional[tuple]  # each index's affine form in (q_idx, kv_idx) without clamping, or None
+    nonneg: tuple  # per index: provably >= 0 (no wrap of negative indices)
+    derivative: int  # the node of d score_mod / d (the loaded value)
+    lanes: str  # *_LANES: how lanes share its addresses
+
+
+def captured_loads(derivs, slots: tuple) -> tuple[CapturedLoad, ...]:
+    """The loads of `derivs` (mods.derivative.LoadDerivatives) of the captured tensors at `slots`,
+    planned for the kernel: affine indices (relative tables, per-head / per-query / per-key biases)
+    group equal addresses statically within a thread and across lanes; others add per element."""
+    from torch_fa4.kernels.host.mod_hoisting import affine_forms, node_levels
+    from torch_fa4.mods.index_sign import nonnegative_nodes
+
+    graph = derivs.graph
+    forms = affine_forms(graph, node_levels(graph), frozenset())
+    nonneg = nonnegative_nodes(graph)
+    found = []
+    for load in derivs.loads:
+        if load.slot not in slots:
+            continue
+        fs = tuple(forms[i] for i in load.index)
+        lanes = OWN_LANE
+        if all(f is not None for f in fs):
+            if all(f.q == 0 and f.kv == 0 for f in fs):
+                lanes = TILE_LANES
+            elif all(f.kv == 0 for f in fs):
+                lanes = QUERY_LANES
+            elif all(f.q == 0 for f in fs):
+                lanes = KEY_LANES
+            elif all(f.q == -f.kv for f in fs):
+                lanes = DIAGONAL_LANES
+        else:
+            fs = None
+        found.append(CapturedLoad(slots.index(load.slot), load.index, fs, tuple(i in nonneg for i in load.index),
+                                  load.derivative, lanes))
+    return tuple(found)
+
+
+class CapturedGrads:
+    """Per (query tile, key tile) step: dS at the mod's output times d score_mod / d (loaded value),
+    summed per address in registers, across the lanes that share addresses, then one fp32
+    reduction (red.global.add) per address and lane left. Built per _p_and_ds_tile call (trace
+    time); `element` per score element as dS is formed, `flush` after the last one (all lanes of
+    the warp converged: it shuffles)."""
+
+    def __init__(self, loads, em, bufs, c0, q_base, kv_base):
+        self.loads, self.em, self.bufs, self.c0 = loads, em, bufs, c0
+        self.q_base, self.kv_base = q_base, kv_base
+        self.sums = [dict() for _ in loads]  # per load: static offsets -> (running sum)
+        self._bases = {}
+
+    def element(self, r: int, c: int, ds):
+        """Element (r, c) of S^T (key offset c0[r, c][0], query offset c0[r, c][1]) with dS `ds`."""
+        for n, load in enumerate(self.loads):
+            d = as_kind(self.em.value(load.derivative, c, r), FLOAT)
+            contrib = ds * d
+            if load.forms is None:  # the emitted (clamped, in range) index values, added at once
+                index = [self.em.value(i, c, r) for i in load.index]
+                self._red(load, index, contrib)
+                continue
+            dk, dq = self.c0[r, c]
+            key = tuple(f.offset(dq, dk) for f in load.forms)
+            sums = self.sums[n]
+            sums[key] = contrib if key not in sums else sums[key] + contrib
+
+    def flush(self):
+        lane = cute.arch.lane_idx()
+        for n, load in enumerate(self.loads):
+            for key, v in self.sums[n].items():
+                index = [self._base(load, d) + off for d, off in enumerate(key)]
+                adds = None  # every lane adds
+                if load.lanes == TILE_LANES:
+                    for off in (16, 8, 4, 2, 1):
+                        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+                    adds = lane == 0
+                elif load.lanes == QUERY_LANES:
+                    for off in (16, 8, 4):
+                        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+                    adds = lane < 4
+                elif load.lanes == KEY_LANES:
+                    for off in (2, 1):
+                        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+                    adds = lane % 4 == 0
+                elif load.lanes == DIAGONAL_LANES:
+                    # chains (g, t), (g + 2, t + 1), ...: lanes + 9 and + 18 hold this lane's
+                    # addresses; the chain's head (t = 0 or g < 2) adds the chain's sum
+                    g, t = lane // 4, lane % 4
+                    down = cute.arch.shuffle_sync_down(v, offset=9)
+                    v = v + select((t < 3) & (g < 6), down, 0.0, FLOAT)
+                    down = cute.arch.shuffle_sync_down(v, offset=18)
+                    v = v + select((t < 2) & (g < 4), down, 0.0, FLOAT)
+                    adds = (t == 0) | (g < 2)
+                self._red(load, index, v, clamp=True, where=adds)
+
+    def _base(self, load, d: int):
+        """Index d of `load` at the thread's base positions (unclamped), once per step."""
+        f = load.forms[d]
+        key = (f.q, f.kv, f.tile, f.const)
+        if key not in self._bases:
+            acc = Int32(f.const)
+            for coeff, x in ((f.q, self.q_base), (f.kv, self.kv_base)):
+                if coeff:
+                    acc = acc + (x if coeff == 1 else x * coeff)
+            for node, coeff in f.tile:
+                x = as_kind(self.em.value(node, 0, 0), "int")
+                acc = acc + (x if coeff == 1 else x * coeff)
+            self._bases[key] = acc
+        return self._bases[key]
+
+    def _red(self, load, index, v, clamp: bool = False, where=None):
+        """buffer[index] += v. PyTorch's negative indices wrap; `clamp` (indices formed from
+        unclamped positions): kept inside the tensor, where only elements past the sequence, whose
+        dS is 0, can land outside it."""
+        buf = self.bufs[load.buffer]
+        coord = []
+        for d, x in enumerate(index):
+            size = buf.shape[d]
+            x = as_kind(x, "int")
+            if not load.nonneg[d]:
+                x = select(x < 0, x + size, x, "int")
+            if clamp:
+                x = cutlass.min(cutlass.max(x, 0), size - 1)
+            coord.append(x)
+        if len(coord) == 0:
+            coord = [Int32(0)]  # a 0-d tensor travels as shape (1,)
+        crd = coord[0] if len(coord) == 1 else tuple(coord)
+        ptr = buf.iterator + cute.crd2idx(crd, buf.layout)
+        if where is None:
+            cute.arch.red(ptr, v, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+        else:
+            _red_where(where, ptr, v)
+
+
+@cute.jit
+def _red_where(pred, ptr, v):
+    """*ptr += v (fp32 reduction in global memory) on the lanes where pred holds."""
+    if pred:
+        cute.arch.red(ptr, v, op="add", dtype=Float32, sem="relaxed", scope="gpu")
