@@ -130,7 +130,8 @@ class BwdScores:
         captured = None
         if const_expr(self.captured):
             assert dP is not None, "captured gradients need dS: P and dS in one pass"
-            captured = CapturedGrads(self.captured, em, mod_ctx[5], c0, row0 + t_q, key0 + t_key)
+            captured = CapturedGrads(self.captured, em, lambda: index_emitter(self.capture_graph, pos, mod_ctx[0],
+                                                                             mod_ctx[1], mod_ctx[2]), mod_ctx[5])
         for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc
@@ -199,85 +200,118 @@ class BwdScores:
 TILE_LANES = "tile"  # index per (b, h): the whole warp adds to one address
 QUERY_LANES = "query"  # index of the query only: lanes g = 0..7 of one t share theirs (xor 4, 8, 16)
 KEY_LANES = "key"  # index of the key only: lanes t = 0..3 of one g share theirs (xor 1, 2)
-DIAGONAL_LANES = "diagonal"  # a (q_idx - kv_idx) in every index: lane (g, t) and (g + 2, t + 1) share
+# index a function of c (q_idx - kv_idx) (+ per-tile values): lanes (g, t) and (g + 2, t + 1) share
+DIAGONAL_LANES = "diagonal"
 OWN_LANE = "own"  # anything else: every lane adds its own
 
 
 class CapturedLoad(NamedTuple):
-    """One load of a captured tensor whose gradient the kernel accumulates (bwd_scores)."""
+    """One load of a captured tensor whose gradient the kernel accumulates (CapturedGrads)."""
 
     buffer: int  # position of its slot in BwdConfig.capture_slots: the gradient buffer
     index: tuple  # the LoadDerivatives graph's nodes of its index values, one per dimension
-    forms: Optional[tuple]  # each index's affine form in (q_idx, kv_idx) without clamping, or None
     nonneg: tuple  # per index: provably >= 0 (no wrap of negative indices)
     derivative: int  # the node of d score_mod / d (the loaded value)
     lanes: str  # *_LANES: how lanes share its addresses
+    # index values from unclamped positions (no load among their inputs): equal along a diagonal,
+    # so they group; else the clamped positions' values (a load must stay inside its tensor)
+    unclamped: bool
 
 
 def captured_loads(derivs, slots: tuple) -> tuple[CapturedLoad, ...]:
     """The loads of `derivs` (mods.derivative.LoadDerivatives) of the captured tensors at `slots`,
-    planned for the kernel: affine indices (relative tables, per-head / per-query / per-key biases)
-    group equal addresses statically within a thread and across lanes; others add per element."""
-    from torch_fa4.kernels.host.mod_hoisting import affine_forms, node_levels
+    planned for the kernel (CapturedGrads)."""
+    from torch_fa4.kernels.host.mod_hoisting import ancestors, node_levels
     from torch_fa4.mods.index_sign import nonnegative_nodes
 
     graph = derivs.graph
-    forms = affine_forms(graph, node_levels(graph), frozenset())
+    levels = node_levels(graph)
     nonneg = nonnegative_nodes(graph)
+    forms = _unclamped_affine(graph)
     found = []
     for load in derivs.loads:
         if load.slot not in slots:
             continue
-        fs = tuple(forms[i] for i in load.index)
-        lanes = OWN_LANE
-        if all(f is not None for f in fs):
-            if all(f.q == 0 and f.kv == 0 for f in fs):
-                lanes = TILE_LANES
-            elif all(f.kv == 0 for f in fs):
-                lanes = QUERY_LANES
-            elif all(f.q == 0 for f in fs):
-                lanes = KEY_LANES
-            elif all(f.q == -f.kv for f in fs):
-                lanes = DIAGONAL_LANES
-        else:
-            fs = None
-        found.append(CapturedLoad(slots.index(load.slot), load.index, fs, tuple(i in nonneg for i in load.index),
-                                  load.derivative, lanes))
+        cone = ancestors(graph, list(load.index))
+        level = 0
+        for i in load.index:
+            level |= levels[i]
+        lanes = {0: TILE_LANES, 1: QUERY_LANES, 2: KEY_LANES}.get(level)  # (mod_hoisting's TILE, ROW, COL)
+        if lanes is None:
+            lanes = DIAGONAL_LANES if all(_of_diagonals(graph, forms, i) for i in load.index) else OWN_LANE
+        unclamped = not any(graph.nodes[i].op == "load" for i in cone)
+        found.append(CapturedLoad(slots.index(load.slot), load.index, tuple(i in nonneg for i in load.index),
+                                  load.derivative, lanes, unclamped))
     return tuple(found)
+
+
+def _unclamped_affine(graph):
+    from torch_fa4.kernels.host.mod_hoisting import affine_forms, node_levels
+
+    return affine_forms(graph, node_levels(graph), frozenset())
+
+
+def _of_diagonals(graph, forms, i: int) -> bool:
+    """Whether node i reads q_idx and kv_idx only through affine forms c (q_idx - kv_idx) + ...:
+    then it is equal on elements whose (q_idx - kv_idx) is."""
+    f = forms[i]
+    if f is not None:
+        return f.q == -f.kv
+    n = graph.nodes[i]
+    if n.op == "input":
+        return n.attr not in ("q_idx", "kv_idx", "score")
+    return all(_of_diagonals(graph, forms, a) for a in n.args)
+
+
+def index_emitter(graph, pos, b, h, aux) -> FragmentEmitter:
+    """An emitter of `graph` whose positions are not clamped, so that affine indices (q_idx - kv_idx)
+    stay affine and equal offsets share one value: for index values without loads among their
+    inputs (CapturedLoad.unclamped)."""
+    import dataclasses
+
+    from torch_fa4.kernels.host.mod_hoisting import hoist_plan
+
+    em = FragmentEmitter(graph, pos, b, h, aux)
+    em.plan = dataclasses.replace(hoist_plan(graph), clamped=frozenset(), affine=_unclamped_affine(graph))
+    return em
 
 
 class CapturedGrads:
     """Per (query tile, key tile) step: dS at the mod's output times d score_mod / d (loaded value),
-    summed per address in registers, across the lanes that share addresses, then one fp32
-    reduction (red.global.add) per address and lane left. Built per _p_and_ds_tile call (trace
-    time); `element` per score element as dS is formed, `flush` after the last one (all lanes of
-    the warp converged: it shuffles)."""
+    summed in registers over the elements whose index values are one (hash-consed) value, then
+    across the lanes that share addresses (*_LANES), then one fp32 reduction (red.global.add) per
+    address and lane left. Built per _p_and_ds_tile call (trace time); `element` per score element
+    as its dS is formed, `flush` after the last one (every lane of the warp converged: it
+    shuffles)."""
 
-    def __init__(self, loads, em, bufs, c0, q_base, kv_base):
-        self.loads, self.em, self.bufs, self.c0 = loads, em, bufs, c0
-        self.q_base, self.kv_base = q_base, kv_base
-        self.sums = [dict() for _ in loads]  # per load: static offsets -> (running sum)
-        self._bases = {}
+    def __init__(self, loads, em, make_index_emitter, bufs):
+        """em: the (clamped) emitter of the score; make_index_emitter(): a new index_emitter over
+        the same fragment."""
+        self.loads, self.em, self.bufs = loads, em, bufs
+        # the keys' emitter: its values only name groups (equal values are one hash-consed value)
+        # and are never used, so they cost nothing; the addresses come from `iem` at the flush,
+        # so that no index value stays live across the element loop
+        self.kem, self.iem = make_index_emitter(), make_index_emitter()
+        self.sums = [dict() for _ in loads]  # per load: ids of the index values -> [(r, c), sum]
 
     def element(self, r: int, c: int, ds):
-        """Element (r, c) of S^T (key offset c0[r, c][0], query offset c0[r, c][1]) with dS `ds`."""
+        """Element (r, c) of S^T (the emitters' (c, r)) with dS `ds`."""
         for n, load in enumerate(self.loads):
-            d = as_kind(self.em.value(load.derivative, c, r), FLOAT)
-            contrib = ds * d
-            if load.forms is None:  # the emitted (clamped, in range) index values, added at once
-                index = [self.em.value(i, c, r) for i in load.index]
-                self._red(load, index, contrib)
-                continue
-            dk, dq = self.c0[r, c]
-            key = tuple(f.offset(dq, dk) for f in load.forms)
-            sums = self.sums[n]
-            sums[key] = contrib if key not in sums else sums[key] + contrib
+            contrib = ds * as_kind(self.em.value(load.derivative, c, r), FLOAT)
+            source = self.kem if load.unclamped else self.em
+            key = tuple(id(source.value(i, c, r)) for i in load.index)
+            group = self.sums[n].get(key)
+            if group is None:
+                self.sums[n][key] = [(r, c), contrib]
+            else:
+                group[1] = group[1] + contrib
 
     def flush(self):
         lane = cute.arch.lane_idx()
         for n, load in enumerate(self.loads):
-            for key, v in self.sums[n].items():
-                index = [self._base(load, d) + off for d, off in enumerate(key)]
+            source = self.iem if load.unclamped else self.em
+            for (r, c), v in self.sums[n].values():
+                index = [source.value(i, c, r) for i in load.index]
                 adds = None  # every lane adds
                 if load.lanes == TILE_LANES:
                     for off in (16, 8, 4, 2, 1):
@@ -300,27 +334,12 @@ class CapturedGrads:
                     down = cute.arch.shuffle_sync_down(v, offset=18)
                     v = v + select((t < 2) & (g < 4), down, 0.0, FLOAT)
                     adds = (t == 0) | (g < 2)
-                self._red(load, index, v, clamp=True, where=adds)
+                self._red(load, index, v, adds)
 
-    def _base(self, load, d: int):
-        """Index d of `load` at the thread's base positions (unclamped), once per step."""
-        f = load.forms[d]
-        key = (f.q, f.kv, f.tile, f.const)
-        if key not in self._bases:
-            acc = Int32(f.const)
-            for coeff, x in ((f.q, self.q_base), (f.kv, self.kv_base)):
-                if coeff:
-                    acc = acc + (x if coeff == 1 else x * coeff)
-            for node, coeff in f.tile:
-                x = as_kind(self.em.value(node, 0, 0), "int")
-                acc = acc + (x if coeff == 1 else x * coeff)
-            self._bases[key] = acc
-        return self._bases[key]
-
-    def _red(self, load, index, v, clamp: bool = False, where=None):
-        """buffer[index] += v. PyTorch's negative indices wrap; `clamp` (indices formed from
-        unclamped positions): kept inside the tensor, where only elements past the sequence, whose
-        dS is 0, can land outside it."""
+    def _red(self, load, index, v, where):
+        """buffer[index] += v on the lanes where `where` holds (None: all). PyTorch's negative
+        indices wrap; indices from unclamped positions are kept inside the tensor: only elements
+        past the sequence, whose dS is 0, can land outside it."""
         buf = self.bufs[load.buffer]
         coord = []
         for d, x in enumerate(index):
@@ -328,7 +347,7 @@ class CapturedGrads:
             x = as_kind(x, "int")
             if not load.nonneg[d]:
                 x = select(x < 0, x + size, x, "int")
-            if clamp:
+            if load.unclamped:
                 x = cutlass.min(cutlass.max(x, 0), size - 1)
             coord.append(x)
         if len(coord) == 0:
