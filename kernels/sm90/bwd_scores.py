@@ -292,25 +292,28 @@ class CapturedGrads:
         # and are never used, so they cost nothing; the addresses come from `iem` at the flush,
         # so that no index value stays live across the element loop
         self.kem, self.iem = make_index_emitter(), make_index_emitter()
-        self.sums = [dict() for _ in loads]  # per load: ids of the index values -> [(r, c), sum]
+        # per load: ids of the index values -> the group's elements (r, c, dS). The products and
+        # sums are formed group by group at the flush, each group's sum dead after its reduction
+        # (summing as the elements come keeps every group's sum live across the loop).
+        self.groups = [dict() for _ in loads]
 
     def element(self, r: int, c: int, ds):
         """Element (r, c) of S^T (the emitters' (c, r)) with dS `ds`."""
         for n, load in enumerate(self.loads):
-            contrib = ds * as_kind(self.em.value(load.derivative, c, r), FLOAT)
             source = self.kem if load.unclamped else self.em
             key = tuple(id(source.value(i, c, r)) for i in load.index)
-            group = self.sums[n].get(key)
-            if group is None:
-                self.sums[n][key] = [(r, c), contrib]
-            else:
-                group[1] = group[1] + contrib
+            self.groups[n].setdefault(key, []).append((r, c, ds))
 
     def flush(self):
         lane = cute.arch.lane_idx()
         for n, load in enumerate(self.loads):
             source = self.iem if load.unclamped else self.em
-            for (r, c), v in self.sums[n].values():
+            for members in self.groups[n].values():
+                v = None
+                for r, c, ds in members:
+                    x = ds * as_kind(self.em.value(load.derivative, c, r), FLOAT)
+                    v = x if v is None else v + x
+                r, c = members[0][:2]
                 index = [source.value(i, c, r) for i in load.index]
                 adds = None  # every lane adds
                 if load.lanes == TILE_LANES:
