@@ -125,13 +125,14 @@ class BwdScores:
             # with captured gradients, the graph that also holds the loads' indices and
             # derivatives (its output is the score_mod's): one emission serves both
             graph = self.capture_graph if const_expr(self.captured) else self.score_graph
-            em = FragmentEmitter(graph, pos, mod_ctx[0], mod_ctx[1], mod_ctx[2], None,
-                                 cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0))
+            last_q, last_k = cutlass.max(seqlen_q - 1, 0), cutlass.max(seqlen_k - 1, 0)
+            em = FragmentEmitter(graph, pos, mod_ctx[0], mod_ctx[1], mod_ctx[2], None, last_q, last_k)
         captured = None
         if const_expr(self.captured):
             assert dP is not None, "captured gradients need dS: P and dS in one pass"
-            captured = CapturedGrads(self.captured, em, lambda: index_emitter(self.capture_graph, pos, mod_ctx[0],
-                                                                             mod_ctx[1], mod_ctx[2]), mod_ctx[5])
+            captured = CapturedGrads(self.captured, em, (pos, *mod_ctx[:3], last_q, last_k), mod_ctx[5],
+                                     not self.softcap and self.grad_graph is None,
+                                     element_order(n_cols, cute.size(S, mode=[0])))
         for c in cutlass.range_constexpr(n_cols):
             dc = c0[0, c][1]
             m_local = t_q + dc
@@ -189,8 +190,6 @@ class BwdScores:
                     if const_expr(captured is not None):
                         captured.element(r, c, ds)
                     dP[r, c] = ds * grad_factor
-        if const_expr(captured is not None):
-            captured.flush()
 
 
 # ---- gradients of captured tensors (BwdConfig.capture_slots) ---------------------------------------
@@ -276,68 +275,100 @@ def index_emitter(graph, pos, b, h, aux) -> FragmentEmitter:
     return em
 
 
+def element_order(n_cols: int, n_rows: int) -> list:
+    """The (r, c) order in which _p_and_ds_tile visits a fragment's elements."""
+    return [(r, c) for c in range(n_cols) for r in range(n_rows)]
+
+
 class CapturedGrads:
     """Per (query tile, key tile) step: dS at the mod's output times d score_mod / d (loaded value),
     summed in registers over the elements whose index values are one (hash-consed) value, then
     across the lanes that share addresses (*_LANES), then one fp32 reduction (red.global.add) per
-    address and lane left. Built per _p_and_ds_tile call (trace time); `element` per score element
-    as its dS is formed, `flush` after the last one (every lane of the warp converged: it
-    shuffles)."""
+    address and lane left. Built per _p_and_ds_tile call (trace time) for its element order;
+    `element` per score element as its dS is formed. A group is reduced right after its last
+    element (lanes converged: every element of the fragment is straight-line code), so only the
+    groups in progress hold registers: one per query column finishes with its column, a diagonal
+    within a few columns."""
 
-    def __init__(self, loads, em, make_index_emitter, bufs):
-        """em: the (clamped) emitter of the score; make_index_emitter(): a new index_emitter over
-        the same fragment."""
+    def __init__(self, loads, em, fragment, bufs, ds_is_dp: bool, order):
+        """em: the (clamped) emitter of the score; fragment: its (positions, b, h, score_aux, last_q,
+        last_k);
+        ds_is_dp: dS at the mod's output is what dP^T's registers keep (no softcap or score_mod
+        factor); order: the (r, c) elements in the order `element` will see them."""
         self.loads, self.em, self.bufs = loads, em, bufs
-        # the keys' emitter: its values only name groups (equal values are one hash-consed value)
-        # and are never used, so they cost nothing; the addresses come from `iem` at the flush,
-        # so that no index value stays live across the element loop
-        self.kem, self.iem = make_index_emitter(), make_index_emitter()
-        # per load: ids of the index values -> the group's elements (r, c, dS). The products and
-        # sums are formed group by group at the flush, each group's sum dead after its reduction
-        # (summing as the elements come keeps every group's sum live across the loop).
-        self.groups = [dict() for _ in loads]
+        # Where the derivative is a constant (bias tables) and dS stays in dP^T's registers anyway,
+        # a group's sum is formed when it is reduced; else as the elements come (each product dead
+        # at once).
+        graph = em.graph
+        self.deferred = [ds_is_dp and graph.nodes[ld.derivative].op == "const" for ld in loads]
+        # The groups, from emitters whose values only name them (equal index values are one
+        # hash-consed value) and are never used, so they cost nothing; the addresses come from
+        # `iem` (or the score's own emitter) when a group is reduced.
+        pos, b, h, aux, last_q, last_k = fragment
+        kem = {True: index_emitter(graph, pos, b, h, aux),
+               False: FragmentEmitter(graph, pos, b, h, aux, None, last_q, last_k)}
+        self.iem = index_emitter(graph, pos, b, h, aux)
+        self.key = {}  # (load, r, c) -> its group
+        self.last = {}  # (load, group) -> its last element
+        for n, load in enumerate(loads):
+            for r, c in order:
+                key = tuple(id(kem[load.unclamped].value(i, c, r)) for i in load.index)
+                self.key[n, r, c] = key
+                self.last[n, key] = (r, c)
+        self.groups = {}  # (load, group) -> [(r, c) of its first element, its dS list or running sum]
 
     def element(self, r: int, c: int, ds):
         """Element (r, c) of S^T (the emitters' (c, r)) with dS `ds`."""
         for n, load in enumerate(self.loads):
-            source = self.kem if load.unclamped else self.em
-            key = tuple(id(source.value(i, c, r)) for i in load.index)
-            self.groups[n].setdefault(key, []).append((r, c, ds))
+            key = self.key[n, r, c]
+            group = self.groups.get((n, key))
+            if self.deferred[n]:
+                if group is None:
+                    group = self.groups[n, key] = [(r, c), [ds]]
+                else:
+                    group[1].append(ds)
+            else:
+                x = ds * as_kind(self.em.value(load.derivative, c, r), FLOAT)
+                if group is None:
+                    group = self.groups[n, key] = [(r, c), x]
+                else:
+                    group[1] = group[1] + x
+            if self.last[n, key] == (r, c):
+                self._reduce(n, load, *self.groups.pop((n, key)))
 
-    def flush(self):
+    def _reduce(self, n: int, load, first, v):
+        r, c = first
+        if self.deferred[n]:
+            total = v[0]
+            for ds in v[1:]:
+                total = total + ds
+            v = total * as_kind(self.em.value(load.derivative, c, r), FLOAT)
+        source = self.iem if load.unclamped else self.em
+        index = [source.value(i, c, r) for i in load.index]
         lane = cute.arch.lane_idx()
-        for n, load in enumerate(self.loads):
-            source = self.iem if load.unclamped else self.em
-            for members in self.groups[n].values():
-                v = None
-                for r, c, ds in members:
-                    x = ds * as_kind(self.em.value(load.derivative, c, r), FLOAT)
-                    v = x if v is None else v + x
-                r, c = members[0][:2]
-                index = [source.value(i, c, r) for i in load.index]
-                adds = None  # every lane adds
-                if load.lanes == TILE_LANES:
-                    for off in (16, 8, 4, 2, 1):
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-                    adds = lane == 0
-                elif load.lanes == QUERY_LANES:
-                    for off in (16, 8, 4):
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-                    adds = lane < 4
-                elif load.lanes == KEY_LANES:
-                    for off in (2, 1):
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-                    adds = lane % 4 == 0
-                elif load.lanes == DIAGONAL_LANES:
-                    # chains (g, t), (g + 2, t + 1), ...: lanes + 9 and + 18 hold this lane's
-                    # addresses; the chain's head (t = 0 or g < 2) adds the chain's sum
-                    g, t = lane // 4, lane % 4
-                    down = cute.arch.shuffle_sync_down(v, offset=9)
-                    v = v + select((t < 3) & (g < 6), down, 0.0, FLOAT)
-                    down = cute.arch.shuffle_sync_down(v, offset=18)
-                    v = v + select((t < 2) & (g < 4), down, 0.0, FLOAT)
-                    adds = (t == 0) | (g < 2)
-                self._red(load, index, v, adds)
+        adds = None  # every lane adds
+        if load.lanes == TILE_LANES:
+            for off in (16, 8, 4, 2, 1):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+            adds = lane == 0
+        elif load.lanes == QUERY_LANES:
+            for off in (16, 8, 4):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+            adds = lane < 4
+        elif load.lanes == KEY_LANES:
+            for off in (2, 1):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+            adds = lane % 4 == 0
+        elif load.lanes == DIAGONAL_LANES:
+            # chains (g, t), (g + 2, t + 1), ...: lanes + 9 and + 18 hold this lane's addresses;
+            # the chain's head (t = 0 or g < 2) adds the chain's sum
+            g, t = lane // 4, lane % 4
+            down = cute.arch.shuffle_sync_down(v, offset=9)
+            v = v + select((t < 3) & (g < 6), down, 0.0, FLOAT)
+            down = cute.arch.shuffle_sync_down(v, offset=18)
+            v = v + select((t < 2) & (g < 4), down, 0.0, FLOAT)
+            adds = (t == 0) | (g < 2)
+        self._red(load, index, v, adds)
 
     def _red(self, load, index, v, where):
         """buffer[index] += v on the lanes where `where` holds (None: all). PyTorch's negative
