@@ -190,6 +190,8 @@ class BwdScores:
                     if const_expr(captured is not None):
                         captured.element(r, c, ds)
                     dP[r, c] = ds * grad_factor
+        if const_expr(captured is not None):
+            captured.finish()
 
 
 # ---- gradients of captured tensors (BwdConfig.capture_slots) ---------------------------------------
@@ -316,6 +318,7 @@ class CapturedGrads:
                 self.key[n, r, c] = key
                 self.last[n, key] = (r, c)
         self.groups = {}  # (load, group) -> [(r, c) of its first element, its dS list or running sum]
+        self.warp_sums = {}  # load -> [the warp's first offset, running sum, whether any group joined]
 
     def element(self, r: int, c: int, ds):
         """Element (r, c) of S^T (the emitters' (c, r)) with dS `ds`."""
@@ -344,36 +347,44 @@ class CapturedGrads:
                 total = total + ds
             v = total * as_kind(self.em.value(load.derivative, c, r), FLOAT)
         source = self.iem if load.unclamped else self.em
-        index = [source.value(i, c, r) for i in load.index]
+        offset = self._offset(load, [source.value(i, c, r) for i in load.index])
+        buf = self.bufs[load.buffer]
         lane = cute.arch.lane_idx()
-        adds = None  # every lane adds
         if load.lanes == TILE_LANES:
             for off in (16, 8, 4, 2, 1):
                 v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-            adds = lane == 0
+            _red_where(lane == 0, buf.iterator + offset, v)
         elif load.lanes == QUERY_LANES:
             for off in (16, 8, 4):
                 v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-            adds = lane < 4
+            _red_where(lane < 4, buf.iterator + offset, v)
         elif load.lanes == KEY_LANES:
             for off in (2, 1):
                 v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-            adds = lane % 4 == 0
-        elif load.lanes == DIAGONAL_LANES:
-            # chains (g, t), (g + 2, t + 1), ...: lanes + 9 and + 18 hold this lane's addresses;
-            # the chain's head (t = 0 or g < 2) adds the chain's sum
-            g, t = lane // 4, lane % 4
-            down = cute.arch.shuffle_sync_down(v, offset=9)
-            v = v + select((t < 3) & (g < 6), down, 0.0, FLOAT)
-            down = cute.arch.shuffle_sync_down(v, offset=18)
-            v = v + select((t < 2) & (g < 4), down, 0.0, FLOAT)
-            adds = (t == 0) | (g < 2)
-        self._red(load, index, v, adds)
+            _red_where(lane % 4 == 0, buf.iterator + offset, v)
+        else:
+            # Where every lane's group lands on the warp's first address (a clamped relative
+            # table far from the diagonal: every element reads its end), the group joins one
+            # running sum per warp, reduced once at `finish`: same-address reductions from every
+            # group of every lane would queue at one L2 address. Else per group: see _add_group.
+            if n not in self.warp_sums:
+                self.warp_sums[n] = [cute.arch.shuffle_sync(offset, 0), Float32(0.0), Boolean(False)]
+            ws = self.warp_sums[n]
+            same = cute.arch.vote_all_sync(offset == ws[0])
+            ws[1] = ws[1] + select(same, v, 0.0, FLOAT)
+            ws[2] = ws[2] | same
+            _add_group(same, buf.iterator + offset, v, load.lanes == DIAGONAL_LANES)
 
-    def _red(self, load, index, v, where):
-        """buffer[index] += v on the lanes where `where` holds (None: all). PyTorch's negative
-        indices wrap; indices from unclamped positions are kept inside the tensor: only elements
-        past the sequence, whose dS is 0, can land outside it."""
+    def finish(self):
+        """The warps' running sums (see _reduce), once every element was seen."""
+        lane = cute.arch.lane_idx()
+        for n, (first_offset, v, used) in self.warp_sums.items():
+            _add_warp_sum(used, self.bufs[self.loads[n].buffer].iterator + first_offset, v, lane)
+
+    def _offset(self, load, index):
+        """The element offset of `index` in the load's buffer. PyTorch's negative indices wrap;
+        indices from unclamped positions are kept inside the tensor: only elements past the
+        sequence, whose dS is 0, can land outside it."""
         buf = self.bufs[load.buffer]
         coord = []
         for d, x in enumerate(index):
@@ -386,16 +397,45 @@ class CapturedGrads:
             coord.append(x)
         if len(coord) == 0:
             coord = [Int32(0)]  # a 0-d tensor travels as shape (1,)
-        crd = coord[0] if len(coord) == 1 else tuple(coord)
-        ptr = buf.iterator + cute.crd2idx(crd, buf.layout)
-        if where is None:
-            cute.arch.red(ptr, v, op="add", dtype=Float32, sem="relaxed", scope="gpu")
-        else:
-            _red_where(where, ptr, v)
+        return cute.crd2idx(coord[0] if len(coord) == 1 else tuple(coord), buf.layout)
+
+
+def _red(ptr, v):
+    cute.arch.red(ptr, v, op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
 
 @cute.jit
 def _red_where(pred, ptr, v):
     """*ptr += v (fp32 reduction in global memory) on the lanes where pred holds."""
     if pred:
-        cute.arch.red(ptr, v, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+        _red(ptr, v)
+
+
+@cute.jit
+def _add_group(skip, ptr, v, diagonal: cutlass.Constexpr):
+    """A group's sum v into *ptr unless `skip` (warp-uniform): every lane its own, or (diagonal)
+    combined along the chains of lanes (g, t), (g + 2, t + 1), ..., which hold the same addresses
+    (a function of q_idx - kv_idx: lane 4 g + t's first query is 2 t, its first key g); lanes + 9
+    and + 18 hold this lane's, and the chain's head (t = 0 or g < 2) adds the chain's sum."""
+    if not skip:
+        if const_expr(diagonal):
+            lane = cute.arch.lane_idx()
+            g, t = lane // 4, lane % 4
+            down = cute.arch.shuffle_sync_down(v, offset=9)
+            v = v + select((t < 3) & (g < 6), down, 0.0, FLOAT)
+            down = cute.arch.shuffle_sync_down(v, offset=18)
+            v = v + select((t < 2) & (g < 4), down, 0.0, FLOAT)
+            if (t == 0) | (g < 2):
+                _red(ptr, v)
+        else:
+            _red(ptr, v)
+
+
+@cute.jit
+def _add_warp_sum(used, ptr, v, lane):
+    """The warp's sum of v into *ptr (one lane's reduction), where `used` (warp-uniform)."""
+    if used:
+        for off in cutlass.range_constexpr(5):
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+        if lane == 0:
+            _red(ptr, v)
