@@ -61,6 +61,11 @@ swizzle. It buys conflict-free slab stores: dQ = dS K leaves each thread 64-bit 
 row, and under the slab's 128-byte swizzle rows r and r ^ 1 of a warp share banks; dQ^T's 32-bit
 stores hit 32 banks (NOTES Experiment 79).
 
+Captured gradients (`capture_slots`): the gradients of tensors a score_mod reads (learnable
+slopes, bias tables) are added by the consumers into fp32 buffers from the dS they form anyway
+(bwd_scores.py says how equal addresses are reduced first); the host takes this path where
+bwd.captured_grad_reason allows (not in deterministic mode: atomics add in no fixed order).
+
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 

@@ -1,6 +1,20 @@
 """The sm90 backward's element-wise step: P^T from S^T and the LSE, dS^T from P^T, dP^T and dPsum,
 with softcap, score_mod (and its traced derivative), mask_mod and the causal / window / length
-limits applied where a tile needs them."""
+limits applied where a tile needs them.
+
+Captured gradients (BwdConfig.capture_slots; the definition is torch_fa4/mods/capture_grad.py):
+for each load of a captured tensor that wants a gradient, dS at the mod's output, P (dP - dPsum),
+times d score_mod / d (loaded value) (mods.derivative.load_derivatives, emitted with the score
+over the same fragment) is added into an fp32 buffer laid out like the tensor, at the element
+the load read. Equal addresses are reduced before memory is touched (CapturedGrads): in registers
+over a thread's elements whose index values are one hash-consed value (a diagonal of a relative
+table, a row or column of a per-query / per-key bias, the whole fragment for slopes[h]), then by
+shuffles across the lanes that share them (captured_loads classifies each load), then one
+red.global.add.f32 per address and lane left; groups whose every lane lands on the warp's first
+address (a clamped table's saturated ends) join one running sum per warp and step. Index values
+come from unclamped positions where no load feeds them (so they stay affine and group), clamped
+into the tensor at the end: only elements past the sequence, whose dS is 0, can land outside it.
+"""
 
 from __future__ import annotations
 
