@@ -140,3 +140,42 @@ def test_capture_variant_compiles(case, tmp_path):
     # progress hold registers); outside it the mods variants' budget (tests/test_sm90_bwd_compile.py)
     assert spills_between_matmuls(sass) == 0
     assert sass.count("LDL") + sass.count("STL") <= 64
+
+
+@pytest.mark.parametrize("queries", [64, 128, 32])  # a warpgroup's S^T columns: tile_m, or half of it (narrow)
+def test_diagonal_lane_chains_add_each_element_once(queries):
+    """The DIAGONAL_LANES reduction (bwd_scores._add_group) on a model of one warp's S^T fragment
+    (wgmma accumulator: lane 4 g + t holds keys g, g + 8 and queries 2 t + e + 8 j): per lane, sums
+    per q - kv; shfl.down by 9 and 18 where the partner lane (g + 2, t + 1) exists; the chains'
+    heads (t = 0 or g < 2) add. Every element must reach its own diagonal's address exactly once."""
+    import random
+
+    rng = random.Random(queries)
+    elems = {lane: [(g + 8 * i, 2 * t + e + 8 * j) for i in range(2) for j in range(queries // 8) for e in range(2)]
+             for lane in range(32) for g, t in [divmod(lane, 4)]}
+    value = {(lane, kq): rng.random() for lane in elems for kq in elems[lane]}
+    want = {}
+    for (lane, (key, q)), x in value.items():
+        want[q - key] = want.get(q - key, 0.0) + x
+    # per lane: slot = the diagonal's static offset from the lane's base 2 t - g (the same set on every lane)
+    slots = {lane: {} for lane in elems}
+    for (lane, (key, q)), x in value.items():
+        g, t = divmod(lane, 4)
+        o = (q - 2 * t) - (key - g)
+        slots[lane][o] = slots[lane].get(o, 0.0) + x
+    assert len({frozenset(s) for s in slots.values()}) == 1
+
+    def down(v, by, valid):
+        return {lane: {o: v[lane][o] + (v[lane + by][o] if valid(*divmod(lane, 4)) else 0.0) for o in v[lane]}
+                for lane in v}
+
+    v = down(slots, 9, lambda g, t: t < 3 and g < 6)
+    v = down(v, 18, lambda g, t: t < 2 and g < 4)
+    got = {}
+    for lane in elems:
+        g, t = divmod(lane, 4)
+        if t == 0 or g < 2:
+            for o, x in v[lane].items():
+                got[2 * t - g + o] = got.get(2 * t - g + o, 0.0) + x
+    assert got.keys() == want.keys()
+    assert all(abs(got[d] - want[d]) < 1e-9 for d in want)
