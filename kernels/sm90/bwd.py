@@ -9,7 +9,8 @@ Repeated dense calls replay a launch record (bwd_launch_record.py).
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ), causal, sliding window, softcap,
 GQA/MQA, seqused_k, any 16-byte-aligned strides, deterministic dQ, varlen (one launch of the
 packed-rows variant; one dense launch per sequence with one side packed: `runs_per_sequence`),
-score_mod/mask_mod (lowered into the kernel, derivative from the traced graph) and block masks
+score_mod/mask_mod (lowered into the kernel, derivative from the traced graph; the gradients of
+tensors a score_mod captures accumulated by the kernel where captured_grad_reason allows) and block masks
 (driving the walk where bwd_sparse.sparse_walk_reason allows; else the mask_mod is evaluated on
 every tile of the dense walk: slower, same result).
 """

@@ -236,12 +236,13 @@ class CapturedLoad(NamedTuple):
 def captured_loads(derivs, slots: tuple) -> tuple[CapturedLoad, ...]:
     """The loads of `derivs` (mods.derivative.LoadDerivatives) of the captured tensors at `slots`,
     planned for the kernel (CapturedGrads)."""
-    from torch_fa4.kernels.host.mod_hoisting import ancestors, node_levels
+    from torch_fa4.kernels.host.mod_hoisting import ancestors, int_ranges, node_levels
     from torch_fa4.mods.index_sign import nonnegative_nodes
 
     graph = derivs.graph
     levels = node_levels(graph)
-    nonneg = nonnegative_nodes(graph)
+    ranges = int_ranges(graph)  # (clamp(q_idx - kv_idx, -R, R) + R: never negative)
+    nonneg = nonnegative_nodes(graph) | {i for i, r in enumerate(ranges) if r is not None and r[0] >= 0}
     forms = _unclamped_affine(graph)
     found = []
     for load in derivs.loads:
