@@ -179,3 +179,35 @@ def test_diagonal_lane_chains_add_each_element_once(queries):
                 got[2 * t - g + o] = got.get(2 * t - g + o, 0.0) + x
     assert got.keys() == want.keys()
     assert all(abs(got[d] - want[d]) < 1e-9 for d in want)
+
+
+def test_capture_variant_with_block_mask_compiles(tmp_path):
+    """A relative table under a document block mask: the sparse walk's partial tiles (mask_mod)
+    and full tiles both add the table's gradient."""
+    from torch_fa4.kernels.sm90 import bwd
+    from torch_fa4.mods import create_block_mask
+    from torch_fa4.mods.prepare import prepare
+    from torch_fa4.mods.registry import lookup
+
+    doc = torch.zeros(S, dtype=torch.int32)
+    table = torch.zeros(4, 257, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(q_idx - kv_idx, -128, 128) + 128]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    bm = create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=128)
+    key, aux = prepare(score_mod, mask_mod)
+    mods = lookup(key)
+    slot = next(i for i, t in enumerate(aux) if t is table)
+    call = _call(mods, key, aux, block_mask=tuple(bm.as_tensors()), block_mask_q=128, block_mask_kv=128)
+    assert bwd.captured_grad_reason(call, (slot,), False) is None
+    variant = dataclasses.replace(bwd.variant_key(call, False), capture_slots=(slot,))
+    assert variant.sparse is not None
+    bwd.compile_variant(variant, dump_dir=str(tmp_path))
+    sass = sass_of(tmp_path)
+    assert sass.count("REDG.E.ADD.F32") > 0 and "VOTE.ALL" in sass
+    assert spills_between_matmuls(sass) == 0
+    assert sass.count("LDL") + sass.count("STL") <= 64
