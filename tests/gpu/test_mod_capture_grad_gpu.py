@@ -266,3 +266,17 @@ def test_fused_per_key_bias_gqa_through_flex(kernel_backward_only, fused):
     for name, g, r, lg in zip(("dq", "dk", "dv", "bias"), got, ref, low):
         assert not torch.isnan(g).any(), name
         assert rel_error(g, r) <= 2 * rel_error(lg, r), (name, rel_error(g, r), rel_error(lg, r))
+
+
+def test_fused_relative_table_under_document_block_mask(kernel_backward_only, fused):
+    """A block mask's sparse walk: partial tiles (mask_mod evaluated) and full tiles both add."""
+    b, s, hq, d = 2, 700, 4, 128
+    doc = torch.sort(torch.randint(0, 4, (s,), device="cuda")).values
+
+    def mask_mod(b_, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    block_mask = torch_fa4.create_block_mask(mask_mod, None, None, s, s, device="cuda")
+    q, k, v = _bf16_leaves(3, b, s, hq, d)
+    _check(_relative_table, q, k, v, _captured(b, hq, s), [1], oracle_kw=dict(mask_mod=mask_mod),
+           block_mask=block_mask)
