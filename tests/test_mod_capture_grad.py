@@ -676,12 +676,13 @@ def test_sm90_captured_grad_reason():
         return q_idx >= kv_idx
 
     mods, aux = trace_graphs(score_mod, mask_mod)
-    call = AttentionCall(q=q, k=k, v=v, scale=0.1, mod_key=mods.key, mods=lookup(mods.key), aux_tensors=tuple(aux))
+    call = AttentionCall(q=q, k=k, v=v, scale=0.1, mod_key=mods.key, mods=lookup(mods.key),
+                         aux_tensors=tuple(aux))
     s, d = [i for i, t in enumerate(aux) if t is slopes] + [i for i, t in enumerate(aux) if t is doc]
     assert captured_grad_reason(call, (s,), False) is None
     assert "deterministic" in captured_grad_reason(call, (s,), True)
     assert "not a floating" in captured_grad_reason(call, (d,), False)
     assert "not a floating" in captured_grad_reason(call, (2,), False)  # the mask_mod's: no gradient
     assert "1 to 4" in captured_grad_reason(call, (s,) * 5, False)
-    assert "fp16/bf16" in captured_grad_reason(dataclasses.replace(call, q=q.float(), k=k.float(), v=v.float()),
-                                               (s,), False)
+    fp32 = dataclasses.replace(call, q=q.float(), k=k.float(), v=v.float())
+    assert "fp16/bf16" in captured_grad_reason(fp32, (s,), False)

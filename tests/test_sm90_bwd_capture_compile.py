@@ -74,8 +74,8 @@ def test_captured_loads_plan():
     """How each load's equal addresses are grouped: one per tile (slopes[h], a 0-d temperature),
     per query or key (lanes of one column / row), per diagonal (table[h, clamp(q - kv) + R], also
     unclamped), per element (an index through another load, 2 q - kv)."""
-    from torch_fa4.kernels.sm90.bwd_scores import (DIAGONAL_LANES, KEY_LANES, OWN_LANE, QUERY_LANES, TILE_LANES,
-                                                   captured_loads)
+    from torch_fa4.kernels.sm90.bwd_scores import (DIAGONAL_LANES, KEY_LANES, OWN_LANE, QUERY_LANES,
+                                                   TILE_LANES, captured_loads)
 
     def plan(make):
         _, mods, aux, slots = _prepared(make)
@@ -105,8 +105,8 @@ CASES = {
     # the benchmark's table: diagonal groups, the persistent D128 kernel (64 queries per step)
     "relative_table_d128_causal_gqa": (_relative_table, dict(causal=True)),
     # per tile and per key, a derivative that is not constant; D64: 128 queries per step
-    "tanh_alibi_key_bias_d64_window_fp16": (_tanh_alibi_key_bias, dict(d=64, dtype=torch.float16, window_left=64,
-                                                                       window_right=16)),
+    "tanh_alibi_key_bias_d64_window_fp16": (_tanh_alibi_key_bias,
+                                            dict(d=64, dtype=torch.float16, window_left=64, window_right=16)),
     # per element through a load, a 0-d tensor; packed varlen rows, softcap
     "gathered_temperature_d128_varlen_softcap": (_gathered_and_temperature, dict(varlen=True, causal=True,
                                                                                  softcap=20.0)),
@@ -142,7 +142,7 @@ def test_capture_variant_compiles(case, tmp_path):
     assert sass.count("LDL") + sass.count("STL") <= 64
 
 
-@pytest.mark.parametrize("queries", [64, 128, 32])  # a warpgroup's S^T columns: tile_m, or half of it (narrow)
+@pytest.mark.parametrize("queries", [64, 128, 32])  # a warpgroup's S^T columns: tile_m, or its half (narrow)
 def test_diagonal_lane_chains_add_each_element_once(queries):
     """The DIAGONAL_LANES reduction (bwd_scores._add_group) on a model of one warp's S^T fragment
     (wgmma accumulator: lane 4 g + t holds keys g, g + 8 and queries 2 t + e + 8 j): per lane, sums
@@ -151,7 +151,8 @@ def test_diagonal_lane_chains_add_each_element_once(queries):
     import random
 
     rng = random.Random(queries)
-    elems = {lane: [(g + 8 * i, 2 * t + e + 8 * j) for i in range(2) for j in range(queries // 8) for e in range(2)]
+    elems = {lane: [(g + 8 * i, 2 * t + e + 8 * j)
+                    for i in range(2) for j in range(queries // 8) for e in range(2)]
              for lane in range(32) for g, t in [divmod(lane, 4)]}
     value = {(lane, kq): rng.random() for lane in elems for kq in elems[lane]}
     want = {}

@@ -128,12 +128,14 @@ def bwd_and_captured_impl(
     return capture_grad.backward_and_captured(call, dout, out, lse, grad_slots, deterministic)
 
 
-bwd_and_captured = torch.library.custom_op("torch_fa4::bwd_and_captured", bwd_and_captured_impl, mutates_args=())
+bwd_and_captured = torch.library.custom_op("torch_fa4::bwd_and_captured", bwd_and_captured_impl,
+                                           mutates_args=())
 
 
 @bwd_and_captured.register_fake
 def _bwd_and_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args):
-    return (*_bwd_fake(dout, q, k, v, out, lse), _bwd_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args))
+    captured = _bwd_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args)
+    return (*_bwd_fake(dout, q, k, v, out, lse), captured)
 
 
 def captured_slots(rest, needs_aux) -> list[int]:

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "BwdTuning", "backward", "captured_grad_reason", "compile_variant", "launch_plan",
-           "runs_per_sequence", "unsupported_reason", "variant_key"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "BwdTuning", "backward", "captured_grad_reason", "compile_variant",
+           "launch_plan", "runs_per_sequence", "unsupported_reason", "variant_key"]
 
 
 def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING) -> str | None:

@@ -19,7 +19,7 @@ into the tensor at the end: only elements past the sequence, whose dS is 0, can 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute

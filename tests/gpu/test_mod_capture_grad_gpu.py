@@ -209,10 +209,12 @@ def _gathered_bucket(slopes, table, bias):  # table[h, bucket[kv_idx]]: an index
 CLASSES = {"per_query": (_per_query_bias, [2]), "diagonal": (_diagonal_table, [1]),
            "wrapped_diagonal": (_wrapped_diagonal, [1]),
            "temperature": (_temperature, [0]), "gathered": (_gathered_bucket, [1]),
-           "alibi": (_alibi, [0]), "relative_table": (_relative_table, [1]), "tanh_bias": (_tanh_bias, [0, 2])}
+           "alibi": (_alibi, [0]), "relative_table": (_relative_table, [1]),
+           "tanh_bias": (_tanh_bias, [0, 2])}
 
 
-@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128_bf16", "d64_fp16"])
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)],
+                         ids=["d128_bf16", "d64_fp16"])
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_fused_address_classes(name, d, dtype, kernel_backward_only, fused):
     """Every way bwd_scores groups equal addresses, at D128 (64 queries per step) and D64 (128),
@@ -233,7 +235,8 @@ def test_fused_address_classes(name, d, dtype, kernel_backward_only, fused):
 def test_fused_relative_table_window_softcap_gqa(kw, kernel_backward_only, fused):
     b, s, hq, hkv, d = 2, 700, 8, 2, 128
     q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
     oracle_kw = {("window" if key == "window_size" else key): value for key, value in kw.items()}
     _check(_relative_table, q, k, v, _captured(b, hq, s), [1], oracle_kw=oracle_kw, **kw)
 
@@ -242,7 +245,8 @@ def test_fused_per_key_bias_gqa_through_flex(kernel_backward_only, fused):
     """bias[b, h, kv_idx] through flex_attention's (B, H, S, D) layout with GQA."""
     b, s, hq, hkv, d = 2, 520, 8, 2, 128
     q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
     bias = torch.randn(b, hq, s, device="cuda", requires_grad=True)
 
     def mod(score, b_, h, q_idx, kv_idx):
