@@ -77,14 +77,19 @@ def ours_pytorch_path(make_mod, param, q, k, v):
 
 _flex = None
 # FlexAttention's backward blocks where its default configuration needs more shared memory than the
-# device has (kernel_options of torch.nn.attention.flex_attention)
-FLEX_SMALL_BLOCKS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+# device has (kernel_options of torch.nn.attention.flex_attention), tried in this order
+FLEX_SMALL_BLOCKS = ({"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+                     {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32})
 
 
 def flex(make_mod, param, q, k, v, kernel_options=None):
     global _flex
+    import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # The compiled backward donates its saved buffers unless told not to, and then refuses the
+    # retain_graph=True that times the backward alone over one forward (as for torch_fa4)
+    torch._functorch.config.donated_buffer = False
     if _flex is None:
         _flex = torch.compile(flex_attention)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -99,18 +104,39 @@ def flex(make_mod, param, q, k, v, kernel_options=None):
 
 
 def flex_any(make_mod, param, q, k, v, note: list):
-    """flex() with its default configuration, else with FLEX_SMALL_BLOCKS (note says which ran)."""
-    try:
-        fn = flex(make_mod, param, q, k, v)
-        note.append("default blocks")
-        return fn
-    except Exception as e:  # noqa: BLE001
-        print(f"  flex, default blocks: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        torch._dynamo.reset()
-        globals()["_flex"] = None
-        fn = flex(make_mod, param, q, k, v, FLEX_SMALL_BLOCKS)
-        note.append(f"blocks {FLEX_SMALL_BLOCKS}")
-        return fn
+    """flex() with its default configuration, else with the first of FLEX_SMALL_BLOCKS that
+    compiles (note says which ran)."""
+    for options in (None, *FLEX_SMALL_BLOCKS):
+        try:
+            fn = flex(make_mod, param, q, k, v, options)
+            note.append(("default blocks" if options is None else f"blocks {options}", options))
+            return fn
+        except Exception as e:  # noqa: BLE001
+            print(f"  flex, {options or 'default blocks'}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            torch._dynamo.reset()
+            globals()["_flex"] = None
+    raise RuntimeError("no FlexAttention configuration compiled")
+
+
+def flex_fwd_bwd_minus_fwd(make_mod, param, q, k, v, options):
+    """FlexAttention's backward as (forward + backward) - forward, each timed alone: a check on
+    the retained-graph timing that needs no graph kept across calls."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    p = param.detach().requires_grad_()
+    S = q.shape[2]
+    bm = create_block_mask(lambda b, h, i, j: j <= i, None, None, S, S)
+    dout = torch.randn_like(q)
+
+    def fwd():
+        return _flex(q, k, v, score_mod=make_mod(p), block_mask=bm, kernel_options=options)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (q, k, v, p), dout)
+
+    fwd_bwd()
+    return _time_ms(fwd_bwd) - _time_ms(fwd)
 
 
 def main():
@@ -142,12 +168,19 @@ def main():
                 row[label] = None
                 print(f"  {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             torch.cuda.empty_cache()
+        if row.get("flex") is not None:  # the same backward timed the other way
+            try:
+                row["flex (fwd+bwd - fwd)"] = flex_fwd_bwd_minus_fwd(make_mod, param, q, k, v, note[-1][1])
+                print(f"  flex, (forward + backward) - forward: {row['flex (fwd+bwd - fwd)']:.2f} ms",
+                      file=sys.stderr)
+            except Exception as e:  # noqa: BLE001
+                print(f"  flex fwd+bwd: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         ratio = (row["flex"] / row["torch_fa4"]) if row.get("flex") and row.get("torch_fa4") else None
         cells = [f"{row[c]:.2f}" if row[c] is not None else "-" for c in
                  ("torch_fa4", "torch_fa4 frozen", "pytorch path", "flex")]
         cells.append(f"{ratio:.2f}" if ratio is not None else "-")
-        row["flex configuration"] = note[-1] if note else None
-        cells.append(note[-1] if note else "-")
+        row["flex configuration"] = note[-1][0] if note else None
+        cells.append(note[-1][0] if note else "-")
         print(f"| {name} | " + " | ".join(cells) + " |")
         rows.append(row)
     if args.json:
