@@ -284,3 +284,14 @@ def test_fused_relative_table_under_document_block_mask(kernel_backward_only, fu
     q, k, v = _bf16_leaves(3, b, s, hq, d)
     _check(_relative_table, q, k, v, _captured(b, hq, s), [1], oracle_kw=dict(mask_mod=mask_mod),
            block_mask=block_mask)
+
+
+@pytest.mark.parametrize("name", ["relative_table", "tanh_bias"])
+def test_fused_narrow_variant_d256(name, kernel_backward_only, fused):
+    """Head dim 256: the 64-key variant whose warpgroups split the queries (bwd_kernel's narrow)."""
+    b, sq, sk, hq, hkv, d = 1, 200, 260, 4, 2, 256
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    make_mod, used = CLASSES[name]
+    _check(make_mod, q, k, v, _captured(b, hq, sk), used, causal=True)
