@@ -4,10 +4,14 @@
 
 bf16, causal. Rows: a relative-position bias table `table[h, clamp(q - kv, -R, R) + R]` (R = 128)
 and learnable ALiBi slopes `slopes[h] * |q - kv|`. Each row times the backward alone (the forward's
-graph kept): torch_fa4 with the captured tensor's gradient, torch_fa4 with the captured tensor
-frozen (dQ / dK / dV only: what the captured gradient adds is the difference), the captured
-gradient alone (the torch_fa4::bwd_captured op), and FlexAttention compiled with a causal block
-mask and the same score_mod, gradients for q, k, v and the captured tensor. Milliseconds (median of
+graph kept): torch_fa4 with the captured tensor's gradient (on sm_90 the kernel accumulates it:
+kernels/sm90/bwd_scores.CapturedGrads), torch_fa4 with the captured tensor frozen (dQ / dK / dV
+only: what the captured gradient adds is the difference), torch_fa4 with the captured gradient
+from the PyTorch recomputation (torch_fa4/mods/capture_grad.captured_grads, the path of every
+family without a fused one), and FlexAttention compiled with a causal block mask and the same
+score_mod, gradients for q, k, v and the captured tensor. Where FlexAttention's default backward
+configuration does not compile (D128 needs more shared memory than an H200 has), it runs with
+smaller backward blocks (`FLEX_SMALL_BLOCKS`); the row says which. Milliseconds (median of
 triton.testing.do_bench); the last column is FlexAttention's time over torch_fa4's.
 """
 
@@ -54,35 +58,85 @@ def ours(make_mod, param, q, k, v, learn: bool):
     return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
-def ours_captured_only(make_mod, param, q, k, v):
-    """The torch_fa4::bwd_captured op on the call's saved tensors: the captured gradient alone."""
-    from torch_fa4.mods import prepare
+def ours_pytorch_path(make_mod, param, q, k, v):
+    """torch_fa4 with the captured gradient from the PyTorch recomputation: the fused path made
+    unavailable (capture_grad.fused_backward finds none) while the backward runs."""
+    from torch_fa4.mods import capture_grad
 
-    key, aux = prepare(make_mod(param), None)
-    S, D = q.shape[2], q.shape[3]
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    rest = (aux, None, None, None, [], S, S, D ** -0.5, True, -1, 0, 0.0, key, 128, 128, False)
-    out, lse = torch.ops.torch_fa4.fwd(qt, kt, vt, *rest)
-    dout = torch.randn_like(out)
-    return lambda: torch.ops.torch_fa4.bwd_captured(dout, qt, kt, vt, out, lse, *rest, [0])
+    run = ours(make_mod, param, q, k, v, True)
+    fused = capture_grad.fused_backward
+
+    def backward():
+        capture_grad.fused_backward = lambda *args: None
+        try:
+            return run()
+        finally:
+            capture_grad.fused_backward = fused
+    return backward
 
 
 _flex = None
+# FlexAttention's backward blocks where its default configuration needs more shared memory than the
+# device has (kernel_options of torch.nn.attention.flex_attention), tried in this order
+FLEX_SMALL_BLOCKS = ({"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+                     {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32})
 
 
-def flex(make_mod, param, q, k, v):
+def flex(make_mod, param, q, k, v, kernel_options=None):
     global _flex
+    import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # The compiled backward donates its saved buffers unless told not to, and then refuses the
+    # retain_graph=True that times the backward alone over one forward (as for torch_fa4)
+    torch._functorch.config.donated_buffer = False
     if _flex is None:
         _flex = torch.compile(flex_attention)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     p = param.detach().requires_grad_()
     S = q.shape[2]
     bm = create_block_mask(lambda b, h, i, j: j <= i, None, None, S, S)
-    out = _flex(q, k, v, score_mod=make_mod(p), block_mask=bm)
+    out = _flex(q, k, v, score_mod=make_mod(p), block_mask=bm, kernel_options=kernel_options)
     dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v, p), dout, retain_graph=True)
+    run = lambda: torch.autograd.grad(out, (q, k, v, p), dout, retain_graph=True)  # noqa: E731
+    run()  # compiles the backward here: a configuration that does not fit fails now
+    return run
+
+
+def flex_any(make_mod, param, q, k, v, note: list):
+    """flex() with its default configuration, else with the first of FLEX_SMALL_BLOCKS that
+    compiles (note says which ran)."""
+    for options in (None, *FLEX_SMALL_BLOCKS):
+        try:
+            fn = flex(make_mod, param, q, k, v, options)
+            note.append(("default blocks" if options is None else f"blocks {options}", options))
+            return fn
+        except Exception as e:  # noqa: BLE001
+            print(f"  flex, {options or 'default blocks'}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            torch._dynamo.reset()
+            globals()["_flex"] = None
+    raise RuntimeError("no FlexAttention configuration compiled")
+
+
+def flex_fwd_bwd_minus_fwd(make_mod, param, q, k, v, options):
+    """FlexAttention's backward as (forward + backward) - forward, each timed alone: a check on
+    the retained-graph timing that needs no graph kept across calls."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    p = param.detach().requires_grad_()
+    S = q.shape[2]
+    bm = create_block_mask(lambda b, h, i, j: j <= i, None, None, S, S)
+    dout = torch.randn_like(q)
+
+    def fwd():
+        return _flex(q, k, v, score_mod=make_mod(p), block_mask=bm, kernel_options=options)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (q, k, v, p), dout)
+
+    fwd_bwd()
+    return _time_ms(fwd_bwd) - _time_ms(fwd)
 
 
 def main():
@@ -97,26 +151,36 @@ def main():
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     rows = []
     print(f"B {B}, H {H}, S {S}, D {D}, bf16, causal; backward ms ({torch.cuda.get_device_name()})")
-    print("| score_mod | torch_fa4 | torch_fa4, frozen | captured grad alone | FlexAttention "
-          "| Flex / torch_fa4 |")
-    print("|---|---|---|---|---|---|")
+    print("| score_mod | torch_fa4 (fused) | torch_fa4, frozen | torch_fa4, PyTorch path | FlexAttention "
+          "| Flex / torch_fa4 | Flex configuration |")
+    print("|---|---|---|---|---|---|---|")
     for name in ("relative bias table", "ALiBi slopes"):
         make_mod, param = captured(name, H)
         row = {"row": name}
+        note = []
         for label, make in (("torch_fa4", lambda: ours(make_mod, param, q, k, v, True)),
                             ("torch_fa4 frozen", lambda: ours(make_mod, param, q, k, v, False)),
-                            ("captured alone", lambda: ours_captured_only(make_mod, param, q, k, v)),
-                            ("flex", lambda: flex(make_mod, param, q, k, v))):
+                            ("pytorch path", lambda: ours_pytorch_path(make_mod, param, q, k, v)),
+                            ("flex", lambda: flex_any(make_mod, param, q, k, v, note))):
             try:
                 row[label] = _time_ms(make())
             except Exception as e:  # noqa: BLE001  (a peer that cannot run this row: say why, go on)
                 row[label] = None
                 print(f"  {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             torch.cuda.empty_cache()
+        if row.get("flex") is not None:  # the same backward timed the other way
+            try:
+                row["flex (fwd+bwd - fwd)"] = flex_fwd_bwd_minus_fwd(make_mod, param, q, k, v, note[-1][1])
+                print(f"  flex, (forward + backward) - forward: {row['flex (fwd+bwd - fwd)']:.2f} ms",
+                      file=sys.stderr)
+            except Exception as e:  # noqa: BLE001
+                print(f"  flex fwd+bwd: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         ratio = (row["flex"] / row["torch_fa4"]) if row.get("flex") and row.get("torch_fa4") else None
         cells = [f"{row[c]:.2f}" if row[c] is not None else "-" for c in
-                 ("torch_fa4", "torch_fa4 frozen", "captured alone", "flex")]
+                 ("torch_fa4", "torch_fa4 frozen", "pytorch path", "flex")]
         cells.append(f"{ratio:.2f}" if ratio is not None else "-")
+        row["flex configuration"] = note[-1][0] if note else None
+        cells.append(note[-1][0] if note else "-")
         print(f"| {name} | " + " | ".join(cells) + " |")
         rows.append(row)
     if args.json:

@@ -528,3 +528,161 @@ def test_module_parameters_train_eager_and_compiled():
     torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v).square().sum().backward()
     for p, e, w in zip(layer.parameters(), eager, want):
         assert torch.equal(p.grad, e) and rel_error(e, w) < TOL
+
+
+def test_opcheck_bwd_and_captured():
+    B, S, H, D = 1, 7, 2, 8
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(H, 5, dtype=torch.float64)
+    mods, aux = trace_graphs(relative_table_pair(table, 2)[0], None)
+    rest = (aux, None, None, None, [], S, S, 0.3, True, -1, 0, 0.0, mods.key, 128, 128, False)
+    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+    dout = torch.randn_like(out)
+    # (only test_autograd_registration: the other checks run the op's body under modes in which the
+    # reference backward of a score_mod cannot run (its torch.func vjp meets the modes' wrapper
+    # tensors; the bwd op with a score_mod fails them alike). The fake kernel's outputs are compared
+    # with the real ones below; test_torch_compile_fullgraph_training_step traces the op.)
+    torch.library.opcheck(torch.ops.torch_fa4.bwd_and_captured.default, (dout, q, k, v, out, lse, *rest, [0]),
+                          test_utils=("test_autograd_registration",))
+    dq, dk, dv, (dtable,) = torch.ops.torch_fa4.bwd_and_captured(dout, q, k, v, out, lse, *rest, [0])
+    want = torch.ops.torch_fa4.bwd(dout, q, k, v, out, lse, *rest)
+    for g, w in zip((dq, dk, dv), want):
+        assert torch.equal(g, w)
+    assert torch.equal(dtable, torch.ops.torch_fa4.bwd_captured(dout, q, k, v, out, lse, *rest, [0])[0])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (dout, q, k, v, out, lse)]
+        fq, fk, fv, (ftable,) = torch.ops.torch_fa4.bwd_and_captured(*fake, [mode.from_tensor(table)],
+                                                                     *rest[1:], [0])
+    for f, real in zip((fq, fk, fv, ftable), (dq, dk, dv, dtable)):
+        assert f.shape == real.shape and f.dtype == real.dtype and f.stride() == real.stride()
+
+
+# ---- the sm90 backward's fused path: which calls take it (faked Hopper, the kernel a stand-in) -------
+
+@pytest.fixture
+def faked_hopper(monkeypatch):
+    """Compute capability 9.0 on CPU tensors: the sm90 forward and backward are stand-ins (the
+    reference; the PyTorch recomputation for the captured gradients, into the kernel's buffers).
+    Returns the backward's launches: (captured slots or None, deterministic) each."""
+    from torch_fa4 import dispatch, reference
+    from torch_fa4.kernels import sm90
+    from torch_fa4.kernels.sm90 import bwd as sm90_bwd
+    from torch_fa4.mods import capture_grad
+
+    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
+    monkeypatch.setattr(dispatch, "capability", lambda device: (9, 0))
+
+    def forward(call, out, lse):
+        o, l = reference.forward(call)
+        out.copy_(o)
+        lse.copy_(l)
+
+    recompute = capture_grad.captured_grads
+    launches = []
+
+    def backward(call, dout, out, lse, dq, dk, dv, deterministic, tuning=None, capture=None):
+        launches.append((tuple(capture[0]) if capture else None, deterministic))
+        for o, g in zip((dq, dk, dv), reference.backward(call, dout, out, lse)):
+            o.copy_(g)
+        if capture:
+            slots, buffers = capture
+            assert all(b.dtype == torch.float32 and b.is_contiguous() and not b.any() for b in buffers)
+            for b, g in zip(buffers, recompute(call, dout, out, lse, slots, deterministic)):
+                b.copy_(g.reshape(b.shape))
+
+    monkeypatch.setattr(sm90, "forward", forward)
+    monkeypatch.setattr(sm90_bwd, "backward", backward)
+    return launches
+
+
+def _bf16_alibi_call(learn_q=True, **kw):
+    B, S, H, D = 2, 70, 2, 64
+    q, k, v = (torch.randn(B, S, H, D).to(torch.bfloat16).requires_grad_(learn_q) for _ in range(3))
+    slopes = (torch.rand(H) * 0.1).requires_grad_()
+    mod, _ = alibi_pair(slopes)
+    out = torch_fa4.attention(q, k, v, score_mod=mod, causal=True, **kw)
+    want_out, _ = naive_attention(q, k, v, score_mod=alibi_pair(slopes.detach().double().requires_grad_())[0],
+                                  causal=True)
+    assert rel_error(out.double(), want_out) < 1e-2
+    return out, (q, k, v, slopes) if learn_q else (slopes,)
+
+
+def test_hopper_takes_captured_gradients_in_the_kernel(faked_hopper, monkeypatch):
+    from torch_fa4.mods import capture_grad
+
+    recomputed = _count_calls(monkeypatch, capture_grad, "captured_grads")
+    out, inputs = _bf16_alibi_call()
+    got = torch.autograd.grad(out.float().sum(), inputs, retain_graph=True)
+    assert faked_hopper == [((0,), False)] and recomputed == []  # one kernel run, no recomputation
+    # what the PyTorch path computes
+    monkeypatch.setattr(capture_grad, "fused_backward", lambda *args: None)
+    want = torch.autograd.grad(out.float().sum(), inputs)
+    assert faked_hopper[1:] == [(None, False)] and len(recomputed) == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_hopper_captured_gradient_alone_and_compiled(faked_hopper, monkeypatch):
+    """Only the captured tensor wants a gradient (the bwd_captured op: the kernel still runs, its
+    dQ / dK / dV dropped); under torch.compile the bwd_and_captured op reaches the kernel too."""
+    out, (slopes,) = _bf16_alibi_call(learn_q=False)
+    torch.autograd.grad(out.float().sum(), (slopes,))
+    assert faked_hopper == [((0,), False)]
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 2, 70, 64).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    slopes = torch.rand(2).requires_grad_()
+    loss = torch.compile(_flex_alibi, fullgraph=True, backend="aot_eager")(q, k, v, slopes).float().sum()
+    torch.autograd.grad(loss, (q, k, v, slopes))
+    assert faked_hopper[1:] == [((0,), False)]
+
+
+def test_hopper_deterministic_and_other_families_keep_the_pytorch_path(faked_hopper, monkeypatch):
+    from torch_fa4 import dispatch
+    from torch_fa4.kernels.sm90 import bwd as sm90_bwd
+    from torch_fa4.mods import capture_grad
+
+    recomputed = _count_calls(monkeypatch, capture_grad, "captured_grads")
+    out, inputs = _bf16_alibi_call(deterministic=True)
+    torch.autograd.grad(out.float().sum(), inputs)
+    assert faked_hopper == [(None, True)] and len(recomputed) == 1
+    # a family without captured_grad_reason: no fused path
+    out, inputs = _bf16_alibi_call()
+    kernel_for = dispatch.kernel_for
+    monkeypatch.setattr(dispatch, "kernel_for", lambda call, direction, **kw: (
+        type("Family", (), {"backward": staticmethod(sm90_bwd.backward)}) if direction == "backward"
+        else kernel_for(call, direction, **kw)))
+    torch.autograd.grad(out.float().sum(), inputs)
+    assert faked_hopper[1:] == [(None, False)] and len(recomputed) == 2
+
+
+def test_sm90_captured_grad_reason():
+    """Which calls the sm90 kernel accumulates captured gradients for."""
+    import dataclasses
+
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90.bwd import captured_grad_reason
+    from torch_fa4.mods.registry import lookup
+
+    B, S, H, D = 1, 64, 2, 64
+    q, k, v = (torch.empty(B, S, H, D, dtype=torch.bfloat16) for _ in range(3))
+    slopes, doc = torch.rand(H), torch.zeros(S, dtype=torch.int32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * doc[kv_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mods, aux = trace_graphs(score_mod, mask_mod)
+    call = AttentionCall(q=q, k=k, v=v, scale=0.1, mod_key=mods.key, mods=lookup(mods.key),
+                         aux_tensors=tuple(aux))
+    s, d = [i for i, t in enumerate(aux) if t is slopes] + [i for i, t in enumerate(aux) if t is doc]
+    assert captured_grad_reason(call, (s,), False) is None
+    assert "deterministic" in captured_grad_reason(call, (s,), True)
+    assert "not a floating" in captured_grad_reason(call, (d,), False)
+    assert "not a floating" in captured_grad_reason(call, (2,), False)  # the mask_mod's: no gradient
+    assert "1 to 4" in captured_grad_reason(call, (s,) * 5, False)
+    fp32 = dataclasses.replace(call, q=q.float(), k=k.float(), v=v.float())
+    assert "fp16/bf16" in captured_grad_reason(fp32, (s,), False)

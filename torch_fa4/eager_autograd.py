@@ -61,20 +61,26 @@ class AttentionFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         plain = _plain(grad_out, q, k, v)
         dq = dk = dv = None
-        if needs[0] or needs[1] or needs[2]:
+        qkv = needs[0] or needs[1] or needs[2]
+        slots = ops.captured_slots(rest, needs[4:]) if aux_grads else []
+        found = []
+        if slots:
+            plain = plain and _plain(*aux)
+            if qkv:  # one op: one kernel run where the family fuses the captured gradients
+                op = ops.bwd_and_captured_impl if plain else torch.ops.torch_fa4.bwd_and_captured
+                dq, dk, dv, found = op(grad_out, q, k, v, out, lse, *rest, slots)
+                dq, dk, dv = (g if wanted else None for g, wanted in zip((dq, dk, dv), needs[:3]))
+            else:
+                op = ops.bwd_captured_impl if plain else torch.ops.torch_fa4.bwd_captured
+                found = op(grad_out, q, k, v, out, lse, *rest, slots)
+        elif qkv:
             if plain:
                 # what the bwd op's kernel does, without the op's entry and exit (~80 us on the host)
                 dq, dk, dv = ops.bwd_impl(grad_out, q, k, v, out, lse, *rest)
             else:  # a dispatch mode or tensor subclass must see the op
                 dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
-        slots = ops.captured_slots(rest, needs[4:]) if aux_grads else []
-        if slots:
-            if plain and _plain(*aux):
-                found = ops.bwd_captured_impl(grad_out, q, k, v, out, lse, *rest, slots)
-            else:
-                found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *rest, slots)
-            for slot, g in zip(slots, found):
-                aux_grads[slot] = g
+        for slot, g in zip(slots, found):
+            aux_grads[slot] = g
         return dq, dk, dv, None, *aux_grads
 
 

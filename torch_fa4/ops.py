@@ -97,6 +97,9 @@ def bwd_captured_impl(
     call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
                      max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
                      block_mask_kv)
+    fused = capture_grad.fused_backward(call, dout, out, lse, grad_slots, deterministic)
+    if fused is not None:  # the backend's kernel accumulates them (its dq, dk, dv are not wanted here)
+        return fused[3]
     return capture_grad.captured_grads(call, dout, out, lse, grad_slots, deterministic)
 
 
@@ -106,6 +109,33 @@ bwd_captured = torch.library.custom_op("torch_fa4::bwd_captured", bwd_captured_i
 @bwd_captured.register_fake
 def _bwd_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args):
     return [torch.empty_like(aux_tensors[i], memory_format=torch.contiguous_format) for i in args[-1]]
+
+
+def bwd_and_captured_impl(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux_tensors: list[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+    block_mask: list[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, mod_key: str, block_mask_q: int,
+    block_mask_kv: int, deterministic: bool, grad_slots: list[int],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """bwd's (dq, dk, dv) and bwd_captured's gradients in one: one kernel run where the backend's
+    family accumulates captured gradients itself (capture_grad.fused_backward), else the two."""
+    from torch_fa4.mods import capture_grad
+
+    call = make_call(q, k, v, aux_tensors, cu_seqlens_q, cu_seqlens_k, seqused_k, block_mask, max_seqlen_q,
+                     max_seqlen_k, scale, causal, window_left, window_right, softcap, mod_key, block_mask_q,
+                     block_mask_kv)
+    return capture_grad.backward_and_captured(call, dout, out, lse, grad_slots, deterministic)
+
+
+bwd_and_captured = torch.library.custom_op("torch_fa4::bwd_and_captured", bwd_and_captured_impl,
+                                           mutates_args=())
+
+
+@bwd_and_captured.register_fake
+def _bwd_and_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args):
+    captured = _bwd_captured_fake(dout, q, k, v, out, lse, aux_tensors, *args)
+    return (*_bwd_fake(dout, q, k, v, out, lse), captured)
 
 
 def captured_slots(rest, needs_aux) -> list[int]:
@@ -133,15 +163,19 @@ def _backward(ctx, grad_out, grad_lse):
     grad_out = grad_out.contiguous()
     needs = ctx.needs_input_grad  # with the inputs' structure: the captured tensors' is a list
     dq = dk = dv = None
-    if needs[0] or needs[1] or needs[2]:
-        dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
     # Autograd wants one entry per input with the input's structure: lists get lists of None.
     grads = [[None] * len(x) if isinstance(x, (list, tuple)) else None for x in rest]
     slots = captured_slots(rest, needs[3])
-    if slots:
+    found = []
+    if slots and (needs[0] or needs[1] or needs[2]):  # one op: one kernel run where the family fuses them
+        dq, dk, dv, found = torch.ops.torch_fa4.bwd_and_captured(grad_out, q, k, v, out, lse, *rest, slots)
+        dq, dk, dv = (g if wanted else None for g, wanted in zip((dq, dk, dv), needs[:3]))
+    elif needs[0] or needs[1] or needs[2]:
+        dq, dk, dv = torch.ops.torch_fa4.bwd(grad_out, q, k, v, out, lse, *rest)
+    elif slots:
         found = torch.ops.torch_fa4.bwd_captured(grad_out, q, k, v, out, lse, *rest, slots)
-        for slot, g in zip(slots, found):
-            grads[0][slot] = g
+    for slot, g in zip(slots, found):
+        grads[0][slot] = g
     return (dq, dk, dv, *grads)
 
 

@@ -94,7 +94,7 @@ def compile_variant(config: BwdConfig, arch: str = ARCH, dump_dir: Optional[str]
 
             mods = registry.lookup(config.mods_key)
         kernel = Sm100AttentionBackward(cute_dtype(config.dtype), config, mods)
-        return compile_with_stream(kernel, kernel_args(config, mods), arch, dump, jit)
+        return compile_with_stream(kernel, kernel_args(config, mods, with_captured_grads=False), arch, dump, jit)
 
     return cached_compile(("sm100_bwd", arch, config), build, dump_dir)
 

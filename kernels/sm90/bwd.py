@@ -9,13 +9,15 @@ Repeated dense calls replay a launch record (bwd_launch_record.py).
 Takes: fp16/bf16, head dims 64/96/128/192/256 (Dv may differ), causal, sliding window, softcap,
 GQA/MQA, seqused_k, any 16-byte-aligned strides, deterministic dQ, varlen (one launch of the
 packed-rows variant; one dense launch per sequence with one side packed: `runs_per_sequence`),
-score_mod/mask_mod (lowered into the kernel, derivative from the traced graph) and block masks
+score_mod/mask_mod (lowered into the kernel, derivative from the traced graph; the gradients of
+tensors a score_mod captures accumulated by the kernel where captured_grad_reason allows) and block masks
 (driving the walk where bwd_sparse.sparse_walk_reason allows; else the mask_mod is evaluated on
 every tile of the dense walk: slower, same result).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -24,7 +26,7 @@ import torch
 from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record, bwd_prepare
 from torch_fa4.kernels.sm90.bwd_buffers import (dq_buffer, dq_buffer_shape, persistent_buffers, persistent_shapes,
                                                 writes_dq_directly)
-from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, compile_variant
+from torch_fa4.kernels.sm90.bwd_compile import MAX_AUX, MAX_CAPTURE_GRADS, compile_variant
 from torch_fa4.kernels.sm90.bwd_row_stats import row_statistics
 from torch_fa4.kernels.sm90.bwd_variant import (DEFAULT_TUNING, BwdTuning, launch_plan, runs_per_sequence,
                                                 variant_key, window)
@@ -34,8 +36,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "BwdTuning", "backward", "compile_variant", "launch_plan", "runs_per_sequence",
-           "unsupported_reason", "variant_key"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "BwdTuning", "backward", "captured_grad_reason", "compile_variant",
+           "launch_plan", "runs_per_sequence", "unsupported_reason", "variant_key"]
 
 
 def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING) -> str | None:
@@ -65,6 +67,28 @@ def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING
     return None
 
 
+def captured_grad_reason(call: "AttentionCall", slots, deterministic: bool,
+                         tuning: BwdTuning = DEFAULT_TUNING) -> str | None:
+    """Why the kernel does not accumulate the gradients of the captured tensors at `slots` (score_mod
+    slots) itself, or None where it does (`backward(..., capture=)`; bwd_scores.CapturedGrads).
+    Elsewhere torch_fa4/mods/capture_grad.py computes them."""
+    reason = unsupported_reason(call, tuning)
+    if reason is not None:
+        return reason
+    if deterministic:
+        return "deterministic mode: fp32 atomics add in no fixed order"
+    if call.mods is None or call.mods.score_graph is None:
+        return "no score_mod"
+    if not slots or len(slots) > MAX_CAPTURE_GRADS:
+        return f"gradients for {len(slots)} captured tensors (the kernel takes 1 to {MAX_CAPTURE_GRADS})"
+    if runs_per_sequence(call, deterministic, tuning):
+        return "one launch per sequence"
+    for slot in slots:
+        if not (0 <= slot < call.mods.num_score_aux and call.aux_tensors[slot].is_floating_point()):
+            return f"captured tensor {slot} is not a floating tensor of the score_mod"
+    return None
+
+
 # TMA reads rows as the fused row-statistics pass does: a unit last stride, 16-byte-multiple strides
 # and a 16-byte base
 tma_compatible = bwd_prepare._vector_ready
@@ -74,16 +98,25 @@ _tma_view = bwd_prepare._packed_size_one_strides
 
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool,
-             tuning: BwdTuning = DEFAULT_TUNING) -> None:
+             tuning: BwdTuning = DEFAULT_TUNING, capture=None) -> None:
     """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's). `tuning`: the
-    tests' non-default launch choices (bwd_variant.BwdTuning)."""
-    if bwd_launch_record.run(call, dout, out, lse, dq, dk, dv, deterministic, tuning):
+    tests' non-default launch choices (bwd_variant.BwdTuning). `capture`: (score_mod slots, fp32
+    buffers shaped like those captured tensors (0-d: (1,)), contiguous and zeroed), where
+    captured_grad_reason allows: the kernel adds the slots' gradients into the buffers."""
+    if capture is None and bwd_launch_record.run(call, dout, out, lse, dq, dk, dv, deterministic, tuning):
         return  # a repeated dense call: replayed from its launch record
     if runs_per_sequence(call, deterministic, tuning):
         assert call.mods is None, "mods on per-sequence launches (unsupported_reason refuses them)"
         _backward_per_sequence(call, dout, out, lse, dq, dk, dv, deterministic, tuning)
         return
-    plan = launch_plan(call, variant_key(call, deterministic), tuning)
+    key = variant_key(call, deterministic)
+    grads = [None] * MAX_CAPTURE_GRADS
+    if capture is not None:
+        slots, buffers = capture
+        assert captured_grad_reason(call, slots, deterministic, tuning) is None
+        key = dataclasses.replace(key, capture_slots=tuple(slots))
+        grads[: len(buffers)] = buffers
+    plan = launch_plan(call, key, tuning)
     key = plan.key
     fn = compile_variant(key)
     tile_m = key.tile_m  # queries per step: row statistics, dQ buffer, semaphores pad to it
@@ -121,7 +154,7 @@ def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: b
     fn(
         q, k, v, dout, lse2, dpsum, dq_acc, dk, dv, dq_out,
         cu_q, cu_k, seqused, sem, split_ws, split_cnt, *lists,
-        *main_scalars(call, plan), *aux,
+        *main_scalars(call, plan), *aux, *grads,
     )
     # the kernel accumulates dS K; the softmax scale joins the conversion to dq's dtype (no_grad:
     # out= refuses autograd, and these buffers are results, never differentiated through)

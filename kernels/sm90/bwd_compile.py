@@ -12,6 +12,7 @@ from torch_fa4.kernels.host.fwd_launch import fake_packed
 from torch_fa4.kernels.sm90.bwd_config import BwdConfig
 
 MAX_AUX = 8  # captured mod tensors the kernel takes (kernels/common/mod_lowering.MAX_AUX)
+MAX_CAPTURE_GRADS = 4  # captured tensors whose gradients the kernel accumulates (BwdConfig.capture_slots)
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -76,9 +77,10 @@ def _mods_of(config: BwdConfig):
     return registry.lookup(config.mods_key)
 
 
-def kernel_args(config: BwdConfig, mods=None) -> tuple:
+def kernel_args(config: BwdConfig, mods=None, with_captured_grads: bool = True) -> tuple:
     """Stand-ins for the main kernel's arguments (bwd_kernel.__call__ without the stream): symbolic
-    shapes and strides. The sm100 backward takes the same arguments."""
+    shapes and strides. The sm100 backward takes the same arguments but the captured tensors'
+    gradient buffers (with_captured_grads=False)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -133,7 +135,11 @@ def kernel_args(config: BwdConfig, mods=None) -> tuple:
         specs = [a for g in (mods.score_graph, mods.mask_graph) if g is not None for a in g.aux]
         aux = [mod_lowering.fake_aux_tensor(a.dtype, a.ndim) for a in specs]
     aux += [None] * (MAX_AUX - len(aux))
+    grads = [None] * MAX_CAPTURE_GRADS
+    for i, slot in enumerate(config.capture_slots):  # fp32, laid out like the captured tensor
+        grads[i] = fake_packed(Float32, max(specs[slot].ndim, 1), align=4)
     scalars = (Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1),
                Int32(1), Int32(0), Int32(1))  # scale .. split_ways (bwd_kernel.__call__)
-    return (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
+    args = (q, k, v, do, lse, dps, dqa, dk, dvv, dq_out, cuq, cuk, used, sem, split_ws, split_cnt, *lists,
             *scalars, *aux)
+    return args + tuple(grads) if with_captured_grads else args

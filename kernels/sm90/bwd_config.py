@@ -35,6 +35,9 @@ class BwdConfig:
     fused_dq: bool  # persistent: dq written by the kernel (no conversion pass)
     split_tail: bool  # persistent: the last round's tiles may run as pieces
     mask_key_tail: bool  # dense keys end inside a key tile: mask the tail's keys
+    # score_mod slots whose captured tensors' gradients the kernel accumulates into fp32 buffers
+    # (bwd_scores.CapturedGrads); () for none
+    capture_slots: tuple = ()
 
     @cached_property
     def _ring(self) -> tuple[int, bool]:

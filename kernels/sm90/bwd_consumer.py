@@ -151,7 +151,7 @@ class BwdConsumer:
             q_off, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k,
             seqlen_q, softcap_val, st_atom, tPrV, tPrdO, tSrK, tSrQ, tdKrQ, tdKrdS, tdQrK, tdQrdS,
             tdQsdQ, tdQsdQ_do, tdQsdQ_q, tdSsdS, tdSsdS_st, tdVrP, tdVrdO, thr_SdP, thr_dQ,
-            thr_st_dS, tm, tma_dQ, tn, walk, wg, window_left, window_right,)
+            thr_st_dS, tm, tma_dQ, tn, walk, wg, window_left, window_right, cta.capture_bufs,)
         if const_expr(not self.split_mask_loops):
             for step in cutlass.range(steps, unroll=1):
                 state, cur_h, cur_m, prev_stage = self._step(
@@ -261,7 +261,7 @@ class BwdConsumer:
          q_off, sDp, sLSE, scale, scale_log2, score_aux, sdQ, sdQ_wg, seqlen_k, seqlen_q,
          softcap_val, st_atom, tPrV, tPrdO, tSrK, tSrQ, tdKrQ, tdKrdS, tdQrK, tdQrdS, tdQsdQ,
          tdQsdQ_do, tdQsdQ_q, tdSsdS, tdSsdS_st, tdVrP, tdVrdO, thr_SdP, thr_dQ, thr_st_dS, tm,
-         tma_dQ, tn, walk, wg, window_left, window_right,) = ops
+         tma_dQ, tn, walk, wg, window_left, window_right, capture_bufs,) = ops
         h_local, m_block, partial = walk.at(step, cur_h, cur_m)
         cur_h, cur_m = walk.advance(cur_h, cur_m)
         h = hkv * self.group + h_local
@@ -295,7 +295,7 @@ class BwdConsumer:
         row0 = m_block * tm  # query index of column 0
         key0 = n_block * tn
         rP, rdS = cute.make_rmem_tensor_like(acc_S, self.dtype), cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        mod_ctx = (b, h, score_aux, mask_aux, partial)
+        mod_ctx = (b, h, score_aux, mask_aux, partial, capture_bufs)
         # what P / dS read besides the products (bwd_scores)
         at = (cS, sLSE, sDp, stage, row0, key0, seqlen_q, seqlen_k, diag, window_left, window_right, scale,
               scale_log2, softcap_val, mod_ctx)

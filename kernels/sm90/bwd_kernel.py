@@ -61,6 +61,11 @@ swizzle. It buys conflict-free slab stores: dQ = dS K leaves each thread 64-bit 
 row, and under the slab's 128-byte swizzle rows r and r ^ 1 of a warp share banks; dQ^T's 32-bit
 stores hit 32 banks (NOTES Experiment 79).
 
+Captured gradients (`capture_slots`): the gradients of tensors a score_mod reads (learnable
+slopes, bias tables) are added by the consumers into fp32 buffers from the dS they form anyway
+(bwd_scores.py says how equal addresses are reduced first); the host takes this path where
+bwd.captured_grad_reason allows (not in deterministic mode: atomics add in no fixed order).
+
 Block sparsity: with a block mask (bwd_sparse.py, bwd_q_walk.py) a CTA walks only the query tiles
 the transposed block mask lists for its key tile, and evaluates the mask_mod on partial ones only.
 
@@ -153,6 +158,16 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         if self.score_graph is not None and not mods_dsl.mod_graph_is_identity_grad(mods.score_grad_graph):
             self.grad_graph = mods.score_grad_graph
         self.num_score_aux = mods.num_score_aux if mods is not None else 0
+        # gradients of captured tensors (capture_slots): the loads to differentiate, planned
+        # (bwd_scores.captured_loads), and the graph holding their indices and derivatives
+        self.captured = ()
+        self.capture_graph = None
+        if c.capture_slots:
+            from .bwd_scores import captured_loads
+
+            assert self.score_graph is not None, "captured gradients need a score_mod"
+            self.captured = captured_loads(mods.load_derivatives, c.capture_slots)
+            self.capture_graph = mods.load_derivatives.graph
         self.num_aux = self.num_score_aux + (mods.num_mask_aux if mods is not None else 0)
         # P and dS in one pass once S^T and dP^T both landed, when dS needs more than P: tanh'
         # (softcap) or score_mod' at the unmodified score; and at 128 queries, where P is formed
@@ -229,9 +244,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         split_items: Int32,  # split_tail: the last this many work tiles run as pieces (0: none)
         split_ways: Int32,  # ... of this many pieces each
         aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7,  # captured mod tensors, None when unused
+        # capture_slots: fp32 gradient buffers shaped like those slots' tensors, contiguous,
+        # zeroed (the kernel adds into them); None when unused
+        grad0, grad1, grad2, grad3,
         stream,
     ):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
+        capture_bufs = (grad0, grad1, grad2, grad3)[: len(self.capture_slots)]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux :]
         # Kernel views: sequence first, head dim second (the (M|N, K) order wgmma and TMA tile).
         # Packed sequences get a unit batch mode, so indexing is the dense path's; batches are
@@ -372,13 +391,13 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
             (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None,
             (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout),
             (mma_SdP, mma_dK, mma_dV, mma_dQ), (scale, scale_log2, softcap_val, window_left, window_right),
-            cta_group, cta_tail, num_ctas, score_aux, mask_aux, fused, Storage,
+            cta_group, cta_tail, num_ctas, score_aux, mask_aux, fused, capture_bufs, Storage,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, gmem, tmas, mCuQ, mCuK, mSeqUsedK, mSem, split, q_lists, layouts, mmas, scalars,
-               cta_group: Int32, cta_tail: Int32, num_ctas: Int32, score_aux, mask_aux, fused,
+               cta_group: Int32, cta_tail: Int32, num_ctas: Int32, score_aux, mask_aux, fused, capture_bufs,
                Storage: cutlass.Constexpr):
         """gmem: the TMA views of Q, K, V, dO, LSE2, dPsum and the dQ buffer, then dK, dV; tmas:
         their atoms; scalars: scale, scale_log2, softcap_val, window_left, window_right."""
@@ -457,7 +476,8 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
         # what the roles share (kernel's arguments, shared memory, the ring)
         cta = SimpleNamespace(gmem=gmem, tmas=tmas, seqs=(mCuQ, mCuK, mSeqUsedK), mSem=mSem, q_lists=q_lists,
                               smem=(sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDp), mmas=mmas, scalars=scalars,
-                              ring=(pipe, pipe_do, bar_kv, bytes_kv), score_aux=score_aux, mask_aux=mask_aux)
+                              ring=(pipe, pipe_do, bar_kv, bytes_kv), score_aux=score_aux, mask_aux=mask_aux,
+                              capture_bufs=capture_bufs)
         if const_expr(not self.persistent):
             tile = self._tile_walk(cta, n_block, hkv, b)
             if warp_idx < 4:

@@ -120,7 +120,7 @@ def _derive(call, dout, out, lse, dq, dk, dv, tuning):
         return _NOT_RECORDED
     tile_m = key.tile_m
     row_statistics = bwd_prepare.compile_kernel(dout.dtype, dout.shape[-1], d_zero=call.head_dim)
-    scalars = (*bwd.main_scalars(call, plan), *[None] * bwd.MAX_AUX)
+    scalars = (*bwd.main_scalars(call, plan), *[None] * (bwd.MAX_AUX + bwd.MAX_CAPTURE_GRADS))  # (no mods)
     stats_shape = (2, *lse.shape[:-1], stat_rows(call, tile_m))
     return LaunchRecord(bwd.compile_variant(key), row_statistics, convert, stats_shape, dq_acc_shape,
                         bwd_buffers.persistent_shapes(call, plan), scalars, float(call.scale),

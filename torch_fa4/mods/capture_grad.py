@@ -25,7 +25,11 @@ over score elements collapse the dimensions a load's index does not depend on fi
 sums whole rows before touching memory), and then add into an fp32 (fp64) buffer with
 `index_add_`, or `index_put_(accumulate=True)` in deterministic mode (sorted, same order on every
 run). A fused path inside a kernel family is optional: it may take over where it is faster, this
-module stays the definition and the path for every family that has none.
+module stays the definition and the path for every family that has none. The sm90 backward has
+one (`fused_backward`: its kernel adds dS times each load's derivative into fp32 buffers,
+kernels/sm90/bwd_scores.CapturedGrads), taken by the `torch_fa4::bwd_and_captured` op where its
+module's `captured_grad_reason` allows, and by `torch_fa4::bwd_captured` too (dQ, dK, dV then
+dropped: one kernel run costs far less than the recomputation here).
 
 What gets a gradient: floating tensors captured by the score_mod. Tensors captured by a mask_mod
 get none (a mask's output is a boolean: its derivative is 0 wherever it exists, and autograd
@@ -84,6 +88,42 @@ def captured_grads(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, l
         for seg in _segments(call, dout, out, lse):
             _accumulate_segment(call, derivs.graph, loads, seg, accs, deterministic)
     return [accs[slot].view(aux[slot].shape).to(aux[slot].dtype) for slot in slots]
+
+
+def fused_backward(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   slots: Sequence[int], deterministic: bool):
+    """(dq, dk, dv, [gradients of the captured tensors at `slots`]) from one run of the backend's
+    backward kernel, where its family accumulates captured gradients itself (its module's
+    `captured_grad_reason` is None for the call); else None (then `captured_grads` computes them)."""
+    from torch_fa4 import dispatch
+
+    slots = tuple(slots)
+    kernel = dispatch.kernel_for(call, "backward", deterministic=deterministic)
+    reason_for = getattr(kernel, "captured_grad_reason", None)
+    if reason_for is None or reason_for(call, slots, deterministic) is not None:
+        return None
+    dispatch.host_checks(call)
+    aux = call.aux_tensors
+    buffers = [torch.zeros(aux[s].shape if aux[s].dim() else (1,), dtype=torch.float32, device=aux[s].device)
+               for s in slots]
+    dq = torch.empty(call.q.shape, dtype=call.q.dtype, device=call.q.device)
+    dk = torch.empty(call.k.shape, dtype=call.k.dtype, device=call.k.device)
+    dv = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device)
+    kernel.backward(call, dout, out, lse, dq, dk, dv, deterministic, capture=(slots, buffers))
+    return dq, dk, dv, [b.view(aux[s].shape).to(aux[s].dtype) for s, b in zip(slots, buffers)]
+
+
+def backward_and_captured(call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          slots: Sequence[int], deterministic: bool):
+    """(dq, dk, dv, captured gradients): the fused kernel where the family has one for the call,
+    else the backend's backward and `captured_grads`."""
+    found = fused_backward(call, dout, out, lse, slots, deterministic)
+    if found is not None:
+        return found
+    from torch_fa4 import dispatch
+
+    dq, dk, dv = dispatch.backward(call, dout, out, lse, deterministic)
+    return dq, dk, dv, captured_grads(call, dout, out, lse, slots, deterministic)
 
 
 def _segments(call: AttentionCall, dout, out, lse):
