@@ -120,6 +120,7 @@ class Sm100AttentionBackward(BwdScores):
         # score_mod / mask_mod and their derivative, as the sm90 backward reads them (BwdScores)
         (self.score_graph, self.mask_graph, self.grad_graph, self.num_score_aux,
          self.num_aux) = mods_dsl.backward_mods(mods)
+        self.captured = ()  # (no captured-tensor gradients here: the PyTorch path computes them)
         # block-sparse walk: a block-mask tile is ratio_m query steps by ratio_n key tiles
         self.sparse = c.sparse is not None
         self.ratio_m, self.ratio_n = c.sparse if c.sparse is not None else (1, 1)
