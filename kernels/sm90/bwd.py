@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torch_fa4.kernels.host import bwd_operands
 from torch_fa4.kernels.sm90 import bwd_dq_convert, bwd_launch_record, bwd_prepare
 from torch_fa4.kernels.sm90.bwd_buffers import (dq_buffer, dq_buffer_shape, persistent_buffers, persistent_shapes,
                                                 writes_dq_directly)
@@ -42,15 +43,8 @@ __all__ = ["SUPPORTED_HEAD_DIMS", "BwdTuning", "backward", "captured_grad_reason
 
 def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING) -> str | None:
     q, k, v = call.q, call.k, call.v
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"sm90 backward takes fp16/bf16, not {q.dtype}"
-    if not (q.dtype == k.dtype == v.dtype):
-        return "q, k, v dtypes differ"
-    if call.head_dim not in SUPPORTED_HEAD_DIMS or call.head_dim_v not in SUPPORTED_HEAD_DIMS:
-        return (f"sm90 backward takes head dims {SUPPORTED_HEAD_DIMS}, "
-                f"not D={call.head_dim}, Dv={call.head_dim_v}")
-    if call.mod_key and call.mods is None:
-        return "score_mod/mask_mod key given but not resolved to a ModSet"
+    if (reason := bwd_operands.operand_reason(call, "sm90", SUPPORTED_HEAD_DIMS)) is not None:
+        return reason
     if call.mods is not None:
         if call.is_varlen != (call.cu_seqlens_k is not None):
             return "sm90 backward takes score_mod/mask_mod with cu_seqlens on both sides or neither"
@@ -59,8 +53,6 @@ def unsupported_reason(call: "AttentionCall", tuning: BwdTuning = DEFAULT_TUNING
             return "score_mod/mask_mod with varlen need the packed-rows backward"
         if len(call.aux_tensors) > MAX_AUX:
             return f"mods capture {len(call.aux_tensors)} tensors (sm90 backward: at most {MAX_AUX})"
-    if call.num_heads % call.num_heads_kv != 0:
-        return "query heads are not a multiple of KV heads"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not tma_compatible(t):
             return f"{name} is not TMA-compatible (last dim contiguous, 16-byte strides/pointer)"
