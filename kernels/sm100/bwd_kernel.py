@@ -74,7 +74,8 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import TMEM_COLUMNS, fence_after_sync, fence_before_sync, tmem_copy, umma
 from torch_fa4.kernels.common import mod_lowering as mods_dsl
-from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, SparseQWalk, key_tile_sequence, query_tiles_seeing
+from torch_fa4.kernels.sm90.bwd_q_walk import (DenseQWalk, SparseQWalk, head_slab, key_tile_sequence,
+                                               query_tiles_seeing)
 from torch_fa4.kernels.sm90.bwd_scores import BwdScores
 
 SMEM_BYTES = 227 * 1024
@@ -360,14 +361,7 @@ class Sm100AttentionBackward(BwdScores):
     @cute.jit
     def _head_rows(self, t: cute.Tensor, h, b, off):
         """The (seq, ...) slab of head h, batch b, offset to the sequence's first row (varlen)."""
-        bi = 0 if const_expr(self.varlen) else b
-        if const_expr(cute.rank(t) == 4):
-            r = t[(None, None, h, bi)]
-        else:
-            r = t[(None, h, bi)]
-        if const_expr(self.varlen):
-            r = cute.domain_offset((off,) + (0,) * (cute.rank(r) - 1), r)
-        return r
+        return head_slab(t, h, b, off, self.varlen)
 
     # ------------------------------------------------------------------ load warp
     @cute.jit

@@ -105,7 +105,7 @@ from .bwd_consumer import BwdConsumer
 from .bwd_dq import BwdDq
 from .bwd_dq_fused import COUNT_WARP, CVT_WARP, BwdDqFused
 from .bwd_producer import BwdProducer
-from .bwd_q_walk import DenseQWalk, SparseQWalk, key_tile_sequence, query_tiles_seeing
+from .bwd_q_walk import DenseQWalk, SparseQWalk, head_slab, key_tile_sequence, query_tiles_seeing
 from .bwd_scores import BwdScores
 
 # Named barriers (0 is __syncthreads): 1 both consumer warpgroups (256 threads); 2, 3 one consumer
@@ -683,11 +683,4 @@ class Sm90AttentionBackward(BwdProducer, BwdConsumer, BwdScores, BwdDq, BwdDqFus
     @cute.jit
     def _head_slice(self, t: cute.Tensor, h, b, off):
         """The (seq, ...) slab of head h, batch b; for varlen, offset to the batch's first row."""
-        bi = 0 if const_expr(self.varlen) else b
-        if const_expr(cute.rank(t) == 4):
-            r = t[(None, None, h, bi)]
-        else:
-            r = t[(None, h, bi)]
-        if const_expr(self.varlen):
-            r = cute.domain_offset((off,) + (0,) * (cute.rank(r) - 1), r)
-        return r
+        return head_slab(t, h, b, off, self.varlen)

@@ -47,6 +47,20 @@ def key_tile_sequence(mQ: cute.Tensor, mK: cute.Tensor, mCuQ, mCuK, mSeqUsedK, b
 
 
 @cute.jit
+def head_slab(t: cute.Tensor, h: Int32, b: Int32, off: Int32, varlen: cutlass.Constexpr[bool]):
+    """The (seq, ...) slab of head h, batch b of a (seq, heads, batch) or (seq, dim, heads, batch)
+    view; packed sequences (varlen: a unit batch mode) are offset to their first row `off`."""
+    bi = 0 if const_expr(varlen) else b
+    if const_expr(cute.rank(t) == 4):
+        r = t[(None, None, h, bi)]
+    else:
+        r = t[(None, h, bi)]
+    if const_expr(varlen):
+        r = cute.domain_offset((off,) + (0,) * (cute.rank(r) - 1), r)
+    return r
+
+
+@cute.jit
 def query_tiles_seeing(n0: Int32, n1: Int32, seqlen_q: Int32, diag: Int32, window_left: Int32,
                        window_right: Int32, tile_m: cutlass.Constexpr[int], has_left: cutlass.Constexpr[bool],
                        has_right: cutlass.Constexpr[bool]):
