@@ -72,7 +72,8 @@ from torch_fa4.kernels.common.convert import convert_pairs
 from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, REGISTERS, TILE_M,
                                                 TILE_N, Sm100BwdLayout)
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
-from torch_fa4.kernels.sm100.tmem import TMEM_COLUMNS, fence_after_sync, fence_before_sync, tmem_copy, umma
+from torch_fa4.kernels.sm100.tmem import (TMEM_COLUMNS, fence_after_sync, fence_before_sync, setup_tmem,
+                                          tmem_copy, umma)
 from torch_fa4.kernels.common import mod_lowering as mods_dsl
 from torch_fa4.kernels.sm90.bwd_q_walk import (DenseQWalk, SparseQWalk, head_slab, key_tile_sequence,
                                                query_tiles_seeing)
@@ -271,14 +272,7 @@ class Sm100AttentionBackward(BwdScores):
                                                   barrier_storage=bar.data_ptr(), defer_sync=True)
                 for bar in (storage.mbar_s, storage.mbar_dq, storage.mbar_acc))
 
-            if warp_idx == MMA_WARP:
-                cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
-                cute.arch.relinquish_tmem_alloc_permit()
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()  # barriers initialised and the TMEM address published
-
-            tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
-                                               ptr_to_buffer_holding_addr=storage.tmem_base)
+            tmem = setup_tmem(storage.tmem_base, warp_idx == MMA_WARP)
 
             def smem_view(buf, layout):
                 return cute.make_tensor(cute.recast_ptr(buf.iterator, layout.inner), layout.outer)

@@ -72,6 +72,7 @@ from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_CO
 from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm100.tmem import fence_after_sync as _tcgen05_fence_after_sync
 from torch_fa4.kernels.sm100.tmem import fence_before_sync as _tcgen05_fence_before_sync
+from torch_fa4.kernels.sm100.tmem import setup_tmem
 from torch_fa4.kernels.sm100.tmem import tmem_copy as _tmem_copy
 from torch_fa4.kernels.sm100.tmem import umma as _umma
 from torch_fa4.kernels.sm90.fwd import _sequence_major
@@ -308,14 +309,7 @@ class FlashFwdSm100:
             pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg)
             pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1)[tiles], wg, wg)
 
-            if warp_idx == _MMA_WARP:
-                cute.arch.alloc_tmem(TMEM_COLUMNS, storage.tmem_base)
-                cute.arch.relinquish_tmem_alloc_permit()
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()  # barriers initialised and the TMEM address published
-
-            tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
-                                               ptr_to_buffer_holding_addr=storage.tmem_base)
+            tmem = setup_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
             thr_qk = qk_mma.get_slice(0)
             thr_pv = pv_mma.get_slice(0)
             s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout

@@ -14,6 +14,19 @@ TMEM_COLUMNS = 512
 
 
 @cute.jit
+def setup_tmem(tmem_base, allocating_warp):
+    """Every CTA thread, once the mbarriers are initialised: one warp (`allocating_warp` true
+    on it) takes all TMEM_COLUMNS columns, then the barrier's fence, a CTA barrier, and the TMEM
+    base address read back from shared memory `tmem_base` (returned)."""
+    if allocating_warp:
+        cute.arch.alloc_tmem(TMEM_COLUMNS, tmem_base)
+        cute.arch.relinquish_tmem_alloc_permit()
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()  # barriers initialised and the TMEM address published
+    return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_base)
+
+
+@cute.jit
 def fence_before_sync():
     """Order this thread's earlier tcgen05 ops (ld/st) before the barrier arrive that follows."""
     cute.arch.inline_ptx("tcgen05.fence::before_thread_sync;")
