@@ -32,7 +32,10 @@ _HIDDEN = 2048  # H * D
 
 # per head dim: overrides of PortableFwdConfig to time against the default row (--tune)
 _CANDIDATES = {
-    64: [dict(), dict(tile_m=64), dict(num_warps=8, tile_m=128)],
+    # D64: the row (4 warps of 32 rows, 64 keys) against 64-row CTAs, 8 warps of 16 rows, and
+    # 128-key tiles (fewer online-softmax rounds per key; 8 warps keep S 16 x 128 in registers)
+    64: [dict(), dict(tile_m=64), dict(num_warps=8, tile_m=128), dict(num_warps=8, tile_n=128),
+         dict(num_warps=8, tile_n=128, q_in_regs=False), dict(tile_n=128, q_in_regs=False)],
     # the row (4 warps of 32 rows, 64 keys: spills 12-18 registers in the key loop) against 8 warps
     # of 16 rows (one CTA per SM, each warp reading all of K and V), 32-key tiles (no spills) and
     # 64 x 64 with 4 warps of 16 rows (several CTAs per SM)

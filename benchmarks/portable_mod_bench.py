@@ -10,15 +10,23 @@ torch.compile(flex_attention) with the same score_mod / mask_mod (and a block ma
     window    mask_mod q_idx - kv_idx <= 1024 (with causal: a sliding window)
     document  mask_mod doc[q_idx] == doc[kv_idx], 8 documents of 512 tokens (captured int32 ids)
 
-Both sides run the same causal call and mods, so the ratio (Flex's time / ours) is the comparison;
+Ours runs as a user calls it: torch_fa4.flex_attention with the portable backend forced
+(TORCH_FA4_BACKEND=portable), its own block mask of the causal mask ANDed with the row's mask, host
+time included; a call the portable kernel refuses is an error, never timed as the reference. Both
+sides run the same causal call and mods, so the ratio (Flex's time / ours) is the comparison;
 TFLOP/s count the dense causal FLOPs for both (4 B H S^2 D / 2; 2.5x that for --bwd).
+
+--flex-mma-sync: Triton compiles FlexAttention with the warp-level MMA (mma.sync, Triton's
+DISABLE_MMA_V3) instead of Hopper's warpgroup MMA, in private Inductor / Triton caches: on an
+H100 / H200 that is the code FlexAttention runs on the Ampere, Ada and consumer-Blackwell GPUs this
+kernel is for. The header says which MMA Flex's kernels use (read from their PTX).
 
 --compile (CPU or GPU; CUTE_DSL_ARCH picks the target where there is no GPU, default sm_90a): each
 variant's first compile in its own fresh process (CuTe DSL imported first, the disk cache off):
 the sm90 forward's default variant for D128 S4k causal, then the portable forward's and the
 portable backward's for the same call.
 
-    python benchmarks/portable_mod_bench.py [--bwd] [--rows alibi,softcap,window,document]
+    python benchmarks/portable_mod_bench.py [--bwd] [--rows alibi,softcap,window,document] [--flex-mma-sync]
     python benchmarks/portable_mod_bench.py --compile [--runs 3]
 """
 
@@ -31,10 +39,13 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+os.environ["TORCH_FA4_BACKEND"] = "portable"  # (read per call: ours runs the portable kernels)
 
 B, S, H, D = 4, 4096, 16, 128
 ROWS = ("alibi", "softcap", "window", "document")
@@ -69,50 +80,37 @@ def mods_of(row: str, device="cuda"):
     return None, document
 
 
-def _call(q, k, v, score_mod, mask_mod):
-    """An AttentionCall with the mods traced (and a block mask for a mask_mod, causal folded in)."""
-    from torch_fa4 import mods as M
-    from torch_fa4.call import AttentionCall
-    from torch_fa4.mods import registry
-
-    if mask_mod is not None:
-        mask_mod = M.and_masks(mask_mod, M.causal_mask)
-    key, aux = M.prepare(score_mod, mask_mod)
-    extra = dict(mod_key=key, mods=registry.lookup(key), aux_tensors=tuple(aux))
-    if mask_mod is not None:
-        bm = M.create_block_mask(mask_mod, None, None, S, S, device=q.device)
-        extra.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                     block_mask_kv=bm.BLOCK_SIZE[1])
-    return AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, causal=True, **extra)
+def _causal_and(mask_mod):
+    def causal_and(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        return keep & mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else keep
+    return causal_and
 
 
 def ours(q, k, v, do, score_mod, mask_mod, bwd: bool):
-    from torch_fa4.kernels.portable import bwd as portable_bwd
-    from torch_fa4.kernels.portable import fwd_host
+    import torch_fa4
 
-    call = _call(q, k, v, score_mod, mask_mod)
-    reason = fwd_host.unsupported_reason(call) or (bwd and portable_bwd.unsupported_reason(call))
-    if reason:
-        raise RuntimeError(reason)
-    out = torch.empty_like(q)
-    lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
+    bm = torch_fa4.create_block_mask(_causal_and(mask_mod), None, None, S, S, device=q.device)
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(bwd) for t in (q, k, v))
+
+    def fwd():
+        return torch_fa4.flex_attention(qt, kt, vt, score_mod=score_mod, block_mask=bm)
+    with warnings.catch_warnings():  # a fallback (to the reference) is an error here, not a row
+        warnings.filterwarnings("error", message="torch_fa4: portable")
+        out = fwd()
+        if bwd:
+            g = do.transpose(1, 2)
+            torch.autograd.grad(out, (qt, kt, vt), g, retain_graph=True)
     if not bwd:
-        return lambda: fwd_host.forward(call, out, lse)
-    fwd_host.forward(call, out, lse)
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    return lambda: portable_bwd.backward(call, do, out, lse, dq, dk, dv, False)
+        return fwd
+    return lambda: torch.autograd.grad(out, (qt, kt, vt), g, retain_graph=True)
 
 
 def flex(q, k, v, do, score_mod, mask_mod, bwd: bool):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention)
-
-    def causal_and(b, h, q_idx, kv_idx):
-        keep = q_idx >= kv_idx
-        return keep & mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else keep
-
-    bm = create_block_mask(causal_and, None, None, S, S)
+    bm = create_block_mask(_causal_and(mask_mod), None, None, S, S)
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(bwd) for t in (q, k, v))
     if not bwd:
         return lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm)
@@ -125,7 +123,8 @@ def run_rows(rows, bwd: bool):
     import bench
 
     print(f"{torch.cuda.get_device_name()}, bf16, B {B} H {H} S {S} D {D} causal, "
-          f"{'backward' if bwd else 'forward'} (TFLOP/s: dense causal FLOPs)")
+          f"{'backward' if bwd else 'forward'} (TFLOP/s: dense causal FLOPs); torch_fa4 forced to the "
+          f"portable kernels")
     print(f"{'row':>9} {'portable':>9} {'flex':>9} {'flex ms / ours ms':>18}")
     flops = 4.0 * B * H * S * S * D / 2 * (2.5 if bwd else 1.0)
     for row in rows:
@@ -144,6 +143,28 @@ def run_rows(rows, bwd: bool):
         tf = {n: flops / t / 1e9 for n, t in times.items()}
         ratio = times["flex"] / times["portable"]
         print(f"{row:>9} {tf['portable']:>9.1f} {tf['flex']:>9.1f} {ratio:>17.2f}x", flush=True)
+    print(f"Flex's kernels: {_flex_mma()}")
+
+
+def _flex_mma() -> str:
+    """Which MMA the Triton kernels compiled so far use, from their PTX in Triton's cache."""
+    import glob
+
+    root = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    ptx = [open(p).read() for p in glob.glob(os.path.join(root, "**", "*.ptx"), recursive=True)]
+    wgmma = sum("wgmma.mma_async" in t for t in ptx)
+    sync = sum("mma.sync" in t for t in ptx)
+    return f"{wgmma} of {len(ptx)} PTX files use wgmma, {sync} mma.sync ({root})"
+
+
+def _use_flex_mma_sync() -> None:
+    """Triton's warp-level MMA for FlexAttention, compiled afresh (private caches: a kernel cached
+    with Hopper's MMA must not be reused)."""
+    import tempfile
+
+    os.environ["DISABLE_MMA_V3"] = "1"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-mma-sync-")
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-mma-sync-")
 
 
 def compile_one(which: str) -> None:
@@ -198,7 +219,11 @@ def main():
     ap.add_argument("--compile", action="store_true", help="first-compile times instead")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--compile-one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--flex-mma-sync", action="store_true",
+                    help="Flex compiled with the warp-level MMA (the code it runs on pre-Hopper GPUs)")
     args = ap.parse_args()
+    if args.flex_mma_sync:
+        _use_flex_mma_sync()
     if args.compile_one:
         compile_one(args.compile_one)
     elif args.compile:

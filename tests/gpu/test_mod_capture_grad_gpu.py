@@ -218,8 +218,10 @@ CLASSES = {"per_query": (_per_query_bias, [2]), "diagonal": (_diagonal_table, [1
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_fused_address_classes(name, d, dtype, kernel_backward_only, fused):
     """Every way bwd_scores groups equal addresses, at D128 (64 queries per step) and D64 (128),
-    GQA, causal, lengths that end inside tiles."""
-    b, sq, sk, hq, hkv = 2, 300, 333, 4, 2
+    GQA, causal, lengths that end inside tiles. Eight heads: a per-head gradient (ALiBi's slopes)
+    is then eight sums, so that eager low precision's error on it, the budget, is not one lucky
+    draw of four (its ratio to the kernel's ranged 0.2-1.4 over seeds at four heads)."""
+    b, sq, sk, hq, hkv = 2, 300, 333, 8, 2
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     make_mod, used = CLASSES[name]
