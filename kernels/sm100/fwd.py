@@ -72,7 +72,7 @@ from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_CO
 from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm100.tmem import fence_after_sync as _tcgen05_fence_after_sync
 from torch_fa4.kernels.sm100.tmem import fence_before_sync as _tcgen05_fence_before_sync
-from torch_fa4.kernels.sm100.tmem import setup_tmem
+from torch_fa4.kernels.sm100.tmem import release_pair_tmem, setup_pair_tmem, setup_tmem
 from torch_fa4.kernels.sm100.tmem import tmem_copy as _tmem_copy
 from torch_fa4.kernels.sm100.tmem import umma as _umma
 from torch_fa4.kernels.sm90.fwd import _sequence_major
@@ -142,12 +142,15 @@ class FlashFwdSm100:
         self.cols = cfg.tmem_columns()
         assert self.cols["used"] <= TMEM_COLUMNS, "S0, S1, O0, O1 do not fit in tensor memory"
         assert self.hdimv % _CHUNK == 0
-        self.qk_tiler = (Q_TILE_ROWS, self.tile_n, self.hdim)
-        self.pv_tiler = (Q_TILE_ROWS, self.hdimv, self.tile_n)
+        # MMA tiles: M = 128 rows per CTA, 256 for a pair sharing each MMA (cfg.two_cta)
+        self.pair = cfg.cta_group
+        assert not (cfg.two_cta and cfg.block_sparse), "a pair walks one key list for 256 rows"
+        self.qk_tiler = (self.pair * Q_TILE_ROWS, self.tile_n, self.hdim)
+        self.pv_tiler = (self.pair * Q_TILE_ROWS, self.hdimv, self.tile_n)
 
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
-        cta = tcgen05.CtaGroup.ONE
+        cta = tcgen05.CtaGroup.TWO if const_expr(self.pair == 2) else tcgen05.CtaGroup.ONE
         qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, cta,
             self.qk_tiler[:2])
@@ -201,14 +204,19 @@ class FlashFwdSm100:
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, self.dtype, cfg.kv_stages)
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, self.dtype, 1)
 
-        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,)).shape
-        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        cluster_vmnk = self._cluster_layout(qk_mma).shape
+        # a pair's loads are 2-SM TMA: each CTA fills its own shared memory and signals the
+        # leader CTA's barrier, which expects both halves' bytes
+        load_op = cpasync.CopyBulkTensorTileG2SOp(
+            tcgen05.CtaGroup.TWO if const_expr(self.pair == 2) else tcgen05.CtaGroup.ONE)
         sQ1, sK1, sV1 = (cute.select(layout, mode=[0, 1, 2]) for layout in (sQ_layout, sK_layout, sV_layout))
         tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_A(load_op, mQ, sQ1, self.qk_tiler, qk_mma, cluster_vmnk)
         tma_K, tK = cute.nvgpu.make_tiled_tma_atom_B(load_op, mK, sK1, self.qk_tiler, qk_mma, cluster_vmnk)
         tma_V, tV = cute.nvgpu.make_tiled_tma_atom_B(load_op, mV, sV1, self.pv_tiler, pv_mma, cluster_vmnk)
-        bytes_q = cute.size_in_bytes(self.dtype, sQ1)
-        bytes_kv = cute.size_in_bytes(self.dtype, sK1)
+        bytes_q = cute.size_in_bytes(self.dtype, sQ1) * self.pair
+        bytes_kv = cute.size_in_bytes(self.dtype, sK1) * self.pair
+        # V tiles are read through K's ring: a V stage must not be larger than a K stage
+        assert cute.cosize(sV_layout) <= cute.cosize(sK_layout)
 
         @cute.struct
         class Storage:
@@ -230,6 +238,9 @@ class FlashFwdSm100:
         # budgets the tiles against this)
         assert Storage.size_in_bytes() <= SMEM_BYTES, f"{Storage.size_in_bytes()} bytes of shared memory"
         num_m_blocks = (max_seqlen_q + cfg.cta_tile_m - 1) // cfg.cta_tile_m
+        grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch)
+        # a pair's two CTAs are adjacent blocks of one cluster and share its work item
+        grid = (grid[0] * self.pair, 1, 1)
         self.kernel(
             tQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
             score_scale, softmax_scale_log2, window_left, window_right,
@@ -237,11 +248,21 @@ class FlashFwdSm100:
             num_m_blocks, num_batch, heads_per_group, tail_pairs, bytes_q, bytes_kv, Storage,
             block_mask, score_aux, mask_aux,
         ).launch(
-            grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
+            grid=grid,
             block=[_NUM_THREADS, 1, 1],
+            cluster=[2, 1, 1] if const_expr(self.pair == 2) else None,
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _cluster_layout(self, qk_mma):
+        """The cluster as (V, M, N, K): V = the CTAs sharing one MMA (1 or 2), nothing else."""
+        return cute.tiled_divide(cute.make_layout((self.pair, 1, 1)), (qk_mma.thr_id.shape,))
+
+    def _m_tile(self, m_block, t, cta_v):
+        """The 128-row query tile that query tile t of this CTA holds: with a pair, the 256-row MMA
+        tile q_tiles * m_block + t has CTA 0's rows first."""
+        return (self.q_tiles * m_block + t) * self.pair + cta_v
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -264,7 +285,10 @@ class FlashFwdSm100:
         bidx, _, _ = cute.arch.block_idx()
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
                               cfg.causal)
-        m_block, head, batch = sched.work(bidx)
+        cta_v = Int32(0)  # this CTA's place in its pair (0: the leader, which issues the MMAs)
+        if const_expr(self.pair == 2):
+            cta_v = bidx % 2
+        m_block, head, batch = sched.work(bidx // self.pair)
         # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
         # (the query side's lengths only: the key side's loads stay inside the branch)
         if m_block * cfg.cta_tile_m < SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ).seqlen_q:
@@ -293,25 +317,40 @@ class FlashFwdSm100:
             storage = smem.allocate(Storage)
             one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
             wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+            # the MMA thread (the leader CTA's) waits for a warpgroup of each CTA of a pair
+            wg_pair = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.pair)
+            # with a pair the MMA-side pipelines span the cluster: commits multicast to both CTAs'
+            # barriers, releases arrive on the leader's (cutlass.pipeline's cta_layout_vmnk)
+            cluster = dict(cta_layout_vmnk=self._cluster_layout(qk_mma)) if const_expr(self.pair == 2) else {}
             pipe_q = pipeline.PipelineTmaUmma.create(
                 num_stages=self.q_tiles, producer_group=one, consumer_group=one, tx_count=bytes_q,
-                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
+                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True, **cluster)
             pipe_kv = pipeline.PipelineTmaUmma.create(
                 num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True, **cluster)
 
-            def per_tile(kind, bars, producer, consumer):  # one single-stage pipeline per query tile
+            def per_tile(kind, bars, producer, consumer, **kw):  # one single-stage pipeline per query tile
                 return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
-                                    barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
+                                    barrier_storage=b.data_ptr(), defer_sync=True, **kw) for b in bars]
 
             tiles = slice(0, self.q_tiles)
-            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg)
-            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg)
+            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg_pair,
+                              **cluster)
+            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg_pair,
+                              **cluster)
             pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1)[tiles], wg, wg)
 
-            tmem = setup_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
+            if const_expr(self.pair == 2):
+                tmem = setup_pair_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
+            else:
+                tmem = setup_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
+            # thread 0 of the MMA: the tensor-memory views and the score coordinates (a pair's CTAs
+            # hold the same 128 x N accumulator shapes); this CTA's slice for its loads
             thr_qk = qk_mma.get_slice(0)
             thr_pv = pv_mma.get_slice(0)
+            load_qk, load_pv = thr_qk, thr_pv
+            if const_expr(self.pair == 2):
+                load_qk, load_pv = qk_mma.get_slice(cta_v), pv_mma.get_slice(cta_v)
             s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout
             o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
             tS = [cute.make_tensor(tmem + c, s_layout) for c in self.cols["s"]]
@@ -323,8 +362,8 @@ class FlashFwdSm100:
             sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
             # (row, field, q tile)
             msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, self.q_tiles)))
-            softmax_args = (thr_qk, msg, tile_range, score_scale, softmax_scale_log2, seqlen, m_block, walk,
-                            n_count, batch, head, tidx % 128)
+            softmax_args = (thr_qk, msg, tile_range, score_scale, softmax_scale_log2, seqlen, m_block, cta_v,
+                            walk, n_count, batch, head, tidx % 128)
 
             regs_softmax, regs_correction, regs_other = cfg.registers
             if warp_idx < _SOFTMAX_WARPS[1]:
@@ -339,21 +378,25 @@ class FlashFwdSm100:
                     cute.arch.setmaxregister_decrease(_REGS_IDLE)
             elif warp_idx < _MMA_WARP:
                 cute.arch.setmaxregister_decrease(regs_correction)
-                self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
+                self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, cta_v, head,
                                      batch_q, n_count, tidx % 128)
             else:
                 cute.arch.setmaxregister_decrease(regs_other)
                 if warp_idx == _MMA_WARP:
-                    self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
-                                  pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
+                    if cta_v == 0:  # (a pair's MMAs are the leader's)
+                        self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
+                                      pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
                 elif warp_idx == _LOAD_WARP:
-                    self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q,
+                    self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, load_qk, load_pv, pipe_q,
                                    pipe_kv, seqlen, m_block, head, head_kv, batch_q, batch_k, walk, n_count)
 
             # every TMEM reader/writer is done: give the columns back
-            cute.arch.sync_threads()
-            if warp_idx == _MMA_WARP:
-                cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
+            if const_expr(self.pair == 2):
+                release_pair_tmem(tmem, warp_idx == _MMA_WARP)
+            else:
+                cute.arch.sync_threads()
+                if warp_idx == _MMA_WARP:
+                    cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
@@ -364,7 +407,9 @@ class FlashFwdSm100:
         mV_cur = mV[None, None, head_kv, batch_k]
         if const_expr(self.cfg.varlen_k):  # V is (D, keys): the sequence offset is on mode 1
             mV_cur = cute.domain_offset((0, seqlen.offset_k), mV_cur)
-        gQ = thr_qk.partition_A(cute.local_tile(mQ_cur, (Q_TILE_ROWS, self.hdim), (None, 0)))
+        # MMA tiles (a pair's: 256 rows, and thr_qk / thr_pv this CTA's slice, so each CTA loads its
+        # 128 query rows, half of each K tile's keys and half of each V tile's columns)
+        gQ = thr_qk.partition_A(cute.local_tile(mQ_cur, self.qk_tiler[::2], (None, 0)))
         gK = thr_qk.partition_B(cute.local_tile(mK_cur, (self.tile_n, self.hdim), (None, 0)))
         gV = thr_pv.partition_B(cute.local_tile(mV_cur, (self.hdimv, self.tile_n), (0, None)))
         tQs, tQg = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
@@ -502,7 +547,7 @@ class FlashFwdSm100:
     @cute.jit
     def softmax_role(self, t: cutlass.Constexpr[int], tS_t, pipe_s, pipe_c, thr_qk, msg,
                      tile_range: BlockRange, score_scale, softmax_scale_log2, seqlen: SeqlenInfo,
-                     m_block, walk, n_count, batch, head, tid):
+                     m_block, cta_v, walk, n_count, batch, head, tid):
         cfg = self.cfg
         mods = None
         if const_expr(self.score_graph is not None or self.mask_graph is not None):
@@ -512,6 +557,7 @@ class FlashFwdSm100:
         load_s = _tmem_copy(Ld32x32bOp, Repetition.x32, tS_t)
         thr_load = load_s.get_slice(tid)
         tSt = thr_load.partition_S(tS_t)
+        # (thread 0's slice: rows 0-127 of the MMA tile, as this CTA's lanes)
         tSc = thr_load.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
         # P: 16-bit values packed two per 32-bit column over the first tile_n/2 columns of S_t,
         # written in chunks of _P_CHUNK columns so only one chunk of P is live in registers
@@ -523,7 +569,7 @@ class FlashFwdSm100:
         s_per_chunk = 2 * _P_CHUNK  # scores per P chunk (two 16-bit values per column)
         chunk_scores = cute.make_layout(s_per_chunk)
 
-        m_tile = self.q_tiles * m_block + t
+        m_tile = self._m_tile(m_block, t, cta_v)
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
         softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every,
@@ -585,7 +631,7 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
     def correction_role(self, tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen: SeqlenInfo,
-                        m_block, head, batch_q, n_count, tid):
+                        m_block, cta_v, head, batch_q, n_count, tid):
         # one O chunk of _CHUNK columns; the others are the same view shifted along columns
         chunk = cute.composition(tO[0].layout, cute.make_layout((Q_TILE_ROWS, _CHUNK)))
         chunks = [cute.make_tensor(o.iterator, chunk) for o in tO]
@@ -616,7 +662,7 @@ class FlashFwdSm100:
                 pipe_o[t].consumer_wait(o_state)  # the last O_t += P_t V is done
             pipe_c[t].consumer_wait(c_state)
             self.epilogue(t, tOt[t], chunk_regs, copy_ld, thr_ld, msg[tid, 0, t], msg[tid, 1, t], mO, mLSE,
-                          seqlen, m_block, head, batch_q, n_count, tid)
+                          seqlen, m_block, cta_v, head, batch_q, n_count, tid)
 
     @cute.jit
     def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld,
@@ -652,9 +698,9 @@ class FlashFwdSm100:
 
     @cute.jit
     def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld,
-                 inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
+                 inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, cta_v, head, batch_q, n_count, tid):
         """Row tid of query tile t: O / rowsum to global memory (a row past the end writes nothing)."""
-        m_tile = self.q_tiles * m_block + t
+        m_tile = self._m_tile(m_block, t, cta_v)
         row = m_tile * Q_TILE_ROWS + tid
         in_bounds = row < seqlen.seqlen_q
         mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])
