@@ -60,7 +60,7 @@ def test_pair_variant_compiles_to_two_cta_umma(name, tmp_path):
     call = _call(**VARIANTS[name])
     assert pair_host.unsupported_reason(call) is None, "the test compiles only advertised variants"
     cfg = pair_host.default_config(call)
-    assert cfg.two_cta and cfg.cta_group == 2
+    assert cfg.two_cta and cfg.cta_group == 2 and cfg.s_stages == (2 if cfg.head_dim == 256 else 1)
     assert cfg.tmem_columns()["used"] <= TMEM_COLUMNS and cfg.smem_bytes() <= SMEM_LIMIT
     fwd_host.compile_fwd(cfg, arch="sm_100a", dump_dir=str(tmp_path))  # bypasses the cache
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
@@ -93,4 +93,17 @@ def test_a_pair_halves_each_ctas_kv_stage():
         one, two = fwd_host.default_config(call), pair_host.default_config(call)
         stage = lambda cfg: (cfg.smem_bytes() - one.q_tiles * 128 * D * 2) // cfg.kv_stages  # noqa: E731
         assert 2 * stage(two) == stage(one)
-        assert two.cta_tile_m == 2 * one.cta_tile_m and two.tmem_columns() == one.tmem_columns()
+        assert two.cta_tile_m == 2 * one.cta_tile_m
+
+
+def test_the_pair_keeps_two_score_buffers_at_d256():
+    """D=256 (one query tile): S_0 | S_1 | O in all 512 columns, as FA4's 2-CTA kernel; D=128 (two
+    query tiles) already fills them with S_0 | S_1 | O_0 | O_1."""
+    from torch_fa4.kernels.sm100.fwd_config import TMEM_COLUMNS
+    from torch_fa4.kernels.sm100.pair import fwd_host as pair_host
+
+    d256 = pair_host.default_config(_call(256))
+    assert (d256.q_tiles, d256.s_stages) == (1, 2)
+    assert d256.tmem_columns() == {"s": (0, 128), "o": (256,), "used": TMEM_COLUMNS}
+    d128 = pair_host.default_config(_call(128))
+    assert (d128.q_tiles, d128.s_stages) == (2, 1) and d128.tmem_columns()["used"] == TMEM_COLUMNS

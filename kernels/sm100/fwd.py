@@ -140,6 +140,8 @@ class FlashFwdSm100:
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         self.cols = cfg.tmem_columns()
+        self.s_stages = cfg.s_stages
+        assert self.s_stages == 1 or (self.s_stages == 2 and self.q_tiles == 1), "an S ring for one query tile"
         assert self.cols["used"] <= TMEM_COLUMNS, "S0, S1, O0, O1 do not fit in tensor memory"
         assert self.hdimv % _CHUNK == 0
         # MMA tiles: M = 128 rows per CTA, 256 for a pair sharing each MMA (cfg.two_cta)
@@ -222,7 +224,7 @@ class FlashFwdSm100:
         class Storage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
-            mbar_s0: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_s0: cute.struct.MemRange[cutlass.Int64, 2 * cfg.s_stages]
             mbar_s1: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o0: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o1: cute.struct.MemRange[cutlass.Int64, 2]
@@ -329,13 +331,13 @@ class FlashFwdSm100:
                 num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
                 barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True, **cluster)
 
-            def per_tile(kind, bars, producer, consumer, **kw):  # one single-stage pipeline per query tile
-                return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
+            def per_tile(kind, bars, producer, consumer, stages=1, **kw):  # one pipeline per query tile
+                return [kind.create(num_stages=stages, producer_group=producer, consumer_group=consumer,
                                     barrier_storage=b.data_ptr(), defer_sync=True, **kw) for b in bars]
 
             tiles = slice(0, self.q_tiles)
             pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg_pair,
-                              **cluster)
+                              self.s_stages, **cluster)
             pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg_pair,
                               **cluster)
             pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1)[tiles], wg, wg)
@@ -459,9 +461,12 @@ class FlashFwdSm100:
         tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
         p_per_col = Float32.width // self.dtype.width
         tOrP = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
+        if const_expr(self.s_stages == 2):
+            self._mma_s_ring(qk_mma, pv_mma, tSrQ, tSrK, tOrV, tOrP[0], tS[0], tO[0], pipe_q, pipe_kv, pipe_s[0],
+                             pipe_o[0], n_count)
         # pipeline states are plain locals advanced in the loop body: the DSL carries them
         # through its loops only that way
-        if n_count > 0:
+        elif n_count > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             q_state = pipeline.make_pipeline_state(Consumer, self.q_tiles)
             kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
@@ -521,6 +526,72 @@ class FlashFwdSm100:
                 pipe_kv.consumer_release(v_state)
 
     @cute.jit
+    def _mma_s_ring(self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, tOrP, tS, tO, pipe_q, pipe_kv, pipe_s, pipe_o,
+                    n_count):
+        """One query tile, two S buffers: per key tile i, S_i = Q K_i^T into buffer i % 2, then
+        O += P_{i-1} V_{i-1}, so the tensor core computes S_i while the softmax works on S_{i-1}.
+
+        The s pipeline's "empty" arrival is the softmax's "P ready" (as with one buffer): the MMA
+        acquires both buffers once up front, then each O += P V acquires its P's buffer, which is
+        also the acquisition of the S two key tiles later (issued after that O += P V, and tcgen05
+        MMAs from one thread run in order, so P is read before S overwrites it)."""
+        if n_count > 0:
+            Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
+            q_state = pipeline.make_pipeline_state(Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
+            s_filled = pipeline.make_pipeline_state(Producer, 2)  # the buffer the next S goes to
+            p_taken = pipeline.make_pipeline_state(Producer, 2)  # the buffer the next O += P V reads
+            o_state = pipeline.make_pipeline_state(Producer, 1)
+            pipe_s.producer_acquire(p_taken)
+            p_taken.advance()
+            pipe_s.producer_acquire(p_taken)
+            p_taken.advance()
+            pipe_q.consumer_wait(q_state)
+            _tcgen05_fence_after_sync()
+            tSrQ0 = tSrQ[None, None, None, 0]
+            k_state = kv_state.clone()
+            pipe_kv.consumer_wait(k_state)
+            kv_state.advance()
+            _umma(qk_mma, cute.make_tensor(tS.iterator + s_filled.index * self.tile_n, tS.layout), tSrQ0,
+                  tSrK[None, None, None, k_state.index], False)
+            pipe_s.producer_commit(s_filled)
+            s_filled.advance()
+            pipe_kv.consumer_release(k_state)
+            v_state = kv_state.clone()
+            pipe_kv.consumer_wait(v_state)
+            kv_state.advance()
+            for i in cutlass.range(1, n_count, unroll=1):
+                k_state = kv_state.clone()
+                pipe_kv.consumer_wait(k_state)
+                kv_state.advance()
+                _umma(qk_mma, cute.make_tensor(tS.iterator + s_filled.index * self.tile_n, tS.layout), tSrQ0,
+                      tSrK[None, None, None, k_state.index], False)
+                pipe_s.producer_commit(s_filled)
+                s_filled.advance()
+                pipe_kv.consumer_release(k_state)
+                self._pv_ring(pv_mma, tO, tOrP, tOrV, v_state, i > 1, pipe_s, p_taken, pipe_o, o_state)
+                o_state.advance()
+                p_taken.advance()
+                pipe_kv.consumer_release(v_state)
+                v_state = kv_state.clone()
+                pipe_kv.consumer_wait(v_state)
+                kv_state.advance()
+            self._pv_ring(pv_mma, tO, tOrP, tOrV, v_state, n_count > 1, pipe_s, p_taken, pipe_o, o_state)
+            pipe_kv.consumer_release(v_state)
+
+    @cute.jit
+    def _pv_ring(self, pv_mma, tO, tOrP, tOrV, v_state, accumulate, pipe_s, p_state, pipe_o, o_state):
+        """O += P V from the S buffer p_state names, once the correction has rescaled O and the
+        softmax has written that P."""
+        pipe_o.producer_acquire(o_state)
+        pipe_s.producer_acquire(p_state)
+        _tcgen05_fence_after_sync()
+        p_per_col = Float32.width // self.dtype.width
+        tOrPi = cute.make_tensor(tOrP.iterator + p_state.index * (self.tile_n * p_per_col), tOrP.layout)
+        _umma(pv_mma, tO, tOrPi, tOrV[None, None, None, v_state.index], accumulate)
+        pipe_o.producer_commit(o_state)
+
+    @cute.jit
     def _qk(self, qk_mma, t: cutlass.Constexpr[int], tS, tSrQ, tSrKi, pipe_s, s_state,
             acquire: cutlass.Constexpr[bool]):
         """S_t = Q_t K^T, then signal softmax t. The first S_t acquires the buffer here; later ones
@@ -575,14 +646,18 @@ class FlashFwdSm100:
         softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every,
                                      row_lanes=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s_stages)
         c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for i in cutlass.range(n_count, unroll=1):
             n_block = walk.n_block(i)
             pipe_s.consumer_wait(s_state)
             _tcgen05_fence_after_sync()
+            tSt_i, tPt_i = tSt, tPt
+            if const_expr(self.s_stages == 2):  # this key tile's buffer of the two
+                tSt_i = cute.make_tensor(tSt.iterator + s_state.index * self.tile_n, tSt.layout)
+                tPt_i = cute.make_tensor(tPt.iterator + s_state.index * self.tile_n, tPt.layout)
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
-            cute.copy(load_s, tSt, rS)
+            cute.copy(load_s, tSt_i, rS)
             cute.arch.fence_view_async_tmem_load()
             # raw q.k -> softmax units (softcap, score_mod) and masks (causal / window / length,
             # then mask_mod), as sm90's FwdConsumer._scores on one row
@@ -607,7 +682,7 @@ class FlashFwdSm100:
                 rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), chunk_scores)
                 p_vals = cute.make_tensor(rS.iterator + c * s_per_chunk, chunk_scores)
                 rP16.store(p_vals.load().to(self.dtype))
-                cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_CHUNK, tPt.layout))
+                cute.copy(store_p, rP, cute.make_tensor(tPt_i.iterator + c * _P_CHUNK, tPt_i.layout))
             cute.arch.fence_view_async_tmem_store()
             _tcgen05_fence_before_sync()
             pipe_s.consumer_release(s_state)  # P_t is in TMEM; S_t's columns are free again

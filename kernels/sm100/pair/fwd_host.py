@@ -25,20 +25,22 @@ on the one-CTA kernel).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from torch_fa4.call import AttentionCall
 from torch_fa4.kernels.sm100 import fwd_host
-from torch_fa4.kernels.sm100.fwd_config import SMEM_LIMIT, TMEM_COLUMNS, Sm100FwdConfig
+from torch_fa4.kernels.sm100.fwd_config import Sm100FwdConfig
 
-# K/V ring stages per head dim: a CTA holds half a K or V tile per stage, so the one-CTA kernel's
-# shared memory holds twice as many. D=256: 64 KB of Q + 4 x 32 KB; D=128: 64 KB of Q (two tiles)
-# + 8 x 16 KB (fwd_config.SMEM_LIMIT). Not yet tuned on a Blackwell GPU.
-_KV_STAGES = {128: 8, 256: 4}
-SUPPORTED_HEAD_DIMS = tuple(_KV_STAGES)
+# Per head dim, what differs from the one-CTA variant. K/V ring stages: a CTA holds half a K or V
+# tile per stage, so the same shared memory holds twice as many: D=256 64 KB of Q + 4 x 32 KB;
+# D=128 64 KB of Q (two tiles) + 8 x 16 KB (fwd_config.SMEM_LIMIT); not yet tuned on a Blackwell
+# GPU. D=256 (one query tile) also keeps two S buffers in tensor memory (2 x 128 + 256 O = 512
+# columns): the next key tile's S = Q K^T runs under this one's softmax, as in FA4's 2-CTA D=256
+# kernel (the one-CTA D=256 variant, this one's fallback, keeps one buffer)
+_PAIR_FIELDS = {128: dict(kv_stages=8, s_stages=1), 256: dict(kv_stages=4, s_stages=2)}
+SUPPORTED_HEAD_DIMS = tuple(_PAIR_FIELDS)
 
 
 def unsupported_reason(call: AttentionCall) -> Optional[str]:
@@ -63,11 +65,9 @@ def unsupported_reason(call: AttentionCall) -> Optional[str]:
 
 
 def default_config(call: AttentionCall) -> Sm100FwdConfig:
-    cfg = replace(fwd_host.default_config(call), two_cta=True, kv_stages=_KV_STAGES[call.head_dim])
-    assert cfg.tmem_columns()["used"] <= TMEM_COLUMNS and cfg.smem_bytes() <= SMEM_LIMIT, cfg
-    return cfg
+    # (fwd_host.default_config checks the tensor- and shared-memory budgets of the result)
+    return fwd_host.default_config(call, two_cta=True, **_PAIR_FIELDS[call.head_dim])
 
 
 def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor) -> None:
-    cfg = default_config(call)
-    fwd_host.forward(call, out, lse, two_cta=True, kv_stages=cfg.kv_stages)
+    fwd_host.forward(call, out, lse, two_cta=True, **_PAIR_FIELDS[call.head_dim])
