@@ -44,6 +44,19 @@ One query tile per CTA (`q_tiles = 1`: D=256, whose O and S fill 384 columns, 12
 gathering mask_mods): warps 4-7 idle and give their registers to the softmax, and the MMA order
 is S0 = Q0 K_i^T | O0 += P0 V_i, with nothing to overlap the softmax with.
 
+Two score buffers (`s_stages = 2`, one query tile only: S_0 | S_1 | O in 512 columns): key tile i's
+S goes to buffer i % 2 and the MMA order becomes S_i = Q K_i^T | O += P_{i-1} V_{i-1}, so the tensor
+core computes the next S while the softmax works on this one (`_mma_s_ring`).
+
+A pair of CTAs (`two_cta`, kernels/sm100/pair): a cluster of two CTAs shares every MMA (tcgen05
+cta_group::2, M = 256). Each CTA holds its own query tile(s) (the pair's 256-row MMA tile has CTA 0's
+rows first), half of each K tile's keys and half of each V tile's columns, loaded by 2-SM TMA into its
+own shared memory with completion counted on the leader CTA's (rank 0's) barrier; the leader's MMA
+warp issues every MMA, whose commits arrive on both CTAs' barriers, and the softmax / correction of
+both CTAs release to the leader's barriers (cutlass.pipeline with the cluster layout). Each CTA's
+tensor memory holds its own rows' S / P / O, allocated for the pair (tmem.setup_pair_tmem). The
+pair walks one list of key tiles for its rows; everything after the MMAs is the one-CTA code.
+
 Mods as on sm90 (kernels/common/tile_mods.py): softcap, score_mod in natural units, the causal /
 window / length masks, then mask_mod, on the thread's row viewed as a one-row wgmma fragment
 (`as_wgmma_row`). With a block mask the key tiles come from its lists (common/kv_tile_walk.py;
