@@ -3,7 +3,8 @@
 CUDA devices of compute capability 9.x go to `torch_fa4.kernels.sm90`; 8.x and 12.x to the
 portable kernels (`torch_fa4.kernels.portable`: warp-level MMA, every GPU since Ampere); 10.x to
 `torch_fa4.kernels.sm100.pair` (two CTAs per matmul), else `torch_fa4.kernels.sm100`, and where
-that cannot take a call (or fails its self-check) to the portable kernels. Packages are imported on first use (CuTe DSL stays out of `import torch_fa4`). A
+that cannot take a call (or fails its self-check) to the portable kernels. Packages are imported
+on first use (CuTe DSL stays out of `import torch_fa4`). A
 kernel that cannot take a call says why through `unsupported_reason`, and the call runs on the
 next family of the list, at the end on the exact reference (warned once per reason, unless the
 family's package sets `QUIET_REFUSALS`: a specialised family whose next family is no slower). Everything

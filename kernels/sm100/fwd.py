@@ -154,7 +154,7 @@ class FlashFwdSm100:
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         self.cols = cfg.tmem_columns()
         self.s_stages = cfg.s_stages
-        assert self.s_stages == 1 or (self.s_stages == 2 and self.q_tiles == 1), "an S ring for one query tile"
+        assert self.s_stages in (1, 2) and (self.s_stages == 1 or self.q_tiles == 1), "2 S buffers: 1 Q tile"
         assert self.cols["used"] <= TMEM_COLUMNS, "S0, S1, O0, O1 do not fit in tensor memory"
         assert self.hdimv % _CHUNK == 0
         # MMA tiles: M = 128 rows per CTA, 256 for a pair sharing each MMA (cfg.two_cta)
@@ -349,10 +349,10 @@ class FlashFwdSm100:
                                     barrier_storage=b.data_ptr(), defer_sync=True, **kw) for b in bars]
 
             tiles = slice(0, self.q_tiles)
-            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg_pair,
+            umma_async = pipeline.PipelineUmmaAsync
+            pipe_s = per_tile(umma_async, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg_pair,
                               self.s_stages, **cluster)
-            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg_pair,
-                              **cluster)
+            pipe_o = per_tile(umma_async, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg_pair, **cluster)
             pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1)[tiles], wg, wg)
 
             if const_expr(self.pair == 2):
@@ -475,8 +475,8 @@ class FlashFwdSm100:
         p_per_col = Float32.width // self.dtype.width
         tOrP = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
         if const_expr(self.s_stages == 2):
-            self._mma_s_ring(qk_mma, pv_mma, tSrQ, tSrK, tOrV, tOrP[0], tS[0], tO[0], pipe_q, pipe_kv, pipe_s[0],
-                             pipe_o[0], n_count)
+            self._mma_s_ring(qk_mma, pv_mma, tSrQ, tSrK, tOrV, tOrP[0], tS[0], tO[0], pipe_q, pipe_kv,
+                             pipe_s[0], pipe_o[0], n_count)
         # pipeline states are plain locals advanced in the loop body: the DSL carries them
         # through its loops only that way
         elif n_count > 0:
