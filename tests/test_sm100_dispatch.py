@@ -296,6 +296,18 @@ def test_backward_features_reach_the_sm100_backward(bwd_launches, D, features, v
     _check_bwd_route(bwd_launches, "sm100", head_dim=D, **variant)
 
 
+def test_the_pair_family_lets_backwards_it_does_not_take_pass_quietly(bwd_launches):
+    """The pair family comes first for the backward too (`pair.bwd`, where it exists); a backward
+    it does not take reaches the one-CTA backward without a warning."""
+    q, k, v = _qkv(D=64, S=300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _grads(q, k, v, causal=True)  # (its float64 reference warns about float64 only)
+    assert not [w for w in caught if "pair" in str(w.message) or "no backward" in str(w.message)], caught
+    assert all("float64" in str(w.message) for w in caught)
+    _check_bwd_route(bwd_launches, "sm100", head_dim=64)
+
+
 def test_varlen_and_seqused_backward_reach_the_sm100_backward(bwd_launches):
     q = torch.randn(900, 4, 64, dtype=torch.float16)
     k, v = (torch.randn(900, 2, 64, dtype=torch.float16) for _ in range(2))
