@@ -210,6 +210,7 @@ def test_dispatch_on_a_faked_blackwell_runs_the_sm100_forward_after_its_check(mo
     import torch_fa4
     from torch_fa4 import dispatch
     from torch_fa4.kernels import sm100
+    from torch_fa4.kernels.sm100 import pair  # noqa: F401  (sm100.pair, below)
 
     launches = []
 
@@ -222,6 +223,7 @@ def test_dispatch_on_a_faked_blackwell_runs_the_sm100_forward_after_its_check(mo
     monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
     monkeypatch.setattr(dispatch, "capability", lambda device: BLACKWELL)
     monkeypatch.setattr(sm100, "forward", stand_in)
+    monkeypatch.setattr(sm100.pair, "forward", stand_in)  # (the two-CTA forward takes D=128 non-causal)
     f = dict(features)
     D, dtype, Hkv = f.pop("D"), f.pop("dtype", torch.bfloat16), f.pop("Hkv", 2)
     kw = {}

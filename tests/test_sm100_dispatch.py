@@ -7,11 +7,17 @@ self-check launches the variant once on a small problem of the same features -> 
 launch, whose variant (`fwd_host.default_config`) is built for these exact features. The kernels
 themselves are compile-checked in tests/test_sm100_fwd_compile.py.
 
+The two-CTA forward (kernels/sm100/pair: a cluster of two CTAs per matmul) comes first: what it
+takes reaches it after its own self-check; what it refuses reaches the one-CTA forward without a
+warning; a pair variant that fails its self-check runs on the one-CTA forward.
+
 The backward the same way: what the sm100 backward advertises (kernels/sm100/bwd.py) reaches it
 after its own self-check, with the variant `bwd.variant_key` builds for the features; what it
 refuses (head dims above 128) reaches the portable backward with the refusal warned once
 (compile-checked in tests/test_sm100_bwd_compile.py).
 """
+
+import warnings
 
 import pytest
 import torch
@@ -34,22 +40,26 @@ def fresh_verdicts(tmp_path, monkeypatch):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The calls the sm100 forward receives (computed by the reference), with their variants."""
+    """The calls the sm100 forwards (one-CTA and pair) receive (computed by the reference), with
+    their variants (`two_cta` tells which forward)."""
     from torch_fa4 import dispatch
     from torch_fa4.kernels import sm100
-    from torch_fa4.kernels.sm100 import fwd_host
+    from torch_fa4.kernels.sm100 import fwd_host, pair
 
     seen = []
 
-    def stand_in(call, out, lse):
-        seen.append((call, fwd_host.default_config(call)))
-        o, l = reference.forward(call)
-        out.copy_(o)
-        lse.copy_(l)
+    def stand_in(config_of):
+        def forward(call, out, lse):
+            seen.append((call, config_of(call)))
+            o, l = reference.forward(call)
+            out.copy_(o)
+            lse.copy_(l)
+        return forward
 
     monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
     monkeypatch.setattr(dispatch, "capability", lambda device: BLACKWELL)
-    monkeypatch.setattr(sm100, "forward", stand_in)
+    monkeypatch.setattr(sm100, "forward", stand_in(fwd_host.default_config))
+    monkeypatch.setattr(pair, "forward", stand_in(pair.fwd_host.default_config))
     return seen
 
 
@@ -66,8 +76,8 @@ def _check_route(launches, out, ref, **variant):
     for name, value in variant.items():
         assert getattr(real_cfg, name) == value, (name, getattr(real_cfg, name), value)
     # the small problem keeps the features: same variant but for nothing the features decide
-    assert (check_cfg.mod_key, check_cfg.block_sparse, check_cfg.q_tiles, check_cfg.head_dim) == (
-        real_cfg.mod_key, real_cfg.block_sparse, real_cfg.q_tiles, real_cfg.head_dim)
+    fields = ("mod_key", "block_sparse", "q_tiles", "head_dim", "two_cta")
+    assert [getattr(check_cfg, f) for f in fields] == [getattr(real_cfg, f) for f in fields]
     assert (out.double() - ref).abs().max() < 0.05
 
 
@@ -80,7 +90,9 @@ def test_large_head_dims_reach_the_sm100_forward(launches, D, features):
     q, k, v = _qkv(D=D, S=300)
     out = torch_fa4.attention(q, k, v, **features)
     ref = torch_fa4.attention(q.double(), k.double(), v.double(), **features)
-    _check_route(launches, out, ref, head_dim=D, q_tiles=2 if D == 192 else 1, tile_n=64 if D == 192 else 128)
+    # (D=256 on the pair of CTAs: tests below)
+    _check_route(launches, out, ref, head_dim=D, q_tiles=2 if D == 192 else 1, tile_n=64 if D == 192 else 128,
+                 two_cta=D == 256)
 
 
 def test_score_mod_reaches_the_sm100_forward(launches):
@@ -137,6 +149,90 @@ def test_a_block_mask_the_kernel_cannot_walk_falls_back_with_its_reason(launches
     assert not launches and self_check.checks_run == 0
     ref = torch_fa4.attention(q.double(), k.double(), v.double(), block_mask=bm)
     assert (out.double() - ref).abs().max() < 0.05
+
+
+# ---- the two-CTA forward ----------------------------------------------------------------------------
+
+def _packed(D, lengths=(200, 700)):
+    total = sum(lengths)
+    q = torch.randn(total, 4, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(total, 2, D, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return (q, k, v), dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                           max_seqlen_k=max(lengths))
+
+
+@pytest.mark.parametrize("D, S, features, q_tiles", [
+    (256, 300, dict(), 1),
+    (256, 300, dict(causal=True, softcap=20.0), 1),
+    (256, 300, dict(window_size=(100, 20), seqused_k=torch.tensor([250, 300], dtype=torch.int32)), 1),
+    (256, None, dict(causal=True), 1),  # packed sequences
+    (128, 600, dict(), 2),
+    (128, 600, dict(softcap=30.0), 2),
+])
+def test_what_the_pair_forward_takes_reaches_it(launches, D, S, features, q_tiles):
+    if S is None:
+        (q, k, v), packed = _packed(D)
+        features = dict(features, **packed)
+    else:
+        q, k, v = _qkv(D=D, S=S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing falls back
+        out = torch_fa4.attention(q, k, v, **features)
+    ref = torch_fa4.attention(q.double(), k.double(), v.double(), **features)
+    _check_route(launches, out, ref, two_cta=True, head_dim=D, q_tiles=q_tiles,
+                 kv_stages={128: 8, 256: 4}[D], varlen_q=S is None)
+
+
+@pytest.mark.parametrize("D, S, features", [
+    (128, 600, dict(causal=True)),  # (a pair would walk keys half its rows never see)
+    (128, 600, dict(window_size=(100, 0))),
+    (128, None, dict()),  # packed sequences at D=128
+    (128, 256, dict()),  # the queries fit one CTA (two 128-row tiles)
+    (256, 128, dict(causal=True)),  # ... one 128-row tile
+    (64, 600, dict()),
+    (192, 600, dict()),
+    (256, 300, dict(score_mod=M.alibi(M.alibi_slopes(4)))),
+])
+def test_what_the_pair_forward_refuses_reaches_the_one_cta_forward_quietly(launches, D, S, features):
+    if S is None:
+        (q, k, v), packed = _packed(D)
+        features = dict(features, **packed)
+    else:
+        q, k, v = _qkv(D=D, S=S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a pair's refusal is no fallback worth a warning
+        out = torch_fa4.attention(q, k, v, **features)
+    ref = torch_fa4.attention(q.double(), k.double(), v.double(), **features)
+    _check_route(launches, out, ref, two_cta=False, head_dim=D)
+
+
+def test_a_pair_variant_failing_its_self_check_runs_on_the_one_cta_forward(launches, monkeypatch):
+    from torch_fa4.kernels.sm100 import pair
+
+    pair_launches = []
+
+    def wrong(call, out, lse):  # a pair kernel gone wrong: every row's output off by one
+        pair_launches.append(call)
+        o, l = reference.forward(call)
+        out.copy_(o + 1)
+        lse.copy_(l)
+
+    monkeypatch.setattr(pair, "forward", wrong)
+    q, k, v = _qkv(D=256, S=300)
+    ref = torch_fa4.attention(q.double(), k.double(), v.double(), causal=True)
+    with pytest.warns(self_check.SelfCheckWarning, match="pair forward variant"):
+        out = torch_fa4.attention(q, k, v, causal=True)
+    # the pair's check failed; the one-CTA kernel's check and the call's own launch followed
+    assert len(pair_launches) == 1 and self_check.checks_run == 2 and len(launches) == 2
+    assert not any(cfg.two_cta for _, cfg in launches) and launches[-1][1].head_dim == 256
+    assert (out.double() - ref).abs().max() < 0.05
+    # the verdict stands: the next call goes straight to the one-CTA kernel, unchecked
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_fa4.attention(q, k, v, causal=True)
+    assert len(pair_launches) == 1 and self_check.checks_run == 2 and len(launches) == 3
+    assert not launches[-1][1].two_cta
 
 
 # ---- backward ---------------------------------------------------------------------------------------
@@ -198,6 +294,18 @@ def test_backward_features_reach_the_sm100_backward(bwd_launches, D, features, v
     q, k, v = _qkv(D=D, S=300)
     _grads(q, k, v, **features)
     _check_bwd_route(bwd_launches, "sm100", head_dim=D, **variant)
+
+
+def test_the_pair_family_lets_backwards_it_does_not_take_pass_quietly(bwd_launches):
+    """The pair family comes first for the backward too (`pair.bwd`, where it exists); a backward
+    it does not take reaches the one-CTA backward without a warning."""
+    q, k, v = _qkv(D=64, S=300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _grads(q, k, v, causal=True)  # (its float64 reference warns about float64 only)
+    assert not [w for w in caught if "pair" in str(w.message) or "no backward" in str(w.message)], caught
+    assert all("float64" in str(w.message) for w in caught)
+    _check_bwd_route(bwd_launches, "sm100", head_dim=64)
 
 
 def test_varlen_and_seqused_backward_reach_the_sm100_backward(bwd_launches):

@@ -2,10 +2,12 @@
 
 CUDA devices of compute capability 9.x go to `torch_fa4.kernels.sm90`; 8.x and 12.x to the
 portable kernels (`torch_fa4.kernels.portable`: warp-level MMA, every GPU since Ampere); 10.x to
-`torch_fa4.kernels.sm100`, and where that cannot take a call (or fails its self-check) to the
-portable kernels. Packages are imported on first use (CuTe DSL stays out of `import torch_fa4`). A
+`torch_fa4.kernels.sm100.pair` (two CTAs per matmul), else `torch_fa4.kernels.sm100`, and where
+that cannot take a call (or fails its self-check) to the portable kernels. Packages are imported
+on first use (CuTe DSL stays out of `import torch_fa4`). A
 kernel that cannot take a call says why through `unsupported_reason`, and the call runs on the
-next family of the list, at the end on the exact reference (warned once per reason). Everything
+next family of the list, at the end on the exact reference (warned once per reason, unless the
+family's package sets `QUIET_REFUSALS`: a specialised family whose next family is no slower). Everything
 else (CPU, older GPUs, float32/float64) runs on the reference. `TORCH_FA4_BACKEND=reference` forces
 the reference everywhere, `TORCH_FA4_BACKEND=portable` the portable kernels on any CUDA GPU.
 """
@@ -25,9 +27,10 @@ from torch_fa4.kernels.host import shape_memo
 
 _SM90 = "torch_fa4.kernels.sm90"
 _SM100 = "torch_fa4.kernels.sm100"
+_SM100_PAIR = "torch_fa4.kernels.sm100.pair"
 PORTABLE = "torch_fa4.kernels.portable"
 # kernel families per compute capability major, tried in order (each may refuse a call)
-_ARCH_PACKAGES = {8: (PORTABLE,), 9: (_SM90,), 10: (_SM100, PORTABLE), 12: (PORTABLE,)}
+_ARCH_PACKAGES = {8: (PORTABLE,), 9: (_SM90,), 10: (_SM100_PAIR, _SM100, PORTABLE), 12: (PORTABLE,)}
 _warned: set[str] = set()
 
 
@@ -119,7 +122,8 @@ def _choose(call: AttentionCall, direction: str, warn: bool, deterministic: bool
         else:
             reason = module.unsupported_reason(call)
         if reason is not None:
-            if warn and reason not in _warned:
+            quiet = getattr(_kernel_module(name, "forward"), "QUIET_REFUSALS", False)
+            if warn and not quiet and reason not in _warned:
                 _warned.add(reason)
                 fallback = (f"the {names[i + 1].rsplit('.', 1)[-1]} kernels" if i + 1 < len(names)
                             else "the PyTorch reference")

@@ -44,6 +44,19 @@ One query tile per CTA (`q_tiles = 1`: D=256, whose O and S fill 384 columns, 12
 gathering mask_mods): warps 4-7 idle and give their registers to the softmax, and the MMA order
 is S0 = Q0 K_i^T | O0 += P0 V_i, with nothing to overlap the softmax with.
 
+Two score buffers (`s_stages = 2`, one query tile only: S_0 | S_1 | O in 512 columns): key tile i's
+S goes to buffer i % 2 and the MMA order becomes S_i = Q K_i^T | O += P_{i-1} V_{i-1}, so the tensor
+core computes the next S while the softmax works on this one (`_mma_s_ring`).
+
+A pair of CTAs (`two_cta`, kernels/sm100/pair): a cluster of two CTAs shares every MMA (tcgen05
+cta_group::2, M = 256). Each CTA holds its own query tile(s) (the pair's 256-row MMA tile has CTA 0's
+rows first), half of each K tile's keys and half of each V tile's columns, loaded by 2-SM TMA into its
+own shared memory with completion counted on the leader CTA's (rank 0's) barrier; the leader's MMA
+warp issues every MMA, whose commits arrive on both CTAs' barriers, and the softmax / correction of
+both CTAs release to the leader's barriers (cutlass.pipeline with the cluster layout). Each CTA's
+tensor memory holds its own rows' S / P / O, allocated for the pair (tmem.setup_pair_tmem). The
+pair walks one list of key tiles for its rows; everything after the MMAs is the one-CTA code.
+
 Mods as on sm90 (kernels/common/tile_mods.py): softcap, score_mod in natural units, the causal /
 window / length masks, then mask_mod, on the thread's row viewed as a one-row wgmma fragment
 (`as_wgmma_row`). With a block mask the key tiles come from its lists (common/kv_tile_walk.py;
@@ -72,7 +85,7 @@ from torch_fa4.kernels.sm100.fwd_config import MAX_Q_TILES, Q_TILE_ROWS, TMEM_CO
 from torch_fa4.kernels.sm100.packed_softmax import PackedOnlineSoftmax, scale_pairs
 from torch_fa4.kernels.sm100.tmem import fence_after_sync as _tcgen05_fence_after_sync
 from torch_fa4.kernels.sm100.tmem import fence_before_sync as _tcgen05_fence_before_sync
-from torch_fa4.kernels.sm100.tmem import setup_tmem
+from torch_fa4.kernels.sm100.tmem import release_pair_tmem, setup_pair_tmem, setup_tmem
 from torch_fa4.kernels.sm100.tmem import tmem_copy as _tmem_copy
 from torch_fa4.kernels.sm100.tmem import umma as _umma
 from torch_fa4.kernels.sm90.fwd import _sequence_major
@@ -140,14 +153,19 @@ class FlashFwdSm100:
         assert len(cfg.aux_specs) <= MAX_AUX
         assert not cfg.block_sparse or self.mask_graph is not None, "a block mask needs its mask_mod"
         self.cols = cfg.tmem_columns()
+        self.s_stages = cfg.s_stages
+        assert self.s_stages in (1, 2) and (self.s_stages == 1 or self.q_tiles == 1), "2 S buffers: 1 Q tile"
         assert self.cols["used"] <= TMEM_COLUMNS, "S0, S1, O0, O1 do not fit in tensor memory"
         assert self.hdimv % _CHUNK == 0
-        self.qk_tiler = (Q_TILE_ROWS, self.tile_n, self.hdim)
-        self.pv_tiler = (Q_TILE_ROWS, self.hdimv, self.tile_n)
+        # MMA tiles: M = 128 rows per CTA, 256 for a pair sharing each MMA (cfg.two_cta)
+        self.pair = cfg.cta_group
+        assert not (cfg.two_cta and cfg.block_sparse), "a pair walks one key list for 256 rows"
+        self.qk_tiler = (self.pair * Q_TILE_ROWS, self.tile_n, self.hdim)
+        self.pv_tiler = (self.pair * Q_TILE_ROWS, self.hdimv, self.tile_n)
 
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
-        cta = tcgen05.CtaGroup.ONE
+        cta = tcgen05.CtaGroup.TWO if const_expr(self.pair == 2) else tcgen05.CtaGroup.ONE
         qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, cta,
             self.qk_tiler[:2])
@@ -201,20 +219,25 @@ class FlashFwdSm100:
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, self.dtype, cfg.kv_stages)
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, self.dtype, 1)
 
-        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,)).shape
-        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        cluster_vmnk = self._cluster_layout(qk_mma).shape
+        # a pair's loads are 2-SM TMA: each CTA fills its own shared memory and signals the
+        # leader CTA's barrier, which expects both halves' bytes
+        load_op = cpasync.CopyBulkTensorTileG2SOp(
+            tcgen05.CtaGroup.TWO if const_expr(self.pair == 2) else tcgen05.CtaGroup.ONE)
         sQ1, sK1, sV1 = (cute.select(layout, mode=[0, 1, 2]) for layout in (sQ_layout, sK_layout, sV_layout))
         tma_Q, tQ = cute.nvgpu.make_tiled_tma_atom_A(load_op, mQ, sQ1, self.qk_tiler, qk_mma, cluster_vmnk)
         tma_K, tK = cute.nvgpu.make_tiled_tma_atom_B(load_op, mK, sK1, self.qk_tiler, qk_mma, cluster_vmnk)
         tma_V, tV = cute.nvgpu.make_tiled_tma_atom_B(load_op, mV, sV1, self.pv_tiler, pv_mma, cluster_vmnk)
-        bytes_q = cute.size_in_bytes(self.dtype, sQ1)
-        bytes_kv = cute.size_in_bytes(self.dtype, sK1)
+        bytes_q = cute.size_in_bytes(self.dtype, sQ1) * self.pair
+        bytes_kv = cute.size_in_bytes(self.dtype, sK1) * self.pair
+        # V tiles are read through K's ring: a V stage must not be larger than a K stage
+        assert cute.cosize(sV_layout) <= cute.cosize(sK_layout)
 
         @cute.struct
         class Storage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
-            mbar_s0: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_s0: cute.struct.MemRange[cutlass.Int64, 2 * cfg.s_stages]
             mbar_s1: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o0: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o1: cute.struct.MemRange[cutlass.Int64, 2]
@@ -230,6 +253,9 @@ class FlashFwdSm100:
         # budgets the tiles against this)
         assert Storage.size_in_bytes() <= SMEM_BYTES, f"{Storage.size_in_bytes()} bytes of shared memory"
         num_m_blocks = (max_seqlen_q + cfg.cta_tile_m - 1) // cfg.cta_tile_m
+        grid = TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch)
+        # a pair's two CTAs are adjacent blocks of one cluster and share its work item
+        grid = (grid[0] * self.pair, 1, 1)
         self.kernel(
             tQ, tK, tV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSequsedK, tma_Q, tma_K, tma_V,
             score_scale, softmax_scale_log2, window_left, window_right,
@@ -237,11 +263,21 @@ class FlashFwdSm100:
             num_m_blocks, num_batch, heads_per_group, tail_pairs, bytes_q, bytes_kv, Storage,
             block_mask, score_aux, mask_aux,
         ).launch(
-            grid=TileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), num_batch),
+            grid=grid,
             block=[_NUM_THREADS, 1, 1],
+            cluster=[2, 1, 1] if const_expr(self.pair == 2) else None,
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _cluster_layout(self, qk_mma):
+        """The cluster as (V, M, N, K): V = the CTAs sharing one MMA (1 or 2), nothing else."""
+        return cute.tiled_divide(cute.make_layout((self.pair, 1, 1)), (qk_mma.thr_id.shape,))
+
+    def _m_tile(self, m_block, t, cta_v):
+        """The 128-row query tile that query tile t of this CTA holds: with a pair, the 256-row MMA
+        tile q_tiles * m_block + t has CTA 0's rows first."""
+        return (self.q_tiles * m_block + t) * self.pair + cta_v
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -264,7 +300,10 @@ class FlashFwdSm100:
         bidx, _, _ = cute.arch.block_idx()
         sched = TileScheduler(num_m_blocks, cute.size(mQ.shape[2]), num_batch, heads_per_group, tail_pairs,
                               cfg.causal)
-        m_block, head, batch = sched.work(bidx)
+        cta_v = Int32(0)  # this CTA's place in its pair (0: the leader, which issues the MMAs)
+        if const_expr(self.pair == 2):
+            cta_v = bidx % 2
+        m_block, head, batch = sched.work(bidx // self.pair)
         # varlen grids are sized for the longest sequence; the whole CTA leaves before any barrier
         # (the query side's lengths only: the key side's loads stay inside the branch)
         if m_block * cfg.cta_tile_m < SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ).seqlen_q:
@@ -293,25 +332,40 @@ class FlashFwdSm100:
             storage = smem.allocate(Storage)
             one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
             wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+            # the MMA thread (the leader CTA's) waits for a warpgroup of each CTA of a pair
+            wg_pair = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.pair)
+            # with a pair the MMA-side pipelines span the cluster: commits multicast to both CTAs'
+            # barriers, releases arrive on the leader's (cutlass.pipeline's cta_layout_vmnk)
+            cluster = dict(cta_layout_vmnk=self._cluster_layout(qk_mma)) if const_expr(self.pair == 2) else {}
             pipe_q = pipeline.PipelineTmaUmma.create(
                 num_stages=self.q_tiles, producer_group=one, consumer_group=one, tx_count=bytes_q,
-                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
+                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True, **cluster)
             pipe_kv = pipeline.PipelineTmaUmma.create(
                 num_stages=cfg.kv_stages, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True, **cluster)
 
-            def per_tile(kind, bars, producer, consumer):  # one single-stage pipeline per query tile
-                return [kind.create(num_stages=1, producer_group=producer, consumer_group=consumer,
-                                    barrier_storage=b.data_ptr(), defer_sync=True) for b in bars]
+            def per_tile(kind, bars, producer, consumer, stages=1, **kw):  # one pipeline per query tile
+                return [kind.create(num_stages=stages, producer_group=producer, consumer_group=consumer,
+                                    barrier_storage=b.data_ptr(), defer_sync=True, **kw) for b in bars]
 
             tiles = slice(0, self.q_tiles)
-            pipe_s = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg)
-            pipe_o = per_tile(pipeline.PipelineUmmaAsync, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg)
+            umma_async = pipeline.PipelineUmmaAsync
+            pipe_s = per_tile(umma_async, (storage.mbar_s0, storage.mbar_s1)[tiles], one, wg_pair,
+                              self.s_stages, **cluster)
+            pipe_o = per_tile(umma_async, (storage.mbar_o0, storage.mbar_o1)[tiles], one, wg_pair, **cluster)
             pipe_c = per_tile(pipeline.PipelineAsync, (storage.mbar_c0, storage.mbar_c1)[tiles], wg, wg)
 
-            tmem = setup_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
+            if const_expr(self.pair == 2):
+                tmem = setup_pair_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
+            else:
+                tmem = setup_tmem(storage.tmem_base, warp_idx == _MMA_WARP)
+            # thread 0 of the MMA: the tensor-memory views and the score coordinates (a pair's CTAs
+            # hold the same 128 x N accumulator shapes); this CTA's slice for its loads
             thr_qk = qk_mma.get_slice(0)
             thr_pv = pv_mma.get_slice(0)
+            load_qk, load_pv = thr_qk, thr_pv
+            if const_expr(self.pair == 2):
+                load_qk, load_pv = qk_mma.get_slice(cta_v), pv_mma.get_slice(cta_v)
             s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C(self.qk_tiler[:2])).layout
             o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
             tS = [cute.make_tensor(tmem + c, s_layout) for c in self.cols["s"]]
@@ -323,8 +377,8 @@ class FlashFwdSm100:
             sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
             # (row, field, q tile)
             msg = storage.msg.get_tensor(cute.make_layout((Q_TILE_ROWS, 2, self.q_tiles)))
-            softmax_args = (thr_qk, msg, tile_range, score_scale, softmax_scale_log2, seqlen, m_block, walk,
-                            n_count, batch, head, tidx % 128)
+            softmax_args = (thr_qk, msg, tile_range, score_scale, softmax_scale_log2, seqlen, m_block, cta_v,
+                            walk, n_count, batch, head, tidx % 128)
 
             regs_softmax, regs_correction, regs_other = cfg.registers
             if warp_idx < _SOFTMAX_WARPS[1]:
@@ -339,21 +393,25 @@ class FlashFwdSm100:
                     cute.arch.setmaxregister_decrease(_REGS_IDLE)
             elif warp_idx < _MMA_WARP:
                 cute.arch.setmaxregister_decrease(regs_correction)
-                self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, head,
+                self.correction_role(tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen, m_block, cta_v, head,
                                      batch_q, n_count, tidx % 128)
             else:
                 cute.arch.setmaxregister_decrease(regs_other)
                 if warp_idx == _MMA_WARP:
-                    self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
-                                  pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
+                    if cta_v == 0:  # (a pair's MMAs are the leader's)
+                        self.mma_role(qk_mma, pv_mma, thr_qk, thr_pv, sQ, sK, sV, tmem, tP_layout, tS, tO,
+                                      pipe_q, pipe_kv, pipe_s, pipe_o, n_count)
                 elif warp_idx == _LOAD_WARP:
-                    self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, thr_qk, thr_pv, pipe_q,
+                    self.load_role(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, load_qk, load_pv, pipe_q,
                                    pipe_kv, seqlen, m_block, head, head_kv, batch_q, batch_k, walk, n_count)
 
             # every TMEM reader/writer is done: give the columns back
-            cute.arch.sync_threads()
-            if warp_idx == _MMA_WARP:
-                cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
+            if const_expr(self.pair == 2):
+                release_pair_tmem(tmem, warp_idx == _MMA_WARP)
+            else:
+                cute.arch.sync_threads()
+                if warp_idx == _MMA_WARP:
+                    cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
@@ -364,7 +422,9 @@ class FlashFwdSm100:
         mV_cur = mV[None, None, head_kv, batch_k]
         if const_expr(self.cfg.varlen_k):  # V is (D, keys): the sequence offset is on mode 1
             mV_cur = cute.domain_offset((0, seqlen.offset_k), mV_cur)
-        gQ = thr_qk.partition_A(cute.local_tile(mQ_cur, (Q_TILE_ROWS, self.hdim), (None, 0)))
+        # MMA tiles (a pair's: 256 rows, and thr_qk / thr_pv this CTA's slice, so each CTA loads its
+        # 128 query rows, half of each K tile's keys and half of each V tile's columns)
+        gQ = thr_qk.partition_A(cute.local_tile(mQ_cur, self.qk_tiler[::2], (None, 0)))
         gK = thr_qk.partition_B(cute.local_tile(mK_cur, (self.tile_n, self.hdim), (None, 0)))
         gV = thr_pv.partition_B(cute.local_tile(mV_cur, (self.hdimv, self.tile_n), (0, None)))
         tQs, tQg = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
@@ -414,9 +474,12 @@ class FlashFwdSm100:
         tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
         p_per_col = Float32.width // self.dtype.width
         tOrP = [cute.make_tensor(tOrP.iterator + p_per_col * c, tOrP.layout) for c in self.cols["s"]]
+        if const_expr(self.s_stages == 2):
+            self._mma_s_ring(qk_mma, pv_mma, tSrQ, tSrK, tOrV, tOrP[0], tS[0], tO[0], pipe_q, pipe_kv,
+                             pipe_s[0], pipe_o[0], n_count)
         # pipeline states are plain locals advanced in the loop body: the DSL carries them
         # through its loops only that way
-        if n_count > 0:
+        elif n_count > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             q_state = pipeline.make_pipeline_state(Consumer, self.q_tiles)
             kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
@@ -476,6 +539,72 @@ class FlashFwdSm100:
                 pipe_kv.consumer_release(v_state)
 
     @cute.jit
+    def _mma_s_ring(self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, tOrP, tS, tO, pipe_q, pipe_kv, pipe_s, pipe_o,
+                    n_count):
+        """One query tile, two S buffers: per key tile i, S_i = Q K_i^T into buffer i % 2, then
+        O += P_{i-1} V_{i-1}, so the tensor core computes S_i while the softmax works on S_{i-1}.
+
+        The s pipeline's "empty" arrival is the softmax's "P ready" (as with one buffer): the MMA
+        acquires both buffers once up front, then each O += P V acquires its P's buffer, which is
+        also the acquisition of the S two key tiles later (issued after that O += P V, and tcgen05
+        MMAs from one thread run in order, so P is read before S overwrites it)."""
+        if n_count > 0:
+            Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
+            q_state = pipeline.make_pipeline_state(Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(Consumer, self.cfg.kv_stages)
+            s_filled = pipeline.make_pipeline_state(Producer, 2)  # the buffer the next S goes to
+            p_taken = pipeline.make_pipeline_state(Producer, 2)  # the buffer the next O += P V reads
+            o_state = pipeline.make_pipeline_state(Producer, 1)
+            pipe_s.producer_acquire(p_taken)
+            p_taken.advance()
+            pipe_s.producer_acquire(p_taken)
+            p_taken.advance()
+            pipe_q.consumer_wait(q_state)
+            _tcgen05_fence_after_sync()
+            tSrQ0 = tSrQ[None, None, None, 0]
+            k_state = kv_state.clone()
+            pipe_kv.consumer_wait(k_state)
+            kv_state.advance()
+            _umma(qk_mma, cute.make_tensor(tS.iterator + s_filled.index * self.tile_n, tS.layout), tSrQ0,
+                  tSrK[None, None, None, k_state.index], False)
+            pipe_s.producer_commit(s_filled)
+            s_filled.advance()
+            pipe_kv.consumer_release(k_state)
+            v_state = kv_state.clone()
+            pipe_kv.consumer_wait(v_state)
+            kv_state.advance()
+            for i in cutlass.range(1, n_count, unroll=1):
+                k_state = kv_state.clone()
+                pipe_kv.consumer_wait(k_state)
+                kv_state.advance()
+                _umma(qk_mma, cute.make_tensor(tS.iterator + s_filled.index * self.tile_n, tS.layout), tSrQ0,
+                      tSrK[None, None, None, k_state.index], False)
+                pipe_s.producer_commit(s_filled)
+                s_filled.advance()
+                pipe_kv.consumer_release(k_state)
+                self._pv_ring(pv_mma, tO, tOrP, tOrV, v_state, i > 1, pipe_s, p_taken, pipe_o, o_state)
+                o_state.advance()
+                p_taken.advance()
+                pipe_kv.consumer_release(v_state)
+                v_state = kv_state.clone()
+                pipe_kv.consumer_wait(v_state)
+                kv_state.advance()
+            self._pv_ring(pv_mma, tO, tOrP, tOrV, v_state, n_count > 1, pipe_s, p_taken, pipe_o, o_state)
+            pipe_kv.consumer_release(v_state)
+
+    @cute.jit
+    def _pv_ring(self, pv_mma, tO, tOrP, tOrV, v_state, accumulate, pipe_s, p_state, pipe_o, o_state):
+        """O += P V from the S buffer p_state names, once the correction has rescaled O and the
+        softmax has written that P."""
+        pipe_o.producer_acquire(o_state)
+        pipe_s.producer_acquire(p_state)
+        _tcgen05_fence_after_sync()
+        p_per_col = Float32.width // self.dtype.width
+        tOrPi = cute.make_tensor(tOrP.iterator + p_state.index * (self.tile_n * p_per_col), tOrP.layout)
+        _umma(pv_mma, tO, tOrPi, tOrV[None, None, None, v_state.index], accumulate)
+        pipe_o.producer_commit(o_state)
+
+    @cute.jit
     def _qk(self, qk_mma, t: cutlass.Constexpr[int], tS, tSrQ, tSrKi, pipe_s, s_state,
             acquire: cutlass.Constexpr[bool]):
         """S_t = Q_t K^T, then signal softmax t. The first S_t acquires the buffer here; later ones
@@ -502,7 +631,7 @@ class FlashFwdSm100:
     @cute.jit
     def softmax_role(self, t: cutlass.Constexpr[int], tS_t, pipe_s, pipe_c, thr_qk, msg,
                      tile_range: BlockRange, score_scale, softmax_scale_log2, seqlen: SeqlenInfo,
-                     m_block, walk, n_count, batch, head, tid):
+                     m_block, cta_v, walk, n_count, batch, head, tid):
         cfg = self.cfg
         mods = None
         if const_expr(self.score_graph is not None or self.mask_graph is not None):
@@ -512,6 +641,7 @@ class FlashFwdSm100:
         load_s = _tmem_copy(Ld32x32bOp, Repetition.x32, tS_t)
         thr_load = load_s.get_slice(tid)
         tSt = thr_load.partition_S(tS_t)
+        # (thread 0's slice: rows 0-127 of the MMA tile, as this CTA's lanes)
         tSc = thr_load.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
         # P: 16-bit values packed two per 32-bit column over the first tile_n/2 columns of S_t,
         # written in chunks of _P_CHUNK columns so only one chunk of P is live in registers
@@ -523,20 +653,24 @@ class FlashFwdSm100:
         s_per_chunk = 2 * _P_CHUNK  # scores per P chunk (two 16-bit values per column)
         chunk_scores = cute.make_layout(s_per_chunk)
 
-        m_tile = self.q_tiles * m_block + t
+        m_tile = self._m_tile(m_block, t, cta_v)
         if const_expr(self.score_graph is not None):
             softmax_scale_log2 = Float32(LOG2_E)  # score_mod's output is in natural units
         softmax = self._softmax_kind(softmax_scale_log2, 1, cfg.rescale_threshold, cfg.exp2_emulate_every,
                                      row_lanes=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s_stages)
         c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for i in cutlass.range(n_count, unroll=1):
             n_block = walk.n_block(i)
             pipe_s.consumer_wait(s_state)
             _tcgen05_fence_after_sync()
+            tSt_i, tPt_i = tSt, tPt
+            if const_expr(self.s_stages == 2):  # this key tile's buffer of the two
+                tSt_i = cute.make_tensor(tSt.iterator + s_state.index * self.tile_n, tSt.layout)
+                tPt_i = cute.make_tensor(tPt.iterator + s_state.index * self.tile_n, tPt.layout)
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
-            cute.copy(load_s, tSt, rS)
+            cute.copy(load_s, tSt_i, rS)
             cute.arch.fence_view_async_tmem_load()
             # raw q.k -> softmax units (softcap, score_mod) and masks (causal / window / length,
             # then mask_mod), as sm90's FwdConsumer._scores on one row
@@ -561,7 +695,7 @@ class FlashFwdSm100:
                 rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), chunk_scores)
                 p_vals = cute.make_tensor(rS.iterator + c * s_per_chunk, chunk_scores)
                 rP16.store(p_vals.load().to(self.dtype))
-                cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_CHUNK, tPt.layout))
+                cute.copy(store_p, rP, cute.make_tensor(tPt_i.iterator + c * _P_CHUNK, tPt_i.layout))
             cute.arch.fence_view_async_tmem_store()
             _tcgen05_fence_before_sync()
             pipe_s.consumer_release(s_state)  # P_t is in TMEM; S_t's columns are free again
@@ -585,7 +719,7 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
     def correction_role(self, tO, thr_pv, pipe_o, pipe_c, msg, mO, mLSE, seqlen: SeqlenInfo,
-                        m_block, head, batch_q, n_count, tid):
+                        m_block, cta_v, head, batch_q, n_count, tid):
         # one O chunk of _CHUNK columns; the others are the same view shifted along columns
         chunk = cute.composition(tO[0].layout, cute.make_layout((Q_TILE_ROWS, _CHUNK)))
         chunks = [cute.make_tensor(o.iterator, chunk) for o in tO]
@@ -616,7 +750,7 @@ class FlashFwdSm100:
                 pipe_o[t].consumer_wait(o_state)  # the last O_t += P_t V is done
             pipe_c[t].consumer_wait(c_state)
             self.epilogue(t, tOt[t], chunk_regs, copy_ld, thr_ld, msg[tid, 0, t], msg[tid, 1, t], mO, mLSE,
-                          seqlen, m_block, head, batch_q, n_count, tid)
+                          seqlen, m_block, cta_v, head, batch_q, n_count, tid)
 
     @cute.jit
     def _rescale(self, t: cutlass.Constexpr[int], tOt, tOt_st, chunk_regs: cutlass.Constexpr, copy_ld,
@@ -652,9 +786,9 @@ class FlashFwdSm100:
 
     @cute.jit
     def epilogue(self, t: cutlass.Constexpr[int], tOt, chunk_regs: cutlass.Constexpr, copy_ld, thr_ld,
-                 inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch_q, n_count, tid):
+                 inv_sum, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, cta_v, head, batch_q, n_count, tid):
         """Row tid of query tile t: O / rowsum to global memory (a row past the end writes nothing)."""
-        m_tile = self.q_tiles * m_block + t
+        m_tile = self._m_tile(m_block, t, cta_v)
         row = m_tile * Q_TILE_ROWS + tid
         in_bounds = row < seqlen.seqlen_q
         mLSE_cur = seqlen.q_rows(mLSE[None, head, batch_q])

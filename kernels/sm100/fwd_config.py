@@ -55,23 +55,39 @@ class Sm100FwdConfig:
     block_sparse: bool = False  # key tiles from a block mask (needs a mask_mod)
     bm_tiles_m: int = 1  # CTA tiles (q_tiles * 128 rows) per block-mask tile along queries
     bm_tiles_n: int = 1  # key tiles per block-mask tile along keys
+    # a cluster of two CTAs shares each matmul (tcgen05 cta_group::2, M = 256): each CTA keeps its
+    # own 128-row query tile(s) and half of every K and V tile, and the pair's MMA reads both halves
+    # (kernels/sm100/pair). The pair walks one list of key tiles for its 2 * q_tiles * 128 rows
+    two_cta: bool = False
+    # score buffers (S / P) per query tile in tensor memory: 2 (one query tile only) lets the MMA
+    # warp compute the next key tile's S = Q K^T while the softmax works on this one's (D=256:
+    # 2 x 128 + 256 = 512 columns); 1: the MMA and the softmax wait on each other every key tile
+    s_stages: int = 1
+
+    @property
+    def cta_group(self) -> int:
+        """CTAs sharing one MMA (1, or 2 with two_cta)."""
+        return 2 if self.two_cta else 1
 
     @property
     def cta_tile_m(self) -> int:
-        return Q_TILE_ROWS * self.q_tiles
+        """Query rows of one work item: one CTA's, or the pair's with two_cta."""
+        return Q_TILE_ROWS * self.q_tiles * self.cta_group
 
     def tmem_columns(self) -> dict:
-        """Column offsets of S_t and O_t per query tile t (P_t lives in the first tile_n/2 columns
-        of S_t), and the columns used."""
-        s = tuple(t * self.tile_n for t in range(self.q_tiles))
-        o0 = self.q_tiles * self.tile_n
+        """Column offsets of the S buffers (query tile t's at t, or with s_stages = 2 the one query
+        tile's two buffers; P lives in the first tile_n/2 columns of its S) and of O_t per query
+        tile t, and the columns used."""
+        s = tuple(t * self.tile_n for t in range(self.q_tiles * self.s_stages))
+        o0 = len(s) * self.tile_n
         o = tuple(o0 + t * self.head_dim_v for t in range(self.q_tiles))
         return {"s": s, "o": o, "used": o0 + self.q_tiles * self.head_dim_v}
 
     def smem_bytes(self) -> int:
-        """Q (q_tiles tiles) plus the K/V ring, in bytes (2-byte elements), without barriers."""
+        """Q (q_tiles tiles) plus the K/V ring, in bytes (2-byte elements), without barriers, per CTA
+        (with two_cta a CTA holds half of each K / V tile)."""
         q = self.q_tiles * Q_TILE_ROWS * self.head_dim * 2
-        kv = self.kv_stages * self.tile_n * max(self.head_dim, self.head_dim_v) * 2
+        kv = self.kv_stages * self.tile_n * max(self.head_dim, self.head_dim_v) * 2 // self.cta_group
         return q + kv
 
 

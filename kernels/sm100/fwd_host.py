@@ -32,8 +32,9 @@ ARCH = "sm_100a"
 # (q_tiles * (tile_n + D) <= 512 columns) and shared memory (fwd_config.SMEM_LIMIT):
 #   D<=128: two tiles of 128 keys (D=128 uses all 512 columns);
 #   D=192:  two tiles of 64 keys (2 * (64 + 192) = 512), five 24 KB K/V stages beside 96 KB of Q;
-#   D=256:  one query tile (128 + 256 = 384 columns), two 64 KB stages beside 64 KB of Q. FA4 pairs
-#           two CTAs (cta_group 2) here instead; this kernel has no cluster path yet.
+#   D=256:  one query tile (128 + 256 = 384 columns), two 64 KB stages beside 64 KB of Q. Where
+#           FA4 pairs two CTAs (cta_group 2) instead, the pair family (kernels/sm100/pair) runs
+#           the call and this variant is its fallback.
 _TILES = {64: (128, 4, 2), 96: (128, 3, 2), 128: (128, 3, 2), 192: (64, 5, 2), 256: (128, 2, 1)}
 SUPPORTED_HEAD_DIMS = tuple(_TILES)
 

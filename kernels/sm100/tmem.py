@@ -54,3 +54,29 @@ def umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
     for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(tcgen05.Field.ACCUMULATE, True)
+
+
+@cute.jit
+def setup_pair_tmem(tmem_base, allocating_warp):
+    """setup_tmem for a cluster of two CTAs sharing their MMAs (tcgen05 cta_group::2): one warp
+    in each CTA takes all TMEM_COLUMNS columns for the pair, and a cluster barrier (release /
+    acquire) stands in for the CTA barrier, so each CTA's mbarriers are initialised before the
+    other arrives on them (MMA commits, consumer releases, 2-SM TMA loads). Returns the TMEM base."""
+    if allocating_warp:
+        cute.arch.alloc_tmem(TMEM_COLUMNS, tmem_base, is_two_cta=True)
+        cute.arch.relinquish_tmem_alloc_permit(is_two_cta=True)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_base)
+
+
+@cute.jit
+def release_pair_tmem(tmem, allocating_warp):
+    """Every thread of both CTAs, once done with tensor memory: a cluster barrier (neither CTA's
+    columns, nor its mbarriers that the other arrives on, go away while the pair still works),
+    then the allocating warps give the columns back."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    if allocating_warp:
+        cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS, is_two_cta=True)
