@@ -11,7 +11,8 @@ problem is the smallest of a few candidate shapes for which the family picks the
 where none does, the call's own shape is used.
 
 A variant that fails (a wrong value, a NaN, an exception) is reported by one warning naming the
-variant and the device, and that variant runs on the next path (the reference) from then on; the
+variant and the device, and that variant's calls take the dispatcher's next path from then on (the
+next kernel family for the architecture, at the end the reference); the
 call itself returns the right answer. A verdict is kept for the process and on disk under
 `$TORCH_FA4_CACHE_DIR/self_check` (private folder, as the kernel cache), keyed by the device name
 and capability, the driver version, the package's source and CuTe DSL's version, the direction
@@ -105,7 +106,8 @@ def trusted(family, module, call: AttentionCall, direction: str, deterministic: 
             warnings.warn(
                 f"torch_fa4: the {name.rsplit('.', 1)[-1]} {direction} variant {variant!r} gave wrong "
                 f"results on {key[3][0]} (compute capability {key[3][1]}) in its first-use "
-                f"self-check ({detail}); this variant runs on the PyTorch reference instead. "
+                f"self-check ({detail}); its calls run on the next kernel family (at the end the PyTorch "
+                f"reference) instead. "
                 f"Please report it with this message.", SelfCheckWarning, stacklevel=4)
     return verdict
 
