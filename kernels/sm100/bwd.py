@@ -101,11 +101,17 @@ def compile_variant(config: BwdConfig, arch: str = ARCH, dump_dir: Optional[str]
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
     """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's)."""
+    key = variant_key(call, deterministic)
+    run_variant(call, key, compile_variant(key), dout, out, lse, dq, dk, dv)
+
+
+def run_variant(call: "AttentionCall", key: BwdConfig, fn, dout, out, lse, dq, dk, dv) -> None:
+    """The backward's passes around kernel `fn` (compiled for `key`; the CTA-pair backward's too,
+    kernels/sm100/pair/bwd.py: the same arguments and the same 128-query statistics)."""
     from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.kernels.sm90.bwd import _tma_view
 
-    key = variant_key(call, deterministic)
-    fn = compile_variant(key)
+    deterministic = key.deterministic
     q, k, v = call.q, call.k, call.v
     if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()

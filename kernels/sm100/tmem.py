@@ -54,3 +54,29 @@ def umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
     for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(tcgen05.Field.ACCUMULATE, True)
+
+
+@cute.jit
+def setup_pair_tmem(tmem_base, allocating_warp):
+    """setup_tmem for a CTA pair running cta_group::2 MMAs: one warp of each CTA takes all
+    TMEM_COLUMNS columns together with its peer's, then a cluster barrier (release / acquire), so
+    both CTAs' mbarriers are initialised before either arrives remotely on the other's, and the
+    TMEM base address read back from shared memory `tmem_base` (returned)."""
+    if allocating_warp:
+        cute.arch.alloc_tmem(TMEM_COLUMNS, tmem_base, is_two_cta=True)
+        cute.arch.relinquish_tmem_alloc_permit(is_two_cta=True)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_base)
+
+
+@cute.jit
+def release_pair_tmem(tmem, allocating_warp):
+    """Every thread of both CTAs of the pair: a cluster barrier (no TMEM reader / writer and no
+    remote shared-memory access of either CTA is left), then the allocating warps hand the columns
+    back together."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    if allocating_warp:
+        cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS, is_two_cta=True)

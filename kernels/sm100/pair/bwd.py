@@ -1,0 +1,82 @@
+"""sm100 CTA-pair backward entry point: which calls the cta_group::2 backward takes, and running it.
+
+The passes around the kernel (row statistics and the zeroed fp32 dQ buffer, the dQ conversion)
+are the 1-CTA sm100 backward's (kernels/sm100/bwd.py, run_variant); the kernel is
+pair/bwd_kernel.py. Compile-verified only: no Blackwell GPU has run it, and the first-use
+self-check guards it at run time (a variant that fails runs on the 1-CTA sm100 backward, the next
+family). `unsupported_reason` accepts exactly the kinds of variants
+tests/test_sm100_pair_bwd_compile.py compiles for sm_100a: fp16 / bf16, D = Dv = 128, causal,
+sliding window, softcap, GQA / MQA, seqused_k, varlen with cu_seqlens on both sides and
+score_mod / mask_mod. It refuses (the 1-CTA sm100 backward takes them) other head dims (the
+accumulators of 128 keys per CTA fit tensor memory at D = Dv = 128 only: bwd_config.py) and block
+masks. Deterministic dQ, which `unsupported_reason` cannot see, runs the 1-CTA sm100 kernel from
+here (its variant is the one `variant_key` names, so the self-check checks that one).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from torch_fa4.kernels.sm100 import bwd as single
+from torch_fa4.kernels.sm100.bwd_config import PAIR_HEAD_DIMS, PAIR_TILE_N, TILE_M
+
+if TYPE_CHECKING:
+    from torch_fa4.call import AttentionCall
+    from torch_fa4.kernels.sm90.bwd_config import BwdConfig
+
+ARCH = single.ARCH
+
+
+def unsupported_reason(call: "AttentionCall") -> Optional[str]:
+    if (reason := single.unsupported_reason(call)) is not None:
+        return reason
+    if (call.head_dim, call.head_dim_v) not in PAIR_HEAD_DIMS:
+        return (f"sm100 CTA-pair backward takes (D, Dv) in {PAIR_HEAD_DIMS}, not "
+                f"({call.head_dim}, {call.head_dim_v})")
+    if call.block_mask:
+        return "a block mask (the sm100 CTA-pair backward walks densely)"
+    return None
+
+
+def variant_key(call: "AttentionCall", deterministic: bool) -> "BwdConfig":
+    """The compiled variant that runs `call`: the 1-CTA key read for 256-key pairs (tile_n =
+    PAIR_TILE_N); deterministic: the 1-CTA kernel's own key."""
+    import dataclasses
+
+    base = single.variant_key(call, deterministic)
+    if deterministic:
+        return base
+    return dataclasses.replace(
+        base, sparse=None, tile_n=PAIR_TILE_N, tile_m=TILE_M,
+        mask_key_tail=not call.is_varlen and call.seqused_k is None and call.k.shape[1] % PAIR_TILE_N != 0)
+
+
+def is_pair(config: "BwdConfig") -> bool:
+    return config.tile_n == PAIR_TILE_N
+
+
+def compile_variant(config: "BwdConfig", arch: str = ARCH, dump_dir: Optional[str] = None):
+    """Compile one variant against symbolic shapes (no GPU needed); dump_dir: also write the cubin
+    there (always compiles, bypassing the cache). A 1-CTA key compiles the 1-CTA kernel."""
+    if not is_pair(config):
+        return single.compile_variant(config, arch, dump_dir)
+    from torch_fa4.kernels.sm90.bwd_compile import cached_compile, compile_with_stream, cute_dtype, kernel_args
+
+    def build(dump, jit=True):
+        from torch_fa4.kernels.sm100.pair.bwd_kernel import Sm100PairAttentionBackward
+
+        mods = None
+        if config.mods_key:
+            from torch_fa4.mods import registry
+
+            mods = registry.lookup(config.mods_key)
+        kernel = Sm100PairAttentionBackward(cute_dtype(config.dtype), config, mods)
+        return compile_with_stream(kernel, kernel_args(config, mods, with_captured_grads=False), arch, dump, jit)
+
+    return cached_compile(("sm100_pair_bwd", arch, config), build, dump_dir)
+
+
+def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
+    """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's)."""
+    key = variant_key(call, deterministic)
+    single.run_variant(call, key, compile_variant(key), dout, out, lse, dq, dk, dv)
