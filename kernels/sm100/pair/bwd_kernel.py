@@ -509,6 +509,9 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             cute.arch.fence_view_async_tmem_store()
             # the dS stores (generic proxy, either CTA's shared memory) before the MMA's reads
             cute.arch.fence_proxy("async.shared", space="cluster")
+            # and ordered, at cluster scope, before the arrive on the leader's barrier (a remote
+            # arrive releases at CTA scope only)
+            cute.arch.fence_acq_rel_cluster()
             fence_before_sync()
             pipe_s.consumer_release(s_state)
             s_state.advance()
