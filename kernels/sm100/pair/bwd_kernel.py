@@ -422,6 +422,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
                 pipe_s.producer_acquire(s_state)  # P^T, dS^T in TMEM, dS in both CTAs' shared memory
+                # the peer's dS stores were released at cluster scope: acquire them at that scope
+                cute.arch.fence_acq_rel_cluster()
                 fence_after_sync()
                 umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0)
                 umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0)
