@@ -41,12 +41,13 @@ ARCH = "sm_100a"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 
 
-def unsupported_reason(call: "AttentionCall") -> Optional[str]:
+def unsupported_reason(call: "AttentionCall", head_dims: tuple = SUPPORTED_HEAD_DIMS) -> Optional[str]:
+    """Why this backward cannot take `call` (None: it can); head_dims: the CTA-pair backward's."""
     q, k, v = call.q, call.k, call.v
     if q.is_cuda and torch.cuda.get_device_capability(q.device) != (10, 0):
         major, minor = torch.cuda.get_device_capability(q.device)
         return f"sm_{major}{minor} (sm100 backward compiled and checked for sm_100a only)"
-    if (reason := bwd_operands.operand_reason(call, "sm100", SUPPORTED_HEAD_DIMS)) is not None:
+    if (reason := bwd_operands.operand_reason(call, "sm100", head_dims)) is not None:
         return reason
     if call.mods is not None and len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm100 backward: at most {MAX_AUX})"

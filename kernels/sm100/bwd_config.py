@@ -6,18 +6,27 @@ Q / dO ring depth that shared memory allows. Tensor memory holds S^T (128 column
 dV (Dv) and dK (D) at once, dQ over S^T's columns: 256 + D + Dv <= 512, so D, Dv <= 128.
 
 `ctas = 2` reads the same key for the CTA-pair backward (kernels/sm100/pair/bwd_kernel.py:
-cta_group::2 MMAs with M = 256 keys over two CTAs of 128 keys each). Per CTA its tensor memory
-holds the same four accumulators, now halves of M = 256 MMAs: S^T (128 columns), dP^T (128), dV
-(Dv), dK (D); P^T and dS^T (16-bit, the A operands of dV and dK) pack over S^T's and dP^T's first
-64 columns; the pair's dQ (M = 128 queries, 64 per CTA, the M = 64 half-row layout: lanes 0-63
-hold D columns [0, D/2), lanes 64-127 [D/2, D)) takes D / 2 columns over S^T's last 64. Budgets
-(columns of 512): D = Dv = 128: 128 + 128 + 128 + 128 = 512 (dQ's 64 inside S^T's): fits.
-D = 192 (Dv = 128 or 192) needs 128 + 128 + 192 + Dv >= 576 and D = Dv = 256 needs 768: neither
-fits with 128 keys per CTA (they need 64-key halves, M = 128 pair MMAs whose accumulators take
-half the columns, and a serial schedule for shared memory): the pair backward takes D = Dv = 128.
-Shared memory per CTA: K, V (its 128 keys), K^T's half (D / 2 x the pair's 256 keys: dQ's B),
-per ring stage Q and dO twice (as S^T's / dP^T's B: 64 queries x D; as dK's / dV's B: D / 2 x 128
-queries) and dS (64 queries x 256 keys: dQ's A): 192 KB at D = 128 with one stage (two: 256 KB).
+cta_group::2 MMAs whose M spans the keys of two CTAs). TMEM budgets per CTA (columns of 512):
+
+- D, Dv <= 128 (`keys` = 128 per CTA, pair MMAs of M = 256): S^T (128 columns), dP^T (128), dV
+  (Dv), dK (D), halves of the pair's accumulators in the 1-CTA layout (lane = key); P^T and dS^T,
+  the 16-bit A operands of dV and dK, pack over S^T's and dP^T's first 64 columns; the pair's dQ
+  (M = 128 queries, 64 per CTA in the half-row layout: lanes 0-63 hold D columns [0, D/2), lanes
+  64-127 [D/2, D)) takes D / 2 columns over S^T's last 64. D = Dv = 128: 128 + 128 + 128 + 128 =
+  512. Only D = Dv = 128 is taken (smaller head dims have no reason to pair: the 1-CTA kernel
+  fits them).
+- D = 192 (Dv 128 or 192): 128 keys per CTA would need 128 + 128 + 192 + Dv >= 576 columns, so
+  each CTA takes 64 keys (`keys` = 64, pair MMAs of M = 128): every accumulator is in the
+  half-row layout and takes half its width: S^T 64, dP^T 64, dV Dv / 2, dK D / 2, dQ D / 2 (its
+  own columns: 64 + 64 + 96 + 96 + 96 = 416 at Dv = 192, 384 at Dv = 128). P^T and dS^T go to
+  shared memory (the dV / dK A operands of an M = 128 pair MMA).
+- D = Dv = 256 fits TMEM the same way (64 + 64 + 128 + 128 + 128 = 512) but not shared memory
+  (272 KB at one ring stage: it needs tiles aliased over the step's phases): refused.
+
+Shared memory per CTA: K, V (its keys), K^T's half (D / 2 x the pair's keys: dQ's B), per ring
+stage Q and dO twice (as S^T's / dP^T's B: 64 queries x D; as dK's / dV's B: D / 2 x 128
+queries), dS (64 queries x the pair's keys: dQ's A) and with 64 keys per CTA the P^T and dS^T
+tiles: 192 KB at D = 128, 216 KB at D = Dv = 192, one stage each.
 """
 
 from __future__ import annotations
@@ -53,13 +62,21 @@ def ring_stages(d: int, dv: int) -> int:
     raise ValueError(f"head dims {d}, {dv} do not fit shared memory")
 
 
-PAIR_TILE_N = 2 * TILE_N  # keys per CTA pair (M of the cta_group::2 MMAs)
-PAIR_HEAD_DIMS = ((128, 128),)  # (D, Dv) whose accumulators fit 512 columns (docstring)
+PAIR_TILE_N = 2 * TILE_N  # keys per CTA pair at D <= 128 (M of the cta_group::2 MMAs)
+PAIR_HEAD_DIMS = ((128, 128), (192, 128), (192, 192))  # (D, Dv) the pair takes (docstring)
+
+
+def pair_keys(d: int, dv: int) -> int:
+    """Keys per CTA of the pair: 128 where the 1-CTA layout's accumulators fit, else 64."""
+    return TILE_N if max(d, dv) <= 128 else TILE_N // 2
 
 
 def pair_smem_bytes(d: int, dv: int, stages: int) -> int:
-    """One CTA of the pair: K, V, K^T's half, the Q / dO ring (each tile twice, in halves) and dS."""
-    return 2 * (TILE_N * (d + dv) + TILE_N * d + stages * TILE_M * (d + dv) + TILE_N * TILE_M)
+    """One CTA of the pair: K, V, K^T's half, the Q / dO ring (each tile twice, in halves), dS for
+    dQ and (64 keys per CTA) the P^T and dS^T tiles."""
+    keys = pair_keys(d, dv)
+    p_ds = 2 * keys * TILE_M if keys < TILE_N else 0
+    return 2 * (keys * (d + dv) + keys * d + stages * TILE_M * (d + dv) + keys * TILE_M + p_ds)
 
 
 def pair_ring_stages(d: int, dv: int) -> int:
@@ -85,13 +102,24 @@ class Sm100BwdLayout:
             return cls(d, dv, pair_ring_stages(d, dv), 2)
         return cls(d, dv, ring_stages(d, dv))
 
+    @property
+    def keys(self) -> int:
+        """Keys per CTA (the pair: bwd_config.pair_keys)."""
+        return pair_keys(self.head_dim, self.head_dim_v) if self.ctas == 2 else TILE_N
+
     def columns(self) -> dict:
         """First TMEM column of S^T (and P^T's 16-bit pairs; 1 CTA: dQ), dP^T (pair: and dS^T's
-        16-bit pairs), dV and dK; the pair's dQ over S^T's second half."""
+        16-bit pairs), dV, dK and the pair's dQ (over S^T's second half with 128 keys per CTA)."""
+        if self.ctas == 2 and self.keys < TILE_N:  # the half-row layout: half the widths
+            s, dp, dv = 0, TILE_M // 2, TILE_M
+            return {"s": s, "dp": dp, "dv": dv, "dk": dv + self.head_dim_v // 2,
+                    "dq": dv + self.head_dim_v // 2 + self.head_dim // 2}
         cols = {"s": 0, "dp": TILE_M, "dv": 2 * TILE_M, "dk": 2 * TILE_M + self.head_dim_v}
         cols["dq"] = TILE_M // 2 if self.ctas == 2 else 0
         return cols
 
     @property
     def tmem_columns(self) -> int:
+        if self.ctas == 2 and self.keys < TILE_N:
+            return self.columns()["dq"] + self.head_dim // 2
         return 2 * TILE_M + self.head_dim + self.head_dim_v

@@ -50,10 +50,10 @@ from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from torch_fa4.kernels.common.convert import convert_pairs
-from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, PAIR_TILE_N,
-                                                REGISTERS, TILE_M, TILE_N, Sm100BwdLayout)
+from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, REGISTERS, TILE_M,
+                                                TILE_N, Sm100BwdLayout)
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
-from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, swizzle_128b
+from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import (fence_after_sync, fence_before_sync, release_pair_tmem,
                                           setup_pair_tmem, tmem_copy, umma)
 from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, key_tile_sequence, query_tiles_seeing
@@ -83,18 +83,25 @@ def st_cluster_v4(addr: Int32, rank: Int32, a: Int32, b: Int32, c: Int32, d: Int
 class Sm100PairAttentionBackward(Sm100AttentionBackward):
     def __init__(self, dtype, config, mods=None):
         super().__init__(dtype, config, mods)
-        self.lay = Sm100BwdLayout.of(config, ctas=2)
         assert not config.deterministic and config.sparse is None, "the 1-CTA kernel takes these"
+        # keys per CTA (bwd_config.pair_keys): 64 above D = 128, every accumulator then in the
+        # half-row layout and P^T / dS^T in shared memory ("narrow")
+        self.keys = self.tile_n = self.lay.keys
+        self.narrow = self.keys < TILE_N
+        self.pair_n = 2 * self.keys
+
+    def _layout(self, config) -> Sm100BwdLayout:
+        return Sm100BwdLayout.of(config, ctas=2)
 
     # ------------------------------------------------------------------ host side (jit)
     def _mmas(self):
         dt, two = self.dtype, tcgen05.CtaGroup.TWO
         K_MAJ, MN_MAJ = OperandMajorMode.K, OperandMajorMode.MN
         make = sm100_utils.make_trivial_tiled_mma
-        tmem_a = tcgen05.OperandSource.TMEM
-        sdp = make(dt, dt, K_MAJ, K_MAJ, Float32, two, (PAIR_TILE_N, TILE_M))  # S^T, dP^T
-        dv = make(dt, dt, K_MAJ, MN_MAJ, Float32, two, (PAIR_TILE_N, self.dv), tmem_a)
-        dk = make(dt, dt, K_MAJ, MN_MAJ, Float32, two, (PAIR_TILE_N, self.d), tmem_a)
+        src = tcgen05.OperandSource.SMEM if self.narrow else tcgen05.OperandSource.TMEM  # P^T, dS^T
+        sdp = make(dt, dt, K_MAJ, K_MAJ, Float32, two, (self.pair_n, TILE_M))  # S^T, dP^T
+        dv = make(dt, dt, K_MAJ, MN_MAJ, Float32, two, (self.pair_n, self.dv), src)
+        dk = make(dt, dt, K_MAJ, MN_MAJ, Float32, two, (self.pair_n, self.d), src)
         dq = make(dt, dt, MN_MAJ, MN_MAJ, Float32, two, (TILE_M, self.d))
         return sdp, dv, dk, dq
 
@@ -129,11 +136,12 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
 
         dt, d, dv, stages = self.dtype, self.d, self.dv, self.lay.stages
         sdp_mma, dv_mma, dk_mma, dq_mma = self._mmas()
-        sdp_tiler = (PAIR_TILE_N, TILE_M, d)
-        sdp_v_tiler = (PAIR_TILE_N, TILE_M, dv)
-        dv_tiler = (PAIR_TILE_N, dv, TILE_M)
-        dk_tiler = (PAIR_TILE_N, d, TILE_M)
-        dq_tiler = (TILE_M, d, PAIR_TILE_N)
+        pair_n = self.pair_n
+        sdp_tiler = (pair_n, TILE_M, d)
+        sdp_v_tiler = (pair_n, TILE_M, dv)
+        dv_tiler = (pair_n, dv, TILE_M)
+        dk_tiler = (pair_n, d, TILE_M)
+        dq_tiler = (TILE_M, d, pair_n)
         make_a, make_b = sm100_utils.make_smem_layout_a, sm100_utils.make_smem_layout_b
         sK_layout = make_a(sdp_mma, sdp_tiler, dt, 1)  # (own keys, D) K-major
         sV_layout = make_a(sdp_mma, sdp_v_tiler, dt, 1)
@@ -143,8 +151,11 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         sdOt_layout = make_b(dv_mma, dv_tiler, dt, stages)
         sKt_layout = make_b(dq_mma, dq_tiler, dt, 1)  # (D / 2, 256 keys) MN-major
         sdS_layout = make_a(dq_mma, dq_tiler, dt, 1)  # (64 queries, 256 keys) MN-major
-        tP_layout = make_a(dv_mma, dv_tiler, dt, 1)  # dV's A: P^T in TMEM
-        tdS_layout = make_a(dk_mma, dk_tiler, dt, 1)  # dK's A: dS^T in TMEM
+        tP_layout = make_a(dv_mma, dv_tiler, dt, 1)  # dV's A: P^T (TMEM; narrow: shared memory)
+        tdS_layout = make_a(dk_mma, dk_tiler, dt, 1)  # dK's A: dS^T (likewise)
+        # (the P^T / dS^T tiles take shared memory only when narrow)
+        p_elems = cute.cosize(tP_layout) if const_expr(self.narrow) else 64
+        ds_elems = cute.cosize(tdS_layout) if const_expr(self.narrow) else 64
 
         cluster = cute.tiled_divide(cute.make_layout(_CLUSTER), (sdp_mma.thr_id.shape,)).shape
         load_a = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
@@ -181,12 +192,17 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sdOt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdOt_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
+            sdSt: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
 
-        # the dS stores apply this swizzle by hand (bwd_stores.swizzle_128b)
+        # the dS (and narrow: P^T, dS^T) stores apply this swizzle by hand (bwd_stores.swizzle_128b)
         assert str(sdS_layout.inner).startswith(SWIZZLE_128B), sdS_layout.inner
+        if const_expr(self.narrow):
+            assert str(tP_layout.inner).startswith(SWIZZLE_128B), tP_layout.inner
+            assert str(tdS_layout.inner).startswith(SWIZZLE_128B), tdS_layout.inner
         assert Storage.size_in_bytes() <= SMEM_BYTES, f"{Storage.size_in_bytes()} bytes of shared memory"
         batch = mCuK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
-        pairs = cute.ceil_div(max_seqlen_k, PAIR_TILE_N)
+        pairs = cute.ceil_div(max_seqlen_k, pair_n)
         grid = (2 * pairs, mK.shape[2], batch)  # (key tile: two per pair, kv head, batch)
         self.kernel(
             (tQ, tK, tV, tdO, mLSE2, mDpsum, mdQacc, mdK, mdV, tQt, tKt, tdOt),
@@ -211,7 +227,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         tile = self._tile(gmem, mCuQ, mCuK, mSeqUsedK, None, n_block, hkv, b, scalars)
         # a pair past the sequence's rows: both CTAs leave before any barrier (the test reads the
         # pair's first key, the same on both)
-        if n_block // 2 * PAIR_TILE_N < tile.rows_k:
+        if n_block // 2 * self.pair_n < tile.rows_k:
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             steps = tile.walk.count
@@ -249,6 +265,10 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             sdOt = storage.sdOt.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             smem_ops = (sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS)
+            sP = sdSt = None
+            if const_expr(self.narrow):
+                sP = storage.sP.get_tensor(tP_layout.outer, swizzle=tP_layout.inner)
+                sdSt = storage.sdSt.get_tensor(tdS_layout.outer, swizzle=tdS_layout.inner)
             stats = (storage.sLSE.get_tensor(cute.make_layout((TILE_M, 2))),
                      storage.sDp.get_tensor(cute.make_layout((TILE_M, 2))))
             cols = self.lay.columns()
@@ -258,7 +278,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
                     cute.arch.setmaxregister_increase(regs_compute)
-                self.pair_compute_role(acc, sdS, stats, pipe_s, pipe_acc, gmem, tile, rank, scalars,
+                self.pair_compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, rank, scalars,
                                        (score_aux, mask_aux), tidx % 128)
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
@@ -269,8 +289,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                     cute.arch.setmaxregister_decrease(regs_other)
                 if warp_idx == MMA_WARP:
                     if rank == 0:
-                        self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), acc, cols, pipe_kv,
-                                           pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
+                        self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc, cols,
+                                           pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
                 elif warp_idx == LOAD_WARP:
                     self.pair_load_role(gmem, tmas, mmas, smem_ops, pipe_kv, pipe_q, tile, rank)
 
@@ -285,8 +305,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
                                                                      self.varlen)
         diag = seqlen_k - seqlen_q
-        n0 = n_block // 2 * PAIR_TILE_N
-        n1 = cutlass.min(n0 + PAIR_TILE_N, seqlen_k)
+        n0 = n_block // 2 * self.pair_n
+        n1 = cutlass.min(n0 + self.pair_n, seqlen_k)
         m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, TILE_M,
                                        self.has_left, self.has_right)
         if n0 >= seqlen_k:
@@ -307,8 +327,9 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             layout = thr.make_fragment_C(thr.partition_shape_C(shape)).layout
             return cute.make_tensor(tmem + col, layout)
 
-        return (acc(sdp_mma, (PAIR_TILE_N, TILE_M), cols["s"]), acc(sdp_mma, (PAIR_TILE_N, TILE_M), cols["dp"]),
-                acc(dv_mma, (PAIR_TILE_N, self.dv), cols["dv"]), acc(dk_mma, (PAIR_TILE_N, self.d), cols["dk"]),
+        pair_n = self.pair_n
+        return (acc(sdp_mma, (pair_n, TILE_M), cols["s"]), acc(sdp_mma, (pair_n, TILE_M), cols["dp"]),
+                acc(dv_mma, (pair_n, self.dv), cols["dv"]), acc(dk_mma, (pair_n, self.d), cols["dk"]),
                 acc(dq_mma, (TILE_M, self.d), cols["dq"]))
 
     @cute.jit
@@ -338,11 +359,11 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
 
         if walk.count > 0:
             gK = thr_sdp.partition_A(cute.local_tile(self._head_rows(mK, tile.hkv, tile.b, tile.k_off),
-                                                     (PAIR_TILE_N, d), (None, 0)))
+                                                     (self.pair_n, d), (None, 0)))
             gV = thr_sdp.partition_A(cute.local_tile(self._head_rows(mV, tile.hkv, tile.b, tile.k_off),
-                                                     (PAIR_TILE_N, dv), (None, 0)))
+                                                     (self.pair_n, dv), (None, 0)))
             gKt = thr_dq.partition_B(cute.local_tile(self._head_cols(mKt, tile.hkv, tile.b, tile.k_off),
-                                                     (d, PAIR_TILE_N), (0, None)))
+                                                     (d, self.pair_n), (0, None)))
             tKs, tKg = part(tma_K, sK, gK)
             tVs, tVg = part(tma_V, sV, gV)
             tKts, tKtg = part(tma_Kt, sKt, gKt)
@@ -383,7 +404,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
 
     # ------------------------------------------------------------------ MMA warp (leader CTA)
     @cute.jit
-    def pair_mma_role(self, mmas, smem_ops, tmem, tmem_a_layouts, acc, cols, pipe_kv, pipe_q, pipe_s,
+    def pair_mma_role(self, mmas, smem_ops, tmem, tmem_a_layouts, smem_a, acc, cols, pipe_kv, pipe_q, pipe_s,
                       pipe_dq, pipe_acc, steps):
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
         sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS = smem_ops
@@ -399,12 +420,16 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         tQrdS = thr_dq.make_fragment_A(sdS)[None, None, None, 0]
         tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
         # P^T and dS^T: 16-bit A operands in TMEM over S^T's and dP^T's first columns (addresses
-        # relative to column 0 of the 512-column allocation)
-        per_col = Float32.width // self.dtype.width
-        tVrP = thr_dv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
-        tVrP = cute.make_tensor(tVrP.iterator + per_col * cols["s"], tVrP.layout)
-        tKrdS = thr_dk.make_fragment_A(cute.make_tensor(tmem, tdS_layout.outer))[None, None, None, 0]
-        tKrdS = cute.make_tensor(tKrdS.iterator + per_col * cols["dp"], tKrdS.layout)
+        # relative to column 0 of the 512-column allocation); narrow: from shared memory
+        if const_expr(self.narrow):
+            tVrP = thr_dv.make_fragment_A(smem_a[0])[None, None, None, 0]
+            tKrdS = thr_dk.make_fragment_A(smem_a[1])[None, None, None, 0]
+        else:
+            per_col = Float32.width // self.dtype.width
+            tVrP = thr_dv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
+            tVrP = cute.make_tensor(tVrP.iterator + per_col * cols["s"], tVrP.layout)
+            tKrdS = thr_dk.make_fragment_A(cute.make_tensor(tmem, tdS_layout.outer))[None, None, None, 0]
+            tKrdS = cute.make_tensor(tKrdS.iterator + per_col * cols["dp"], tKrdS.layout)
         if steps > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             kv_state = pipeline.make_pipeline_state(Consumer, 1)
@@ -436,31 +461,38 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
 
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit
-    def pair_compute_role(self, acc, sdS, stats, pipe_s, pipe_acc, gmem, tile: _Tile, rank, scalars, aux, tid):
+    def pair_compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, rank, scalars, aux,
+                          tid):
         tS, tdP, tdV, tdK, _ = acc
+        sdS, sP, sdSt = smem_ds
         mLSE2, mDpsum = gmem[4], gmem[5]
         sLSE, sDp = stats
         scale, scale_log2, softcap_val, window_left, window_right = scalars
-        chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _CHUNK)))
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tS.iterator, chunk))
+        # thread tid reads TMEM lane tid: key tid and all 128 queries; narrow (the half-row layout):
+        # key tid % 64 and the 64 queries from (tid // 64) * 64
+        t_key = tid % self.keys
+        q_base = tid // self.keys * _HALF_M
+        chunks = (TILE_M if const_expr(not self.narrow) else _HALF_M) // _CHUNK
+        lanes = cute.make_layout((TILE_M, _CHUNK), stride=(1 << 16, 1))  # (TMEM lane, column)
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tS.iterator, lanes))
         thr_load = load.get_slice(tid)
-        tSt = thr_load.partition_S(cute.make_tensor(tS.iterator, chunk))
-        tdPt = thr_load.partition_S(cute.make_tensor(tdP.iterator, chunk))
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
-        # P^T over S^T's first columns, dS^T over dP^T's: 16-bit values two per column
-        p_chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _P_COLS)))
-        store_p = tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS.iterator, p_chunk))
+        tSt = thr_load.partition_S(cute.make_tensor(tS.iterator, lanes))
+        tdPt = thr_load.partition_S(cute.make_tensor(tdP.iterator, lanes))
+        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
+        # P^T over S^T's first columns, dS^T over dP^T's: 16-bit values two per column (not narrow)
+        p_lanes = cute.make_layout((TILE_M, _P_COLS), stride=(1 << 16, 1))
+        store_p = tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS.iterator, p_lanes))
         thr_store = store_p.get_slice(tid)
-        tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_chunk))
-        tdSt = thr_store.partition_D(cute.make_tensor(tdP.iterator, p_chunk))
-        p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_N, _P_COLS))).shape
-        # dS (dQ's A: 64 queries x the pair's 256 keys per CTA): this thread's key among the 256
+        tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_lanes))
+        tdSt = thr_store.partition_D(cute.make_tensor(tdP.iterator, p_lanes))
+        p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_M, _P_COLS))).shape
+        # dS (dQ's A: 64 queries x the pair's keys per CTA): this thread's key among the pair's
         sdS_base = sdS.iterator.toint()
-        pair_key = rank * TILE_N + tid
+        pair_key = rank * self.keys + t_key
         row_layout = cute.make_layout((1, _CHUNK))
         c0 = cute.make_identity_tensor((1, _CHUNK))
         walk = tile.walk
-        key0 = tile.n_block * TILE_N
+        key0 = tile.n_block * self.keys
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(walk.count, unroll=1):
@@ -477,7 +509,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             cute.arch.barrier(barrier_id=_BAR_STATS, number_of_threads=128)
             pipe_s.consumer_wait(s_state)
             fence_after_sync()
-            for c in cutlass.range(TILE_M // _CHUNK, unroll=1):
+            for c in cutlass.range(chunks, unroll=1):
                 rS = cute.make_rmem_tensor(regs, Float32)
                 rdP = cute.make_rmem_tensor(regs, Float32)
                 cute.copy(load, cute.make_tensor(tSt.iterator + c * _CHUNK, tSt.layout), rS)
@@ -485,30 +517,43 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 cute.arch.fence_view_async_tmem_load()
                 S = cute.make_tensor(rS.iterator, row_layout)
                 dP = cute.make_tensor(rdP.iterator, row_layout)
-                t_q = c * _CHUNK
-                cS = (tid, t_q, t_q - tid, c0)
+                t_q = q_base + c * _CHUNK
+                cS = (t_key, t_q, t_q - t_key, c0)
                 at = (cS, sLSE, sDp, stage, row0, key0, tile.seqlen_q, tile.seqlen_k, tile.diag, window_left,
                       window_right, scale, scale_log2, softcap_val, mod_ctx)
                 self._p_and_ds(S, dP, at)
-                # P^T and dS^T chunks (16-bit) over the columns this chunk's loads have read
                 rP = cute.make_rmem_tensor(p_regs, Float32)
                 rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
                 rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
                 rdS = cute.make_rmem_tensor(p_regs, Float32)
                 rdS16 = cute.make_tensor(cute.recast_ptr(rdS.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
                 convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
-                cute.copy(store_p, rdS, cute.make_tensor(tdSt.iterator + c * _P_COLS, tdSt.layout))
-                # the same dS values into dQ's A of the CTA owning these queries (c // 2: queries
-                # 0-63 on CTA 0, 64-127 on CTA 1), 16 bytes of 8 queries per store
+                rP32 = cute.recast_tensor(rP16, Int32)
                 rdS32 = cute.recast_tensor(rdS16, Int32)
-                owner = c // (_HALF_M // _CHUNK)
+                if const_expr(self.narrow):
+                    # P^T and dS^T rows (key t_key, 32 queries) into this CTA's tiles, 16 bytes per store
+                    for v in cutlass.range_constexpr(_CHUNK // 8):
+                        q = t_q + 8 * v
+                        elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sP.layout)
+                        off = swizzle_128b(elem * (self.dtype.width // 8))
+                        st_shared_v4(sP.iterator.toint() + off, *(rP32[4 * v + i] for i in range(4)))
+                        elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sdSt.layout)
+                        off = swizzle_128b(elem * (self.dtype.width // 8))
+                        st_shared_v4(sdSt.iterator.toint() + off, *(rdS32[4 * v + i] for i in range(4)))
+                else:
+                    # P^T and dS^T (16-bit) over the TMEM columns this chunk's loads have read
+                    cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
+                    cute.copy(store_p, rdS, cute.make_tensor(tdSt.iterator + c * _P_COLS, tdSt.layout))
+                # the same dS values into dQ's A of the CTA owning these queries (0-63: CTA 0,
+                # 64-127: CTA 1), 16 bytes of 8 queries per store
+                owner = t_q // _HALF_M
                 for v in cutlass.range_constexpr(_CHUNK // 8):
-                    q = (c % (_HALF_M // _CHUNK)) * _CHUNK + 8 * v
+                    q = t_q % _HALF_M + 8 * v
                     elem = cute.crd2idx(((q, pair_key % 16), 0, pair_key // 16, 0), sdS.layout)
                     addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
                     st_cluster_v4(addr, owner, *(rdS32[4 * v + i] for i in range(4)))
-            cute.arch.fence_view_async_tmem_store()
+            if const_expr(not self.narrow):
+                cute.arch.fence_view_async_tmem_store()
             # the dS stores (generic proxy, either CTA's shared memory) before the MMA's reads
             cute.arch.fence_proxy("async.shared", space="cluster")
             # and ordered, at cluster scope, before the arrive on the leader's barrier (a remote
@@ -517,7 +562,45 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             fence_before_sync()
             pipe_s.consumer_release(s_state)
             s_state.advance()
-        self.dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+        self.pair_dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+
+    @cute.jit
+    def pair_dkdv_epilogue(self, tdV, tdK, pipe_acc, gmem, tile: _Tile, scale, tid):
+        """This thread's key rows of dV and dK (times the softmax scale) from TMEM to global memory:
+        key tid, all columns; narrow (the half-row layout): key tid % 64, half the columns. Zeros
+        where the walk was empty (no query sees these keys)."""
+        mdK, mdV = gmem[7], gmem[8]
+        steps = tile.walk.count
+        if steps > 0:
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_acc.consumer_wait(acc_state)
+            fence_after_sync()
+        t_key = tid % self.keys
+        key = tile.n_block * self.keys + t_key
+        lanes = cute.make_layout((TILE_M, _CHUNK), stride=(1 << 16, 1))
+        for t_acc, m_out, width, factor in ((tdV, mdV, self.dv, None), (tdK, mdK, self.d, scale)):
+            cols = width // 2 if const_expr(self.narrow) else width  # columns this thread holds
+            col0 = tid // self.keys * cols
+            load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t_acc.iterator, lanes))
+            thr_load = load.get_slice(tid)
+            tAt = thr_load.partition_S(cute.make_tensor(t_acc.iterator, lanes))
+            regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
+            g = self._head_rows(m_out, tile.hkv, tile.b, tile.k_off)
+            for j in cutlass.range_constexpr(cols // _CHUNK):
+                r = cute.make_rmem_tensor(regs, Float32)
+                if steps > 0:
+                    cute.copy(load, cute.make_tensor(tAt.iterator + j * _CHUNK, tAt.layout), r)
+                    cute.arch.fence_view_async_tmem_load()
+                else:
+                    r.fill(0.0)
+                if const_expr(factor is not None):
+                    for k in cutlass.range_constexpr(cute.size(r)):
+                        r[k] = r[k] * factor
+                r16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
+                r16.store(cute.make_tensor(r.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+                if key < tile.rows_k:
+                    gt = cute.local_tile(g, (self.keys, _CHUNK), (tile.n_block, col0 // _CHUNK + j))
+                    cute.autovec_copy(r16, gt[t_key, None])
 
     # ------------------------------------------------------------------ dQ warpgroup
     @cute.jit
