@@ -46,6 +46,10 @@ NUM_THREADS = 384  # warps 10-11 idle: three whole warpgroups
 # at most 3 * 168 (384 threads share 64K). The compute warps hold a 32-query chunk of S^T and dP^T
 # beside the mods' per-query / per-key values; the dQ warps a whole dQ row (D fp32)
 REGISTERS = (240, 160, 96)
+# the CTA pair's (with mods): its MMA warp addresses seven operand tiles (the 1-CTA kernel's five
+# and the K^T / Q^T halves): at 96 the D = 192 ALiBi + document mask variant spilled 36 descriptor
+# values in the MMA loop (pair/bwd_kernel.py)
+PAIR_REGISTERS = (240, 152, 112)
 
 
 def smem_bytes(d: int, dv: int, stages: int) -> int:

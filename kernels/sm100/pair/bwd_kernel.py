@@ -50,7 +50,7 @@ from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from torch_fa4.kernels.common.convert import convert_pairs
-from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, REGISTERS, TILE_M,
+from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, PAIR_REGISTERS, TILE_M,
                                                 TILE_N, Sm100BwdLayout)
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
@@ -274,7 +274,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             cols = self.lay.columns()
             acc = self._tmem_tensors(tmem, cols, mmas)
 
-            regs_compute, regs_dq, regs_other = REGISTERS
+            regs_compute, regs_dq, regs_other = PAIR_REGISTERS
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
                     cute.arch.setmaxregister_increase(regs_compute)
