@@ -4,11 +4,11 @@ Blackwell kernel.
 There is no Blackwell GPU in this project, so this is the pair backward's verification (as
 tests/test_sm100_bwd_compile.py is the 1-CTA backward's). Per variant: every matmul of a step is a
 pair UMMA (`UTCHMMA.2CTA`, exactly as many as the leader issues: S^T and dP^T over the head dim, dV
-and dK over 128 queries, dQ over the pair's keys: 256 at D = 128, 128 at D = 192) and no 1-CTA
+and dK over 128 queries, dQ over the pair's keys: 256 at D = 128, 128 above) and no 1-CTA
 one, every TMA load is the pair form (`UTMALDG.*.2CTA`), the leader's commits reach both CTAs
 (`UTCBAR.2CTA.MULTICAST`), S^T, dP^T, dQ, dK and dV move through tensor memory (`LDTM`: whole
-rows at D = 128, half rows at D = 192), P^T and dS^T go back to tensor memory (two `STTM`, D =
-128) or to shared memory (16-byte stores, D = 192), dS reaches the owning CTA's shared memory in
+rows at D = 128, half rows at D = 192 / 256), P^T and dS^T go back to tensor memory (two `STTM`,
+D = 128) or to shared memory (16-byte stores, D = 192 / 256), dS reaches the owning CTA's shared memory in
 16-byte stores through the cluster window (4 per 32-query chunk), dQ of a thread's half row
 leaves in fp32 REDs of four columns, dK / dV in 16-byte stores, nothing spills to local memory,
 and the tiles fit tensor memory (512 columns) and shared memory (227 KB: the kernel asserts its
@@ -41,12 +41,16 @@ VARIANTS = {
     "d192_fp16_softcap_window_key_tail": dict(D=192, dtype=torch.float16, softcap=15.0, window_left=100,
                                               window_right=0, S=300),
     "d192_seqused": dict(D=192, seqused=True),
+    "d256": dict(D=256),
+    "d256_causal_varlen": dict(D=256, varlen=True, causal=True),
+    "d256_fp16_softcap_gqa_key_tail": dict(D=256, dtype=torch.float16, softcap=10.0, H=4, Hkv=1, S=200),
 }
 
 MOD_VARIANTS = {
     "d128_alibi_softcap_causal": lambda: _mod_call(128, score_mod=_alibi(), softcap=20.0, causal=True),
     "d128_document_mask": lambda: _mod_call(128, mask_mod=_doc_mask()),
     "d192_alibi_document_mask": lambda: _mod_call(192, score_mod=_alibi(), mask_mod=_doc_mask()),
+    "d256_alibi_causal": lambda: _mod_call(256, score_mod=_alibi(), causal=True),
 }
 
 
@@ -69,7 +73,8 @@ def test_pair_mod_variant_compiles_to_pair_umma(name, tmp_path):
 
 
 def _compile_and_check_sass(call, tmp_path):
-    from torch_fa4.kernels.sm100.bwd_config import Sm100BwdLayout, pair_keys, pair_smem_bytes
+    from torch_fa4.kernels.sm100.bwd_config import (Sm100BwdLayout, pair_aliases, pair_keys, pair_registers,
+                                                    pair_smem_bytes)
     from torch_fa4.kernels.sm100.pair import bwd
     from torch_fa4.kernels.sm100.tmem import TMEM_COLUMNS
 
@@ -80,7 +85,8 @@ def _compile_and_check_sass(call, tmp_path):
     narrow = keys == 64  # the half-row layout: half the columns per thread, P^T / dS^T in shared memory
     lay = Sm100BwdLayout.of(cfg, ctas=2)
     assert lay.tmem_columns <= TMEM_COLUMNS
-    assert pair_smem_bytes(cfg.head_dim, cfg.head_dim_v, lay.stages) <= 227 * 1024
+    assert pair_smem_bytes(cfg.head_dim, cfg.head_dim_v, lay.stages, pair_aliases(cfg.head_dim, cfg.head_dim_v)) \
+        <= 227 * 1024
     bwd.compile_variant(cfg, arch="sm_100a", dump_dir=str(tmp_path))  # bypasses the cache
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
     umma = sass.count("UTCHMMA")
@@ -108,17 +114,18 @@ def _compile_and_check_sass(call, tmp_path):
     exps = sass.count("MUFU.EX2")
     assert 32 <= exps <= 64, f"{exps} exp2: more than one per query and mask path"
     assert ("MUFU.TANH" in sass) == cfg.softcap
-    assert sass.count("USETMAXREG") == (3 if cfg.mods_key else 0)
+    # registers rebalanced between the warp roles with mods or at D = 256 (bwd_config.pair_registers)
+    assert sass.count("USETMAXREG") == (3 if pair_registers(cfg.head_dim, bool(cfg.mods_key)) else 0)
     return cfg
 
 
-def test_pair_takes_d128_d192_and_no_block_masks():
+def test_pair_takes_d128_d192_d256_and_no_block_masks():
     """Other head dims, block masks: refused (the 1-CTA sm100 or the portable backward takes them)."""
     from torch_fa4.kernels.sm100.pair import bwd
 
-    for kw in (dict(D=128), dict(D=192), dict(D=192, Dv=128)):
+    for kw in (dict(D=128), dict(D=192), dict(D=192, Dv=128), dict(D=256)):
         assert bwd.unsupported_reason(_call(**kw)) is None, kw
-    for kw in (dict(D=64), dict(D=96), dict(D=128, Dv=64), dict(D=128, Dv=192), dict(D=256)):
+    for kw in (dict(D=64), dict(D=96), dict(D=128, Dv=64), dict(D=128, Dv=192), dict(D=256, Dv=128)):
         reason = bwd.unsupported_reason(_call(**kw))
         assert reason is not None and ("head dims" in reason or "(D, Dv)" in reason), (kw, reason)
     blocked = _mod_call(128, mask_mod=_doc_mask(), block_size=128)
@@ -127,7 +134,7 @@ def test_pair_takes_d128_d192_and_no_block_masks():
 
 def test_deterministic_runs_the_single_cta_variant():
     """Deterministic dQ (which unsupported_reason cannot see) is the 1-CTA kernel's key at D = 128
-    and the portable backward's at D = 192: compiled and self-checked as those kernels."""
+    and the portable backward's above: compiled and self-checked as those kernels."""
     from torch_fa4.kernels.portable import bwd as portable
     from torch_fa4.kernels.sm100 import bwd as single
     from torch_fa4.kernels.sm100.pair import bwd
@@ -155,7 +162,7 @@ def test_key_tail_is_per_pair():
 def test_pair_tmem_columns():
     """D = Dv = 128: S^T, dP^T, dV, dK take all 512 columns; dQ's half rows sit in S^T's second
     half, clear of P^T's packed columns; dS^T packs over dP^T's first half."""
-    from torch_fa4.kernels.sm100.bwd_config import TILE_M, Sm100BwdLayout
+    from torch_fa4.kernels.sm100.bwd_config import TILE_M, Sm100BwdLayout, pair_aliases
     from torch_fa4.kernels.sm100.pair import bwd
 
     lay = Sm100BwdLayout.of(bwd.variant_key(_call(D=128), False), ctas=2)
@@ -169,3 +176,6 @@ def test_pair_tmem_columns():
     cols = lay.columns()
     assert lay.keys == 64 and lay.stages == 1
     assert [cols[k] for k in ("s", "dp", "dv", "dk", "dq")] == [0, 64, 128, 224, 320] and lay.tmem_columns == 416
+    # D = 256: all 512 columns; dS, P^T and dS^T over the Q / dO halves to fit shared memory
+    lay = Sm100BwdLayout.of(bwd.variant_key(_call(D=256), False), ctas=2)
+    assert lay.keys == 64 and lay.tmem_columns == 512 and pair_aliases(256, 256) and not pair_aliases(192, 192)

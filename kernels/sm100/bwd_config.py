@@ -20,13 +20,14 @@ cta_group::2 MMAs whose M spans the keys of two CTAs). TMEM budgets per CTA (col
   half-row layout and takes half its width: S^T 64, dP^T 64, dV Dv / 2, dK D / 2, dQ D / 2 (its
   own columns: 64 + 64 + 96 + 96 + 96 = 416 at Dv = 192, 384 at Dv = 128). P^T and dS^T go to
   shared memory (the dV / dK A operands of an M = 128 pair MMA).
-- D = Dv = 256 fits TMEM the same way (64 + 64 + 128 + 128 + 128 = 512) but not shared memory
-  (272 KB at one ring stage: it needs tiles aliased over the step's phases): refused.
+- D = Dv = 256 (64 keys per CTA) fits TMEM the same way: 64 + 64 + 128 + 128 + 128 = 512.
 
 Shared memory per CTA: K, V (its keys), K^T's half (D / 2 x the pair's keys: dQ's B), per ring
 stage Q and dO twice (as S^T's / dP^T's B: 64 queries x D; as dK's / dV's B: D / 2 x 128
 queries), dS (64 queries x the pair's keys: dQ's A) and with 64 keys per CTA the P^T and dS^T
-tiles: 192 KB at D = 128, 216 KB at D = Dv = 192, one stage each.
+tiles: 192 KB at D = 128, 216 KB at D = Dv = 192, one stage each; at D = Dv = 256 that would be
+272 KB, so dS, P^T and dS^T (48 KB) live over the step's query-split Q and dO halves (64 KB,
+dead once S^T and dP^T are computed: pair_aliases): 224 KB.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ REGISTERS = (240, 160, 96)
 # and the K^T / Q^T halves): at 96 the D = 192 ALiBi + document mask variant spilled 36 descriptor
 # values in the MMA loop (pair/bwd_kernel.py)
 PAIR_REGISTERS = (240, 152, 112)
+# D = Dv = 256 (with or without mods): the MMA warp holds 56 UMMAs' descriptors; at an even 168
+# it spilled three 64-bit values (reloaded twice per step). The compute warps' 32-query chunks
+# and the dQ warps' 128-column half rows fit under these
+PAIR_REGISTERS_D256 = (152, 176, 184)
+
+
+def pair_registers(d: int, mods: bool):
+    """setmaxnreg counts (compute, dQ, other warps) of the CTA-pair backward, None: an even split."""
+    if d == 256:
+        return PAIR_REGISTERS_D256
+    return PAIR_REGISTERS if mods else None
 
 
 def smem_bytes(d: int, dv: int, stages: int) -> int:
@@ -67,7 +79,7 @@ def ring_stages(d: int, dv: int) -> int:
 
 
 PAIR_TILE_N = 2 * TILE_N  # keys per CTA pair at D <= 128 (M of the cta_group::2 MMAs)
-PAIR_HEAD_DIMS = ((128, 128), (192, 128), (192, 192))  # (D, Dv) the pair takes (docstring)
+PAIR_HEAD_DIMS = ((128, 128), (192, 128), (192, 192), (256, 256))  # (D, Dv) the pair takes (docstring)
 
 
 def pair_keys(d: int, dv: int) -> int:
@@ -75,15 +87,35 @@ def pair_keys(d: int, dv: int) -> int:
     return TILE_N if max(d, dv) <= 128 else TILE_N // 2
 
 
-def pair_smem_bytes(d: int, dv: int, stages: int) -> int:
+def pair_smem_bytes(d: int, dv: int, stages: int, aliased: bool = False) -> int:
     """One CTA of the pair: K, V, K^T's half, the Q / dO ring (each tile twice, in halves), dS for
-    dQ and (64 keys per CTA) the P^T and dS^T tiles."""
+    dQ and (64 keys per CTA) the P^T and dS^T tiles; aliased: those three over the one stage's
+    query-split Q and dO halves (pair_aliases)."""
     keys = pair_keys(d, dv)
     p_ds = 2 * keys * TILE_M if keys < TILE_N else 0
-    return 2 * (keys * (d + dv) + keys * d + stages * TILE_M * (d + dv) + keys * TILE_M + p_ds)
+    step = keys * TILE_M + p_ds  # dS, P^T, dS^T
+    if aliased:
+        assert stages == 1 and step <= _HALF_M * (d + dv), (d, dv)
+        step = 0
+    return 2 * (keys * (d + dv) + keys * d + stages * TILE_M * (d + dv) + step)
+
+
+_HALF_M = TILE_M // 2
+
+
+def pair_aliases(d: int, dv: int) -> bool:
+    """Whether dS, P^T and dS^T share shared memory with the step's Q and dO halves that S^T and
+    dP^T read (D = Dv = 256: 272 KB otherwise). Safe with one ring stage: those MMAs completed
+    before the compute warps write (the S^T / dP^T commit), and the slot's next load waits for the
+    step's last MMA (the ring release)."""
+    return pair_smem_bytes(d, dv, 1) > SMEM_LIMIT
 
 
 def pair_ring_stages(d: int, dv: int) -> int:
+    if pair_aliases(d, dv):
+        if pair_smem_bytes(d, dv, 1, aliased=True) <= SMEM_LIMIT:
+            return 1
+        raise ValueError(f"head dims {d}, {dv} do not fit shared memory")
     for stages in range(MAX_STAGES, 0, -1):
         if pair_smem_bytes(d, dv, stages) <= SMEM_LIMIT:
             return stages

@@ -29,7 +29,7 @@ ARCH = single.ARCH
 
 
 def unsupported_reason(call: "AttentionCall") -> Optional[str]:
-    if (reason := single.unsupported_reason(call, (128, 192))) is not None:
+    if (reason := single.unsupported_reason(call, (128, 192, 256))) is not None:
         return reason
     if (call.head_dim, call.head_dim_v) not in PAIR_HEAD_DIMS:
         return (f"sm100 CTA-pair backward takes (D, Dv) in {PAIR_HEAD_DIMS}, not "
@@ -46,7 +46,7 @@ def variant_key(call: "AttentionCall", deterministic: bool) -> "BwdConfig":
 
     base = single.variant_key(call, deterministic) if call.head_dim <= 128 else None
     if deterministic:
-        if base is None:  # D = 192: the portable backward's deterministic kernel
+        if base is None:  # D = 192 / 256: the portable backward's deterministic kernel
             from torch_fa4.kernels.portable import bwd as portable
 
             return ("portable", portable.variant(call, True))

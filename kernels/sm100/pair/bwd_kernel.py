@@ -50,8 +50,9 @@ from cutlass.cute.nvgpu.tcgen05.copy import Ld32x32bOp, Repetition, St32x32bOp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from torch_fa4.kernels.common.convert import convert_pairs
-from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, PAIR_REGISTERS, TILE_M,
-                                                TILE_N, Sm100BwdLayout)
+from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, NUM_THREADS, TILE_M,
+                                                TILE_N, Sm100BwdLayout, pair_aliases,
+                                                pair_registers)
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import (fence_after_sync, fence_before_sync, release_pair_tmem,
@@ -80,6 +81,15 @@ def st_cluster_v4(addr: Int32, rank: Int32, a: Int32, b: Int32, c: Int32, d: Int
     )
 
 
+def _set_registers(count: int) -> None:
+    """setmaxnreg to `count` from the launch's even share (65536 / NUM_THREADS, in steps of 8)."""
+    share = 65536 // NUM_THREADS // 8 * 8
+    if count > share:
+        cute.arch.setmaxregister_increase(count)
+    elif count < share:
+        cute.arch.setmaxregister_decrease(count)
+
+
 class Sm100PairAttentionBackward(Sm100AttentionBackward):
     def __init__(self, dtype, config, mods=None):
         super().__init__(dtype, config, mods)
@@ -89,6 +99,10 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         self.keys = self.tile_n = self.lay.keys
         self.narrow = self.keys < TILE_N
         self.pair_n = 2 * self.keys
+        # D = Dv = 256: dS, P^T and dS^T over the step's Q and dO halves (bwd_config.pair_aliases)
+        self.alias = pair_aliases(self.d, self.dv)
+        self.registers = pair_registers(self.d, mods is not None)
+        self.rebalance = self.registers is not None
 
     def _layout(self, config) -> Sm100BwdLayout:
         return Sm100BwdLayout.of(config, ctas=2)
@@ -154,8 +168,17 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         tP_layout = make_a(dv_mma, dv_tiler, dt, 1)  # dV's A: P^T (TMEM; narrow: shared memory)
         tdS_layout = make_a(dk_mma, dk_tiler, dt, 1)  # dK's A: dS^T (likewise)
         # (the P^T / dS^T tiles take shared memory only when narrow)
-        p_elems = cute.cosize(tP_layout) if const_expr(self.narrow) else 64
-        ds_elems = cute.cosize(tdS_layout) if const_expr(self.narrow) else 64
+        # (tiles that live elsewhere keep an 8-element stand-in, unaligned: at D = 256 the storage
+        # is within 1 KB of the limit)
+        own_p = self.narrow and not self.alias
+        p_elems, p_align = (cute.cosize(tP_layout), 1024) if const_expr(own_p) else (8, 16)
+        ds_elems = cute.cosize(tdS_layout) if const_expr(own_p) else 8
+        dq_a_elems, dq_a_align = (cute.cosize(sdS_layout), 1024) if const_expr(not self.alias) else (8, 16)
+        if const_expr(self.alias):  # P^T, dS^T over Q's half, dS over dO's (whole 1024-byte blocks)
+            assert self.lay.stages == 1
+            assert cute.cosize(tP_layout) + cute.cosize(tdS_layout) <= cute.cosize(sQ_layout)
+            assert cute.cosize(sdS_layout) <= cute.cosize(sdO_layout)
+            assert cute.cosize(tP_layout) * dt.width // 8 % 1024 == 0
 
         cluster = cute.tiled_divide(cute.make_layout(_CLUSTER), (sdp_mma.thr_id.shape,)).shape
         load_a = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
@@ -176,6 +199,18 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
 
         @cute.struct
         class Storage:
+            # the tiles first (1024-byte aligned from the base), the small fields in the last one's
+            # tail: at D = 256 the tiles take 224 of the 227 KB
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sKt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKt_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sQt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQt_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
+            sdOt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdOt_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, dq_a_elems], dq_a_align]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], p_align]
+            sdSt: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], p_align]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_s: cute.struct.MemRange[cutlass.Int64, 2]
@@ -184,16 +219,6 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             tmem_base: Int32
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 128]
             sDp: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 128]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sKt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKt_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sQt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQt_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
-            sdOt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdOt_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
-            sdSt: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
 
         # the dS (and narrow: P^T, dS^T) stores apply this swizzle by hand (bwd_stores.swizzle_128b)
         assert str(sdS_layout.inner).startswith(SWIZZLE_128B), sdS_layout.inner
@@ -263,30 +288,38 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             sQt = storage.sQt.get_tensor(sQt_layout.outer, swizzle=sQt_layout.inner)
             sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
             sdOt = storage.sdOt.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
-            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-            smem_ops = (sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS)
             sP = sdSt = None
-            if const_expr(self.narrow):
-                sP = storage.sP.get_tensor(tP_layout.outer, swizzle=tP_layout.inner)
-                sdSt = storage.sdSt.get_tensor(tdS_layout.outer, swizzle=tdS_layout.inner)
+            if const_expr(self.alias):
+                def over(buf, elems, layout):  # a tile `elems` 16-bit values into another's storage
+                    return cute.make_tensor(cute.recast_ptr(buf.data_ptr() + elems, layout.inner), layout.outer)
+
+                sdS = over(storage.sdO, 0, sdS_layout)
+                sP = over(storage.sQ, 0, tP_layout)
+                sdSt = over(storage.sQ, cute.cosize(tP_layout), tdS_layout)
+            else:
+                sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+                if const_expr(self.narrow):
+                    sP = storage.sP.get_tensor(tP_layout.outer, swizzle=tP_layout.inner)
+                    sdSt = storage.sdSt.get_tensor(tdS_layout.outer, swizzle=tdS_layout.inner)
+            smem_ops = (sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS)
             stats = (storage.sLSE.get_tensor(cute.make_layout((TILE_M, 2))),
                      storage.sDp.get_tensor(cute.make_layout((TILE_M, 2))))
             cols = self.lay.columns()
             acc = self._tmem_tensors(tmem, cols, mmas)
 
-            regs_compute, regs_dq, regs_other = PAIR_REGISTERS
+            regs_compute, regs_dq, regs_other = self.registers if const_expr(self.rebalance) else (0, 0, 0)
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
-                    cute.arch.setmaxregister_increase(regs_compute)
+                    _set_registers(regs_compute)
                 self.pair_compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, rank, scalars,
                                        (score_aux, mask_aux), tidx % 128)
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
-                    cute.arch.setmaxregister_decrease(regs_dq)
+                    _set_registers(regs_dq)
                 self.pair_dq_role(acc, pipe_dq, gmem, tile, rank, tidx % 128)
             else:
                 if const_expr(self.rebalance):
-                    cute.arch.setmaxregister_decrease(regs_other)
+                    _set_registers(regs_other)
                 if warp_idx == MMA_WARP:
                     if rank == 0:
                         self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc, cols,
