@@ -85,8 +85,8 @@ def _compile_and_check_sass(call, tmp_path):
     narrow = keys == 64  # the half-row layout: half the columns per thread, P^T / dS^T in shared memory
     lay = Sm100BwdLayout.of(cfg, ctas=2)
     assert lay.tmem_columns <= TMEM_COLUMNS
-    assert pair_smem_bytes(cfg.head_dim, cfg.head_dim_v, lay.stages, pair_aliases(cfg.head_dim, cfg.head_dim_v)) \
-        <= 227 * 1024
+    aliased = pair_aliases(cfg.head_dim, cfg.head_dim_v)
+    assert pair_smem_bytes(cfg.head_dim, cfg.head_dim_v, lay.stages, aliased) <= 227 * 1024
     bwd.compile_variant(cfg, arch="sm_100a", dump_dir=str(tmp_path))  # bypasses the cache
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
     umma = sass.count("UTCHMMA")
@@ -175,7 +175,9 @@ def test_pair_tmem_columns():
     lay = Sm100BwdLayout.of(bwd.variant_key(_call(D=192), False), ctas=2)
     cols = lay.columns()
     assert lay.keys == 64 and lay.stages == 1
-    assert [cols[k] for k in ("s", "dp", "dv", "dk", "dq")] == [0, 64, 128, 224, 320] and lay.tmem_columns == 416
+    assert [cols[k] for k in ("s", "dp", "dv", "dk", "dq")] == [0, 64, 128, 224, 320]
+    assert lay.tmem_columns == 416
     # D = 256: all 512 columns; dS, P^T and dS^T over the Q / dO halves to fit shared memory
     lay = Sm100BwdLayout.of(bwd.variant_key(_call(D=256), False), ctas=2)
-    assert lay.keys == 64 and lay.tmem_columns == 512 and pair_aliases(256, 256) and not pair_aliases(192, 192)
+    assert lay.keys == 64 and lay.tmem_columns == 512
+    assert pair_aliases(256, 256) and not pair_aliases(192, 192)

@@ -3,15 +3,17 @@
 The passes around the kernel (row statistics and the zeroed fp32 dQ buffer, the dQ conversion)
 are the 1-CTA sm100 backward's (kernels/sm100/bwd.py, run_variant); the kernel is
 pair/bwd_kernel.py. Compile-verified only: no Blackwell GPU has run it, and the first-use
-self-check guards it at run time (a variant that fails runs on the 1-CTA sm100 backward, the next
-family). `unsupported_reason` accepts exactly the kinds of variants
-tests/test_sm100_pair_bwd_compile.py compiles for sm_100a: fp16 / bf16, (D, Dv) in PAIR_HEAD_DIMS (128 / 128, 192 / 128, 192 / 192), causal,
-sliding window, softcap, GQA / MQA, seqused_k, varlen with cu_seqlens on both sides and
-score_mod / mask_mod. It refuses (the 1-CTA sm100 backward or the portable one takes them)
-other head dims (bwd_config.py: D = Dv = 256 fits tensor memory but not shared memory; below 128
-the 1-CTA kernel fits) and block masks. Deterministic dQ, which `unsupported_reason` cannot see, runs from here on the 1-CTA sm100
-kernel (D = 128) or the portable backward (D = 192), the variant `variant_key` names (so the
-self-check checks that one).
+self-check guards it at run time (a variant that fails runs on the next family).
+
+`unsupported_reason` accepts exactly the kinds of variants tests/test_sm100_pair_bwd_compile.py
+compiles for sm_100a: fp16 / bf16, (D, Dv) in bwd_config.PAIR_HEAD_DIMS (128 / 128, 192 / 128,
+192 / 192, 256 / 256), causal, sliding window, softcap, GQA / MQA, seqused_k, varlen with
+cu_seqlens on both sides and score_mod / mask_mod. It refuses other head dims (below 128 the
+1-CTA kernel's accumulators fit one CTA: that kernel takes them) and block masks (their walk is
+the 1-CTA kernel's, over 128-key tiles); those calls run on the next family. Deterministic dQ,
+which `unsupported_reason` cannot see, runs from here on the 1-CTA sm100 kernel (D = 128) or the
+portable backward (D = 192 / 256): the variant `variant_key` names, so the self-check checks the
+kernel that runs.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def compile_variant(config: "BwdConfig", arch: str = ARCH, dump_dir: Optional[st
     there (always compiles, bypassing the cache). A 1-CTA key compiles the 1-CTA kernel."""
     if not is_pair(config):
         return single.compile_variant(config, arch, dump_dir)
-    from torch_fa4.kernels.sm90.bwd_compile import cached_compile, compile_with_stream, cute_dtype, kernel_args
+    from torch_fa4.kernels.sm90.bwd_compile import (cached_compile, compile_with_stream, cute_dtype,
+                                                    kernel_args)
 
     def build(dump, jit=True):
         from torch_fa4.kernels.sm100.pair.bwd_kernel import Sm100PairAttentionBackward
@@ -87,7 +90,8 @@ def compile_variant(config: "BwdConfig", arch: str = ARCH, dump_dir: Optional[st
 
             mods = registry.lookup(config.mods_key)
         kernel = Sm100PairAttentionBackward(cute_dtype(config.dtype), config, mods)
-        return compile_with_stream(kernel, kernel_args(config, mods, with_captured_grads=False), arch, dump, jit)
+        args = kernel_args(config, mods, with_captured_grads=False)
+        return compile_with_stream(kernel, args, arch, dump, jit)
 
     return cached_compile(("sm100_pair_bwd", arch, config), build, dump_dir)
 

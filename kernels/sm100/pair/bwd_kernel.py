@@ -144,7 +144,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         # (S, D, H, B) / varlen (T, D, H, 1); the transposed (D, S, H, B) views load the B halves
         # split over the head dim
         mQ, mK, mV, mdO, mdK, mdV = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mQt, mKt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, [1, 0, 2, 3])) for t in (mQ, mK, mdO)]
+        mQt, mKt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, [1, 0, 2, 3]))
+                          for t in (mQ, mK, mdO)]
         mLSE2, mDpsum = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]
         mdQacc = view(mdQacc, [1, 2, 0], [2, 3, 1, 0])
 
@@ -291,7 +292,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             sP = sdSt = None
             if const_expr(self.alias):
                 def over(buf, elems, layout):  # a tile `elems` 16-bit values into another's storage
-                    return cute.make_tensor(cute.recast_ptr(buf.data_ptr() + elems, layout.inner), layout.outer)
+                    ptr = cute.recast_ptr(buf.data_ptr() + elems, layout.inner)
+                    return cute.make_tensor(ptr, layout.outer)
 
                 sdS = over(storage.sdO, 0, sdS_layout)
                 sP = over(storage.sQ, 0, tP_layout)
@@ -311,8 +313,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
                     _set_registers(regs_compute)
-                self.pair_compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, rank, scalars,
-                                       (score_aux, mask_aux), tidx % 128)
+                self.pair_compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, rank,
+                                       scalars, (score_aux, mask_aux), tidx % 128)
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
                     _set_registers(regs_dq)
@@ -322,8 +324,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                     _set_registers(regs_other)
                 if warp_idx == MMA_WARP:
                     if rank == 0:
-                        self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc, cols,
-                                           pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
+                        self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc,
+                                           cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
                 elif warp_idx == LOAD_WARP:
                     self.pair_load_role(gmem, tmas, mmas, smem_ops, pipe_kv, pipe_q, tile, rank)
 
@@ -556,10 +558,12 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                       window_right, scale, scale_log2, softcap_val, mod_ctx)
                 self._p_and_ds(S, dP, at)
                 rP = cute.make_rmem_tensor(p_regs, Float32)
-                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
+                as16 = lambda t: cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.dtype),  # noqa: E731
+                                                  cute.make_layout(_CHUNK))
+                rP16 = as16(rP)
                 rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
                 rdS = cute.make_rmem_tensor(p_regs, Float32)
-                rdS16 = cute.make_tensor(cute.recast_ptr(rdS.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
+                rdS16 = as16(rdS)
                 convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
                 rP32 = cute.recast_tensor(rP16, Int32)
                 rdS32 = cute.recast_tensor(rdS16, Int32)
