@@ -1,37 +1,46 @@
-"""FlashAttention backward for Blackwell (sm_100a) on CTA pairs: cta_group::2 tcgen05 MMAs with
-M = 256 keys over a cluster of two CTAs. Compile-verified only (no Blackwell GPU has run it).
+"""FlashAttention backward for Blackwell (sm_100a) on CTA pairs: cta_group::2 tcgen05 MMAs whose M
+spans the keys of a cluster of two CTAs. Compile-verified only (no Blackwell GPU has run it).
 
 Everything but the MMA / memory pipeline is the 1-CTA kernel's (kernels/sm100/bwd_kernel.py, this
 class's base): the walk over query tiles, the per-score element code (sm90's BwdScores), the
-statistics hand-off, the dK / dV epilogue and the fp32 dQ atomics. Each CTA still owns 128 keys
-(thread i of the compute warpgroup: key i); the pair's two CTAs walk the same query tiles (those
-that see any of the pair's 256 keys) and the leader CTA (rank 0) issues every MMA for both:
+statistics hand-off and the fp32 dQ atomics. Each CTA owns `keys` keys (bwd_config.pair_keys: 128
+at D = 128, 64 at D = 192 / 256); the pair's two CTAs walk the same query tiles (those that see
+any of the pair's keys) and the leader CTA (rank 0) issues every MMA for both:
 
-    S^T  = K Q^T     M = 256 keys, N = 128 queries: each CTA loads K of its keys and Q of 64 queries
+    S^T  = K Q^T     M = the pair's keys, N = 128 queries: each CTA loads K of its keys and Q of
+                     64 queries
     dP^T = V dO^T    (the same split)
-    dV  += P^T dO    A = P^T in each CTA's TMEM, B = dO^T split over Dv: each CTA loads dO's Dv / 2
-    dK  += dS^T Q    A = dS^T in each CTA's TMEM (16-bit over dP^T's columns), B = Q over D / 2
-    dQ   = dS K      M = 128 queries (64 per CTA), K = the pair's 256 keys: A = dS of the CTA's 64
-                     queries by all 256 keys, B = K^T's D / 2 columns by all 256 keys
+    dV  += P^T dO    A = P^T of each CTA's keys, B = dO^T split over Dv: each CTA loads Dv / 2
+    dK  += dS^T Q    A = dS^T of each CTA's keys, B = Q split over D
+    dQ   = dS K      M = 128 queries (64 per CTA), K = the pair's keys: A = dS of the CTA's 64
+                     queries by all the pair's keys, B = K^T's D / 2 columns by the same keys
 
 The pair's MMAs read each operand half from one CTA, so every B tile is loaded in two halvings:
 Q by queries (S^T) and by D (dK), dO by queries (dP^T) and by Dv (dV), K by keys (S^T's A) and
-K^T by D (dQ's B, the pair's 256 keys). dQ's A mixes both CTAs' keys: each compute thread writes
-its dS row (key i, 128 queries) as two halves, queries 0-63 into CTA 0's dS buffer and 64-127
-into CTA 1's, at the key's place among the pair's 256 (st.shared::cluster: one of the two stores
-is remote), before arriving on the leader's barrier.
+K^T by D (dQ's B). dQ's A mixes both CTAs' keys: each compute thread writes its dS values of
+queries 0-63 into CTA 0's dS tile and of 64-127 into CTA 1's, at its key's place among the pair's
+(st.shared::cluster: for D = 128 one of the two stores is remote), before arriving on the
+leader's barrier.
+
+Accumulator layouts (tensor memory: bwd_config.py). With 128 keys per CTA (pair M = 256) S^T,
+dP^T, dV and dK are the 1-CTA kernel's (lane = key, one row per thread), P^T and dS^T go back to
+TMEM as the 16-bit A operands of dV and dK; the pair's dQ (M = 128) is in the half-row layout
+(lanes 0-63: the CTA's 64 queries, columns [0, D/2); lanes 64-127: columns [D/2, D)). With 64
+keys per CTA (pair M = 128, "narrow") every accumulator is in that half-row layout (thread t: key
+t % 64, queries or columns of half t // 64) and P^T / dS^T go to shared memory; at D = Dv = 256
+the dS, P^T and dS^T tiles share shared memory with the step's query-split Q and dO halves
+(bwd_config.pair_aliases: dead once S^T and dP^T completed, reloaded after the step's last MMA).
 
 Handshakes are the 1-CTA kernel's, pair-wide: the TMA loads of both CTAs complete on the
 leader's barriers (expecting both halves' bytes), the leader's commits arrive on both CTAs'
 barriers (multicast), and the consumer warps of both CTAs arrive on the leader's barriers (twice
-the threads). The dS buffers are rewritten at step i+1 only after S^T_{i+1} landed, whose commit
+the threads). The dS tiles are rewritten at step i+1 only after S^T_{i+1} landed, whose commit
 follows dQ_i (a commit tracks every earlier MMA of its thread), as in the 1-CTA kernel; the pair
 leaves through a cluster barrier, so no CTA exits while its peer may still write its shared
 memory or arrive on its barriers.
 
-Tensor memory and shared memory per CTA: kernels/sm100/bwd_config.py (`ctas = 2`). Refused here
-(the 1-CTA kernel takes them): deterministic dQ (one semaphore count per key tile), block masks
-(the sparse walk's tiles are 128 keys) and head dims other than D = Dv = 128.
+Not here (pair/bwd.py routes them): deterministic dQ (one semaphore count per key tile, on the
+1-CTA or portable kernel) and block masks (the sparse walk's tiles are 128 keys).
 """
 
 from __future__ import annotations
