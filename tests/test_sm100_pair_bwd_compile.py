@@ -181,3 +181,24 @@ def test_pair_tmem_columns():
     lay = Sm100BwdLayout.of(bwd.variant_key(_call(D=256), False), ctas=2)
     assert lay.keys == 64 and lay.tmem_columns == 512
     assert pair_aliases(256, 256) and not pair_aliases(192, 192)
+
+
+def test_backward_routes_each_variant_to_its_kernel(monkeypatch):
+    """pair.bwd.backward: a pair key runs the pair kernel through the 1-CTA backward's passes;
+    deterministic D = 128 the 1-CTA entry point, deterministic D = 192 / 256 the portable backward
+    (stand-ins record the calls: no GPU here)."""
+    from torch_fa4.kernels.portable import bwd as portable
+    from torch_fa4.kernels.sm100 import bwd as single
+    from torch_fa4.kernels.sm100.pair import bwd
+
+    seen = []
+    monkeypatch.setattr(single, "backward", lambda call, *a: seen.append(("single", call.head_dim, a[-1])))
+    monkeypatch.setattr(portable, "backward", lambda call, *a: seen.append(("portable", call.head_dim, a[-1])))
+    monkeypatch.setattr(bwd, "compile_variant", lambda key: ("compiled", key))
+    monkeypatch.setattr(single, "run_variant",
+                        lambda call, key, fn, *a: seen.append(("pair", call.head_dim, fn == ("compiled", key))))
+    grads = (None,) * 6
+    for D, deterministic in ((128, False), (128, True), (192, False), (192, True), (256, True)):
+        bwd.backward(_call(D=D, causal=True), *grads, deterministic)
+    assert seen == [("pair", 128, True), ("single", 128, True), ("pair", 192, True), ("portable", 192, True),
+                    ("portable", 256, True)]

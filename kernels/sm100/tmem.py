@@ -58,10 +58,10 @@ def umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
 
 @cute.jit
 def setup_pair_tmem(tmem_base, allocating_warp):
-    """setup_tmem for a CTA pair running cta_group::2 MMAs: one warp of each CTA takes all
-    TMEM_COLUMNS columns together with its peer's, then a cluster barrier (release / acquire), so
-    both CTAs' mbarriers are initialised before either arrives remotely on the other's, and the
-    TMEM base address read back from shared memory `tmem_base` (returned)."""
+    """setup_tmem for a cluster of two CTAs sharing their MMAs (tcgen05 cta_group::2): one warp
+    in each CTA takes all TMEM_COLUMNS columns for the pair, and a cluster barrier (release /
+    acquire) stands in for the CTA barrier, so each CTA's mbarriers are initialised before the
+    other arrives on them (MMA commits, consumer releases, 2-SM TMA loads). Returns the TMEM base."""
     if allocating_warp:
         cute.arch.alloc_tmem(TMEM_COLUMNS, tmem_base, is_two_cta=True)
         cute.arch.relinquish_tmem_alloc_permit(is_two_cta=True)
@@ -73,9 +73,9 @@ def setup_pair_tmem(tmem_base, allocating_warp):
 
 @cute.jit
 def release_pair_tmem(tmem, allocating_warp):
-    """Every thread of both CTAs of the pair: a cluster barrier (no TMEM reader / writer and no
-    remote shared-memory access of either CTA is left), then the allocating warps hand the columns
-    back together."""
+    """Every thread of both CTAs, once done with tensor memory: a cluster barrier (neither CTA's
+    columns, nor its mbarriers that the other arrives on, go away while the pair still works),
+    then the allocating warps give the columns back."""
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     if allocating_warp:
