@@ -41,12 +41,13 @@ ARCH = "sm_100a"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 
 
-def unsupported_reason(call: "AttentionCall") -> Optional[str]:
+def unsupported_reason(call: "AttentionCall", head_dims: tuple = SUPPORTED_HEAD_DIMS) -> Optional[str]:
+    """Why this backward cannot take `call` (None: it can); head_dims: the CTA-pair backward's."""
     q, k, v = call.q, call.k, call.v
     if q.is_cuda and torch.cuda.get_device_capability(q.device) != (10, 0):
         major, minor = torch.cuda.get_device_capability(q.device)
         return f"sm_{major}{minor} (sm100 backward compiled and checked for sm_100a only)"
-    if (reason := bwd_operands.operand_reason(call, "sm100", SUPPORTED_HEAD_DIMS)) is not None:
+    if (reason := bwd_operands.operand_reason(call, "sm100", head_dims)) is not None:
         return reason
     if call.mods is not None and len(call.aux_tensors) > MAX_AUX:
         return f"mods capture {len(call.aux_tensors)} tensors (sm100 backward: at most {MAX_AUX})"
@@ -101,11 +102,17 @@ def compile_variant(config: BwdConfig, arch: str = ARCH, dump_dir: Optional[str]
 
 def backward(call: "AttentionCall", dout, out, lse, dq, dk, dv, deterministic: bool) -> None:
     """dq, dk, dv of `call` for output gradient dout (out, lse: the forward's)."""
+    key = variant_key(call, deterministic)
+    run_variant(call, key, compile_variant(key), dout, out, lse, dq, dk, dv)
+
+
+def run_variant(call: "AttentionCall", key: BwdConfig, fn, dout, out, lse, dq, dk, dv) -> None:
+    """The backward's passes around kernel `fn` (compiled for `key`; the CTA-pair backward's too,
+    kernels/sm100/pair/bwd.py: the same arguments and the same 128-query statistics)."""
     from torch_fa4.kernels.host import fwd_launch
     from torch_fa4.kernels.sm90.bwd import _tma_view
 
-    key = variant_key(call, deterministic)
-    fn = compile_variant(key)
+    deterministic = key.deterministic
     q, k, v = call.q, call.k, call.v
     if not tma_compatible(dout):  # autograd may hand over expanded or odd-strided gradients
         dout = dout.contiguous()

@@ -112,7 +112,7 @@ class Sm100AttentionBackward(BwdScores):
         c = self.config = config
         self.dtype = dtype
         self.d, self.dv = c.head_dim, c.head_dim_v
-        self.lay = Sm100BwdLayout.of(c)
+        self.lay = self._layout(c)
         self.tile_m, self.tile_n = TILE_M, TILE_N
         self.group = c.group
         self.varlen, self.softcap, self.deterministic = c.varlen, c.softcap, c.deterministic
@@ -134,6 +134,10 @@ class Sm100AttentionBackward(BwdScores):
         # would spill one pre-split scalar (4 local loads / stores)
         self.rebalance = mods is not None
         assert self.lay.tmem_columns <= TMEM_COLUMNS
+
+    def _layout(self, config) -> Sm100BwdLayout:
+        """Tiles and TMEM columns of this kernel (the CTA-pair subclass: its own)."""
+        return Sm100BwdLayout.of(config)
 
     # ------------------------------------------------------------------ host side (jit)
     def _mmas(self):
