@@ -11,10 +11,12 @@ The two-CTA forward (kernels/sm100/pair: a cluster of two CTAs per matmul) comes
 takes reaches it after its own self-check; what it refuses reaches the one-CTA forward without a
 warning; a pair variant that fails its self-check runs on the one-CTA forward.
 
-The backward the same way: what the sm100 backward advertises (kernels/sm100/bwd.py) reaches it
-after its own self-check, with the variant `bwd.variant_key` builds for the features; what it
-refuses (head dims above 128) reaches the portable backward with the refusal warned once
-(compile-checked in tests/test_sm100_bwd_compile.py).
+The backward the same way: what the pair backward takes (kernels/sm100/pair/bwd.py: D = 128 /
+192 / 256; deterministic D = 128 runs the one-CTA kernel's variant from there) reaches it, what it
+refuses reaches the one-CTA sm100 backward (kernels/sm100/bwd.py) quietly, each after its own
+self-check with the variant its `variant_key` builds; what both refuse (here D = 256 with Dv =
+128) reaches the portable backward with the refusal warned once (compile-checked in
+tests/test_sm100_pair_bwd_compile.py and tests/test_sm100_bwd_compile.py).
 """
 
 import warnings
@@ -239,22 +241,25 @@ def test_a_pair_variant_failing_its_self_check_runs_on_the_one_cta_forward(launc
 
 @pytest.fixture
 def bwd_launches(launches, monkeypatch):
-    """The backward calls the sm100 backward and the portable backward receive (computed by the
-    reference), as (family, call, deterministic, sm100 variant or None)."""
+    """The backward calls the pair, sm100 and portable backwards receive (computed by the
+    reference), as (family, call, deterministic, pair / sm100 variant or None)."""
     from torch_fa4.kernels.portable import bwd as portable_bwd
     from torch_fa4.kernels.sm100 import bwd
+    from torch_fa4.kernels.sm100.pair import bwd as pair_bwd
 
     seen = []
+    keys = {"sm100": bwd.variant_key, "pair": pair_bwd.variant_key}
 
     def stand_in(family):
         def backward(call, dout, out, lse, dq, dk, dv, deterministic, *args, **kw):
-            variant = bwd.variant_key(call, deterministic) if family == "sm100" else None
+            variant = keys[family](call, deterministic) if family in keys else None
             seen.append((family, call, deterministic, variant))
             for got, want in zip((dq, dk, dv), reference.backward(call, dout, out, lse)):
                 got.copy_(want)
         return backward
 
     monkeypatch.setattr(bwd, "backward", stand_in("sm100"))
+    monkeypatch.setattr(pair_bwd, "backward", stand_in("pair"))
     monkeypatch.setattr(portable_bwd, "backward", stand_in("portable"))
     return seen
 
@@ -276,24 +281,32 @@ def _check_bwd_route(bwd_launches, family, checks=2, **variant):
     in all (the forward's and the backward's)."""
     assert [f for f, *_ in bwd_launches] == [family, family], bwd_launches
     (_, check, _, check_key), (_, real, deterministic, real_key) = bwd_launches
-    if family == "sm100":
+    if family in ("sm100", "pair"):
         assert check_key == real_key, "the self-check ran another variant"
         for name, value in variant.items():
             assert getattr(real_key, name) == value, (name, getattr(real_key, name), value)
     assert self_check.checks_run == checks
 
 
-@pytest.mark.parametrize("D, features, variant", [
-    (128, dict(), dict(has_right=False, group=2)),
-    (64, dict(causal=True), dict(has_right=True, mask_key_tail=True)),
-    (96, dict(window_size=(100, 20)), dict(has_left=True, has_right=True)),
-    (128, dict(softcap=20.0, causal=True), dict(softcap=True)),
-    (64, dict(deterministic=True), dict(deterministic=True)),
+@pytest.mark.parametrize("D, features, family, variant", [
+    (128, dict(), "pair", dict(has_right=False, group=2, tile_n=256, mask_key_tail=True)),
+    (64, dict(causal=True), "sm100", dict(has_right=True, mask_key_tail=True)),
+    (96, dict(window_size=(100, 20)), "sm100", dict(has_left=True, has_right=True)),
+    (128, dict(softcap=20.0, causal=True), "pair", dict(softcap=True, tile_n=256)),
+    (64, dict(deterministic=True), "sm100", dict(deterministic=True)),
+    # the pair module takes deterministic D = 128 and runs the one-CTA kernel's variant
+    (128, dict(deterministic=True, causal=True), "pair", dict(deterministic=True, tile_n=128)),
+    (192, dict(causal=True), "pair", dict(has_right=True, tile_n=128)),
+    (256, dict(softcap=15.0), "pair", dict(softcap=True, tile_n=128)),
 ])
-def test_backward_features_reach_the_sm100_backward(bwd_launches, D, features, variant):
+def test_backward_features_reach_the_sm100_backward(bwd_launches, D, features, family, variant):
     q, k, v = _qkv(D=D, S=300)
-    _grads(q, k, v, **features)
-    _check_bwd_route(bwd_launches, "sm100", head_dim=D, **variant)
+    with warnings.catch_warnings():
+        # nothing falls back (the float64 reference of _grads warns about float64 only)
+        warnings.filterwarnings("error", message=".*backward falls back to the (sm100|portable) kernels: "
+                                "(?!.*float64)")
+        _grads(q, k, v, **features)
+    _check_bwd_route(bwd_launches, family, head_dim=D, **variant)
 
 
 def test_the_pair_family_lets_backwards_it_does_not_take_pass_quietly(bwd_launches):
@@ -326,7 +339,7 @@ def test_varlen_and_seqused_backward_reach_the_sm100_backward(bwd_launches):
 def test_mods_reach_the_sm100_backward(bwd_launches):
     q, k, v = _qkv(D=128, S=300)
     _grads(q, k, v, causal=True, score_mod=M.alibi(M.alibi_slopes(4)))
-    _check_bwd_route(bwd_launches, "sm100", sparse=None, has_right=True)
+    _check_bwd_route(bwd_launches, "pair", sparse=None, has_right=True)
     assert bwd_launches[-1][3].mods_key == bwd_launches[-1][1].mod_key != ""
 
 
@@ -348,12 +361,11 @@ def test_head_dims_differ_reach_the_sm100_backward(bwd_launches):
     _check_bwd_route(bwd_launches, "sm100", checks=1, head_dim=128, head_dim_v=64)
 
 
-@pytest.mark.parametrize("D, features, reason", [
-    (192, dict(causal=True), "head dims"),
-    (256, dict(softcap=15.0), "head dims"),
-])
-def test_what_the_sm100_backward_refuses_reaches_the_portable_backward(bwd_launches, D, features, reason):
-    q, k, v = _qkv(D=D, S=300)
-    with pytest.warns(UserWarning, match=f"sm100 backward falls back to the portable kernels: .*{reason}"):
-        _grads(q, k, v, **features)
-    _check_bwd_route(bwd_launches, "portable")
+def test_what_the_sm100_backward_refuses_reaches_the_portable_backward(bwd_launches):
+    """D = 256 with Dv = 128: neither the pair (quietly) nor the one-CTA backward takes it."""
+    q, _, _ = _qkv(D=256, S=300)
+    k = torch.randn(2, 300, 2, 256, dtype=torch.bfloat16)
+    v = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="sm100 backward falls back to the portable kernels: .*head dims"):
+        _grads(q, k, v, causal=True)
+    _check_bwd_route(bwd_launches, "portable", checks=1)
