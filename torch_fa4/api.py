@@ -199,7 +199,41 @@ def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, windo
     """Mods that are causal, a sliding window or a tanh softcap, as the built-in arguments
     (torch_fa4.mods.idioms): (mod_key, aux, mask folded, window_left, window_right, softcap,
     block mask tensors), or None where nothing folds. A mask `causal & rest` keeps `rest` and its
-    block mask, whose tiles partial only along the diagonal become full (mods.block_lists)."""
+    block mask, whose tiles partial only along the diagonal become full (mods.block_lists).
+    What folds depends on the mod key, the lengths and the scalars only: eager calls keep it per
+    those (`_FOLDS`); the captured tensors and block mask of each call are then sliced / re-listed."""
+    q_len = q.shape[1]
+    if torch.compiler.is_compiling():
+        fold = _fold_of(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap, True)
+    else:
+        key = (mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap)
+        fold = _FOLDS.get(key, _UNKNOWN)
+        if fold is _UNKNOWN:
+            fold = _fold_of(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap, False)
+            if len(_FOLDS) >= _FOLDS_CAPACITY:  # a bound, not an eviction policy
+                _FOLDS.clear()
+            _FOLDS[key] = fold
+    if fold is None:
+        return None
+    new_key, aux_from, aux_to, mask_folded, window_left, window_right, softcap, block_mask, found = fold
+    if block_mask == "keep":
+        bm = bm_tensors
+    elif block_mask == "drop":
+        bm = []
+    else:
+        bm = _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q_len, k_len)
+    return new_key, list(aux[aux_from:aux_to]), mask_folded, window_left, window_right, softcap, bm
+
+
+_UNKNOWN = object()
+_FOLDS: dict = {}  # (mod key, Sq, Sk, varlen, seqused_k given, window, softcap) -> _fold_of's answer
+_FOLDS_CAPACITY = 4096
+
+
+def _fold_of(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap, compiling):
+    """How the mods of `mod_key` fold into built-in arguments for a call of these lengths and
+    scalars: (mod key, captured tensors kept as a slice (from, to), mask folded, window_left,
+    window_right, softcap, block mask "keep" / "drop" / "rest", idioms.Builtins), or None."""
     from torch_fa4.mods.idioms import builtins_of, window_for
 
     found = builtins_of(mod_key)
@@ -208,23 +242,22 @@ def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, windo
     window = rest_window = None
     one_diagonal = not varlen and not has_seqused  # one diagonal for the whole call
     if found.band is not None and one_diagonal:
-        window = window_for(found.band, q.shape[1], k_len, window_left, window_right)
-    if found.rest_band is not None and one_diagonal and not torch.compiler.is_compiling():
+        window = window_for(found.band, q_len, k_len, window_left, window_right)
+    if found.rest_band is not None and one_diagonal and not compiling:
         # (causal only: the block-sparse kernels' walks are measured and tested with it)
-        if window_for(found.rest_band, q.shape[1], k_len, window_left, window_right) == (-1, 0):
+        if window_for(found.rest_band, q_len, k_len, window_left, window_right) == (-1, 0):
             rest_window = (-1, 0)
     fold_cap = bool(found.softcap) and not softcap  # (a built-in softcap already comes first)
     if window is not None and fold_cap:
-        return "", [], True, *window, found.softcap, []
+        return "", 0, 0, True, *window, found.softcap, "drop", found
     if window is not None:
-        return found.key_without_mask, list(aux[:found.score_aux]), True, *window, softcap, []
+        return found.key_without_mask, None, found.score_aux, True, *window, softcap, "drop", found
     if rest_window is not None:
-        return found.key_with_rest, list(aux), True, *rest_window, softcap, _rest_block_mask(
-            found, aux, bm_tensors, bm_q, bm_kv, q.shape[1], k_len)
+        return found.key_with_rest, None, None, True, *rest_window, softcap, "rest", found
     if not fold_cap:
         return None
-    return (found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right,
-            found.softcap, bm_tensors)
+    return (found.key_without_score, found.score_aux, None, False, window_left, window_right, found.softcap,
+            "keep", found)
 
 
 def _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q_len, k_len):
