@@ -234,8 +234,9 @@ def as_block_mask(block_mask) -> BlockMask:
 
 # torch BlockMask lists -> their int32 form, with zero full lists where torch made none. Kept per
 # source tensors (ids, versions, data pointers: torch_fa4.tensor_memo), so that a repeated call
-# hands the same tensors on: the block lists' re-listing (block_lists.py) and the kernels' launch
-# records are keyed by the tensors' identities, and fresh zeros on every call would miss them.
+# hands the same tensors on: the mods' memos (call_memo.py, block_lists.py) are keyed by the
+# tensors' identities, and fresh zeros on every call would miss them. Only what was made here is
+# kept (None where a list is used as given: the memo holds no caller's tensor).
 _TORCH_LISTS = TensorMemo(capacity=64)
 
 
@@ -243,12 +244,12 @@ def _torch_lists(block_mask) -> tuple:
     lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
              block_mask.full_kv_indices)
     kept = not torch.compiler.is_compiling()  # (traced: the conversion is part of the graph)
-    if kept and (found := _TORCH_LISTS.get(lists)) is not None:
-        return found
+    if kept and (made := _TORCH_LISTS.get(lists)) is not None:
+        return tuple(given if own is None else own for given, own in zip(lists, made))
     kv_num, kv_idx, full_num, full_idx = lists
     if full_num is None:  # torch built it without full blocks: every visited tile is partial
         full_num, full_idx = torch.zeros_like(kv_num), torch.zeros_like(kv_idx)
     converted = tuple(t.to(torch.int32) for t in (kv_num, kv_idx, full_num, full_idx))
     if kept:
-        _TORCH_LISTS.put(lists, (), converted)
+        _TORCH_LISTS.put(lists, (), tuple(None if c is g else c for c, g in zip(converted, lists)))
     return converted
