@@ -464,3 +464,25 @@ def test_reference_path_output_after_changes():
         out = torch_fa4.flex_attention(q, k, v, block_mask=bm)
         want, _ = naive_attention(*(t.transpose(1, 2) for t in (q, k, v)), mask_mod=mask)
         assert rel_error(out.transpose(1, 2).double(), want) < 1e-5
+
+
+# ---- the dynamic schedule's item counters ----------------------------------------------------------
+
+def test_counter_pool_hands_out_each_counter_once_between_fills():
+    from torch_fa4.kernels.host.fwd_launch import CounterPool
+
+    pool = CounterPool(torch.device("cpu"), 3)
+    taken = [pool.take() for _ in range(3)]
+    assert [t.data_ptr() for t in taken] == [pool.buffer.data_ptr() + 4 * i for i in range(3)]
+    for t in taken:
+        assert t.shape == (1,) and t.dtype == torch.int32 and t.item() == 0
+        t.add_(5)  # what a launch leaves behind
+    again = pool.take()  # all used: the buffer is zeroed first
+    assert again.data_ptr() == pool.buffer.data_ptr() and not pool.buffer.any()
+
+
+def test_counters_off_the_gpu_are_fresh_zeros():
+    from torch_fa4.kernels.host.fwd_launch import schedule_counter
+
+    a, b = schedule_counter(torch.device("cpu")), schedule_counter(torch.device("cpu"))
+    assert a.data_ptr() != b.data_ptr() and not a.any() and not b.any()

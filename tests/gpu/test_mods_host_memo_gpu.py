@@ -118,3 +118,38 @@ def test_repeated_call_makes_no_device_synchronisation():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def test_schedule_counters_reused_across_refills(monkeypatch, poisoned):
+    """The dynamic schedule's item counters come from a per-stream buffer zeroed once all are used
+    (fwd_launch.schedule_counter): with 3 counters a buffer, 10 block-list walks, 8 of them on the
+    current stream (two refills) and 2 on a side stream; each output against float64."""
+    from torch_fa4.kernels.host import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "COUNTER_SLOTS", 3)
+    monkeypatch.setattr(fwd_launch, "_counter_pools", {})
+    q, k, v = (torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    doc_ids = _ids([200, 700])
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[q_idx] == doc_ids[kv_idx])
+
+    bm = torch_fa4.create_block_mask(document_causal, None, None, S, S, device="cuda")
+    ref, _ = naive_attention(*bshd, mask_mod=document_causal, device="cuda")
+    low, _ = naive_attention(*bshd, mask_mod=document_causal, differentiable=True)
+    side = torch.cuda.Stream()
+    outs = []
+    for i in range(10):
+        if i % 4 == 3:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                outs.append(torch_fa4.flex_attention(q, k, v, block_mask=bm))
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            outs.append(torch_fa4.flex_attention(q, k, v, block_mask=bm))
+    torch.cuda.synchronize()
+    assert len(poisoned) == 10 and all(call.block_mask for call in poisoned)
+    assert len(fwd_launch._counter_pools) == 2
+    for out in outs:
+        assert rel_error(out.transpose(1, 2), ref) <= 2 * rel_error(low, ref)
