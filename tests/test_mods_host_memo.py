@@ -373,7 +373,8 @@ def block_list_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
     monkeypatch.setattr(dispatch, "capability", lambda device: (9, 0))
     ran = []
-    monkeypatch.setattr(sm90, "forward", lambda call, out, lse: ran.append(call) or _block_list_forward(call, out, lse))
+    monkeypatch.setattr(sm90, "forward",
+                        lambda call, out, lse: ran.append(call) or _block_list_forward(call, out, lse))
     return ran
 
 

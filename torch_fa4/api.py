@@ -192,7 +192,9 @@ def _mod_arguments(score_mod, mask_mod, block_mask, q, keys, varlen, has_seqused
         bm_mask_mod, bm_tensors, (bm_q, bm_kv) = lists
         _check_one_mask(mask_mod, bm_mask_mod)
         mask_mod = bm_mask_mod
-    mod_key, aux = _prepare_mods(score_mod, mask_mod)
+    mod_key, aux = "", []
+    if score_mod is not None or mask_mod is not None:
+        mod_key, aux = _call_memo().prepare(score_mod, mask_mod)
     tensors = (*bm_tensors, *aux)
     extra = (mod_key, bm_q, bm_kv, q.shape[1], q.device, keys, varlen, has_seqused, causal, window_left, window_right,
              softcap)

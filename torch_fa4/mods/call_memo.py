@@ -34,6 +34,7 @@ import torch
 
 from torch_fa4.kernels.host import shape_memo
 from torch_fa4.mods.block_mask import BlockMask, _torch_lists
+from torch_fa4.mods.prepare import prepare  # noqa: F401  (torch_fa4.api's, bound once)
 
 
 def block_mask_lists(block_mask) -> Optional[tuple]:
