@@ -10,8 +10,12 @@ prints where torch_fa4's host time goes (cProfile, top functions by own time).
 
     python benchmarks/host_time.py [--rows 128:1024:0,128:4096:1:document] [--bwd] [--fwd] [--cprofile N]
 
-A row D:S:causal:document is the grid's block-sparse document-mask row (forward only; torch_fa4
-against FlexAttention compiled).
+A row D:S:causal:document is the grid's block-sparse document-mask row (forward only): torch_fa4's
+launch (bench.ours_fwd, mods traced once outside the timed call), the public
+`torch_fa4.flex_attention` with a torch_fa4 block mask ("torch_fa4 api") and with torch's own
+("torch_fa4 api, torch mask": the mods table's call, host time included), and FlexAttention
+compiled. The public calls are also run under torch.cuda's sync debug mode: a repeated call must
+not synchronise with the device.
 """
 
 from __future__ import annotations
@@ -53,6 +57,38 @@ def op_autograd_bwd(q, k, v, causal):
                                      0 if causal else -1, 0.0, "", 128, 128, False)
     g = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+
+def api_document_calls(q, k, v, mask_mod, causal: bool) -> dict:
+    """The document row through torch_fa4.flex_attention, as users call it: with a torch_fa4 block
+    mask and with torch's (the mask ANDed with causal as bench.ours_fwd does, so the same variant)."""
+    import torch_fa4
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch_fa4 import mods
+
+    mask = mods.and_masks(mask_mod, mods.causal_mask) if causal else mask_mod
+    S = q.shape[1]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    ours = mods.create_block_mask(mask, None, None, S, S, device=q.device)
+    theirs = create_block_mask(mask, None, None, S, S, device=q.device)
+    return {"torch_fa4 api": lambda: torch_fa4.flex_attention(qt, kt, vt, block_mask=ours),
+            "torch_fa4 api, torch mask": lambda: torch_fa4.flex_attention(qt, kt, vt, block_mask=theirs)}
+
+
+def synchronisation(fn) -> str:
+    """Whether a repeated call of fn synchronises with the device (torch.cuda's sync debug mode)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "no device synchronisation in a repeated call"
+    except RuntimeError as e:
+        return f"a repeated call synchronises with the device: {str(e)[:200]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
 
 
 def host_ms(fn, calls: int = 50) -> float:
@@ -110,6 +146,7 @@ def main():
                 flops = doc_flops(B, H, S, D)
                 fns = {name: make(q, k, v, bool(causal), mask_mod=mask_mod)
                        for name, make in (("torch_fa4", bench.ours_fwd), ("flex", bench.flex_fwd))}
+                fns.update(api_document_calls(q, k, v, mask_mod, bool(causal)))
             elif mod:
                 ap.error(f"row {spec}: the only mod row is a forward D:S:causal:document")
             else:
@@ -117,6 +154,9 @@ def main():
             # the host's speed drifts (other tenants, clocks): implementations take turns, and the
             # fastest of the rounds is kept as each one's host cost
             host = {name: min(host_ms(fn) for _ in range(args.rounds)) for name, fn in fns.items()}
+            for name, fn in fns.items():
+                if name.startswith("torch_fa4 api"):
+                    print(f"  {name}: {synchronisation(fn)}")
             for name, fn in fns.items():
                 device = bench._time_ms(fn)
                 kernels = sum(profile_kernels._profile(fn, 10).values()) / 1e3

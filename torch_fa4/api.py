@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from torch_fa4 import checks, eager_autograd, ops
+from torch_fa4.kernels.host import shape_memo
 
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
@@ -81,20 +82,14 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    mask_mod, bm_tensors, bm_q, bm_kv = _unpack_block_mask(block_mask, mask_mod)
-    mod_key, aux_tensors = _prepare_mods(score_mod, mask_mod)
-    _check_aux_tensors(aux_tensors, q.device)
     keys = page_table.shape[1] * k.shape[1] if paged else k.shape[-3]  # per sequence (dense, paged)
-    if mod_key:
+    if score_mod is None and mask_mod is None and block_mask is None:
+        mod_key, aux_tensors, bm_tensors, bm_q, bm_kv = "", [], [], 128, 128
+    else:
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-        builtin = _as_builtins(mod_key, aux_tensors, q, keys, varlen, seqused_k is not None, window_left,
-                               window_right, softcap, bm_tensors, bm_q, bm_kv)
-        if builtin is not None:
-            mod_key, aux_tensors, mask_folded, window_left, window_right, softcap, bm_tensors = builtin
-            if mask_folded:
-                causal = window_right == 0
-            if not bm_tensors:
-                bm_q, bm_kv = 128, 128
+        (mod_key, aux_tensors, bm_tensors, bm_q, bm_kv, causal, window_left, window_right,
+         softcap) = _mod_arguments(score_mod, mask_mod, block_mask, q, keys, varlen, seqused_k is not None,
+                                   causal, window_left, window_right, softcap)
 
     max_seqlen_q = _max_seqlen(max_seqlen_q, cu_seqlens_q, q)
     max_seqlen_k = keys if paged else _max_seqlen(max_seqlen_k, cu_seqlens_k, k)
@@ -174,14 +169,101 @@ def _max_seqlen(given, cu_seqlens, t):
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
 
 
+def _mod_arguments(score_mod, mask_mod, block_mask, q, keys, varlen, has_seqused, causal, window_left, window_right,
+                   softcap):
+    """The op arguments of a call's mods and block mask: (mod key, captured tensors, block mask
+    tensors, block q, block kv, causal, window_left, window_right, softcap), after folding what
+    is a built-in (`_as_builtins`). Eager calls keep all but the tracing key per what decides it
+    (mods/call_memo.py); `prepare` runs on every call."""
+    compiling = torch.compiler.is_compiling()
+    lists = None
+    if block_mask is not None and not compiling:
+        lists = _call_memo().block_mask_lists(block_mask)
+    if compiling or (block_mask is not None and lists is None):
+        # traced (the steps go into the graph), or not a block mask (as_block_mask names the error)
+        mask_mod, bm_tensors, bm_q, bm_kv = _unpack_block_mask(block_mask, mask_mod)
+        mod_key, aux = _prepare_mods(score_mod, mask_mod)
+        _check_aux_tensors(aux, q.device)
+        return _folded(mod_key, aux, bm_tensors, bm_q, bm_kv, q, keys, varlen, has_seqused, causal, window_left,
+                       window_right, softcap)[:9]
+    bm_q, bm_kv = 128, 128
+    bm_tensors = ()
+    if lists is not None:
+        bm_mask_mod, bm_tensors, (bm_q, bm_kv) = lists
+        _check_one_mask(mask_mod, bm_mask_mod)
+        mask_mod = bm_mask_mod
+    mod_key, aux = "", []
+    if score_mod is not None or mask_mod is not None:
+        mod_key, aux = _call_memo().prepare(score_mod, mask_mod)
+    tensors = (*bm_tensors, *aux)
+    extra = (mod_key, bm_q, bm_kv, q.shape[1], q.device, keys, varlen, has_seqused, causal, window_left, window_right,
+             softcap)
+    memo = _call_memo().MOD_ARGUMENTS
+    found = memo.get(tensors, extra)
+    if found is None:
+        _check_aux_tensors(aux, q.device)
+        found = _folded(mod_key, aux, list(bm_tensors), bm_q, bm_kv, q, keys, varlen, has_seqused, causal,
+                        window_left, window_right, softcap)
+        # (the entry keeps the captured tensors as a slice of the call's and its own block mask as
+        # "keep": no tensor of the caller; re-listed lists themselves)
+        memo.put(tensors, extra, (found[0], None, found[2] if found[10] == "rest" else None, *found[3:]))
+        return found[:9]
+    key, _, relisted, bm_q, bm_kv, causal, window_left, window_right, softcap, (aux_from, aux_to), bm_mode = found
+    bm = list(bm_tensors) if bm_mode == "keep" else relisted if bm_mode == "rest" else []
+    return key, list(aux[aux_from:aux_to]), bm, bm_q, bm_kv, causal, window_left, window_right, softcap
+
+
+_call_memo_module = None
+
+
+def _call_memo():
+    """torch_fa4.mods.call_memo, imported on first use (mods stay out of `import torch_fa4`)."""
+    global _call_memo_module
+    if _call_memo_module is None:
+        from torch_fa4.mods import call_memo
+
+        _call_memo_module = call_memo
+    return _call_memo_module
+
+
+def _check_one_mask(mask_mod, bm_mask_mod):
+    if mask_mod is not None and mask_mod is not bm_mask_mod:
+        raise ValueError("torch_fa4: pass either mask_mod or a block_mask built from it, not two different masks")
+
+
+def _folded(mod_key, aux, bm_tensors, bm_q, bm_kv, q, keys, varlen, has_seqused, causal, window_left, window_right,
+            softcap):
+    """`_mod_arguments`' answer from the traced key on: (mod key, captured tensors, block mask
+    tensors, block q, block kv, causal, window_left, window_right, softcap, (from, to) of the
+    captured tensors kept, block mask "keep" / "drop" / "rest")."""
+    if mod_key:
+        fold = _fold(mod_key, q.shape[1], keys, varlen, has_seqused, window_left, window_right, softcap)
+        if fold is not None:
+            new_key, aux_from, aux_to, mask_folded, window_left, window_right, softcap, bm_mode, found = fold
+            if bm_mode == "rest":
+                bm_tensors = _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q.shape[1], keys)
+            elif bm_mode == "drop":
+                bm_tensors = []
+            if mask_folded:
+                causal = window_right == 0
+            if not bm_tensors:
+                bm_q, bm_kv = 128, 128
+                bm_mode = "drop"
+            return (new_key, list(aux[aux_from:aux_to]), bm_tensors, bm_q, bm_kv, causal, window_left, window_right,
+                    softcap, (aux_from, aux_to), bm_mode)
+    if not bm_tensors:
+        bm_q, bm_kv = 128, 128
+    return (mod_key, list(aux), bm_tensors, bm_q, bm_kv, causal, window_left, window_right, softcap, (None, None),
+            "keep" if bm_tensors else "drop")
+
+
 def _unpack_block_mask(block_mask, mask_mod):
     if block_mask is None:
         return mask_mod, [], 128, 128
     from torch_fa4.mods import as_block_mask
 
     bm = as_block_mask(block_mask)
-    if mask_mod is not None and mask_mod is not bm.mask_mod:
-        raise ValueError("torch_fa4: pass either mask_mod or a block_mask built from it, not two different masks")
+    _check_one_mask(mask_mod, bm.mask_mod)
     bq, bkv = bm.BLOCK_SIZE
     return bm.mask_mod, list(bm.as_tensors()), int(bq), int(bkv)
 
@@ -199,7 +281,44 @@ def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, windo
     """Mods that are causal, a sliding window or a tanh softcap, as the built-in arguments
     (torch_fa4.mods.idioms): (mod_key, aux, mask folded, window_left, window_right, softcap,
     block mask tensors), or None where nothing folds. A mask `causal & rest` keeps `rest` and its
-    block mask, whose tiles partial only along the diagonal become full (mods.block_lists)."""
+    block mask, whose tiles partial only along the diagonal become full (mods.block_lists).
+    What folds depends on the mod key, the lengths and the scalars only: eager calls keep it per
+    those (`_FOLDS`); the captured tensors and block mask of each call are then sliced / re-listed."""
+    fold = _fold(mod_key, q.shape[1], k_len, varlen, has_seqused, window_left, window_right, softcap)
+    if fold is None:
+        return None
+    new_key, aux_from, aux_to, mask_folded, window_left, window_right, softcap, block_mask, found = fold
+    if block_mask == "keep":
+        bm = bm_tensors
+    elif block_mask == "drop":
+        bm = []
+    else:
+        bm = _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q.shape[1], k_len)
+    return new_key, list(aux[aux_from:aux_to]), mask_folded, window_left, window_right, softcap, bm
+
+
+def _fold(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap):
+    """`_fold_of`, kept per its arguments in eager mode."""
+    if torch.compiler.is_compiling():
+        return _fold_of(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap, True)
+    key = (mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap)
+    fold = _FOLDS.get(key, _UNKNOWN)
+    if fold is _UNKNOWN:
+        fold = _fold_of(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap, False)
+        if len(_FOLDS) >= shape_memo.CAPACITY:  # a bound, not an eviction policy
+            _FOLDS.clear()
+        _FOLDS[key] = fold
+    return fold
+
+
+_UNKNOWN = object()
+_FOLDS = shape_memo.table()  # (mod key, Sq, Sk, varlen, seqused_k given, window, softcap) -> _fold_of's answer
+
+
+def _fold_of(mod_key, q_len, k_len, varlen, has_seqused, window_left, window_right, softcap, compiling):
+    """How the mods of `mod_key` fold into built-in arguments for a call of these lengths and
+    scalars: (mod key, captured tensors kept as a slice (from, to), mask folded, window_left,
+    window_right, softcap, block mask "keep" / "drop" / "rest", idioms.Builtins), or None."""
     from torch_fa4.mods.idioms import builtins_of, window_for
 
     found = builtins_of(mod_key)
@@ -208,23 +327,22 @@ def _as_builtins(mod_key, aux, q, k_len, varlen, has_seqused, window_left, windo
     window = rest_window = None
     one_diagonal = not varlen and not has_seqused  # one diagonal for the whole call
     if found.band is not None and one_diagonal:
-        window = window_for(found.band, q.shape[1], k_len, window_left, window_right)
-    if found.rest_band is not None and one_diagonal and not torch.compiler.is_compiling():
+        window = window_for(found.band, q_len, k_len, window_left, window_right)
+    if found.rest_band is not None and one_diagonal and not compiling:
         # (causal only: the block-sparse kernels' walks are measured and tested with it)
-        if window_for(found.rest_band, q.shape[1], k_len, window_left, window_right) == (-1, 0):
+        if window_for(found.rest_band, q_len, k_len, window_left, window_right) == (-1, 0):
             rest_window = (-1, 0)
     fold_cap = bool(found.softcap) and not softcap  # (a built-in softcap already comes first)
     if window is not None and fold_cap:
-        return "", [], True, *window, found.softcap, []
+        return "", 0, 0, True, *window, found.softcap, "drop", found
     if window is not None:
-        return found.key_without_mask, list(aux[:found.score_aux]), True, *window, softcap, []
+        return found.key_without_mask, None, found.score_aux, True, *window, softcap, "drop", found
     if rest_window is not None:
-        return found.key_with_rest, list(aux), True, *rest_window, softcap, _rest_block_mask(
-            found, aux, bm_tensors, bm_q, bm_kv, q.shape[1], k_len)
+        return found.key_with_rest, None, None, True, *rest_window, softcap, "rest", found
     if not fold_cap:
         return None
-    return (found.key_without_score, list(aux[found.score_aux:]), False, window_left, window_right,
-            found.softcap, bm_tensors)
+    return (found.key_without_score, found.score_aux, None, False, window_left, window_right, found.softcap,
+            "keep", found)
 
 
 def _rest_block_mask(found, aux, bm_tensors, bm_q, bm_kv, q_len, k_len):

@@ -72,7 +72,8 @@ def kernel_for(call: AttentionCall, direction: str, warn: bool = True, determini
     passed its first-use self-check (torch_fa4/self_check.py). With warn=False (SDPA routing,
     which falls back to PyTorch's own kernel instead) a refusal is neither warned about nor
     remembered as warned. The choice for a call without mods or block mask is kept per layout
-    (`_plain_layout`): decode steps and SDPA calls repeat it on every call.
+    (`_plain_layout`): decode steps and SDPA calls repeat it on every call; with mods or a block
+    mask the key also holds what the families read of them (shape_memo.mods_layout).
     """
     backend = os.environ.get("TORCH_FA4_BACKEND", "").lower()
     if backend == "reference":
@@ -101,16 +102,18 @@ _chosen = shape_memo.table()  # (_plain_layout, backend, direction, warn, determ
 def _plain_layout(call: AttentionCall):
     """What a family's `unsupported_reason` reads of a call without mods or block mask: dtypes,
     shapes, strides, 16-byte alignment, the scalars, which of the offsets / seqused_k / page table
-    come and their shapes (never their values); None for calls with mods or a block mask, whose
-    choice is made every time."""
+    come and their shapes (never their values), and with mods or a block mask `mods_layout`;
+    None where that is None (the choice is then made every time)."""
+    mods = None
     if call.mods is not None or call.aux_tensors or call.block_mask or call.mod_key:
-        return None
+        if (mods := shape_memo.mods_layout(call)) is None:
+            return None
     q, k, v, table = call.q, call.k, call.v, call.page_table
     return (q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(),
             v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, call.causal, call.window_left,
             call.window_right, call.softcap, call.scale < 0, call.max_seqlen_q, call.max_seqlen_k,
             *(None if t is None else t.shape for t in (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k)),
-            None if table is None else (table.shape, table.stride()))
+            None if table is None else (table.shape, table.stride()), mods)
 
 
 def _choose(call: AttentionCall, direction: str, warn: bool, deterministic: bool, cap: tuple, backend: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import replace
 from typing import Optional
 
@@ -129,6 +130,50 @@ def _sm_count(device_index: int) -> int:
 
 
 ONE_CTA_PER_ITEM = (1 << 31) - 1  # as max_ctas: a kernel compiled persistent runs one CTA per item
+
+
+# The dynamic schedule's item counter (FwdConfig.dynamic_schedule): zero at launch, counted up by
+# the launch's CTAs. A fresh zero-filled tensor per launch costs the host an allocation and a fill
+# launch on every call; instead each (device, stream, thread) keeps a buffer of zeroed counters,
+# hands each launch the next one, and zeroes the whole buffer in one fill once all are used:
+# launches on a stream run in order, so that fill runs after every launch that counted in the
+# buffer, and before any that counts in it next. A stream being captured into a CUDA graph gets a
+# fresh counter (the graph keeps it and its fill). (Threads have their own buffers: two threads
+# launching on one stream must not be handed one counter.)
+COUNTER_SLOTS = 1024
+_MAX_COUNTER_POOLS = 64  # a bound for programs that meet ever-new streams or threads
+_counter_pools: dict = {}
+
+
+class CounterPool:
+    """`slots` int32 counters on `device`, zero until handed out by `take`."""
+
+    def __init__(self, device: torch.device, slots: int):
+        self.buffer = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.views = self.buffer.split(1)
+        self.taken = 0
+
+    def take(self) -> torch.Tensor:
+        """A zero counter (1,) for one launch on the pool's stream."""
+        if self.taken == len(self.views):  # every counter used: zeroed in stream order
+            self.buffer.zero_()
+            self.taken = 0
+        self.taken += 1
+        return self.views[self.taken - 1]
+
+
+def schedule_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 (1,) item counter for one dynamic-schedule launch on the current stream."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device_index, stream.cuda_stream, threading.get_ident())
+    pool = _counter_pools.get(key)
+    if pool is None:
+        if len(_counter_pools) >= _MAX_COUNTER_POOLS:
+            _counter_pools.clear()
+        pool = _counter_pools[key] = CounterPool(device, COUNTER_SLOTS)
+    return pool.take()
 
 
 def sm_count(device: torch.device) -> int:

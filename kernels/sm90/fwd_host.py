@@ -369,12 +369,13 @@ def forward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor, **overrid
 
 def launch(kernel, cfg: FwdConfig, call: AttentionCall, leading: Sequence, split: Optional[tuple]) -> None:
     """Launch a forward kernel (general path and launch records): `leading` from
-    fwd_launch.leading_args, `split` from `split_spec`, a zeroed item counter for each launch."""
+    fwd_launch.leading_args, `split` from `split_spec`, a zeroed item counter for each launch
+    (fwd_launch.schedule_counter)."""
     device = call.q.device
     block_mask = [None] * 4
     if cfg.block_sparse:
         block_mask = [t if t.stride(-1) == 1 else t.contiguous() for t in call.block_mask]
-    counter = torch.zeros(1, dtype=torch.int32, device=device) if cfg.dynamic_schedule else None
+    counter = fwd_launch.schedule_counter(device) if cfg.dynamic_schedule else None
     kernel(*leading, *block_mask, *fwd_launch.launch_aux(call, len(cfg.aux_specs), MAX_AUX), counter, *split_buffers(split, device),
            call.page_table)
 

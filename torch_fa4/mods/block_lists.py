@@ -10,21 +10,21 @@ visible tiles stay visible, empty ones empty). The kernel then evaluates `rest` 
 cuts, and the band's test is the built-in one, an affine compare on the tiles it crosses.
 
 The result depends on the block mask's tensors, `rest` and its captured tensors, so it is kept
-for the last few of them (tensors identified by id and version; the entry holds them, so an id
-is not reused while it is kept). Plain torch ops on the mask's device, no host synchronisation.
+per them (call_memo.ModsMemo: identities, versions and data pointers; an entry goes when one of
+its tensors dies, and keeps none of them alive). Plain torch ops on the mask's device, no host
+synchronisation.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Sequence
 
 import torch
 
 from torch_fa4.mods.block_mask import _compress, _evaluate_tiles
+from torch_fa4.mods.call_memo import ModsMemo
 
-_KEPT = 16
-_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_CACHE = ModsMemo(capacity=16)
 
 
 def without_band(bm_tensors: Sequence[torch.Tensor], bq: int, bkv: int, band: tuple, rest_mods,
@@ -33,16 +33,13 @@ def without_band(bm_tensors: Sequence[torch.Tensor], bq: int, bkv: int, band: tu
     `bm_tensors` (built from band & rest) with the tiles on which `rest` holds wherever the band
     (lo, hi) of q_idx - kv_idx does moved to the full lists. rest_mods: the ModSet whose mask
     graph is `rest`."""
-    key = (tuple((id(t), t._version) for t in (*bm_tensors, *mask_aux)), bq, bkv, tuple(band),
-           rest_mods.key, q_len, kv_len)
-    hit = _CACHE.get(key)
+    tensors = (*bm_tensors, *mask_aux)
+    extra = (bq, bkv, tuple(band), rest_mods.key, q_len, kv_len)
+    hit = _CACHE.get(tensors, extra)
     if hit is not None:
-        _CACHE.move_to_end(key)
-        return list(hit[0])
+        return list(hit)
     lists = _reclassify(bm_tensors, bq, bkv, band, rest_mods, mask_aux, q_len, kv_len)
-    _CACHE[key] = (lists, tuple(bm_tensors), tuple(mask_aux))
-    while len(_CACHE) > _KEPT:
-        _CACHE.popitem(last=False)
+    _CACHE.put(tensors, extra, lists)
     return list(lists)
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from torch_fa4.mods import index_bounds, library
+from torch_fa4.tensor_memo import TensorMemo
 
 _GRID_BUDGET = 1 << 24  # mask elements evaluated at once (bool): ~16 MiB plus index temporaries
 
@@ -225,12 +226,30 @@ def as_block_mask(block_mask) -> BlockMask:
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
     if isinstance(block_mask, TorchBlockMask):
-        kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
-        full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
-        if full_num is None:  # torch built it without full blocks: every visited tile is partial
-            full_num, full_idx = torch.zeros_like(kv_num), torch.zeros_like(kv_idx)
         bq, bkv = block_mask.BLOCK_SIZE
-        return BlockMask(kv_num.to(torch.int32), kv_idx.to(torch.int32), full_num.to(torch.int32),
-                         full_idx.to(torch.int32), (int(bq), int(bkv)), block_mask.mask_mod,
+        return BlockMask(*_torch_lists(block_mask), (int(bq), int(bkv)), block_mask.mask_mod,
                          tuple(int(x) for x in block_mask.seq_lengths))
     raise TypeError(f"torch_fa4: block_mask must be a BlockMask from create_block_mask, got {type(block_mask).__name__}")
+
+
+# torch BlockMask lists -> their int32 form, with zero full lists where torch made none. Kept per
+# source tensors (ids, versions, data pointers: torch_fa4.tensor_memo), so that a repeated call
+# hands the same tensors on: the mods' memos (call_memo.py, block_lists.py) are keyed by the
+# tensors' identities, and fresh zeros on every call would miss them. Only what was made here is
+# kept (None where a list is used as given: the memo holds no caller's tensor).
+_TORCH_LISTS = TensorMemo(capacity=64)
+
+
+def _torch_lists(block_mask) -> tuple:
+    lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+             block_mask.full_kv_indices)
+    kept = not torch.compiler.is_compiling()  # (traced: the conversion is part of the graph)
+    if kept and (made := _TORCH_LISTS.get(lists)) is not None:
+        return tuple(given if own is None else own for given, own in zip(lists, made))
+    kv_num, kv_idx, full_num, full_idx = lists
+    if full_num is None:  # torch built it without full blocks: every visited tile is partial
+        full_num, full_idx = torch.zeros_like(kv_num), torch.zeros_like(kv_idx)
+    converted = tuple(t.to(torch.int32) for t in (kv_num, kv_idx, full_num, full_idx))
+    if kept:
+        _TORCH_LISTS.put(lists, (), tuple(None if c is g else c for c, g in zip(converted, lists)))
+    return converted
