@@ -379,8 +379,13 @@ def _mod_makers(score_mod, mask_mod, reference: str) -> dict:
             S = q.shape[1]
             bm = create_block_mask(mask, None, None, S, S)
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            kw = {"kernel_options": {"BACKEND": backend}} if backend else {}
-            return lambda: _flex_compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm, **kw)
+            if not backend:
+                return lambda: _flex_compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm)
+            # fullgraph: a FLASH call Dynamo cannot compile raises (the row says why) instead of
+            # running FlexAttention's unfused eager path and being timed as FLASH
+            compiled = torch.compile(flex_attention, fullgraph=True)
+            kw = {"kernel_options": {"BACKEND": backend}}
+            return lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm, **kw)
         return make
 
     makers = {"torch_fa4": ours}
