@@ -8,17 +8,14 @@ kernel (not the reference) ran. The bound is twice the error of eager attention 
 zero with LSE -inf.
 """
 
-import warnings
-
 import pytest
 import torch
 
+from gpu_harness import HAS_CUDA, default_variant, gpu_marks, poison_forward
+from gpu_harness import public as _public, random_qkv as _qkv
 from naive import naive_attention, naive_varlen
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = gpu_marks(HAS_CUDA, "needs a CUDA device")
 
 
 @pytest.fixture
@@ -27,28 +24,7 @@ def portable(monkeypatch):
     from torch_fa4.kernels.portable import fwd_host
 
     monkeypatch.setenv("TORCH_FA4_BACKEND", "portable")
-    seen = []
-    real_forward = fwd_host.forward
-
-    def poisoned_forward(call, out, lse, **overrides):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        seen.append(fwd_host.default_config(call, **overrides))
-        real_forward(call, out, lse, **overrides)
-
-    monkeypatch.setattr(fwd_host, "forward", poisoned_forward)
-    return seen
-
-
-def _public(fn, *args, **kw):
-    """Run a public API call; a fallback to the reference is an error, not a warning."""
-    import torch_fa4  # noqa: F401
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4:.*falls back")
-        out = fn(*args, **kw)
-    torch.cuda.synchronize()
-    return out
+    return poison_forward(monkeypatch, fwd_host, default_variant(fwd_host))
 
 
 def _compare(out, lse, ref_out, ref_lse, eager_out):
@@ -66,12 +42,6 @@ def _compare(out, lse, ref_out, ref_lse, eager_out):
         tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
         lse_err = (lse[finite] - ref_lse[finite]).abs()
         assert (lse_err <= tol).all(), lse_err.max()
-
-
-def _qkv(B, Sq, Sk, H, Hkv, D, dtype=torch.bfloat16):
-    return (torch.randn(B, Sq, H, D, device="cuda", dtype=dtype),
-            torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype),
-            torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype))
 
 
 def _dense(portable, B, Sq, Sk, H, Hkv, D, dtype=torch.bfloat16, causal=False, window=(-1, -1), softcap=0.0):
