@@ -11,39 +11,15 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import SM90_ONLY, leaves as _leaves, record_kernel_picks, rel as _rel
 from naive import naive_attention
-from torch_fa4 import dispatch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 
 @pytest.fixture
 def picked(monkeypatch):
-    seen = []
-    original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
-        seen.append((direction, None if module is None else module.__name__))
-        return module
-
-    monkeypatch.setattr(dispatch, "kernel_for", spy)
-    return seen
-
-
-def _rel(x, ref):
-    assert not torch.isnan(x).any()
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def _leaves(*ts):
-    return [t.detach().clone().requires_grad_() for t in ts]
+    return record_kernel_picks(monkeypatch)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -14,30 +14,16 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import HAS_CUDA, ON_SM90 as cuda_sm90, gpu_marks, leaves as _leaves, record_kernel_picks, rel as _rel
 from naive import naive_attention
-from torch_fa4 import dispatch
 from torch_fa4.mods import ModIndexError
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = gpu_marks(HAS_CUDA, "needs CUDA")
 
 
 @pytest.fixture
 def picked(monkeypatch):
-    seen = []
-    original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
-        seen.append((direction, None if module is None else module.__name__))
-        return module
-
-    monkeypatch.setattr(dispatch, "kernel_for", spy)
-    return seen
+    return record_kernel_picks(monkeypatch)
 
 
 def _table_rows(device):
@@ -76,15 +62,6 @@ def test_out_of_range_mods_raise_before_launch(picked, row):
     assert picked == [], "a backend was picked after a failed index check"
     assert _table_rows("cpu")[row][3] in on_gpu
     assert on_gpu == _message("cpu", row)
-
-
-def _rel(x, ref):
-    assert not torch.isnan(x).any()
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def _leaves(*ts):
-    return [t.detach().clone().requires_grad_() for t in ts]
 
 
 @pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")

@@ -14,18 +14,16 @@ import warnings
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from _mod_cases import cases  # noqa: E402
 from _mod_probes import PROBE_SCALE, compile_probe  # noqa: E402
+from gpu_harness import HAS_CUDA, ON_SM90 as cuda_sm90, gpu_marks, poison_forward  # noqa: E402
 from naive import naive_attention  # noqa: E402
 
 from torch_fa4.mods.prepare import trace_graphs  # noqa: E402
+
+pytestmark = gpu_marks(HAS_CUDA, "needs CUDA")
 
 NAMES = ["alibi_doc_causal", "softcap_window", "bias_bf16_doc2d", "bucketed_chunked", "transcendental_bool_table"]
 
@@ -142,26 +140,13 @@ def test_tile_probe_matches_float64(name):
 
 # ---- the sm90 forward kernel with hoisted mods, against float64 attention --------------------------
 
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 @pytest.fixture
 def poisoned_sm90_forward(monkeypatch):
     """Every sm90 forward launch first fills out / lse with NaN, and is recorded (so a test knows the
     kernel, not the reference, ran)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
-    seen = []
-    real_forward = fwd_host.forward
-
-    def poisoned(call, out, lse, **kw):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        seen.append(call.mod_key)
-        real_forward(call, out, lse, **kw)
-
-    monkeypatch.setattr(fwd_host, "forward", poisoned)
-    return seen
+    return poison_forward(monkeypatch, fwd_host, lambda call, overrides: call.mod_key)
 
 
 @pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")

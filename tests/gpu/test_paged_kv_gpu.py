@@ -16,13 +16,10 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import SM90_ONLY, poison_forward
 from naive import naive_attention, naive_varlen, rel_error
 
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_sm90, reason="needs a CUDA sm_90 device"),
-]
+pytestmark = SM90_ONLY
 
 DT = torch.bfloat16
 
@@ -36,12 +33,7 @@ def launches(monkeypatch):
     from torch_fa4.kernels.sm90 import fwd_host
 
     seen = {"launches": [], "gathers": 0, "q_shapes": []}
-    real_forward, real_launch, real_gathered = fwd_host.forward, fwd_host.launch, paged_kv.gathered
-
-    def poisoned(call, out, lse, **kw):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        real_forward(call, out, lse, **kw)
+    real_launch, real_gathered = fwd_host.launch, paged_kv.gathered
 
     def launch(kernel, cfg, call, leading, split):
         seen["launches"].append((call.page_table is not None, cfg.page_box, cfg.split_ways))
@@ -52,7 +44,7 @@ def launches(monkeypatch):
         seen["gathers"] += 1
         return real_gathered(call)
 
-    monkeypatch.setattr(fwd_host, "forward", poisoned)
+    poison_forward(monkeypatch, fwd_host)
     monkeypatch.setattr(fwd_host, "launch", launch)
     monkeypatch.setattr(paged_kv, "gathered", gathered)
     return seen

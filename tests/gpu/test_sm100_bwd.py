@@ -19,14 +19,11 @@ import math
 import pytest
 import torch
 
+from gpu_harness import SM100_ONLY
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
-blackwell = torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not blackwell, reason="needs a CUDA sm_100 device"),
-]
+pytestmark = SM100_ONLY
 
 BF, FP = torch.bfloat16, torch.float16
 

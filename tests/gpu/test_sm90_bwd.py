@@ -13,16 +13,11 @@ import pytest
 import torch
 
 from _mod_cases import alibi_abs
+from gpu_harness import ON_SM90, gpu_marks
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs an sm_90 GPU",
-    ),
-]
+pytestmark = gpu_marks(ON_SM90, "needs an sm_90 GPU")
 
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
