@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _mod_cases import alibi_abs
+from bwd_mod_cases import MOD_CASES, _alibi, _documents, _tanh_bias_documents, slopes_and_documents
 from gpu_harness import ON_SM90, gpu_marks
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
@@ -299,37 +300,9 @@ def test_deterministic():
     _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True)
 
 
-def _alibi(slopes, doc):
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    return score_mod, None
-
-
-def _tanh_bias(slopes, doc):  # a score_mod with a non-trivial derivative
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score * 0.5) * 2.0 + torch.where(q_idx >= kv_idx, 0.25, -0.5)
-
-    return score_mod, None
-
-
-def _documents(slopes, doc):  # a mask_mod over a captured tensor
-    def mask_mod(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    return None, mask_mod
-
-
-def _tanh_bias_documents(slopes, doc):
-    return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
-
-
-@pytest.mark.parametrize("make_mods,causal", [
-    (_alibi, True), (_tanh_bias, False), (_documents, False), (_tanh_bias_documents, True),
-])
+@pytest.mark.parametrize("make_mods,causal", MOD_CASES)
 def test_mods(make_mods, causal):
-    slopes = torch.rand(4, device="cuda")
-    doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
+    slopes, doc = slopes_and_documents()
     score_mod, mask_mod = make_mods(slopes, doc)
     _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
 
