@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from naive import call_options, naive_varlen
+from naive import call_options, naive_attention, naive_varlen
 
 HAS_CUDA = torch.cuda.is_available()
 ON_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
@@ -134,3 +134,70 @@ def rel(x, ref):
 def leaves(*ts):
     """Detached copies of ts that require grad."""
     return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def compare_to_float64(out, lse, ref_out, ref_lse, eager_out, empty_lse_exact=False, empty_rows_zero=False):
+    """out (B, S, H, Dv) / lse (B, H, S) of one dense call against the float64 oracle's ref_out / ref_lse:
+    no NaN, error at most twice eager_out's (the same attention in the inputs' dtype), the same rows
+    with a finite LSE and those within 2e-3 + 1e-4 |lse|; with `empty_lse_exact`, the other rows'
+    LSE equal to the oracle's (-inf); with `empty_rows_zero`, their output exactly zero."""
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert not lse.isnan().any(), "unwritten or NaN lse"
+    out, lse = out.double().cpu(), lse.double().cpu()
+    ref_out, ref_lse, eager_out = ref_out.double().cpu(), ref_lse.double().cpu(), eager_out.double().cpu()
+    err = (out - ref_out).abs().max().item() if out.numel() else 0.0
+    eager_err = (eager_out - ref_out).abs().max().item() if out.numel() else 0.0
+    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
+    if empty_lse_exact:
+        assert torch.equal(lse[~finite], ref_lse[~finite])
+    if finite.any():
+        tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
+        lse_err = (lse[finite] - ref_lse[finite]).abs()
+        assert (lse_err <= tol).all(), lse_err.max()
+    if empty_rows_zero:
+        empty_rows = (~finite).transpose(1, 2)  # (B, S, H)
+        assert (out[empty_rows] == 0).all()
+
+
+def check_mods_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, empty_lse_exact=False,
+                             empty_rows_zero=False, **kw):
+    """compare_to_float64 for one dense call with mods: mods_* are (score_mod, mask_mod) whose captured
+    tensors live on the GPU (for eager attention in the inputs' dtype: bf16 matmuls, fp32 scores
+    and softmax, P rounded to the inputs' dtype) and on the CPU (for the float64 oracle)."""
+    ref_out, ref_lse = naive_attention(q, k, v, score_mod=mods_cpu[0], mask_mod=mods_cpu[1], **kw)
+    eager, _ = naive_attention(q, k, v, score_mod=mods_gpu[0], mask_mod=mods_gpu[1], differentiable=True,
+                               score_dtype=torch.float32, **kw)
+    compare_to_float64(out, lse, ref_out, ref_lse, eager, empty_lse_exact, empty_rows_zero)
+
+
+def random_document_ids(S, device, docs=5):
+    """Document ids (S,) of `docs` documents of random nonzero lengths."""
+    from torch_fa4 import mods as M
+
+    cuts = torch.sort(torch.randperm(S - 1)[: docs - 1] + 1).values
+    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([S])]))
+    return M.document_ids_from_lengths(lengths).to(device)
+
+
+def causal_documents_call(D, block_mask, B=2, S=700, H=4):
+    """A public call under a causal document mask on fresh inputs (a block mask through flex_attention,
+    or a mask_mod through attention). Returns out (B, S, H, D), lse, q, k, v and the mask on the GPU
+    and on the CPU."""
+    import torch_fa4
+    from torch_fa4 import mods as M
+
+    q, k, v = random_qkv(B, S, S, H, H, D)
+    ids = random_document_ids(S, "cuda")
+    mask = M.and_masks(M.document_mask(ids), M.causal_mask)
+    if block_mask:
+        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device="cuda")
+        assert bm.sparsity() > 0
+        out, lse = public(torch_fa4.flex_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          block_mask=bm, return_lse=True)
+        out = out.transpose(1, 2)
+    else:
+        out, lse = public(torch_fa4.attention, q, k, v, mask_mod=mask, return_lse=True)
+    cpu_mask = M.and_masks(M.document_mask(ids.cpu()), M.causal_mask)
+    return out, lse, q, k, v, mask, cpu_mask

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from gpu_harness import (SM90_ONLY, check_against_float64, default_variant, launch_poisoned, poison_forward,
-                         public as _public, random_qkv as _qkv)
+from gpu_harness import (SM90_ONLY, causal_documents_call, check_against_float64, check_mods_against_naive,
+                         default_variant, launch_poisoned, poison_forward, public as _public,
+                         random_document_ids, random_qkv as _qkv)
 from naive import naive_attention
 from torch_fa4.call import AttentionCall
 
@@ -469,26 +470,10 @@ def sm90_fwd_variants(monkeypatch):
 
 
 def _check_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, **kw):
-    """out (B, S, H, Dv), lse (B, H, S) of one dense call; mods_*: (score_mod, mask_mod) built on that device."""
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert not lse.isnan().any(), "unwritten or NaN lse"
-    ref_out, ref_lse = naive_attention(q, k, v, score_mod=mods_cpu[0], mask_mod=mods_cpu[1], **kw)
-    # eager in the input dtype (bf16 matmuls, fp32 scores and softmax, P rounded to bf16)
-    eager, _ = naive_attention(q, k, v, score_mod=mods_gpu[0], mask_mod=mods_gpu[1], differentiable=True,
-                               score_dtype=torch.float32, **kw)
-    err = (out.double().cpu() - ref_out).abs().max().item()
-    eager_err = (eager.double().cpu() - ref_out).abs().max().item()
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    lse = lse.double().cpu()
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    assert torch.equal(lse[~finite], ref_lse[~finite])
-    if finite.any():
-        tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
-        assert ((lse[finite] - ref_lse[finite]).abs() <= tol).all(), (lse[finite] - ref_lse[finite]).abs().max()
-    # rows with nothing visible are exactly zero
-    empty_rows = (~finite).transpose(1, 2)  # (B, S, H)
-    assert (out.cpu()[empty_rows] == 0).all()
+    """out (B, S, H, Dv), lse (B, H, S) of one dense call; mods_*: (score_mod, mask_mod) built on that
+    device; rows with nothing visible must be exactly zero with LSE -inf."""
+    check_mods_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, empty_lse_exact=True, empty_rows_zero=True,
+                             **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -577,29 +562,11 @@ def test_per_head_bias_table(sm90_fwd_variants, dtype):
     _check_against_naive(out, lse, q, k, v, (M.relative_bias(bias), None), (M.relative_bias(bias.cpu()), None))
 
 
-def _doc_ids(S, device, docs=5):
-    cuts = torch.sort(torch.randperm(S - 1)[: docs - 1] + 1).values
-    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([S])]))
-    return M.document_ids_from_lengths(lengths).to(device)
-
-
 @pytest.mark.parametrize("D", [64, 128, 192, 256])
 @pytest.mark.parametrize("block_mask", [False, True])
 def test_document_mask(sm90_fwd_variants, D, block_mask):
-    B, S, H = 2, 700, 4
-    q, k, v = _qkv(B, S, S, H, H, D)
-    ids = _doc_ids(S, "cuda")
-    mask = M.and_masks(M.document_mask(ids), M.causal_mask)
-    if block_mask:
-        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device="cuda")
-        assert bm.sparsity() > 0
-        out, lse = _public(torch_fa4.flex_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           block_mask=bm, return_lse=True)
-        out = out.transpose(1, 2)
-    else:
-        out, lse = _public(torch_fa4.attention, q, k, v, mask_mod=mask, return_lse=True)
+    out, lse, q, k, v, mask, cpu_mask = causal_documents_call(D, block_mask)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].block_sparse == block_mask
-    cpu_mask = M.and_masks(M.document_mask(ids.cpu()), M.causal_mask)
     _check_against_naive(out, lse, q, k, v, (None, mask), (None, cpu_mask))
 
 
@@ -668,7 +635,7 @@ def test_torch_block_mask(sm90_fwd_variants):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     B, S, H, D = 1, 640, 2, 128
     q, k, v = _qkv(B, S, S, H, H, D)
-    ids = _doc_ids(S, "cuda")
+    ids = random_document_ids(S, "cuda")
     mask = M.document_mask(ids)
     bm = flex.create_block_mask(mask, None, None, S, S, device="cuda")
     out = _public(torch_fa4.flex_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm)
