@@ -201,3 +201,37 @@ def causal_documents_call(D, block_mask, B=2, S=700, H=4):
         out, lse = public(torch_fa4.attention, q, k, v, mask_mod=mask, return_lse=True)
     cpu_mask = M.and_masks(M.document_mask(ids.cpu()), M.causal_mask)
     return out, lse, q, k, v, mask, cpu_mask
+
+
+def public_training_step(q, k, v, **kw):
+    """torch_fa4.attention(**kw) on leaf copies of q, k, v (a fallback is an error), then its backward
+    from a fresh random gradient. Returns what attention returned, that gradient and the leaves."""
+    import torch_fa4
+
+    qa, ka, va = leaves(q, k, v)
+    with warnings.catch_warnings():
+        # A fallback to the reference warns: make exactly that fail here (CuTe DSL's own
+        # deprecation warnings are not ours to judge).
+        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
+        result = torch_fa4.attention(qa, ka, va, **kw)
+        out = result[0] if isinstance(result, tuple) else result
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    return result, grad, (qa, ka, va)
+
+
+def check_training_step(out, grad, ours, q, k, v, attend, attend64=None):
+    """The output and input gradients of public_training_step (out, grad, ours: its leaves) against
+    float64: attend64 (default attend) on float64 copies of q, k, v is the oracle, attend on copies in
+    their own dtype the error scale (each at most twice its relative error, + 1e-3). attend*:
+    differentiable (q, k, v) -> (out, lse). Returns the oracle's (out, lse)."""
+    q64, k64, v64 = leaves(*(t.double() for t in (q, k, v)))
+    ref = (attend64 or attend)(q64, k64, v64)
+    ref[0].backward(grad.double())
+    qb, kb, vb = leaves(q, k, v)  # eager attention in the inputs' dtype: the error budget
+    base, _ = attend(qb, kb, vb)
+    base.backward(grad)
+    assert rel(out, ref[0]) <= 2 * rel(base, ref[0]) + 1e-3
+    for mine, eager, want in zip(ours, (qb, kb, vb), (q64, k64, v64)):
+        assert rel(mine.grad, want.grad) <= 2 * rel(eager.grad, want.grad) + 1e-3
+    return ref

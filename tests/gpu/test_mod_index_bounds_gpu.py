@@ -8,13 +8,13 @@
 """
 
 import math
-import warnings
 
 import pytest
 import torch
 
 import torch_fa4
-from gpu_harness import HAS_CUDA, ON_SM90 as cuda_sm90, gpu_marks, leaves as _leaves, record_kernel_picks, rel as _rel
+from gpu_harness import (HAS_CUDA, ON_SM90 as cuda_sm90, check_training_step, gpu_marks, public_training_step,
+                         record_kernel_picks)
 from naive import naive_attention
 from torch_fa4.mods import ModIndexError
 
@@ -79,28 +79,19 @@ def test_negative_indices_wrap_in_the_kernels(picked, causal):
         return band[kv_idx - q_idx]
 
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    qa, ka, va = _leaves(q, k, v)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
-        out = torch_fa4.attention(qa, ka, va, causal=causal, score_mod=rel_bias, mask_mod=banded)
-        grad = torch.randn_like(out)
-        out.backward(grad)
+    out, grad, ours = public_training_step(q, k, v, causal=causal, score_mod=rel_bias, mask_mod=banded)
     assert ("forward", "torch_fa4.kernels.sm90") in picked
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
 
     def rel_bias64(score, b, h, q_idx, kv_idx):
         return score + tab.double()[h, kv_idx - q_idx]
 
-    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = naive_attention(q64, k64, v64, score_mod=rel_bias64, mask_mod=banded, causal=causal, differentiable=True)[0]
-    ref.backward(grad.double())
-    qb, kb, vb = _leaves(q, k, v)  # the same in bf16 on the GPU: the error budget
-    base = naive_attention(qb, kb, vb, score_mod=rel_bias, mask_mod=banded, causal=causal, differentiable=True)[0]
-    base.backward(grad)
-    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
-    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
-                              (va.grad, vb.grad, v64.grad)):
-        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+    check_training_step(
+        out, grad, ours, q, k, v,
+        lambda q, k, v: naive_attention(q, k, v, score_mod=rel_bias, mask_mod=banded, causal=causal,
+                                        differentiable=True),
+        lambda q, k, v: naive_attention(q, k, v, score_mod=rel_bias64, mask_mod=banded, causal=causal,
+                                        differentiable=True))
 
 
 @pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
@@ -118,25 +109,16 @@ def test_padded_tile_reads_stay_inside_tables(picked, d):
         return score * scl[q_idx] * scl[kv_idx]
 
     q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    qa, ka, va = _leaves(q, k, v)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
-        out = torch_fa4.attention(qa, ka, va, causal=True, score_mod=scaled)
-        grad = torch.randn_like(out)
-        out.backward(grad)
+    out, grad, ours = public_training_step(q, k, v, causal=True, score_mod=scaled)
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
 
     def scaled64(score, b, h, q_idx, kv_idx):
         return score * scl.double()[q_idx] * scl.double()[kv_idx]
 
     true_mask = lambda b, h, i, j: torch.ones((), dtype=torch.bool, device="cuda")  # noqa: E731
-    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = naive_attention(q64, k64, v64, score_mod=scaled64, mask_mod=true_mask, causal=True, differentiable=True)[0]
-    ref.backward(grad.double())
-    qb, kb, vb = _leaves(q, k, v)
-    base = naive_attention(qb, kb, vb, score_mod=scaled, mask_mod=true_mask, causal=True, differentiable=True)[0]
-    base.backward(grad)
-    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
-    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
-                              (va.grad, vb.grad, v64.grad)):
-        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+    check_training_step(
+        out, grad, ours, q, k, v,
+        lambda q, k, v: naive_attention(q, k, v, score_mod=scaled, mask_mod=true_mask, causal=True,
+                                        differentiable=True),
+        lambda q, k, v: naive_attention(q, k, v, score_mod=scaled64, mask_mod=true_mask, causal=True,
+                                        differentiable=True))
