@@ -235,3 +235,18 @@ def check_training_step(out, grad, ours, q, k, v, attend, attend64=None):
     for mine, eager, want in zip(ours, (qb, kb, vb), (q64, k64, v64)):
         assert rel(mine.grad, want.grad) <= 2 * rel(eager.grad, want.grad) + 1e-3
     return ref
+
+
+def capture_graph(fn):
+    """fn's outputs and the CUDA graph that recomputes them (warmed up first, outside the capture, on
+    a side stream as torch.cuda.graph expects)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

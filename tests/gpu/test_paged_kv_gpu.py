@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_fa4
-from gpu_harness import SM90_ONLY, poison_forward
+from gpu_harness import SM90_ONLY, capture_graph, poison_forward
 from naive import naive_attention, naive_varlen, rel_error
 
 pytestmark = SM90_ONLY
@@ -301,15 +301,7 @@ def test_cuda_graph_replays_follow_the_table(launches, page_size):
         return k, v
 
     refill([5, 0, 40])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for used in ([page_size * 3 + 1, 7, 1], [page_size * max_pages, 0, page_size * 2]):
         k, v = refill(used)
         out.fill_(float("nan"))
