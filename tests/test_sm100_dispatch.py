@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 
+from _self_check_state import forget_verdicts
 import torch_fa4
 from torch_fa4 import mods as M
 from torch_fa4 import reference, self_check
@@ -31,11 +32,7 @@ BLACKWELL = (10, 0)
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(self_check.ENV, raising=False)
-    monkeypatch.setattr(self_check, "_verdicts", {})
-    monkeypatch.setattr(self_check, "_warned", set())
-    monkeypatch.setattr(self_check, "checks_run", 0)
+    forget_verdicts(monkeypatch, tmp_path)
 
 
 @pytest.fixture
