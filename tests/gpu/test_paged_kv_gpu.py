@@ -109,18 +109,24 @@ def ran_paged(launches):
     assert launches["launches"] and all(paged and box > 0 for paged, box, _ in launches["launches"])
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode(launches, page_size, group):
-    """One query row per sequence (packed GQA where Hq > Hkv), empty, short, ragged and full caches."""
-    hkv, d = 2, 128
-    used = [0, 700, 1, 2 * 256, 333]
+def decode_step(used, page_size, hkv, group, d):
+    """One causal query row per sequence (`group` query heads per KV head) over a fresh paged cache
+    holding used[b] keys of sequence b, through the public API, against float64."""
     k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d)
     q = torch.randn(len(used), 1, hkv * group, d, device="cuda", dtype=DT)
     seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
     out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, causal=True,
                                    return_lse=True)
     check(out, lse, q, k, v, used, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode(launches, page_size, group):
+    """One query row per sequence (packed GQA where Hq > Hkv), empty, short, ragged and full caches."""
+    hkv, d = 2, 128
+    used = [0, 700, 1, 2 * 256, 333]
+    decode_step(used, page_size, hkv, group, d)
     if page_size == 1:
         assert launches["gathers"] == 1 and all(not paged for paged, _, _ in launches["launches"])
     else:
@@ -217,14 +223,8 @@ def test_head_dims(launches, d, page_size):
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_split_decode(launches, page_size):
     """Few long sequences: the keys split across SMs, each piece loading its own pages."""
-    used = [20000, 32768 - 5]
     hkv, group, d = 4, 8, 128
-    k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d)
-    q = torch.randn(len(used), 1, hkv * group, d, device="cuda", dtype=DT)
-    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, causal=True,
-                                   return_lse=True)
-    check(out, lse, q, k, v, used, causal=True)
+    decode_step([20000, 32768 - 5], page_size, hkv, group, d)
     ran_paged(launches)
     if group > 1:  # (one query head per KV head keeps the causal mask, whose calls are not split)
         assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
