@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from bwd_mod_cases import MOD_CASES, _alibi, _documents, slopes_and_documents
-from gpu_harness import SM100_ONLY
+from gpu_harness import SM100_ONLY, mod_call_fields
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
@@ -58,19 +58,7 @@ def _case(dtype=BF, b=2, sq=333, sk=333, hq=4, hkv=2, d=128, dv=None, causal=Fal
         if seqused:
             used = torch.randint(0, sk + 1, (b,), device=dev, dtype=torch.int32)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
-    mod_kw = {}
-    if score_mod is not None or mask_mod is not None:
-        from torch_fa4.mods.prepare import prepare
-        from torch_fa4.mods.registry import lookup
-
-        key, aux = prepare(score_mod, mask_mod)
-        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
-    if block_size is not None:
-        from torch_fa4.mods import create_block_mask
-
-        bm = create_block_mask(mask_mod, None, None, sq, sk, device=dev, BLOCK_SIZE=block_size)
-        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                      block_mask_kv=bm.BLOCK_SIZE[1])
+    mod_kw = mod_call_fields(score_mod, mask_mod, block_size, sq, sk)
     call = AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(d), causal=causal, window_left=left,
                          window_right=right, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          seqused_k=used, max_seqlen_q=sq if varlen else 0, max_seqlen_k=sk if varlen else 0,

@@ -14,7 +14,7 @@ import torch
 
 from _mod_cases import alibi_abs
 from bwd_mod_cases import MOD_CASES, _alibi, _documents, _tanh_bias_documents, slopes_and_documents
-from gpu_harness import ON_SM90, gpu_marks
+from gpu_harness import ON_SM90, gpu_marks, mod_call_fields
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
@@ -60,19 +60,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         do = rnd(b, sq, hq, dv).to(dtype)
         used = torch.randint(1, sk + 1, (b,), device=dev, dtype=torch.int32) if seqused else None
 
-    mod_kw = {}
-    if score_mod is not None or mask_mod is not None:
-        from torch_fa4.mods.prepare import prepare
-        from torch_fa4.mods.registry import lookup
-
-        key, aux = prepare(score_mod, mask_mod)
-        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
-    if block_size is not None:
-        from torch_fa4.mods import create_block_mask
-
-        bm = create_block_mask(mask_mod, None, bm_heads, sq, sk, device=dev, BLOCK_SIZE=block_size)
-        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                      block_mask_kv=bm.BLOCK_SIZE[1])
+    mod_kw = mod_call_fields(score_mod, mask_mod, block_size, sq, sk, bm_heads)
     call = AttentionCall(q=q, k=k, v=v, scale=scale, causal=causal, window_left=left,
                          window_right=right, softcap=softcap, **mod_kw,
                          cu_seqlens_q=cu_q if varlen else None, cu_seqlens_k=cu_k if varlen else None,
