@@ -15,6 +15,7 @@ import torch
 import torch_fa4
 from gpu_harness import (HAS_CUDA, ON_SM90 as cuda_sm90, check_training_step, gpu_marks, public_training_step,
                          record_kernel_picks)
+from _out_of_range_mods import out_of_range_mods
 from naive import naive_attention
 from torch_fa4.mods import ModIndexError
 
@@ -26,29 +27,15 @@ def picked(monkeypatch):
     return record_kernel_picks(monkeypatch)
 
 
-def _table_rows(device):
-    doc = torch.zeros(100, dtype=torch.int32, device=device)
-    tab = torch.randn(8, 50, device=device)
-    sl = torch.randn(4, device=device)
-
-    def doc_mask(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    def rel_bias(score, b, h, q_idx, kv_idx):
-        return score + tab[h, q_idx - kv_idx]
-
-    def head_bias(score, b, h, q_idx, kv_idx):
-        return score + sl[h]
-
-    return {
-        "doc_short": (None, doc_mask, False, "[0, 999], outside [-100, 99]"),
-        "rel_bias_narrow": (rel_bias, None, True, "[-999, 999], outside [-50, 49]"),
-        "heads_short": (head_bias, None, False, "[0, 7], outside [-4, 3]"),
-    }
+_OUT_OF_RANGE = {  # each row's index range and its tensor's, as the error message states them
+    "doc_short": "[0, 999], outside [-100, 99]",
+    "rel_bias_narrow": "[-999, 999], outside [-50, 49]",
+    "heads_short": "[0, 7], outside [-4, 3]",
+}
 
 
 def _message(device, row):
-    score_mod, mask_mod, causal, _ = _table_rows(device)[row]
+    score_mod, mask_mod, causal = out_of_range_mods(device)[row]
     q, k, v = (torch.randn(2, 1000, 8, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(ModIndexError) as info:
         torch_fa4.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, causal=causal)
@@ -60,7 +47,7 @@ def test_out_of_range_mods_raise_before_launch(picked, row):
     on_gpu = _message("cuda", row)
     torch.cuda.synchronize()  # nothing was launched that could have faulted
     assert picked == [], "a backend was picked after a failed index check"
-    assert _table_rows("cpu")[row][3] in on_gpu
+    assert _OUT_OF_RANGE[row] in on_gpu
     assert on_gpu == _message("cpu", row)
 
 
