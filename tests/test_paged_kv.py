@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torch_fa4
-from _cpu_launch import cpu_launch_error
+from _fwd_host_checks import cpu_launch_error
 from naive import naive_attention, naive_varlen, rel_error
 from torch_fa4.call import AttentionCall
 

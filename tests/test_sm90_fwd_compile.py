@@ -16,7 +16,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from _cpu_launch import cpu_launch_error  # noqa: E402
+from _fwd_host_checks import check_variant_reuse, cpu_launch_error  # noqa: E402
 from _mod_cases import alibi_abs  # noqa: E402
 from sass import (cuda_major, exps_after_pv_wait, issued_when_ready, key_loops, sass_of,  # noqa: E402
                   spills_between_matmuls, without_addresses)
@@ -609,19 +609,9 @@ def test_split_mask_loops_policy():
 
 
 def test_compile_cache_reuses_variants():
-    from torch_fa4.kernels import compile_cache
     from torch_fa4.kernels.sm90 import fwd_host
 
-    cfg = fwd_host.default_config(_call(128))
-    first = fwd_host.compile_fwd(cfg)
-    entries = compile_cache.stats()["entries"]
-    # a different call of the same variant (other shapes) maps to the same key and kernel
-    cfg2 = fwd_host.default_config(AttentionCall(
-        q=torch.empty(3, 100, 8, 128, dtype=torch.bfloat16), k=torch.empty(3, 7, 2, 128, dtype=torch.bfloat16),
-        v=torch.empty(3, 7, 2, 128, dtype=torch.bfloat16), scale=0.3))
-    assert cfg2 == cfg
-    assert fwd_host.compile_fwd(cfg2) is first
-    assert compile_cache.stats()["entries"] == entries
+    check_variant_reuse(fwd_host, _call(128), 128)
 
 
 def test_mods_are_part_of_the_variant():
