@@ -357,13 +357,20 @@ def test_low_precision_captured_tensor_gets_its_dtype():
     assert got.dtype == torch.bfloat16 and rel_error(got, want) < 1e-2
 
 
-def test_opcheck_bwd_captured():
+def _op_forward_with_a_captured_table():
+    """q, k, v (1, 7, 2, 8) in float64, the fwd op's out and lse under a relative-position table
+    score_mod (causal, a window), and the op's arguments after q, k, v."""
     B, S, H, D = 1, 7, 2, 8
     q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
     table = torch.randn(H, 5, dtype=torch.float64)
     mods, aux = trace_graphs(relative_table_pair(table, 2)[0], None)
     rest = (aux, None, None, None, [], S, S, 0.3, True, -1, 0, 0.0, mods.key, 128, 128, False)
     out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+    return q, k, v, out, lse, rest
+
+
+def test_opcheck_bwd_captured():
+    q, k, v, out, lse, rest = _op_forward_with_a_captured_table()
     torch.library.opcheck(torch.ops.torch_fa4.bwd_captured.default,
                           (torch.randn_like(out), q, k, v, out, lse, *rest, [0]))
 
@@ -531,12 +538,8 @@ def test_module_parameters_train_eager_and_compiled():
 
 
 def test_opcheck_bwd_and_captured():
-    B, S, H, D = 1, 7, 2, 8
-    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
-    table = torch.randn(H, 5, dtype=torch.float64)
-    mods, aux = trace_graphs(relative_table_pair(table, 2)[0], None)
-    rest = (aux, None, None, None, [], S, S, 0.3, True, -1, 0, 0.0, mods.key, 128, 128, False)
-    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+    q, k, v, out, lse, rest = _op_forward_with_a_captured_table()
+    (table,) = rest[0]  # the captured table, as the op takes it
     dout = torch.randn_like(out)
     # (only test_autograd_registration: the other checks run the op's body under modes in which the
     # reference backward of a score_mod cannot run (its torch.func vjp meets the modes' wrapper
