@@ -42,3 +42,13 @@ def check_variant_reuse(fwd_host, call, D):
     assert cfg2 == cfg
     assert fwd_host.compile_fwd(cfg2) is first
     assert compile_cache.stats()["entries"] == entries
+
+
+def mod_variant_config(fwd_host, call):
+    """fwd_host's config for a call with mods, which it must take: the config carries the call's mod
+    key, one spec per captured tensor, and block sparsity exactly when the call has a block mask."""
+    assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
+    cfg = fwd_host.default_config(call)
+    assert cfg.mod_key == call.mod_key and len(cfg.aux_specs) == len(call.aux_tensors)
+    assert cfg.block_sparse == bool(call.block_mask)
+    return cfg

@@ -16,7 +16,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from _fwd_host_checks import check_variant_reuse, cpu_launch_error  # noqa: E402
+from _fwd_host_checks import check_variant_reuse, cpu_launch_error, mod_variant_config  # noqa: E402
 from _mod_cases import alibi_abs  # noqa: E402
 from sass import (cuda_major, exps_after_pv_wait, issued_when_ready, key_loops, sass_of,  # noqa: E402
                   spills_between_matmuls, without_addresses)
@@ -184,11 +184,7 @@ def test_variant_compiles_to_hgmma(name, tmp_path):
 def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     from torch_fa4.kernels.sm90 import fwd_host
 
-    call = MOD_VARIANTS[name]()
-    assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
-    cfg = fwd_host.default_config(call)
-    assert cfg.mod_key == call.mod_key and len(cfg.aux_specs) == len(call.aux_tensors)
-    assert cfg.block_sparse == bool(call.block_mask)
+    cfg = mod_variant_config(fwd_host, MOD_VARIANTS[name]())
     if name.endswith("_varlen"):
         cfg = replace(cfg, varlen_q=True, varlen_k=True)
     sass = _compile_and_check_sass(cfg, tmp_path)
