@@ -142,19 +142,26 @@ def _stand_in(monkeypatch, module, launches):
     monkeypatch.setattr(module, "forward", forward)
 
 
+def _faked_gpu(monkeypatch, tmp_path, cap):
+    """Calls on CPU tensors dispatch as on a GPU of compute capability `cap`, the portable forward
+    built for its architecture; no self-check verdicts yet (they go to tmp_path)."""
+    from torch_fa4 import dispatch
+
+    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(self_check, "_verdicts", {})
+    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
+    monkeypatch.setattr(dispatch, "capability", lambda device: cap)
+    monkeypatch.setattr(fwd_host, "device_arch", lambda device: tiles.arch_of(cap))
+
+
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (12, 0)])
 def test_dispatch_routes_ampere_ada_and_consumer_blackwell_to_portable(monkeypatch, tmp_path, cap):
     """Unverified capabilities: the portable variant is self-checked first, then runs the call."""
     import torch_fa4
-    from torch_fa4 import dispatch
     from torch_fa4.kernels import portable
 
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(self_check, "_verdicts", {})
+    _faked_gpu(monkeypatch, tmp_path, cap)
     monkeypatch.setattr(self_check, "checks_run", 0)
-    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
-    monkeypatch.setattr(dispatch, "capability", lambda device: cap)
-    monkeypatch.setattr(fwd_host, "device_arch", lambda device: tiles.arch_of(cap))
     launches = []
     _stand_in(monkeypatch, portable, launches)
     q, k, v = (torch.randn(2, 300, 4, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -194,12 +201,8 @@ def test_blackwell_calls_the_sm100_forward_refuses_run_portable(monkeypatch, tmp
     from torch_fa4 import dispatch
     from torch_fa4.kernels import portable, sm100
 
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(self_check, "_verdicts", {})
+    _faked_gpu(monkeypatch, tmp_path, (10, 0))
     monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
-    monkeypatch.setattr(dispatch, "capability", lambda device: (10, 0))
-    monkeypatch.setattr(fwd_host, "device_arch", lambda device: "sm_100a")
     launches = []
     _stand_in(monkeypatch, portable, launches)
     monkeypatch.setattr(sm100, "unsupported_reason", lambda call: "a feature it lacks")
@@ -213,15 +216,10 @@ def test_blackwell_sm100_failing_its_check_runs_portable(monkeypatch, tmp_path):
     """On 10.0 an sm100 variant that fails its first-use self-check hands the call to the portable
     forward (checked in turn), not to the reference."""
     import torch_fa4
-    from torch_fa4 import dispatch
     from torch_fa4.kernels import portable, sm100
 
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(self_check, "_verdicts", {})
+    _faked_gpu(monkeypatch, tmp_path, (10, 0))
     monkeypatch.setattr(self_check, "_warned", set())
-    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
-    monkeypatch.setattr(dispatch, "capability", lambda device: (10, 0))
-    monkeypatch.setattr(fwd_host, "device_arch", lambda device: "sm_100a")
     wrong = []
 
     def wrong_forward(call, out, lse):
