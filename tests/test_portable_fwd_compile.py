@@ -14,6 +14,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from _mod_call_fields import mod_call_fields  # noqa: E402
 from sass import sass_of, spills  # noqa: E402
 from torch_fa4 import reference, self_check  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
@@ -35,18 +36,9 @@ def _call(D, dtype=torch.bfloat16, Hkv=2, varlen=False, seqused=False, **kw):
 
 
 def _mod_call(D, score_mod=None, mask_mod=None, block_size=None, S=256, H=4, **kw):
-    from torch_fa4 import mods as M
-    from torch_fa4.mods import registry
-
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
-    key, aux = M.prepare(score_mod, mask_mod)
-    extra = {}
-    if block_size is not None:
-        bm = M.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=block_size)
-        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                     block_mask_kv=bm.BLOCK_SIZE[1])
-    return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, mod_key=key, mods=registry.lookup(key),
-                         aux_tensors=tuple(aux), **extra, **kw)
+    return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5,
+                         **mod_call_fields(score_mod, mask_mod, block_size, S, S, device="cpu"), **kw)
 
 
 def _alibi(H=4):

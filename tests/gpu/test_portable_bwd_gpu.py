@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from gpu_harness import mod_call_fields
+from _mod_call_fields import mod_call_fields
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 

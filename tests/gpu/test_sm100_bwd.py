@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from bwd_mod_cases import MOD_CASES, _alibi, _documents, slopes_and_documents
-from gpu_harness import SM100_ONLY, mod_call_fields
+from _mod_call_fields import mod_call_fields
+from gpu_harness import SM100_ONLY
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 

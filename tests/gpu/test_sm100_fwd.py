@@ -12,6 +12,7 @@ causal, window, softcap, GQA, varlen, seqused_k, score_mod, mask_mod, block mask
 import pytest
 import torch
 
+from _mod_call_fields import mod_call_fields
 from gpu_harness import SM100_ONLY, check_against_float64, launch_poisoned
 from torch_fa4 import mods as M
 from torch_fa4.call import AttentionCall
@@ -39,17 +40,9 @@ def _call(B=2, Sq=777, Sk=777, H=4, Hkv=2, D=128, dtype=torch.bfloat16, **kw):
 
 
 def _mod_call(score_mod=None, mask_mod=None, block=None, B=2, S=640, H=4, Hkv=2, D=128, **kw):
-    from torch_fa4.mods import registry
-
     q, k, v = _inputs(B, S, S, H, Hkv, D, torch.bfloat16)
-    key, aux = M.prepare(score_mod, mask_mod)
-    extra = {}
-    if block is not None:
-        bm = M.create_block_mask(mask_mod, None, None, S, S, device="cuda", BLOCK_SIZE=block)
-        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                     block_mask_kv=bm.BLOCK_SIZE[1])
-    return AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, mod_key=key, mods=registry.lookup(key),
-                         aux_tensors=tuple(aux), **extra, **kw)
+    return AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, **mod_call_fields(score_mod, mask_mod, block, S, S),
+                         **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])

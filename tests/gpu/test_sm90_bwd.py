@@ -14,7 +14,8 @@ import torch
 
 from _mod_cases import alibi_abs
 from bwd_mod_cases import MOD_CASES, _alibi, _documents, _tanh_bias_documents, slopes_and_documents
-from gpu_harness import ON_SM90, gpu_marks, mod_call_fields
+from _mod_call_fields import mod_call_fields
+from gpu_harness import ON_SM90, gpu_marks
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
