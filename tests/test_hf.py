@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _greedy_decoding import assert_same_greedy_decoding  # noqa: E402
 from torch_fa4.integrations import transformers as hf  # noqa: E402
 from torch_fa4.integrations.transformers_mask import unserved_mask_feature  # noqa: E402
 
@@ -133,18 +134,9 @@ def test_generate_matches_eager(name):
 
 
 def _assert_same_greedy_decoding(ours, eager, tol=1e-4):
-    """Step by step, the scores agree to `tol`; the tokens agree unless eager's own top two were
-    within `tol` (a near-tie that rounding may break either way), after which the inputs differ and
-    nothing further is compared."""
-    start = eager.sequences.shape[1] - len(eager.scores)
-    for step, (a, b) in enumerate(zip(ours.scores, eager.scores)):
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-        got, want = ours.sequences[:, start + step], eager.sequences[:, start + step]
-        if not torch.equal(got, want):
-            rows = (got != want).nonzero().flatten()
-            gap = b[rows, want[rows]] - b[rows, got[rows]]
-            assert (gap <= tol).all(), f"step {step}: fa4 chose a token eager scored {gap.max():.2e} lower"
-            return
+    """The two runs decode alike (scores to `tol`, tokens up to a near-tie): see
+    tests/_greedy_decoding.py."""
+    assert_same_greedy_decoding(ours.scores, eager.scores, ours.sequences, eager.sequences, tol, "eager")
 
 
 def test_generate_with_static_cache_matches_eager():

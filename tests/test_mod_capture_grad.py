@@ -52,6 +52,14 @@ def alibi_pair(slopes):
     return mod, mod  # the oracle gets index grids: the same code runs on them
 
 
+def _alibi_inputs(B, Sq, Sk, H, D):
+    """Leaf float64 q (B, Sq, H, D), k, v (B, Sk, H, D), learnable ALiBi slopes (H,) and their mod."""
+    q, k, v = _leaf(B, Sq, H, D), _leaf(B, Sk, H, D), _leaf(B, Sk, H, D)
+    slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
+    mod, _ = alibi_pair(slopes)
+    return q, k, v, slopes, mod
+
+
 def relative_table_pair(table, radius):
     def mod(score, b, h, q_idx, kv_idx):
         return score + table[h, torch.clamp(q_idx - kv_idx, -radius, radius) + radius]
@@ -69,11 +77,9 @@ def per_batch_head_pair(bias):
 @pytest.mark.parametrize("causal", [False, True])
 def test_learnable_alibi_slopes(causal):
     B, S, H, D = 2, 37, 4, 16
-    q, k, v = _leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D)
-    slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
-    mod, ref_mod = alibi_pair(slopes)
+    q, k, v, slopes, mod = _alibi_inputs(B, S, S, H, D)
     out = torch_fa4.attention(q, k, v, score_mod=mod, causal=causal)
-    want, _ = naive_attention(q, k, v, score_mod=ref_mod, causal=causal, differentiable=True)
+    want, _ = naive_attention(q, k, v, score_mod=mod, causal=causal, differentiable=True)
     _grads_match(out, want, (q, k, v, slopes))
 
 
@@ -159,9 +165,7 @@ def test_varlen_and_seqused(layout):
 def test_degenerate_shapes_and_fully_masked_rows():
     """One query row, one key, one head; rows that see no key (causal with Sq > Sk) add nothing."""
     for B, Sq, Sk, H in ((1, 1, 1, 1), (2, 1, 9, 1), (1, 7, 3, 2)):
-        q, k, v = _leaf(B, Sq, H, 8), _leaf(B, Sk, H, 8), _leaf(B, Sk, H, 8)
-        slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
-        mod, _ = alibi_pair(slopes)
+        q, k, v, slopes, mod = _alibi_inputs(B, Sq, Sk, H, 8)
         out = torch_fa4.attention(q, k, v, score_mod=mod, causal=True)
         want, _ = naive_attention(q, k, v, score_mod=mod, causal=True, differentiable=True)
         _grads_match(out, want, (q, k, v, slopes))
@@ -257,9 +261,7 @@ def test_no_grad_captures_keep_the_direct_route_and_the_op_is_not_asked(monkeypa
 
 def test_only_captured_tensors_require_grad_skips_dq_dk_dv(monkeypatch):
     B, S, H, D = 1, 11, 2, 8
-    q, k, v = _leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D)
-    slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
-    mod, _ = alibi_pair(slopes)
+    q, k, v, slopes, mod = _alibi_inputs(B, S, S, H, D)
     want_out, _ = naive_attention(q, k, v, score_mod=mod, differentiable=True)
     want = torch.autograd.grad(want_out.sum(), (slopes,))[0]
     for run in (lambda: torch_fa4.attention(q.detach(), k.detach(), v.detach(), score_mod=mod),
@@ -355,13 +357,20 @@ def test_low_precision_captured_tensor_gets_its_dtype():
     assert got.dtype == torch.bfloat16 and rel_error(got, want) < 1e-2
 
 
-def test_opcheck_bwd_captured():
+def _op_forward_with_a_captured_table():
+    """q, k, v (1, 7, 2, 8) in float64, the fwd op's out and lse under a relative-position table
+    score_mod (causal, a window), and the op's arguments after q, k, v."""
     B, S, H, D = 1, 7, 2, 8
     q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
     table = torch.randn(H, 5, dtype=torch.float64)
     mods, aux = trace_graphs(relative_table_pair(table, 2)[0], None)
     rest = (aux, None, None, None, [], S, S, 0.3, True, -1, 0, 0.0, mods.key, 128, 128, False)
     out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+    return q, k, v, out, lse, rest
+
+
+def test_opcheck_bwd_captured():
+    q, k, v, out, lse, rest = _op_forward_with_a_captured_table()
     torch.library.opcheck(torch.ops.torch_fa4.bwd_captured.default,
                           (torch.randn_like(out), q, k, v, out, lse, *rest, [0]))
 
@@ -485,9 +494,7 @@ def test_captured_tensor_changed_in_place_before_backward_is_an_error():
     """The gradient needs the values the forward read: a captured tensor updated in place between the
     forward and the backward raises autograd's error (both autograds), never a gradient of other values."""
     B, S, H, D = 1, 8, 2, 8
-    q, k, v = _leaf(B, S, H, D), _leaf(B, S, H, D), _leaf(B, S, H, D)
-    slopes = torch.rand(H, dtype=torch.float64).requires_grad_()
-    mod, _ = alibi_pair(slopes)
+    q, k, v, slopes, mod = _alibi_inputs(B, S, S, H, D)
     mods, aux = trace_graphs(mod, None)
     eager = torch_fa4.attention(q, k, v, score_mod=mod)
     op_out, _ = torch.ops.torch_fa4.fwd(q, k, v, aux, None, None, None, [], S, S, 0.25, False, -1, -1, 0.0,
@@ -531,12 +538,8 @@ def test_module_parameters_train_eager_and_compiled():
 
 
 def test_opcheck_bwd_and_captured():
-    B, S, H, D = 1, 7, 2, 8
-    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
-    table = torch.randn(H, 5, dtype=torch.float64)
-    mods, aux = trace_graphs(relative_table_pair(table, 2)[0], None)
-    rest = (aux, None, None, None, [], S, S, 0.3, True, -1, 0, 0.0, mods.key, 128, 128, False)
-    out, lse = torch.ops.torch_fa4.fwd(q, k, v, *rest)
+    q, k, v, out, lse, rest = _op_forward_with_a_captured_table()
+    (table,) = rest[0]  # the captured table, as the op takes it
     dout = torch.randn_like(out)
     # (only test_autograd_registration: the other checks run the op's body under modes in which the
     # reference backward of a score_mod cannot run (its torch.func vjp meets the modes' wrapper

@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 
+from _out_of_range_mods import out_of_range_mods
 from naive import naive_attention
 
 import torch_fa4
@@ -50,33 +51,21 @@ def stub_kernel(monkeypatch):
 B, S, H, D = 2, 1000, 8, 64
 
 
+# The error message's parts for each of out_of_range_mods. Names: other mods with the same graph (a
+# library document_mask, ...) may be listed beside them (test_error_names_...).
+_MESSAGE_PARTS = {
+    "doc_short": ["mask_mod ", "'doc_mask'", "captured tensor #0 ", "'doc'", "shape (100,)", "dimension 0",
+                  "[0, 999]", "outside [-100, 99]"],
+    "rel_bias_narrow": ["score_mod ", "'rel_bias'", "captured tensor #0 ", "'tab'", "shape (8, 50)",
+                        "dimension 1", "[-999, 999]", "outside [-50, 49]"],
+    "heads_short": ["score_mod ", "'head_bias'", "captured tensor #0 ", "'sl'", "shape (4,)", "dimension 0",
+                    "[0, 7]", "outside [-4, 3]"],
+}
+
+
 def _table_rows():
-    doc = torch.zeros(100, dtype=torch.int32)
-    tab = torch.randn(8, 50)
-    sl = torch.randn(4)
-
-    def doc_mask(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    def rel_bias(score, b, h, q_idx, kv_idx):
-        return score + tab[h, q_idx - kv_idx]
-
-    def head_bias(score, b, h, q_idx, kv_idx):
-        return score + sl[h]
-
-    # name -> (score_mod, mask_mod, causal, the message's parts). Names: other mods with the same
-    # graph (a library document_mask, ...) may be listed beside them (test_error_names_...).
-    return {
-        "doc_short": (None, doc_mask, False,
-                      ["mask_mod ", "'doc_mask'", "captured tensor #0 ", "'doc'", "shape (100,)", "dimension 0",
-                       "[0, 999]", "outside [-100, 99]"]),
-        "rel_bias_narrow": (rel_bias, None, True,
-                            ["score_mod ", "'rel_bias'", "captured tensor #0 ", "'tab'", "shape (8, 50)",
-                             "dimension 1", "[-999, 999]", "outside [-50, 49]"]),
-        "heads_short": (head_bias, None, False,
-                        ["score_mod ", "'head_bias'", "captured tensor #0 ", "'sl'", "shape (4,)", "dimension 0",
-                         "[0, 7]", "outside [-4, 3]"]),
-    }
+    """name -> (score_mod, mask_mod, causal, the message's parts)."""
+    return {name: (*mods, _MESSAGE_PARTS[name]) for name, mods in out_of_range_mods().items()}
 
 
 def _qkv(b=B, s=S, h=H, d=D, dtype=torch.bfloat16):

@@ -14,6 +14,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from _mod_call_fields import mod_call_fields  # noqa: E402
 from sass import sass_of, spills  # noqa: E402
 from torch_fa4 import reference, self_check  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
@@ -35,18 +36,9 @@ def _call(D, dtype=torch.bfloat16, Hkv=2, varlen=False, seqused=False, **kw):
 
 
 def _mod_call(D, score_mod=None, mask_mod=None, block_size=None, S=256, H=4, **kw):
-    from torch_fa4 import mods as M
-    from torch_fa4.mods import registry
-
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
-    key, aux = M.prepare(score_mod, mask_mod)
-    extra = {}
-    if block_size is not None:
-        bm = M.create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=block_size)
-        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                     block_mask_kv=bm.BLOCK_SIZE[1])
-    return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5, mod_key=key, mods=registry.lookup(key),
-                         aux_tensors=tuple(aux), **extra, **kw)
+    return AttentionCall(q=q, k=q, v=q, scale=D ** -0.5,
+                         **mod_call_fields(score_mod, mask_mod, block_size, S, S, device="cpu"), **kw)
 
 
 def _alibi(H=4):
@@ -142,19 +134,26 @@ def _stand_in(monkeypatch, module, launches):
     monkeypatch.setattr(module, "forward", forward)
 
 
+def _faked_gpu(monkeypatch, tmp_path, cap):
+    """Calls on CPU tensors dispatch as on a GPU of compute capability `cap`, the portable forward
+    built for its architecture; no self-check verdicts yet (they go to tmp_path)."""
+    from torch_fa4 import dispatch
+
+    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(self_check, "_verdicts", {})
+    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
+    monkeypatch.setattr(dispatch, "capability", lambda device: cap)
+    monkeypatch.setattr(fwd_host, "device_arch", lambda device: tiles.arch_of(cap))
+
+
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (12, 0)])
 def test_dispatch_routes_ampere_ada_and_consumer_blackwell_to_portable(monkeypatch, tmp_path, cap):
     """Unverified capabilities: the portable variant is self-checked first, then runs the call."""
     import torch_fa4
-    from torch_fa4 import dispatch
     from torch_fa4.kernels import portable
 
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(self_check, "_verdicts", {})
+    _faked_gpu(monkeypatch, tmp_path, cap)
     monkeypatch.setattr(self_check, "checks_run", 0)
-    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
-    monkeypatch.setattr(dispatch, "capability", lambda device: cap)
-    monkeypatch.setattr(fwd_host, "device_arch", lambda device: tiles.arch_of(cap))
     launches = []
     _stand_in(monkeypatch, portable, launches)
     q, k, v = (torch.randn(2, 300, 4, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -194,12 +193,8 @@ def test_blackwell_calls_the_sm100_forward_refuses_run_portable(monkeypatch, tmp
     from torch_fa4 import dispatch
     from torch_fa4.kernels import portable, sm100
 
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(self_check, "_verdicts", {})
+    _faked_gpu(monkeypatch, tmp_path, (10, 0))
     monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
-    monkeypatch.setattr(dispatch, "capability", lambda device: (10, 0))
-    monkeypatch.setattr(fwd_host, "device_arch", lambda device: "sm_100a")
     launches = []
     _stand_in(monkeypatch, portable, launches)
     monkeypatch.setattr(sm100, "unsupported_reason", lambda call: "a feature it lacks")
@@ -213,15 +208,10 @@ def test_blackwell_sm100_failing_its_check_runs_portable(monkeypatch, tmp_path):
     """On 10.0 an sm100 variant that fails its first-use self-check hands the call to the portable
     forward (checked in turn), not to the reference."""
     import torch_fa4
-    from torch_fa4 import dispatch
     from torch_fa4.kernels import portable, sm100
 
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(self_check, "_verdicts", {})
+    _faked_gpu(monkeypatch, tmp_path, (10, 0))
     monkeypatch.setattr(self_check, "_warned", set())
-    monkeypatch.setattr(dispatch, "on_gpu", lambda call: True)
-    monkeypatch.setattr(dispatch, "capability", lambda device: (10, 0))
-    monkeypatch.setattr(fwd_host, "device_arch", lambda device: "sm_100a")
     wrong = []
 
     def wrong_forward(call, out, lse):

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from _self_check_state import forget_verdicts
 from torch_fa4 import reference, self_check
 from torch_fa4.call import AttentionCall
 
@@ -62,11 +63,7 @@ class StandIn:
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(self_check.ENV, raising=False)
-    monkeypatch.setattr(self_check, "_verdicts", {})
-    monkeypatch.setattr(self_check, "_warned", set())
-    monkeypatch.setattr(self_check, "checks_run", 0)
+    forget_verdicts(monkeypatch, tmp_path)
 
 
 def _call(B=3, S=1000, H=4, Hkv=2, D=64, dtype=torch.bfloat16, **kw):

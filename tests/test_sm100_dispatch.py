@@ -24,6 +24,7 @@ import warnings
 import pytest
 import torch
 
+from _self_check_state import forget_verdicts
 import torch_fa4
 from torch_fa4 import mods as M
 from torch_fa4 import reference, self_check
@@ -33,11 +34,7 @@ BLACKWELL = (10, 0)
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(self_check.ENV, raising=False)
-    monkeypatch.setattr(self_check, "_verdicts", {})
-    monkeypatch.setattr(self_check, "_warned", set())
-    monkeypatch.setattr(self_check, "checks_run", 0)
+    forget_verdicts(monkeypatch, tmp_path)
 
 
 @pytest.fixture
@@ -164,6 +161,20 @@ def _packed(D, lengths=(200, 700)):
                            max_seqlen_k=max(lengths))
 
 
+def _attend_quietly(D, S, features):
+    """out and the float64 reference of a public call with `features` on fresh inputs of head dim D
+    and length S (None: packed sequences); any warning is an error."""
+    if S is None:
+        (q, k, v), packed = _packed(D)
+        features = dict(features, **packed)
+    else:
+        q, k, v = _qkv(D=D, S=S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch_fa4.attention(q, k, v, **features)
+    return out, torch_fa4.attention(q.double(), k.double(), v.double(), **features)
+
+
 @pytest.mark.parametrize("D, S, features, q_tiles", [
     (256, 300, dict(), 1),
     (256, 300, dict(causal=True, softcap=20.0), 1),
@@ -173,15 +184,7 @@ def _packed(D, lengths=(200, 700)):
     (128, 600, dict(softcap=30.0), 2),
 ])
 def test_what_the_pair_forward_takes_reaches_it(launches, D, S, features, q_tiles):
-    if S is None:
-        (q, k, v), packed = _packed(D)
-        features = dict(features, **packed)
-    else:
-        q, k, v = _qkv(D=D, S=S)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing falls back
-        out = torch_fa4.attention(q, k, v, **features)
-    ref = torch_fa4.attention(q.double(), k.double(), v.double(), **features)
+    out, ref = _attend_quietly(D, S, features)  # nothing falls back
     _check_route(launches, out, ref, two_cta=True, head_dim=D, q_tiles=q_tiles,
                  kv_stages={128: 8, 256: 4}[D], varlen_q=S is None)
 
@@ -197,15 +200,7 @@ def test_what_the_pair_forward_takes_reaches_it(launches, D, S, features, q_tile
     (256, 300, dict(score_mod=M.alibi(M.alibi_slopes(4)))),
 ])
 def test_what_the_pair_forward_refuses_reaches_the_one_cta_forward_quietly(launches, D, S, features):
-    if S is None:
-        (q, k, v), packed = _packed(D)
-        features = dict(features, **packed)
-    else:
-        q, k, v = _qkv(D=D, S=S)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a pair's refusal is no fallback worth a warning
-        out = torch_fa4.attention(q, k, v, **features)
-    ref = torch_fa4.attention(q.double(), k.double(), v.double(), **features)
+    out, ref = _attend_quietly(D, S, features)  # a pair's refusal is no fallback worth a warning
     _check_route(launches, out, ref, two_cta=False, head_dim=D)
 
 

@@ -19,6 +19,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from _fwd_host_checks import check_variant_reuse, mod_variant_config  # noqa: E402
 from sass import sass_of  # noqa: E402
 from test_sm90_fwd_compile import _alibi, _doc_mask, _mod_call  # noqa: E402
 from torch_fa4.call import AttentionCall  # noqa: E402
@@ -111,11 +112,7 @@ def test_variant_compiles_to_umma(name, tmp_path):
 def test_mod_variant_compiles_to_umma(name, tmp_path):
     from torch_fa4.kernels.sm100 import fwd_host
 
-    call = MOD_VARIANTS[name]()
-    assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
-    cfg = fwd_host.default_config(call)
-    assert cfg.mod_key == call.mod_key and len(cfg.aux_specs) == len(call.aux_tensors)
-    assert cfg.block_sparse == bool(call.block_mask)
+    cfg = mod_variant_config(fwd_host, MOD_VARIANTS[name]())
     sass = _compile_and_check_sass(cfg, tmp_path)
     if cfg.aux_specs or cfg.block_sparse:
         # captured tensors (slopes, document ids) and block-mask indices are read with global loads
@@ -167,19 +164,9 @@ def test_unsupported_reason_accepts_only_compiled_variants():
 
 
 def test_compile_cache_reuses_variants():
-    from torch_fa4.kernels import compile_cache
     from torch_fa4.kernels.sm100 import fwd_host
 
-    cfg = fwd_host.default_config(_call(64))
-    first = fwd_host.compile_fwd(cfg)
-    entries = compile_cache.stats()["entries"]
-    # a different call of the same variant (other shapes, GQA) maps to the same key and kernel
-    cfg2 = fwd_host.default_config(AttentionCall(
-        q=torch.empty(3, 100, 8, 64, dtype=torch.bfloat16), k=torch.empty(3, 7, 2, 64, dtype=torch.bfloat16),
-        v=torch.empty(3, 7, 2, 64, dtype=torch.bfloat16), scale=0.3))
-    assert cfg2 == cfg
-    assert fwd_host.compile_fwd(cfg2) is first
-    assert compile_cache.stats()["entries"] == entries
+    check_variant_reuse(fwd_host, _call(64), 64)
 
 
 def test_a_variant_past_shared_memory_does_not_compile(tmp_path):

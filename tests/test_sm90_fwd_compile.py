@@ -16,6 +16,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
+from _fwd_host_checks import check_variant_reuse, cpu_launch_error, mod_variant_config  # noqa: E402
 from _mod_cases import alibi_abs  # noqa: E402
 from sass import (cuda_major, exps_after_pv_wait, issued_when_ready, key_loops, sass_of,  # noqa: E402
                   spills_between_matmuls, without_addresses)
@@ -183,11 +184,7 @@ def test_variant_compiles_to_hgmma(name, tmp_path):
 def test_mod_variant_compiles_to_hgmma(name, tmp_path):
     from torch_fa4.kernels.sm90 import fwd_host
 
-    call = MOD_VARIANTS[name]()
-    assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
-    cfg = fwd_host.default_config(call)
-    assert cfg.mod_key == call.mod_key and len(cfg.aux_specs) == len(call.aux_tensors)
-    assert cfg.block_sparse == bool(call.block_mask)
+    cfg = mod_variant_config(fwd_host, MOD_VARIANTS[name]())
     if name.endswith("_varlen"):
         cfg = replace(cfg, varlen_q=True, varlen_k=True)
     sass = _compile_and_check_sass(cfg, tmp_path)
@@ -608,19 +605,9 @@ def test_split_mask_loops_policy():
 
 
 def test_compile_cache_reuses_variants():
-    from torch_fa4.kernels import compile_cache
     from torch_fa4.kernels.sm90 import fwd_host
 
-    cfg = fwd_host.default_config(_call(128))
-    first = fwd_host.compile_fwd(cfg)
-    entries = compile_cache.stats()["entries"]
-    # a different call of the same variant (other shapes) maps to the same key and kernel
-    cfg2 = fwd_host.default_config(AttentionCall(
-        q=torch.empty(3, 100, 8, 128, dtype=torch.bfloat16), k=torch.empty(3, 7, 2, 128, dtype=torch.bfloat16),
-        v=torch.empty(3, 7, 2, 128, dtype=torch.bfloat16), scale=0.3))
-    assert cfg2 == cfg
-    assert fwd_host.compile_fwd(cfg2) is first
-    assert compile_cache.stats()["entries"] == entries
+    check_variant_reuse(fwd_host, _call(128), 128)
 
 
 def test_mods_are_part_of_the_variant():
@@ -696,18 +683,7 @@ def test_launch_arguments_match_the_compiled_signature():
 
     call = _mod_call(128, score_mod=_alibi(), mask_mod=M.and_masks(_doc_mask(), M.causal_mask), block_size=128)
     call.q = call.k = call.v = torch.randn(1, 256, 4, 128).bfloat16()
-    out = torch.empty(call.out_shape(), dtype=torch.bfloat16)
-    lse = torch.empty(call.lse_shape())
-    try:
-        fwd_host.forward(call, out, lse)
-    except ValueError as e:
-        text = str(e)
-    except Exception as e:  # noqa: BLE001
-        if "not initialized" in str(e):  # compiled for sm_90a on a host whose CUTE_DSL_ARCH differs
-            pytest.skip("kernel callable not initialised here; run with CUTE_DSL_ARCH=sm_90a")
-        raise
-    else:
-        pytest.fail("a kernel launch with CPU tensors did not raise")
+    text = cpu_launch_error(fwd_host, call)
     assert "device_type=cuda" in text, text
     assert "mBmNum: Tensor([n" in text and "mBmFullIdx: Tensor([n" in text  # the block mask is bound
     assert "aux0: Tensor([n" in text and "aux1: Tensor([n" in text and "aux2: None" in text
@@ -740,16 +716,7 @@ def test_split_tail_launch_arguments(monkeypatch):
     assert items == 6 and ws.shape == (6 * 2 * 3, 128 // 2 + 4, 128) and counters.shape == (12,)
     assert not counters.any()
     assert fwd_host.default_config(call, split_ways=0).split_ways == 0  # overrides win
-    try:
-        fwd_host.forward(call, torch.empty(call.out_shape(), dtype=torch.bfloat16), torch.empty(call.lse_shape()))
-    except ValueError as e:
-        text = str(e)
-    except Exception as e:  # noqa: BLE001
-        if "not initialized" in str(e):
-            pytest.skip("kernel callable not initialised here; run with CUTE_DSL_ARCH=sm_90a")
-        raise
-    else:
-        pytest.fail("a kernel launch with CPU tensors did not raise")
+    text = cpu_launch_error(fwd_host, call)
     assert "device_type=cuda" in text, text
     assert "mSplitWs: Tensor([n" in text and "mSplitCount: Tensor([n" in text
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_harness import dispatch_spy
 from torch_fa4 import sdpa
 
 served = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in sdpa.SUPPORTED_MAJORS
@@ -40,13 +41,7 @@ def _worker(rank, world, port, shape, results):
     dist.init_process_group("nccl")
     picked = []
     original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
-        picked.append((direction, None if module is None else module.__name__))
-        return module
-
-    dispatch.kernel_for = spy
+    dispatch.kernel_for = dispatch_spy(original, picked)
     try:
         with sdpa.enabled():
             errors, tensors, want = example.errors_vs_float32(init_device_mesh("cuda", (world,)), *shape)

@@ -7,15 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import torch_fa4
+from gpu_harness import SM90_ONLY, capture_graph as _capture
 from naive import naive_attention, rel_error
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 
 def _budget(q, k, v, **kw):
@@ -27,21 +22,6 @@ def _budget(q, k, v, **kw):
 def _refill(*tensors):
     for t in tensors:
         t.copy_(torch.randn_like(t))
-
-
-def _capture(fn):
-    """fn's outputs and the graph that recomputes them (warmed up first, outside the capture, on a
-    side stream as torch.cuda.graph expects)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @pytest.mark.parametrize("B, Sk, Hq, Hkv, D", [(8, 4096, 32, 8, 128), (2, 40000, 16, 2, 128), (3, 777, 8, 8, 64)])

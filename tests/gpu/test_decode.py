@@ -6,33 +6,18 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import SM90_ONLY, poison_forward
 from naive import naive_attention, rel_error
 from torch_fa4.kernels.sm90 import fwd_host
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
     """Every sm90 forward launch first fills out / lse with NaN (views of the caller's tensors:
     the packed rows write through them), and is counted."""
-    launches = []
-    real = fwd_host.forward
-
-    def forward(call, out, lse, **kw):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        launches.append(call)
-        real(call, out, lse, **kw)
-
-    monkeypatch.setattr(fwd_host, "forward", forward)
-    return launches
+    return poison_forward(monkeypatch, fwd_host, lambda call, overrides: call)
 
 
 @pytest.fixture

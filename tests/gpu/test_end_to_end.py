@@ -11,39 +11,16 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import (SM90_ONLY, check_training_step, leaves as _leaves, public_training_step,
+                         record_kernel_picks, rel as _rel)
 from naive import naive_attention
-from torch_fa4 import dispatch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 
 @pytest.fixture
 def picked(monkeypatch):
-    seen = []
-    original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
-        seen.append((direction, None if module is None else module.__name__))
-        return module
-
-    monkeypatch.setattr(dispatch, "kernel_for", spy)
-    return seen
-
-
-def _rel(x, ref):
-    assert not torch.isnan(x).any()
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def _leaves(*ts):
-    return [t.detach().clone().requires_grad_() for t in ts]
+    return record_kernel_picks(monkeypatch)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -55,26 +32,12 @@ def test_training_step_with_alibi_gqa_runs_on_kernels(picked, d):
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
-    qa, ka, va = _leaves(q, k, v)
-    with warnings.catch_warnings():
-        # A fallback to the reference warns: make exactly that fail here (CuTe DSL's own
-        # deprecation warnings are not ours to judge).
-        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
-        out = torch_fa4.attention(qa, ka, va, causal=True, score_mod=alibi)
-        grad = torch.randn_like(out)
-        out.backward(grad)
+    out, grad, ours = public_training_step(q, k, v, causal=True, score_mod=alibi)
     assert ("forward", "torch_fa4.kernels.sm90") in picked
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
-
-    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref, _ = naive_attention(q64, k64, v64, causal=True, score_mod=alibi, differentiable=True)
-    ref.backward(grad.double())
-    qb, kb, vb = _leaves(q, k, v)  # eager bf16 attention: the error budget
-    base, _ = naive_attention(qb, kb, vb, causal=True, score_mod=alibi, differentiable=True)
-    base.backward(grad)
-    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
-    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad), (va.grad, vb.grad, v64.grad)):
-        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+    check_training_step(out, grad, ours, q, k, v,
+                        lambda q, k, v: naive_attention(q, k, v, causal=True, score_mod=alibi,
+                                                        differentiable=True))
 
 
 def test_varlen_training_step_with_a_score_mod_runs_on_kernels(picked):
@@ -166,21 +129,8 @@ def test_negative_scale_with_large_logits(picked, causal):
     def reference(q, k, v):
         return naive_attention(q, k, v, causal=causal, scale=scale, differentiable=True)
 
-    qa, ka, va = _leaves(q, k, v)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
-        out, lse = torch_fa4.attention(qa, ka, va, causal=causal, scale=scale, return_lse=True)
-        grad = torch.randn_like(out)
-        out.backward(grad)
+    (out, lse), grad, ours = public_training_step(q, k, v, causal=causal, scale=scale, return_lse=True)
     assert ("forward", "torch_fa4.kernels.sm90") in picked
-    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref, ref_lse = reference(q64, k64, v64)
-    ref.backward(grad.double())
-    qb, kb, vb = _leaves(q, k, v)
-    base, _ = reference(qb, kb, vb)
-    base.backward(grad)
+    _, ref_lse = check_training_step(out, grad, ours, q, k, v, reference)
     assert torch.isfinite(lse).all()
     assert (lse.double() - ref_lse).abs().max().item() < 1e-2 * ref_lse.abs().max().item()
-    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
-    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad), (va.grad, vb.grad, v64.grad)):
-        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3

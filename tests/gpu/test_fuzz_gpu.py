@@ -20,11 +20,9 @@ import pytest
 import torch
 
 import fuzz_space as F
+from gpu_harness import HAS_CUDA, gpu_marks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = gpu_marks(HAS_CUDA, "needs a CUDA device")
 
 DEFAULT_CASES = 3000
 BUDGET_S = 300.0

@@ -9,7 +9,8 @@ import inspect
 import pytest
 import torch
 
-from torch_fa4 import dispatch, sdpa
+from gpu_harness import record_kernel_picks
+from torch_fa4 import sdpa
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,17 +27,11 @@ NEW_TOKENS = 12
 @pytest.fixture
 def kernels_used(monkeypatch):
     """(direction, query rows, kernel module name or None for the reference) per dispatch."""
-    picked = []
-    original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
+    def entry(call, direction, module):
         rows = call.q.shape[1] if call.q.dim() == 4 else call.q.shape[0]
-        picked.append((direction, rows, None if module is None else module.__name__))
-        return module
+        return direction, rows, None if module is None else module.__name__
 
-    monkeypatch.setattr(dispatch, "kernel_for", spy)
-    return picked
+    return record_kernel_picks(monkeypatch, entry)
 
 
 def _llama():

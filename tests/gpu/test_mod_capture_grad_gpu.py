@@ -11,15 +11,10 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import SM90_ONLY
 from naive import naive_attention, naive_varlen, rel_error
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 
 @pytest.fixture

@@ -9,15 +9,10 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import SM90_ONLY
 from naive import naive_attention, rel_error
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 MODS = {
     "causal": dict(mask_mod=lambda b, h, q, kv: q >= kv),

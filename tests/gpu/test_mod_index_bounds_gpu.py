@@ -8,61 +8,34 @@
 """
 
 import math
-import warnings
 
 import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import (HAS_CUDA, ON_SM90 as cuda_sm90, check_training_step, gpu_marks, public_training_step,
+                         record_kernel_picks)
+from _out_of_range_mods import out_of_range_mods
 from naive import naive_attention
-from torch_fa4 import dispatch
 from torch_fa4.mods import ModIndexError
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = gpu_marks(HAS_CUDA, "needs CUDA")
 
 
 @pytest.fixture
 def picked(monkeypatch):
-    seen = []
-    original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
-        seen.append((direction, None if module is None else module.__name__))
-        return module
-
-    monkeypatch.setattr(dispatch, "kernel_for", spy)
-    return seen
+    return record_kernel_picks(monkeypatch)
 
 
-def _table_rows(device):
-    doc = torch.zeros(100, dtype=torch.int32, device=device)
-    tab = torch.randn(8, 50, device=device)
-    sl = torch.randn(4, device=device)
-
-    def doc_mask(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    def rel_bias(score, b, h, q_idx, kv_idx):
-        return score + tab[h, q_idx - kv_idx]
-
-    def head_bias(score, b, h, q_idx, kv_idx):
-        return score + sl[h]
-
-    return {
-        "doc_short": (None, doc_mask, False, "[0, 999], outside [-100, 99]"),
-        "rel_bias_narrow": (rel_bias, None, True, "[-999, 999], outside [-50, 49]"),
-        "heads_short": (head_bias, None, False, "[0, 7], outside [-4, 3]"),
-    }
+_OUT_OF_RANGE = {  # each row's index range and its tensor's, as the error message states them
+    "doc_short": "[0, 999], outside [-100, 99]",
+    "rel_bias_narrow": "[-999, 999], outside [-50, 49]",
+    "heads_short": "[0, 7], outside [-4, 3]",
+}
 
 
 def _message(device, row):
-    score_mod, mask_mod, causal, _ = _table_rows(device)[row]
+    score_mod, mask_mod, causal = out_of_range_mods(device)[row]
     q, k, v = (torch.randn(2, 1000, 8, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(ModIndexError) as info:
         torch_fa4.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, causal=causal)
@@ -74,17 +47,8 @@ def test_out_of_range_mods_raise_before_launch(picked, row):
     on_gpu = _message("cuda", row)
     torch.cuda.synchronize()  # nothing was launched that could have faulted
     assert picked == [], "a backend was picked after a failed index check"
-    assert _table_rows("cpu")[row][3] in on_gpu
+    assert _OUT_OF_RANGE[row] in on_gpu
     assert on_gpu == _message("cpu", row)
-
-
-def _rel(x, ref):
-    assert not torch.isnan(x).any()
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def _leaves(*ts):
-    return [t.detach().clone().requires_grad_() for t in ts]
 
 
 @pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
@@ -102,28 +66,19 @@ def test_negative_indices_wrap_in_the_kernels(picked, causal):
         return band[kv_idx - q_idx]
 
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    qa, ka, va = _leaves(q, k, v)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
-        out = torch_fa4.attention(qa, ka, va, causal=causal, score_mod=rel_bias, mask_mod=banded)
-        grad = torch.randn_like(out)
-        out.backward(grad)
+    out, grad, ours = public_training_step(q, k, v, causal=causal, score_mod=rel_bias, mask_mod=banded)
     assert ("forward", "torch_fa4.kernels.sm90") in picked
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
 
     def rel_bias64(score, b, h, q_idx, kv_idx):
         return score + tab.double()[h, kv_idx - q_idx]
 
-    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = naive_attention(q64, k64, v64, score_mod=rel_bias64, mask_mod=banded, causal=causal, differentiable=True)[0]
-    ref.backward(grad.double())
-    qb, kb, vb = _leaves(q, k, v)  # the same in bf16 on the GPU: the error budget
-    base = naive_attention(qb, kb, vb, score_mod=rel_bias, mask_mod=banded, causal=causal, differentiable=True)[0]
-    base.backward(grad)
-    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
-    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
-                              (va.grad, vb.grad, v64.grad)):
-        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+    check_training_step(
+        out, grad, ours, q, k, v,
+        lambda q, k, v: naive_attention(q, k, v, score_mod=rel_bias, mask_mod=banded, causal=causal,
+                                        differentiable=True),
+        lambda q, k, v: naive_attention(q, k, v, score_mod=rel_bias64, mask_mod=banded, causal=causal,
+                                        differentiable=True))
 
 
 @pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
@@ -141,25 +96,16 @@ def test_padded_tile_reads_stay_inside_tables(picked, d):
         return score * scl[q_idx] * scl[kv_idx]
 
     q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    qa, ka, va = _leaves(q, k, v)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4: .*falls back")
-        out = torch_fa4.attention(qa, ka, va, causal=True, score_mod=scaled)
-        grad = torch.randn_like(out)
-        out.backward(grad)
+    out, grad, ours = public_training_step(q, k, v, causal=True, score_mod=scaled)
     assert ("backward", "torch_fa4.kernels.sm90.bwd") in picked
 
     def scaled64(score, b, h, q_idx, kv_idx):
         return score * scl.double()[q_idx] * scl.double()[kv_idx]
 
     true_mask = lambda b, h, i, j: torch.ones((), dtype=torch.bool, device="cuda")  # noqa: E731
-    q64, k64, v64 = _leaves(*(t.double() for t in (q, k, v)))
-    ref = naive_attention(q64, k64, v64, score_mod=scaled64, mask_mod=true_mask, causal=True, differentiable=True)[0]
-    ref.backward(grad.double())
-    qb, kb, vb = _leaves(q, k, v)
-    base = naive_attention(qb, kb, vb, score_mod=scaled, mask_mod=true_mask, causal=True, differentiable=True)[0]
-    base.backward(grad)
-    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-3
-    for ours, eager, want in ((qa.grad, qb.grad, q64.grad), (ka.grad, kb.grad, k64.grad),
-                              (va.grad, vb.grad, v64.grad)):
-        assert _rel(ours, want) <= 2 * _rel(eager, want) + 1e-3
+    check_training_step(
+        out, grad, ours, q, k, v,
+        lambda q, k, v: naive_attention(q, k, v, score_mod=scaled, mask_mod=true_mask, causal=True,
+                                        differentiable=True),
+        lambda q, k, v: naive_attention(q, k, v, score_mod=scaled64, mask_mod=true_mask, causal=True,
+                                        differentiable=True))

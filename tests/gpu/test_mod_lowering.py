@@ -9,23 +9,20 @@
 
 import os
 import sys
-import warnings
 
 import pytest
 import torch
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from _mod_cases import cases  # noqa: E402
 from _mod_probes import PROBE_SCALE, compile_probe  # noqa: E402
-from naive import naive_attention  # noqa: E402
+from gpu_harness import (HAS_CUDA, ON_SM90 as cuda_sm90, check_mods_against_naive, gpu_marks,  # noqa: E402
+                         poison_forward, public)
 
 from torch_fa4.mods.prepare import trace_graphs  # noqa: E402
+
+pytestmark = gpu_marks(HAS_CUDA, "needs CUDA")
 
 NAMES = ["alibi_doc_causal", "softcap_window", "bias_bf16_doc2d", "bucketed_chunked", "transcendental_bool_table"]
 
@@ -142,26 +139,13 @@ def test_tile_probe_matches_float64(name):
 
 # ---- the sm90 forward kernel with hoisted mods, against float64 attention --------------------------
 
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 @pytest.fixture
 def poisoned_sm90_forward(monkeypatch):
     """Every sm90 forward launch first fills out / lse with NaN, and is recorded (so a test knows the
     kernel, not the reference, ran)."""
     from torch_fa4.kernels.sm90 import fwd_host
 
-    seen = []
-    real_forward = fwd_host.forward
-
-    def poisoned(call, out, lse, **kw):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        seen.append(call.mod_key)
-        real_forward(call, out, lse, **kw)
-
-    monkeypatch.setattr(fwd_host, "forward", poisoned)
-    return seen
+    return poison_forward(monkeypatch, fwd_host, lambda call, overrides: call.mod_key)
 
 
 @pytest.mark.skipif(not cuda_sm90, reason="needs an sm_90 GPU")
@@ -175,25 +159,10 @@ def test_sm90_forward_with_hoisted_mods(poisoned_sm90_forward, name, causal):
     # the same captured values on the CPU for the float64 oracle
     mods_cpu = _on_cpu(mods_gpu)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4:.*falls back")
-        out, lse = torch_fa4.attention(q, k, v, causal=causal, score_mod=mods_gpu[0], mask_mod=mods_gpu[1],
-                                       return_lse=True)
-    torch.cuda.synchronize()
+    out, lse = public(torch_fa4.attention, q, k, v, causal=causal, score_mod=mods_gpu[0], mask_mod=mods_gpu[1],
+                      return_lse=True)
     assert len(poisoned_sm90_forward) == 1 and poisoned_sm90_forward[0], "the sm90 kernel did not run"
-    assert not out.isnan().any() and not lse.isnan().any(), "unwritten or NaN output"
-    ref_out, ref_lse = naive_attention(q, k, v, causal=causal, score_mod=mods_cpu[0], mask_mod=mods_cpu[1])
-    # eager in the inputs' dtype on the GPU (bf16 matmuls, fp32 scores and softmax): the error scale
-    eager, _ = naive_attention(q, k, v, causal=causal, score_mod=mods_gpu[0], mask_mod=mods_gpu[1],
-                               differentiable=True, score_dtype=torch.float32)
-    err = (out.double().cpu() - ref_out).abs().max().item()
-    eager_err = (eager.double().cpu() - ref_out).abs().max().item()
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    lse = lse.double().cpu()
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
-    assert ((lse[finite] - ref_lse[finite]).abs() <= tol).all(), (lse[finite] - ref_lse[finite]).abs().max()
+    check_mods_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, causal=causal)
 
 
 def _on_cpu(mods):

@@ -16,13 +16,10 @@ import pytest
 import torch
 
 import torch_fa4
+from gpu_harness import SM90_ONLY, capture_graph, poison_forward
 from naive import naive_attention, naive_varlen, rel_error
 
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_sm90, reason="needs a CUDA sm_90 device"),
-]
+pytestmark = SM90_ONLY
 
 DT = torch.bfloat16
 
@@ -36,12 +33,7 @@ def launches(monkeypatch):
     from torch_fa4.kernels.sm90 import fwd_host
 
     seen = {"launches": [], "gathers": 0, "q_shapes": []}
-    real_forward, real_launch, real_gathered = fwd_host.forward, fwd_host.launch, paged_kv.gathered
-
-    def poisoned(call, out, lse, **kw):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        real_forward(call, out, lse, **kw)
+    real_launch, real_gathered = fwd_host.launch, paged_kv.gathered
 
     def launch(kernel, cfg, call, leading, split):
         seen["launches"].append((call.page_table is not None, cfg.page_box, cfg.split_ways))
@@ -52,7 +44,7 @@ def launches(monkeypatch):
         seen["gathers"] += 1
         return real_gathered(call)
 
-    monkeypatch.setattr(fwd_host, "forward", poisoned)
+    poison_forward(monkeypatch, fwd_host)
     monkeypatch.setattr(fwd_host, "launch", launch)
     monkeypatch.setattr(paged_kv, "gathered", gathered)
     return seen
@@ -117,18 +109,24 @@ def ran_paged(launches):
     assert launches["launches"] and all(paged and box > 0 for paged, box, _ in launches["launches"])
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode(launches, page_size, group):
-    """One query row per sequence (packed GQA where Hq > Hkv), empty, short, ragged and full caches."""
-    hkv, d = 2, 128
-    used = [0, 700, 1, 2 * 256, 333]
+def decode_step(used, page_size, hkv, group, d):
+    """One causal query row per sequence (`group` query heads per KV head) over a fresh paged cache
+    holding used[b] keys of sequence b, through the public API, against float64."""
     k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d)
     q = torch.randn(len(used), 1, hkv * group, d, device="cuda", dtype=DT)
     seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
     out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, causal=True,
                                    return_lse=True)
     check(out, lse, q, k, v, used, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode(launches, page_size, group):
+    """One query row per sequence (packed GQA where Hq > Hkv), empty, short, ragged and full caches."""
+    hkv, d = 2, 128
+    used = [0, 700, 1, 2 * 256, 333]
+    decode_step(used, page_size, hkv, group, d)
     if page_size == 1:
         assert launches["gathers"] == 1 and all(not paged for paged, _, _ in launches["launches"])
     else:
@@ -225,14 +223,8 @@ def test_head_dims(launches, d, page_size):
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_split_decode(launches, page_size):
     """Few long sequences: the keys split across SMs, each piece loading its own pages."""
-    used = [20000, 32768 - 5]
     hkv, group, d = 4, 8, 128
-    k_cache, v_cache, table, k, v = paged_cache(used, page_size, hkv, d)
-    q = torch.randn(len(used), 1, hkv * group, d, device="cuda", dtype=DT)
-    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-    out, lse = torch_fa4.attention(q, k_cache, v_cache, page_table=table, seqused_k=seqused, causal=True,
-                                   return_lse=True)
-    check(out, lse, q, k, v, used, causal=True)
+    decode_step([20000, 32768 - 5], page_size, hkv, group, d)
     ran_paged(launches)
     if group > 1:  # (one query head per KV head keeps the causal mask, whose calls are not split)
         assert launches["launches"][-1][2] > 1, "few long items: the keys are split across SMs"
@@ -309,15 +301,7 @@ def test_cuda_graph_replays_follow_the_table(launches, page_size):
         return k, v
 
     refill([5, 0, 40])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for used in ([page_size * 3 + 1, 7, 1], [page_size * max_pages, 0, page_size * 2]):
         k, v = refill(used)
         out.fill_(float("nan"))

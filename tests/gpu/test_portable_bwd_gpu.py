@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from _mod_call_fields import mod_call_fields
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
@@ -59,19 +60,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv=None, causal=False, left=-1, right=-1
 
     dv = dv or d
     q, k, v, do, cu_q, cu_k, used, sq, sk = _inputs(dtype, b, sq, sk, hq, hkv, d, dv, varlen, seqused, lens)
-    mod_kw = {}
-    if score_mod is not None or mask_mod is not None:
-        from torch_fa4.mods.prepare import prepare
-        from torch_fa4.mods.registry import lookup
-
-        key, aux = prepare(score_mod, mask_mod)
-        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
-    if block_size is not None:
-        from torch_fa4.mods import create_block_mask
-
-        bm = create_block_mask(mask_mod, None, None, sq, sk, device="cuda", BLOCK_SIZE=block_size)
-        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                      block_mask_kv=bm.BLOCK_SIZE[1])
+    mod_kw = mod_call_fields(score_mod, mask_mod, block_size, sq, sk)
     call = AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(d), causal=causal, window_left=left,
                          window_right=right, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          seqused_k=used, max_seqlen_q=sq, max_seqlen_k=sk, **mod_kw)

@@ -8,17 +8,15 @@ kernel (not the reference) ran. The bound is twice the error of eager attention 
 zero with LSE -inf.
 """
 
-import warnings
-
 import pytest
 import torch
 
+from gpu_harness import (HAS_CUDA, causal_documents_call, check_mods_against_naive, compare_to_float64,
+                         default_variant, gpu_marks, poison_forward)
+from gpu_harness import public as _public, random_qkv as _qkv
 from naive import naive_attention, naive_varlen
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = gpu_marks(HAS_CUDA, "needs a CUDA device")
 
 
 @pytest.fixture
@@ -27,51 +25,11 @@ def portable(monkeypatch):
     from torch_fa4.kernels.portable import fwd_host
 
     monkeypatch.setenv("TORCH_FA4_BACKEND", "portable")
-    seen = []
-    real_forward = fwd_host.forward
-
-    def poisoned_forward(call, out, lse, **overrides):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        seen.append(fwd_host.default_config(call, **overrides))
-        real_forward(call, out, lse, **overrides)
-
-    monkeypatch.setattr(fwd_host, "forward", poisoned_forward)
-    return seen
-
-
-def _public(fn, *args, **kw):
-    """Run a public API call; a fallback to the reference is an error, not a warning."""
-    import torch_fa4  # noqa: F401
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4:.*falls back")
-        out = fn(*args, **kw)
-    torch.cuda.synchronize()
-    return out
+    return poison_forward(monkeypatch, fwd_host, default_variant(fwd_host))
 
 
 def _compare(out, lse, ref_out, ref_lse, eager_out):
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert not lse.isnan().any(), "unwritten or NaN lse"
-    out, lse = out.double().cpu(), lse.double().cpu()
-    ref_out, ref_lse, eager_out = ref_out.double().cpu(), ref_lse.double().cpu(), eager_out.double().cpu()
-    err = (out - ref_out).abs().max().item() if out.numel() else 0.0
-    eager_err = (eager_out - ref_out).abs().max().item() if out.numel() else 0.0
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    assert torch.equal(lse[~finite], ref_lse[~finite])
-    if finite.any():
-        tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
-        lse_err = (lse[finite] - ref_lse[finite]).abs()
-        assert (lse_err <= tol).all(), lse_err.max()
-
-
-def _qkv(B, Sq, Sk, H, Hkv, D, dtype=torch.bfloat16):
-    return (torch.randn(B, Sq, H, D, device="cuda", dtype=dtype),
-            torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype),
-            torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype))
+    compare_to_float64(out, lse, ref_out, ref_lse, eager_out, empty_lse_exact=True)
 
 
 def _dense(portable, B, Sq, Sk, H, Hkv, D, dtype=torch.bfloat16, causal=False, window=(-1, -1), softcap=0.0):
@@ -203,10 +161,7 @@ def test_strided_views(portable):
 # ---- score_mod / mask_mod / block sparsity -------------------------------------------------------------
 
 def _check_mods(out, lse, q, k, v, mods_gpu, mods_cpu, **kw):
-    ref_out, ref_lse = naive_attention(q, k, v, score_mod=mods_cpu[0], mask_mod=mods_cpu[1], **kw)
-    eager, _ = naive_attention(q, k, v, score_mod=mods_gpu[0], mask_mod=mods_gpu[1], differentiable=True,
-                               score_dtype=torch.float32, **kw)
-    _compare(out, lse, ref_out, ref_lse, eager)
+    check_mods_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, empty_lse_exact=True, **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -225,34 +180,11 @@ def test_alibi_score_mod(portable, D, causal):
                 scale=D ** -0.5, causal=causal)
 
 
-def _doc_ids(S, device, docs=5):
-    from torch_fa4 import mods as M
-
-    cuts = torch.sort(torch.randperm(S - 1)[: docs - 1] + 1).values
-    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([S])]))
-    return M.document_ids_from_lengths(lengths).to(device)
-
-
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("block_mask", [False, True])
 def test_document_mask(portable, D, block_mask):
-    import torch_fa4
-    from torch_fa4 import mods as M
-
-    B, S, H = 2, 700, 4
-    q, k, v = _qkv(B, S, S, H, H, D)
-    ids = _doc_ids(S, "cuda")
-    mask = M.and_masks(M.document_mask(ids), M.causal_mask)
-    if block_mask:
-        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device="cuda")
-        assert bm.sparsity() > 0
-        out, lse = _public(torch_fa4.flex_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           block_mask=bm, return_lse=True)
-        out = out.transpose(1, 2)
-    else:
-        out, lse = _public(torch_fa4.attention, q, k, v, mask_mod=mask, return_lse=True)
+    out, lse, q, k, v, mask, cpu_mask = causal_documents_call(D, block_mask)
     assert len(portable) == 1 and portable[0].block_sparse == block_mask
-    cpu_mask = M.and_masks(M.document_mask(ids.cpu()), M.causal_mask)
     _check_mods(out, lse, q, k, v, (None, mask), (None, cpu_mask), scale=D ** -0.5)
 
 

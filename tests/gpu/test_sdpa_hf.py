@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpu_harness import record_kernel_picks
 from naive import naive_attention
-from torch_fa4 import dispatch, sdpa
+from torch_fa4 import sdpa
 
 served = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in sdpa.SUPPORTED_MAJORS
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not served, reason="needs a CUDA sm_90/sm_100 device")]
@@ -19,16 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not served, reason="needs a CU
 @pytest.fixture
 def kernels_used(monkeypatch):
     """Names of the torch_fa4 kernel modules the dispatcher picked (None entries: reference)."""
-    picked = []
-    original = dispatch.kernel_for
-
-    def spy(call, direction, **kw):
-        module = original(call, direction, **kw)
-        picked.append((direction, None if module is None else module.__name__))
-        return module
-
-    monkeypatch.setattr(dispatch, "kernel_for", spy)
-    return picked
+    return record_kernel_picks(monkeypatch)
 
 
 @pytest.fixture

@@ -15,26 +15,18 @@ import pytest
 import torch
 
 import torch_fa4
+from _self_check_state import forget_verdicts
+from gpu_harness import SM90_ONLY
 from naive import naive_attention, rel_error
 from torch_fa4 import self_check
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a CUDA sm_90 device",
-    ),
-]
+pytestmark = SM90_ONLY
 
 
 @pytest.fixture(autouse=True)
 def unverified(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_FA4_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(self_check.ENV, raising=False)
+    forget_verdicts(monkeypatch, tmp_path)
     monkeypatch.setattr(self_check, "VERIFIED", frozenset())
-    monkeypatch.setattr(self_check, "_verdicts", {})
-    monkeypatch.setattr(self_check, "_warned", set())
-    monkeypatch.setattr(self_check, "checks_run", 0)
 
 
 def _inputs(B=2, S=777, H=8, Hkv=2, D=128):

@@ -19,14 +19,13 @@ import math
 import pytest
 import torch
 
+from bwd_mod_cases import MOD_CASES, _alibi, _documents, slopes_and_documents
+from _mod_call_fields import mod_call_fields
+from gpu_harness import SM100_ONLY
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
-blackwell = torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not blackwell, reason="needs a CUDA sm_100 device"),
-]
+pytestmark = SM100_ONLY
 
 BF, FP = torch.bfloat16, torch.float16
 
@@ -60,19 +59,7 @@ def _case(dtype=BF, b=2, sq=333, sk=333, hq=4, hkv=2, d=128, dv=None, causal=Fal
         if seqused:
             used = torch.randint(0, sk + 1, (b,), device=dev, dtype=torch.int32)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
-    mod_kw = {}
-    if score_mod is not None or mask_mod is not None:
-        from torch_fa4.mods.prepare import prepare
-        from torch_fa4.mods.registry import lookup
-
-        key, aux = prepare(score_mod, mask_mod)
-        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
-    if block_size is not None:
-        from torch_fa4.mods import create_block_mask
-
-        bm = create_block_mask(mask_mod, None, None, sq, sk, device=dev, BLOCK_SIZE=block_size)
-        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                      block_mask_kv=bm.BLOCK_SIZE[1])
+    mod_kw = mod_call_fields(score_mod, mask_mod, block_size, sq, sk)
     call = AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(d), causal=causal, window_left=left,
                          window_right=right, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          seqused_k=used, max_seqlen_q=sq if varlen else 0, max_seqlen_k=sk if varlen else 0,
@@ -160,37 +147,9 @@ def test_head_dims_differ():
     _case(d=96, dv=128, varlen=True, b=2, sq=300, sk=300)
 
 
-def _alibi(slopes, doc):
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    return score_mod, None
-
-
-def _tanh_bias(slopes, doc):  # a score_mod with a non-trivial derivative
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score * 0.5) * 2.0 + torch.where(q_idx >= kv_idx, 0.25, -0.5)
-
-    return score_mod, None
-
-
-def _documents(slopes, doc):  # a mask_mod over a captured tensor
-    def mask_mod(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    return None, mask_mod
-
-
-def _tanh_bias_documents(slopes, doc):
-    return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
-
-
-@pytest.mark.parametrize("make_mods, causal", [
-    (_alibi, True), (_tanh_bias, False), (_documents, False), (_tanh_bias_documents, True),
-])
+@pytest.mark.parametrize("make_mods, causal", MOD_CASES)
 def test_mods(make_mods, causal):
-    slopes = torch.rand(4, device="cuda")
-    doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
+    slopes, doc = slopes_and_documents()
     score_mod, mask_mod = make_mods(slopes, doc)
     _case(sq=200, sk=300, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
 

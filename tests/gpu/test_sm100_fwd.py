@@ -12,38 +12,20 @@ causal, window, softcap, GQA, varlen, seqused_k, score_mod, mask_mod, block mask
 import pytest
 import torch
 
-from naive import call_options, naive_varlen
+from _mod_call_fields import mod_call_fields
+from gpu_harness import SM100_ONLY, check_against_float64, launch_poisoned
 from torch_fa4 import mods as M
 from torch_fa4.call import AttentionCall
 
-blackwell = torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not blackwell, reason="needs a CUDA sm_100 device"),
-]
+pytestmark = SM100_ONLY
 
 
 def _check(call: AttentionCall, score_mod=None, mask_mod=None, **overrides):
     from torch_fa4.kernels.sm100 import fwd_host
 
     assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
-    out = torch.full(call.out_shape(), float("nan"), dtype=call.q.dtype, device="cuda")
-    lse = torch.full(call.lse_shape(), float("nan"), dtype=torch.float32, device="cuda")
-    fwd_host.forward(call, out, lse, **overrides)
-    torch.cuda.synchronize()
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert not lse.isnan().any(), "unwritten or NaN lse"
-    opts = dict(call_options(call), score_mod=score_mod, mask_mod=mask_mod)
-    ref_out, ref_lse = naive_varlen(call.q, call.k, call.v, **opts, device=call.q.device)
-    eager_out, _ = naive_varlen(call.q, call.k, call.v, **opts, differentiable=True)
-    err = (out.double() - ref_out).abs().max().item()
-    eager_err = (eager_out.double() - ref_out).abs().max().item()
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    lse = lse.double()
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    if finite.any():
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-3
+    out, lse = launch_poisoned(fwd_host, call, **overrides)
+    check_against_float64(call, out, lse, score_mod, mask_mod)
 
 
 def _inputs(B, Sq, Sk, H, Hkv, D, dtype):
@@ -58,17 +40,9 @@ def _call(B=2, Sq=777, Sk=777, H=4, Hkv=2, D=128, dtype=torch.bfloat16, **kw):
 
 
 def _mod_call(score_mod=None, mask_mod=None, block=None, B=2, S=640, H=4, Hkv=2, D=128, **kw):
-    from torch_fa4.mods import registry
-
     q, k, v = _inputs(B, S, S, H, Hkv, D, torch.bfloat16)
-    key, aux = M.prepare(score_mod, mask_mod)
-    extra = {}
-    if block is not None:
-        bm = M.create_block_mask(mask_mod, None, None, S, S, device="cuda", BLOCK_SIZE=block)
-        extra = dict(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                     block_mask_kv=bm.BLOCK_SIZE[1])
-    return AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, mod_key=key, mods=registry.lookup(key),
-                         aux_tensors=tuple(aux), **extra, **kw)
+    return AttentionCall(q=q, k=k, v=v, scale=D ** -0.5, **mod_call_fields(score_mod, mask_mod, block, S, S),
+                         **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])

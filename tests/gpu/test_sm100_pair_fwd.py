@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from torch_fa4.call import AttentionCall
-from naive import call_options, naive_varlen
+from gpu_harness import SM100_ONLY, check_against_float64, launch_poisoned
 from test_sm100_fwd import _call
 
-blackwell = torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not blackwell, reason="needs a CUDA sm_100 device"),
-]
+pytestmark = SM100_ONLY
 
 
 def _pair(call, advertised=True):
@@ -27,23 +23,8 @@ def _pair(call, advertised=True):
 
     if advertised:
         assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
-    out = torch.full(call.out_shape(), float("nan"), dtype=call.q.dtype, device="cuda")
-    lse = torch.full(call.lse_shape(), float("nan"), dtype=torch.float32, device="cuda")
-    fwd_host.forward(call, out, lse)
-    torch.cuda.synchronize()
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert not lse.isnan().any(), "unwritten or NaN lse"
-    opts = call_options(call)
-    ref_out, ref_lse = naive_varlen(call.q, call.k, call.v, **opts, device=call.q.device)
-    eager_out, _ = naive_varlen(call.q, call.k, call.v, **opts, differentiable=True)
-    err = (out.double() - ref_out).abs().max().item()
-    eager_err = (eager_out.double() - ref_out).abs().max().item()
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    lse = lse.double()
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    if finite.any():
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-3
+    out, lse = launch_poisoned(fwd_host, call)
+    check_against_float64(call, out, lse)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -13,16 +13,13 @@ import pytest
 import torch
 
 from _mod_cases import alibi_abs
+from bwd_mod_cases import MOD_CASES, _alibi, _documents, _tanh_bias_documents, slopes_and_documents
+from _mod_call_fields import mod_call_fields
+from gpu_harness import ON_SM90, gpu_marks
 from naive import call_options, naive_varlen
 from torch_fa4.call import AttentionCall
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs an sm_90 GPU",
-    ),
-]
+pytestmark = gpu_marks(ON_SM90, "needs an sm_90 GPU")
 
 
 def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, softcap=0.0,
@@ -64,19 +61,7 @@ def _case(dtype, b, sq, sk, hq, hkv, d, dv, causal=False, left=-1, right=-1, sof
         do = rnd(b, sq, hq, dv).to(dtype)
         used = torch.randint(1, sk + 1, (b,), device=dev, dtype=torch.int32) if seqused else None
 
-    mod_kw = {}
-    if score_mod is not None or mask_mod is not None:
-        from torch_fa4.mods.prepare import prepare
-        from torch_fa4.mods.registry import lookup
-
-        key, aux = prepare(score_mod, mask_mod)
-        mod_kw = dict(mod_key=key, mods=lookup(key), aux_tensors=aux)
-    if block_size is not None:
-        from torch_fa4.mods import create_block_mask
-
-        bm = create_block_mask(mask_mod, None, bm_heads, sq, sk, device=dev, BLOCK_SIZE=block_size)
-        mod_kw.update(block_mask=tuple(bm.as_tensors()), block_mask_q=bm.BLOCK_SIZE[0],
-                      block_mask_kv=bm.BLOCK_SIZE[1])
+    mod_kw = mod_call_fields(score_mod, mask_mod, block_size, sq, sk, bm_heads)
     call = AttentionCall(q=q, k=k, v=v, scale=scale, causal=causal, window_left=left,
                          window_right=right, softcap=softcap, **mod_kw,
                          cu_seqlens_q=cu_q if varlen else None, cu_seqlens_k=cu_k if varlen else None,
@@ -304,37 +289,9 @@ def test_deterministic():
     _case(BF, 2, 256, 520, 4, 2, 128, 128, causal=True, deterministic=True)
 
 
-def _alibi(slopes, doc):
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    return score_mod, None
-
-
-def _tanh_bias(slopes, doc):  # a score_mod with a non-trivial derivative
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score * 0.5) * 2.0 + torch.where(q_idx >= kv_idx, 0.25, -0.5)
-
-    return score_mod, None
-
-
-def _documents(slopes, doc):  # a mask_mod over a captured tensor
-    def mask_mod(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    return None, mask_mod
-
-
-def _tanh_bias_documents(slopes, doc):
-    return _tanh_bias(slopes, doc)[0], _documents(slopes, doc)[1]
-
-
-@pytest.mark.parametrize("make_mods,causal", [
-    (_alibi, True), (_tanh_bias, False), (_documents, False), (_tanh_bias_documents, True),
-])
+@pytest.mark.parametrize("make_mods,causal", MOD_CASES)
 def test_mods(make_mods, causal):
-    slopes = torch.rand(4, device="cuda")
-    doc = torch.sort(torch.randint(0, 4, (300,), device="cuda")).values.to(torch.int32)
+    slopes, doc = slopes_and_documents()
     score_mod, mask_mod = make_mods(slopes, doc)
     _case(BF, 2, 200, 300, 4, 2, 128, 128, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
 

@@ -15,16 +15,11 @@ import math
 import pytest
 import torch
 
+from gpu_harness import ON_SM90, gpu_marks
 from naive import naive_attention
 from torch_fa4.call import AttentionCall
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs an sm_90 GPU",
-    ),
-]
+pytestmark = gpu_marks(ON_SM90, "needs an sm_90 GPU")
 
 DVS = (64, 96, 128, 192, 256)
 LOG2E = math.log2(math.e)

@@ -9,44 +9,25 @@ import os
 import pytest
 import torch
 
-from naive import call_options, naive_attention, naive_varlen
+from gpu_harness import (SM90_ONLY, causal_documents_call, check_against_float64, check_mods_against_naive,
+                         default_variant, launch_poisoned, poison_forward, public as _public,
+                         random_document_ids, random_qkv as _qkv)
+from naive import naive_attention
 from torch_fa4.call import AttentionCall
 
-cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_sm90, reason="needs a CUDA sm_90 device"),
-]
+pytestmark = SM90_ONLY
 
 
 def _run_kernel(call: AttentionCall, **overrides):
     from torch_fa4.kernels.sm90 import fwd_host
 
     assert fwd_host.unsupported_reason(call) is None, fwd_host.unsupported_reason(call)
-    out = torch.full(call.out_shape(), float("nan"), dtype=call.q.dtype, device="cuda")
-    lse = torch.full(call.lse_shape(), float("nan"), dtype=torch.float32, device="cuda")
-    fwd_host.forward(call, out, lse, **overrides)
-    torch.cuda.synchronize()
-    return out, lse
+    return launch_poisoned(fwd_host, call, **overrides)
 
 
 def _check(call: AttentionCall, **overrides):
     out, lse = _run_kernel(call, **overrides)
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert not lse.isnan().any(), "unwritten or NaN lse"
-    opts = call_options(call)
-    ref_out, ref_lse = naive_varlen(call.q, call.k, call.v, **opts, device=call.q.device)
-    eager_out, _ = naive_varlen(call.q, call.k, call.v, **opts, differentiable=True)  # in the inputs' dtype
-    err = (out.double() - ref_out).abs().max().item()
-    eager_err = (eager_out.double() - ref_out).abs().max().item()
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    lse = lse.double()
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    assert torch.equal(lse[~finite], ref_lse[~finite])
-    if finite.any():
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-3
-    return err, eager_err
+    return check_against_float64(call, out, lse, empty_lse_exact=True)
 
 
 def _dense_call(B, Sq, Sk, H, Hkv, D, dtype=torch.bfloat16, **kw):
@@ -475,8 +456,6 @@ def test_one_shot_grid():
 # evaluated on CPU index grids with CPU copies of the captured tensors); the bound is twice the error
 # of an eager computation in the input dtype (bf16 matmuls, fp32 softmax, P rounded to bf16).
 
-import warnings  # noqa: E402
-
 import torch_fa4  # noqa: E402
 from torch_fa4 import mods as M  # noqa: E402
 
@@ -487,55 +466,14 @@ from _mod_cases import alibi_abs  # noqa: E402
 def sm90_fwd_variants(monkeypatch):
     from torch_fa4.kernels.sm90 import fwd_host
 
-    seen = []
-    real_forward = fwd_host.forward
-
-    def poisoned_forward(call, out, lse, **overrides):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        seen.append(fwd_host.default_config(call, **overrides))
-        real_forward(call, out, lse, **overrides)
-
-    monkeypatch.setattr(fwd_host, "forward", poisoned_forward)
-    return seen
-
-
-def _public(fn, *args, **kw):
-    """Run a public API call; a fallback to the reference is an error, not a warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch_fa4:.*falls back")
-        out = fn(*args, **kw)
-    torch.cuda.synchronize()
-    return out
+    return poison_forward(monkeypatch, fwd_host, default_variant(fwd_host))
 
 
 def _check_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, **kw):
-    """out (B, S, H, Dv), lse (B, H, S) of one dense call; mods_*: (score_mod, mask_mod) built on that device."""
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert not lse.isnan().any(), "unwritten or NaN lse"
-    ref_out, ref_lse = naive_attention(q, k, v, score_mod=mods_cpu[0], mask_mod=mods_cpu[1], **kw)
-    # eager in the input dtype (bf16 matmuls, fp32 scores and softmax, P rounded to bf16)
-    eager, _ = naive_attention(q, k, v, score_mod=mods_gpu[0], mask_mod=mods_gpu[1], differentiable=True,
-                               score_dtype=torch.float32, **kw)
-    err = (out.double().cpu() - ref_out).abs().max().item()
-    eager_err = (eager.double().cpu() - ref_out).abs().max().item()
-    assert err <= 2 * eager_err + 1e-4, f"kernel err {err:.3e} vs eager {eager_err:.3e}"
-    lse = lse.double().cpu()
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs"
-    assert torch.equal(lse[~finite], ref_lse[~finite])
-    if finite.any():
-        tol = 2e-3 + 1e-4 * ref_lse[finite].abs()
-        assert ((lse[finite] - ref_lse[finite]).abs() <= tol).all(), (lse[finite] - ref_lse[finite]).abs().max()
-    # rows with nothing visible are exactly zero
-    empty_rows = (~finite).transpose(1, 2)  # (B, S, H)
-    assert (out.cpu()[empty_rows] == 0).all()
-
-
-def _qkv(B, Sq, Sk, H, Hkv, D, dtype=torch.bfloat16):
-    return (torch.randn(B, Sq, H, D, device="cuda", dtype=dtype),
-            torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype),
-            torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype))
+    """out (B, S, H, Dv), lse (B, H, S) of one dense call; mods_*: (score_mod, mask_mod) built on that
+    device; rows with nothing visible must be exactly zero with LSE -inf."""
+    check_mods_against_naive(out, lse, q, k, v, mods_gpu, mods_cpu, empty_lse_exact=True, empty_rows_zero=True,
+                             **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -624,29 +562,11 @@ def test_per_head_bias_table(sm90_fwd_variants, dtype):
     _check_against_naive(out, lse, q, k, v, (M.relative_bias(bias), None), (M.relative_bias(bias.cpu()), None))
 
 
-def _doc_ids(S, device, docs=5):
-    cuts = torch.sort(torch.randperm(S - 1)[: docs - 1] + 1).values
-    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([S])]))
-    return M.document_ids_from_lengths(lengths).to(device)
-
-
 @pytest.mark.parametrize("D", [64, 128, 192, 256])
 @pytest.mark.parametrize("block_mask", [False, True])
 def test_document_mask(sm90_fwd_variants, D, block_mask):
-    B, S, H = 2, 700, 4
-    q, k, v = _qkv(B, S, S, H, H, D)
-    ids = _doc_ids(S, "cuda")
-    mask = M.and_masks(M.document_mask(ids), M.causal_mask)
-    if block_mask:
-        bm = torch_fa4.create_block_mask(mask, None, None, S, S, device="cuda")
-        assert bm.sparsity() > 0
-        out, lse = _public(torch_fa4.flex_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           block_mask=bm, return_lse=True)
-        out = out.transpose(1, 2)
-    else:
-        out, lse = _public(torch_fa4.attention, q, k, v, mask_mod=mask, return_lse=True)
+    out, lse, q, k, v, mask, cpu_mask = causal_documents_call(D, block_mask)
     assert len(sm90_fwd_variants) == 1 and sm90_fwd_variants[0].block_sparse == block_mask
-    cpu_mask = M.and_masks(M.document_mask(ids.cpu()), M.causal_mask)
     _check_against_naive(out, lse, q, k, v, (None, mask), (None, cpu_mask))
 
 
@@ -715,7 +635,7 @@ def test_torch_block_mask(sm90_fwd_variants):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     B, S, H, D = 1, 640, 2, 128
     q, k, v = _qkv(B, S, S, H, H, D)
-    ids = _doc_ids(S, "cuda")
+    ids = random_document_ids(S, "cuda")
     mask = M.document_mask(ids)
     bm = flex.create_block_mask(mask, None, None, S, S, device="cuda")
     out = _public(torch_fa4.flex_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from torch_fa4.mods.graph import BOOL, FLOAT, ModGraph, Node
-from torch_fa4.mods.trace import GraphBuilder, _drop_dead_nodes
+from torch_fa4.mods.trace import GraphBuilder, _drop_dead_nodes, _keep_ancestors
 
 
 def score_derivative(graph: ModGraph) -> ModGraph:
@@ -166,18 +166,3 @@ def _tangents(g: GraphBuilder, new: list[int], graph: ModGraph,
             raise AssertionError(f"no derivative rule for float op {n.op}")
         tangent.append(t)
     return tangent
-
-
-def _keep_ancestors(nodes: list[Node], roots: list[int]) -> tuple[tuple[Node, ...], dict[int, int]]:
-    """The nodes `roots` depend on (inputs always kept), renumbered; and old -> new numbers."""
-    live = set(roots) | {i for i, n in enumerate(nodes) if n.op == "input"}
-    for i in range(len(nodes) - 1, -1, -1):
-        if i in live:
-            live.update(nodes[i].args)
-    renumber: dict[int, int] = {}
-    kept: list[Node] = []
-    for i, n in enumerate(nodes):
-        if i in live:
-            renumber[i] = len(kept)
-            kept.append(Node(n.op, tuple(renumber[a] for a in n.args), n.attr, n.kind))
-    return tuple(kept), renumber

@@ -341,7 +341,13 @@ def trace_mod(fn: Callable, role: str, captured: Sequence[torch.Tensor]) -> ModG
 
 def _drop_dead_nodes(nodes: list[Node], output: int) -> tuple[tuple[Node, ...], int]:
     """Remove nodes the output does not depend on (inputs stay, so listings always start alike)."""
-    live = {output} | {i for i, n in enumerate(nodes) if n.op == "input"}
+    kept, renumber = _keep_ancestors(nodes, [output])
+    return kept, renumber[output]
+
+
+def _keep_ancestors(nodes: list[Node], roots: list[int]) -> tuple[tuple[Node, ...], dict[int, int]]:
+    """The nodes `roots` depend on (inputs always kept), renumbered; and old -> new numbers."""
+    live = set(roots) | {i for i, n in enumerate(nodes) if n.op == "input"}
     for i in range(len(nodes) - 1, -1, -1):
         if i in live:
             live.update(nodes[i].args)
@@ -351,4 +357,4 @@ def _drop_dead_nodes(nodes: list[Node], output: int) -> tuple[tuple[Node, ...], 
         if i in live:
             renumber[i] = len(kept)
             kept.append(Node(n.op, tuple(renumber[a] for a in n.args), n.attr, n.kind))
-    return tuple(kept), renumber[output]
+    return tuple(kept), renumber
