@@ -81,8 +81,8 @@ def _k_offsets(frag, units) -> list:
 def _desc_words(frag):
     """(low word, high word) of the DSL's descriptor of the fragment's first K block."""
     desc = tcgen05.smem_descriptor_to_int(frag.iterator)
-    low = cute.arch.make_warp_uniform(Int32(desc & Int64(0xFFFFFFFF)))
-    high = cute.arch.make_warp_uniform(Int32(desc >> 32))
+    low = Int32(desc & Int64(0xFFFFFFFF))
+    high = Int32(desc >> 32)
     return low, high
 
 
@@ -94,18 +94,18 @@ def umma_batch(batch: list) -> None:
         args.append(value)
         return f"{{$r{len(args) - 1}}}"
 
-    decls = [".reg .pred leader, first;", ".reg .b32 zero, idesc, lo_a, lo_b;", ".reg .b64 da, db;"]
+    decls = [".reg .pred leader, first;", ".reg .b32 zero, idesc, lo_a, lo_b, tmem_a;", ".reg .b64 da, db;"]
     lines.append("elect.sync _|leader, -1;")
     lines.append("mov.b32 zero, 0;")
     for mma in batch:
         op = mma.tiled_mma.op
         group = {tcgen05.CtaGroup.ONE: 1, tcgen05.CtaGroup.TWO: 2}[op.cta_group]
         a_in_tmem = op.a_src == tcgen05.OperandSource.TMEM
-        acc_addr = arg(cute.arch.make_warp_uniform(Int32(mma.acc.iterator.toint())))
+        acc_addr = arg(Int32(mma.acc.iterator.toint()))
         b_lo, b_hi = (arg(w) for w in _desc_words(mma.b))
         b_offsets = _k_offsets(mma.b, (1, 1))
         if a_in_tmem:
-            a_addr = arg(cute.arch.make_warp_uniform(Int32(mma.a.iterator.toint())))
+            a_addr = arg(Int32(mma.a.iterator.toint()))
             a_offsets = _k_offsets(mma.a, (op.a_dtype.width, 32))
         else:
             a_lo, a_hi = (arg(w) for w in _desc_words(mma.a))
@@ -122,7 +122,8 @@ def umma_batch(batch: list) -> None:
             lines.append(f"add.u32 lo_b, {b_lo}, {b_off};")
             lines.append(f"mov.b64 db, {{lo_b, {b_hi}}};")
             if a_in_tmem:
-                a_operand = f"[{a_addr}+{a_off}]" if a_off else f"[{a_addr}]"
+                lines.append(f"add.u32 tmem_a, {a_addr}, {a_off};")
+                a_operand = "[tmem_a]"
             else:
                 lines.append(f"add.u32 lo_a, {a_lo}, {a_off};")
                 lines.append(f"mov.b64 da, {{lo_a, {a_hi}}};")
