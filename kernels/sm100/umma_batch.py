@@ -20,7 +20,8 @@ The MMAs are the ones `tmem.umma` makes, operand for operand:
 - Instruction descriptor: `instr_desc`, the PTX ISA's tcgen05 kind::f16 layout filled from the
   MMA op (formats, majors, M, N); kind::f16 only (every MMA of these kernels).
 - Accumulate: the batch entry's flag (static or dynamic) on the first K block, on for the rest.
-- Same `.collector::a::discard` qualifier and all-zero disable-output-lane mask as the DSL emits.
+- Same `.collector::a::discard` qualifier and all-zero disable-output-lane mask (4 words per CTA
+  of the group) as the DSL emits.
 - Order: the entries' K blocks in list order, all from the warp's lowest lane (`elect.sync` with a
   full mask picks the same lane as each of the DSL's per-MMA elections and as the commits'
   `elect_one`, so the commits that follow still track every MMA of the batch).
@@ -100,6 +101,7 @@ def umma_batch(batch: list) -> None:
     for mma in batch:
         op = mma.tiled_mma.op
         group = {tcgen05.CtaGroup.ONE: 1, tcgen05.CtaGroup.TWO: 2}[op.cta_group]
+        mask = ", ".join(["zero"] * 4 * group)  # disable-output-lane: one word per 32 lanes per CTA
         a_in_tmem = op.a_src == tcgen05.OperandSource.TMEM
         acc_addr = arg(Int32(mma.acc.iterator.toint()))
         b_lo, b_hi = (arg(w) for w in _desc_words(mma.b))
@@ -129,6 +131,6 @@ def umma_batch(batch: list) -> None:
                 lines.append(f"mov.b64 da, {{lo_a, {a_hi}}};")
                 a_operand = "da"
             lines.append(f"@leader tcgen05.mma.cta_group::{group}.kind::f16.collector::a::discard "
-                         f"[{acc_addr}], {a_operand}, db, idesc, {{zero, zero, zero, zero}}, "
+                         f"[{acc_addr}], {a_operand}, db, idesc, {{{mask}}}, "
                          f"{first if k == 0 else '1'};")
     cute.arch.inline_ptx("{\n" + "\n".join(decls + lines) + "\n}", read_only_args=args)
