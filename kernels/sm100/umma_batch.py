@@ -79,12 +79,9 @@ def _k_offsets(frag, units) -> list:
     return offsets
 
 
-def _desc_words(frag):
-    """(low word, high word) of the DSL's descriptor of the fragment's first K block."""
-    desc = tcgen05.smem_descriptor_to_int(frag.iterator)
-    low = Int32(desc & Int64(0xFFFFFFFF))
-    high = Int32(desc >> 32)
-    return low, high
+def _desc(frag):
+    """The DSL's 64-bit descriptor of the fragment's first K block."""
+    return tcgen05.smem_descriptor_to_int(frag.iterator)
 
 
 def umma_batch(batch: list) -> None:
@@ -95,7 +92,7 @@ def umma_batch(batch: list) -> None:
         args.append(value)
         return f"{{$r{len(args) - 1}}}"
 
-    decls = [".reg .pred leader, first;", ".reg .b32 zero, idesc, lo_a, lo_b, tmem_a;", ".reg .b64 da, db;"]
+    decls = [".reg .pred leader, first;", ".reg .b32 zero, idesc, tmem_a;", ".reg .b64 da, db;"]
     lines.append("elect.sync _|leader, -1;")
     lines.append("mov.b32 zero, 0;")
     for mma in batch:
@@ -104,13 +101,13 @@ def umma_batch(batch: list) -> None:
         mask = ", ".join(["zero"] * 4 * group)  # disable-output-lane: one word per 32 lanes per CTA
         a_in_tmem = op.a_src == tcgen05.OperandSource.TMEM
         acc_addr = arg(Int32(mma.acc.iterator.toint()))
-        b_lo, b_hi = (arg(w) for w in _desc_words(mma.b))
+        b_desc = arg(_desc(mma.b))
         b_offsets = _k_offsets(mma.b, (1, 1))
         if a_in_tmem:
             a_addr = arg(Int32(mma.a.iterator.toint()))
             a_offsets = _k_offsets(mma.a, (op.a_dtype.width, 32))
         else:
-            a_lo, a_hi = (arg(w) for w in _desc_words(mma.a))
+            a_desc = arg(_desc(mma.a))
             a_offsets = _k_offsets(mma.a, (1, 1))
         assert len(a_offsets) == len(b_offsets)
         assert all(0 <= off < 1 << 16 for off in a_offsets + b_offsets), "descriptor offset carries"
@@ -121,14 +118,12 @@ def umma_batch(batch: list) -> None:
             first = "first"
         lines.append(f"mov.b32 idesc, {instr_desc(op)};")
         for k, (a_off, b_off) in enumerate(zip(a_offsets, b_offsets)):
-            lines.append(f"add.u32 lo_b, {b_lo}, {b_off};")
-            lines.append(f"mov.b64 db, {{lo_b, {b_hi}}};")
+            lines.append(f"add.s64 db, {b_desc}, {b_off};")
             if a_in_tmem:
                 lines.append(f"add.u32 tmem_a, {a_addr}, {a_off};")
                 a_operand = "[tmem_a]"
             else:
-                lines.append(f"add.u32 lo_a, {a_lo}, {a_off};")
-                lines.append(f"mov.b64 da, {{lo_a, {a_hi}}};")
+                lines.append(f"add.s64 da, {a_desc}, {a_off};")
                 a_operand = "da"
             lines.append(f"@leader tcgen05.mma.cta_group::{group}.kind::f16.collector::a::discard "
                          f"[{acc_addr}], {a_operand}, db, idesc, {{{mask}}}, "
