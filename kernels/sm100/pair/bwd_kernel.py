@@ -65,8 +65,7 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import (fence_after_sync, fence_before_sync, release_pair_tmem,
-                                          setup_pair_tmem, tmem_copy)
-from torch_fa4.kernels.sm100.umma_batch import Umma, umma_batch
+                                          setup_pair_tmem, tmem_copy, umma)
 from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, key_tile_sequence, query_tiles_seeing
 
 _CHUNK = 32  # TMEM columns per tcgen05.ld/st (as the 1-CTA kernel)
@@ -487,17 +486,17 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 stage = q_state.index
                 pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns (both CTAs)
                 fence_after_sync()
-                umma_batch([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
-                            Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
+                umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False)
+                umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
                 pipe_s.producer_acquire(s_state)  # P^T, dS^T in TMEM, dS in both CTAs' shared memory
                 # the peer's dS stores were released at cluster scope: acquire them at that scope
                 cute.arch.fence_acq_rel_cluster()
                 fence_after_sync()
-                umma_batch([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
-                            Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
-                            Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
+                umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0)
+                umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0)
+                umma(dq_mma, tdQ, tQrdS, tQrK, False)
                 pipe_dq.producer_commit(dq_state)
                 dq_state.advance()
                 pipe_q.consumer_release(q_state)
