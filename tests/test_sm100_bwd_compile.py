@@ -18,6 +18,7 @@ the two canonical layouts agree.
 """
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -77,6 +78,27 @@ MOD_VARIANTS = {
 }
 
 
+# instructions per UMMA in the MMA warp's step loop: ~4.7 (CUDA 13's ptxas) to ~5.8 (CUDA 12's);
+# one `cute.gemm` per K block costs ~10 with CUDA 12's (an elected region and a descriptor rebuild
+# each)
+MMA_LOOP_PER_UMMA = 6.5
+
+
+def mma_loop(sass: str) -> tuple:
+    """(UMMAs, instructions) of the loop (a backward branch's body) holding the most UMMAs."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.(L_x_\d+):", line.strip()))}
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            body = [x for x in lines[labels[m.group(1)]: i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", x)]
+            umma = sum("UTCHMMA" in x for x in body)
+            if umma > best[0]:
+                best = (umma, len(body))
+    return best
+
+
 def _expected_umma(cfg) -> int:
     """S^T = K Q^T (D/16 k-blocks), dP^T = V dO^T (Dv/16), dV, dK over 128 queries and dQ over 128
     keys (8 k-blocks each): one call site each (bwd_kernel.mma_role)."""
@@ -109,6 +131,11 @@ def _compile_and_check_sass(call, deterministic, tmp_path):
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
     assert sass.count("UTCHMMA") == _expected_umma(cfg), "matmuls did not all become tcgen05 UMMAs"
     assert "HGMMA" not in sass
+    # the MMA warp's step loop holds every UMMA, a few instructions each around them (one elected
+    # region per batch, descriptors advanced by constants: kernels/sm100/umma_batch.py)
+    loop_umma, loop_length = mma_loop(sass)
+    assert loop_umma == _expected_umma(cfg)
+    assert loop_length <= MMA_LOOP_PER_UMMA * loop_umma, f"MMA loop: {loop_length} instructions"
     # S^T and dP^T chunks, dQ, dK, dV chunks out of TMEM; P^T back in
     assert sass.count("LDTM") == 2 + cfg.head_dim // 32 + cfg.head_dim // 32 + cfg.head_dim_v // 32
     assert "STTM" in sass, "P^T does not go back to tensor memory"

@@ -53,7 +53,7 @@ def instr_desc(op) -> int:
     assert isinstance(op, tcgen05.MmaF16BF16Op), f"kind::f16 ops only, got {type(op).__name__}"
     assert op.a_dtype in _F16_FORMATS and op.b_dtype in _F16_FORMATS and op.acc_dtype in _ACC_FORMATS
     m, n = op.shape_mnk[0], op.shape_mnk[1]
-    mn_major = tcgen05.OperandMajorMode.MN.value
+    mn_major = cute.nvgpu.OperandMajorMode.MN.value
     return ((_ACC_FORMATS[op.acc_dtype] << _C_FORMAT) | (_F16_FORMATS[op.a_dtype] << _A_FORMAT)
             | (_F16_FORMATS[op.b_dtype] << _B_FORMAT)
             | (int(op.a_major_mode.value == mn_major) << _A_MAJOR)
