@@ -348,3 +348,40 @@ def test_launch_hands_the_kernel_its_compiled_arguments(name, monkeypatch):
     assert scalars[1] == pytest.approx(call.scale * math.log2(math.e))
     assert scalars[5] == (call.max_seqlen_k if call.is_varlen else call.k.shape[1])
     assert all(a is None for a in args[-MAX_AUX:])
+
+
+# (dtype, M, N, A major, B major, A in TMEM, CTAs) -> the instruction descriptor CuTe DSL's own
+# cute.gemm put in the PTX of the backward kernels for that MMA (read from their compiled PTX)
+_DSL_INSTR_DESCS = [
+    ("bf16", 128, 128, "k", "k", False, 1, 0x8200490),  # S^T, dP^T
+    ("bf16", 128, 128, "k", "mn", True, 1, 0x8210490),  # dV (P^T from TMEM)
+    ("bf16", 128, 128, "k", "mn", False, 1, 0x8210490),  # dK
+    ("bf16", 128, 128, "mn", "mn", False, 1, 0x8218490),  # dQ
+    ("bf16", 128, 64, "k", "mn", True, 1, 0x8110490),  # dV at Dv = 64
+    ("fp16", 128, 128, "k", "k", False, 1, 0x8200010),
+    ("fp16", 128, 128, "k", "mn", False, 1, 0x8210010),
+    ("fp16", 128, 128, "mn", "mn", False, 1, 0x8218010),
+    ("bf16", 256, 128, "k", "k", False, 2, 0x10200490),  # the CTA pair's S^T
+    ("bf16", 256, 128, "k", "mn", True, 2, 0x10210490),
+]
+
+
+@pytest.mark.parametrize("case", _DSL_INSTR_DESCS)
+def test_batched_umma_instruction_descriptor_is_the_dsls(case, monkeypatch):
+    """umma_batch writes its own instruction descriptor: it must equal the DSL's for every MMA op
+    the backward issues (a wrong field would be a silently wrong matmul)."""
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    # tcgen05 ops validate the DSL's target: sm_100a for this test only
+    monkeypatch.setattr(CuTeDSL._get_dsl().envar, "arch", "sm_100a")
+
+    from torch_fa4.kernels.sm100.umma_batch import instr_desc
+
+    dtype, m, n, a_major, b_major, a_tmem, ctas, expected = case
+    major = {"k": OperandMajorMode.K, "mn": OperandMajorMode.MN}
+    op = tcgen05.MmaF16BF16Op(
+        {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype], cutlass.Float32, (m, n, 16),
+        {1: tcgen05.CtaGroup.ONE, 2: tcgen05.CtaGroup.TWO}[ctas],
+        tcgen05.OperandSource.TMEM if a_tmem else tcgen05.OperandSource.SMEM, major[a_major], major[b_major])
+    assert instr_desc(op) == expected, f"{instr_desc(op):#x} != {expected:#x}"
