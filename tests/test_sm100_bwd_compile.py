@@ -87,7 +87,10 @@ MMA_LOOP_PER_UMMA = 6.5
 def mma_loop(sass: str) -> tuple:
     """(UMMAs, instructions) of the loop (a backward branch's body) holding the most UMMAs."""
     lines = sass.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.(L_x_\d+):", line.strip()))}
+    labels = {}
+    for i, line in enumerate(lines):
+        if m := re.match(r"^\.(L_x_\d+):", line.strip()):
+            labels[m.group(1)] = i
     best = (0, 0)
     for i, line in enumerate(lines):
         m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", line)
@@ -369,7 +372,7 @@ _DSL_INSTR_DESCS = [
 @pytest.mark.parametrize("case", _DSL_INSTR_DESCS)
 def test_batched_umma_instruction_descriptor_is_the_dsls(case, monkeypatch):
     """umma_batch writes its own instruction descriptor: it must equal the DSL's for every MMA op
-    the backward issues (a wrong field would be a silently wrong matmul)."""
+    the backward runs (a wrong field would be a silently wrong matmul)."""
     from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
     from cutlass.cutlass_dsl import CuTeDSL
 
