@@ -79,6 +79,7 @@ def _k_offsets(frag, units) -> list:
     for k in range(cute.size(frag, mode=[2])):
         off = cute.crd2idx((0, 0, k), frag.layout)
         assert isinstance(off, int), "K-block offsets must be static"
+        assert off * units[0] % units[1] == 0, "a K block starting inside a TMEM column"
         offsets.append(off * units[0] // units[1])
     return offsets
 
