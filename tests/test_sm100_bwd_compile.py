@@ -18,6 +18,7 @@ the two canonical layouts agree.
 """
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -77,6 +78,30 @@ MOD_VARIANTS = {
 }
 
 
+# instructions per UMMA in the MMA warp's step loop: ~4.7 (CUDA 13's ptxas) to ~5.8 (CUDA 12's);
+# one `cute.gemm` per K block costs ~10 with CUDA 12's (an elected region and a descriptor rebuild
+# each)
+MMA_LOOP_PER_UMMA = 6.5
+
+
+def mma_loop(sass: str) -> tuple:
+    """(UMMAs, instructions) of the loop (a backward branch's body) holding the most UMMAs."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        if m := re.match(r"^\.(L_x_\d+):", line.strip()):
+            labels[m.group(1)] = i
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            body = [x for x in lines[labels[m.group(1)]: i + 1] if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", x)]
+            umma = sum("UTCHMMA" in x for x in body)
+            if umma > best[0]:
+                best = (umma, len(body))
+    return best
+
+
 def _expected_umma(cfg) -> int:
     """S^T = K Q^T (D/16 k-blocks), dP^T = V dO^T (Dv/16), dV, dK over 128 queries and dQ over 128
     keys (8 k-blocks each): one call site each (bwd_kernel.mma_role)."""
@@ -109,6 +134,11 @@ def _compile_and_check_sass(call, deterministic, tmp_path):
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
     assert sass.count("UTCHMMA") == _expected_umma(cfg), "matmuls did not all become tcgen05 UMMAs"
     assert "HGMMA" not in sass
+    # the MMA warp's step loop holds every UMMA, a few instructions each around them (one elected
+    # region per batch, descriptors advanced by constants: kernels/sm100/umma_batch.py)
+    loop_umma, loop_length = mma_loop(sass)
+    assert loop_umma == _expected_umma(cfg)
+    assert loop_length <= MMA_LOOP_PER_UMMA * loop_umma, f"MMA loop: {loop_length} instructions"
     # S^T and dP^T chunks, dQ, dK, dV chunks out of TMEM; P^T back in
     assert sass.count("LDTM") == 2 + cfg.head_dim // 32 + cfg.head_dim // 32 + cfg.head_dim_v // 32
     assert "STTM" in sass, "P^T does not go back to tensor memory"
@@ -321,3 +351,40 @@ def test_launch_hands_the_kernel_its_compiled_arguments(name, monkeypatch):
     assert scalars[1] == pytest.approx(call.scale * math.log2(math.e))
     assert scalars[5] == (call.max_seqlen_k if call.is_varlen else call.k.shape[1])
     assert all(a is None for a in args[-MAX_AUX:])
+
+
+# (dtype, M, N, A major, B major, A in TMEM, CTAs) -> the instruction descriptor CuTe DSL's own
+# cute.gemm put in the PTX of the backward kernels for that MMA (read from their compiled PTX)
+_DSL_INSTR_DESCS = [
+    ("bf16", 128, 128, "k", "k", False, 1, 0x8200490),  # S^T, dP^T
+    ("bf16", 128, 128, "k", "mn", True, 1, 0x8210490),  # dV (P^T from TMEM)
+    ("bf16", 128, 128, "k", "mn", False, 1, 0x8210490),  # dK
+    ("bf16", 128, 128, "mn", "mn", False, 1, 0x8218490),  # dQ
+    ("bf16", 128, 64, "k", "mn", True, 1, 0x8110490),  # dV at Dv = 64
+    ("fp16", 128, 128, "k", "k", False, 1, 0x8200010),
+    ("fp16", 128, 128, "k", "mn", False, 1, 0x8210010),
+    ("fp16", 128, 128, "mn", "mn", False, 1, 0x8218010),
+    ("bf16", 256, 128, "k", "k", False, 2, 0x10200490),  # the CTA pair's S^T
+    ("bf16", 256, 128, "k", "mn", True, 2, 0x10210490),
+]
+
+
+@pytest.mark.parametrize("case", _DSL_INSTR_DESCS)
+def test_batched_umma_instruction_descriptor_is_the_dsls(case, monkeypatch):
+    """umma_batch writes its own instruction descriptor: it must equal the DSL's for every MMA op
+    the backward runs (a wrong field would be a silently wrong matmul)."""
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    # tcgen05 ops validate the DSL's target: sm_100a for this test only
+    monkeypatch.setattr(CuTeDSL._get_dsl().envar, "arch", "sm_100a")
+
+    from torch_fa4.kernels.sm100.umma_batch import instr_desc
+
+    dtype, m, n, a_major, b_major, a_tmem, ctas, expected = case
+    major = {"k": OperandMajorMode.K, "mn": OperandMajorMode.MN}
+    op = tcgen05.MmaF16BF16Op(
+        {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype], cutlass.Float32, (m, n, 16),
+        {1: tcgen05.CtaGroup.ONE, 2: tcgen05.CtaGroup.TWO}[ctas],
+        tcgen05.OperandSource.TMEM if a_tmem else tcgen05.OperandSource.SMEM, major[a_major], major[b_major])
+    assert instr_desc(op) == expected, f"{instr_desc(op):#x} != {expected:#x}"

@@ -24,7 +24,7 @@ cutlass = pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from sass import sass_of  # noqa: E402
-from test_sm100_bwd_compile import _call  # noqa: E402
+from test_sm100_bwd_compile import _call, mma_loop  # noqa: E402
 from test_sm90_fwd_compile import _alibi, _doc_mask, _mod_call  # noqa: E402
 
 VARIANTS = {
@@ -52,6 +52,11 @@ MOD_VARIANTS = {
     "d192_alibi_document_mask": lambda: _mod_call(192, score_mod=_alibi(), mask_mod=_doc_mask()),
     "d256_alibi_causal": lambda: _mod_call(256, score_mod=_alibi(), causal=True),
 }
+
+
+# instructions per pair UMMA in the MMA warp's step loop: ~5 (CUDA 13's ptxas) to ~15 (CUDA 12's, fewer
+# registers with mods); the per-lane loops around each UMMA make it 20-23
+PAIR_MMA_LOOP_PER_UMMA = 16
 
 
 def _expected_umma(cfg) -> int:
@@ -91,6 +96,11 @@ def _compile_and_check_sass(call, tmp_path):
     sass = sass_of(tmp_path, "*.sm_100a.cubin")
     umma = sass.count("UTCHMMA")
     assert umma == sass.count("UTCHMMA.2CTA") == _expected_umma(cfg), "not every matmul is a pair UMMA"
+    # the leader's step loop holds every UMMA at a few instructions each: no per-UMMA loop over the
+    # lanes (ptxas's form when it cannot see the MMA warp's branch as warp-uniform: ~20 each)
+    loop_umma, loop_length = mma_loop(sass)
+    assert loop_umma == umma
+    assert loop_length <= PAIR_MMA_LOOP_PER_UMMA * umma, f"MMA loop: {loop_length} instructions"
     assert "HGMMA" not in sass
     tma = [line for line in sass.splitlines() if "UTMALDG" in line]
     # K, V, Q, dO (64-element boxes of D: two or three each), K^T, Q^T, dO^T halves (one or more)

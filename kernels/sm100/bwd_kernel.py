@@ -73,7 +73,8 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
                                                 TILE_N, Sm100BwdLayout)
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import (TMEM_COLUMNS, fence_after_sync, fence_before_sync, setup_tmem,
-                                          tmem_copy, umma)
+                                          tmem_copy)
+from torch_fa4.kernels.sm100.umma_batch import Umma, umma_batch
 from torch_fa4.kernels.common import mod_lowering as mods_dsl
 from torch_fa4.kernels.sm90.bwd_q_walk import (DenseQWalk, SparseQWalk, head_slab, key_tile_sequence,
                                                query_tiles_seeing)
@@ -439,15 +440,15 @@ class Sm100AttentionBackward(BwdScores):
                 stage = q_state.index
                 pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns
                 fence_after_sync()
-                umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False)
-                umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)
+                umma_batch([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
+                            Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
                 pipe_s.producer_acquire(s_state)  # P^T in TMEM, dS^T in shared memory
                 fence_after_sync()
-                umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0)
-                umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0)
-                umma(dq_mma, tdQ, tQrdS, tQrK, False)
+                umma_batch([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
+                            Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
+                            Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
                 pipe_dq.producer_commit(dq_state)
                 dq_state.advance()
                 pipe_q.consumer_release(q_state)

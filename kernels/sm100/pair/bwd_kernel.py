@@ -332,7 +332,10 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 if const_expr(self.rebalance):
                     _set_registers(regs_other)
                 if warp_idx == MMA_WARP:
-                    if rank == 0:
+                    # the leader, rank 0: the block index's parity along the (2, 1, 1) cluster, the
+                    # same value as `rank`, which ptxas does not see as warp-uniform (CUDA 12's then
+                    # wraps every UMMA in a loop over the lanes)
+                    if n_block % 2 == 0:
                         self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc,
                                            cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
                 elif warp_idx == LOAD_WARP:
