@@ -115,6 +115,10 @@ class Sm100AttentionBackward(BwdScores):
         self.d, self.dv = c.head_dim, c.head_dim_v
         self.lay = self._layout(c)
         self.tile_m, self.tile_n = TILE_M, TILE_N
+        # keys an MMA's M spans (this CTA's; the CTA-pair subclass: the pair's), and the dQ columns
+        # one dQ thread holds (a whole row; the pair: half)
+        self.mma_keys = TILE_N
+        self.dq_cols = self.d
         self.group = c.group
         self.varlen, self.softcap, self.deterministic = c.varlen, c.softcap, c.deterministic
         self.has_right, self.has_left = c.has_right, c.has_left
@@ -327,8 +331,8 @@ class Sm100AttentionBackward(BwdScores):
         q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
                                                                      self.varlen)
         diag = seqlen_k - seqlen_q
-        n0 = n_block * TILE_N
-        n1 = cutlass.min(n0 + TILE_N, seqlen_k)
+        n0 = self._first_key(n_block)
+        n1 = cutlass.min(n0 + self.mma_keys, seqlen_k)
         m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, TILE_M,
                                        self.has_left, self.has_right)
         if n0 >= seqlen_k:
@@ -343,19 +347,25 @@ class Sm100AttentionBackward(BwdScores):
             walk = DenseQWalk(m_lo, n_m, self.group)
         return _Tile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, stat_off, walk)
 
+    def _first_key(self, n_block):
+        """The first key of the MMAs' key span (the walk sees any key of it)."""
+        return n_block * TILE_N
+
     def _tmem_tensors(self, tmem, cols, mmas):
         """Accumulators in TMEM: S^T, dP^T (keys x queries), dV, dK (keys x head dim), dQ (queries x
-        head dim, over S^T's columns)."""
+        head dim, at cols["dq"]: over S^T's columns). The CTA pair's are its halves of the pair's
+        (keys: the pair's)."""
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
+        keys = self.mma_keys
 
         def acc(mma, shape, col):
             thr = mma.get_slice(0)
             layout = thr.make_fragment_C(thr.partition_shape_C(shape)).layout
             return cute.make_tensor(tmem + col, layout)
 
-        return (acc(sdp_mma, (TILE_N, TILE_M), cols["s"]), acc(sdp_mma, (TILE_N, TILE_M), cols["dp"]),
-                acc(dv_mma, (TILE_N, self.dv), cols["dv"]), acc(dk_mma, (TILE_N, self.d), cols["dk"]),
-                acc(dq_mma, (TILE_M, self.d), cols["s"]))
+        return (acc(sdp_mma, (keys, TILE_M), cols["s"]), acc(sdp_mma, (keys, TILE_M), cols["dp"]),
+                acc(dv_mma, (keys, self.dv), cols["dv"]), acc(dk_mma, (keys, self.d), cols["dk"]),
+                acc(dq_mma, (TILE_M, self.d), cols["dq"]))
 
     @cute.jit
     def _head_rows(self, t: cute.Tensor, h, b, off):
@@ -574,16 +584,14 @@ class Sm100AttentionBackward(BwdScores):
 
     # ------------------------------------------------------------------ dQ warpgroup
     @cute.jit
-    def dq_role(self, acc, pipe_dq, gmem, mSem, tile: _Tile, scalars, tid):
+    def dq_role(self, acc, pipe_dq, gmem, mSem, tile: _Tile, scalars, tid, rank=0):
+        """dQ of a step from TMEM into the fp32 buffer: thread tid holds `dq_cols` columns of one
+        query row (_dq_origin: which; the whole row of query tid here)."""
         tdQ = acc[4]
         mdQacc = gmem[6]
         window_left = scalars[3]
-        d = self.d
-        chunk = cute.composition(tdQ.layout, cute.make_layout((TILE_M, _CHUNK)))
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tdQ.iterator, chunk))
-        thr_load = load.get_slice(tid)
-        tQt = thr_load.partition_S(cute.make_tensor(tdQ.iterator, chunk))
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
+        d = self.dq_cols
+        tQt, load, regs = self._tmem_chunk_load(tdQ, TILE_M, tid)
         walk = tile.walk
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
@@ -607,14 +615,32 @@ class Sm100AttentionBackward(BwdScores):
             dq_state.advance()
             if const_expr(self.deterministic):
                 self._wait_turn(mSem, tile, h, m_block, window_left, tid)
-            row = m_block * TILE_M + tid
+            row = self._dq_row(m_block, rank, tid)
             if row < tile.seqlen_q:
                 g = self._head_rows(mdQacc, h, tile.b, tile.q_off)
-                row_addr = (g.iterator + cute.crd2idx((row, 0), g.layout)).toint()
+                row_addr = (g.iterator + cute.crd2idx((row, self._dq_col0(tid)), g.layout)).toint()
                 for k in cutlass.range_constexpr(0, d, 4):  # (the buffer's rows are 16-byte aligned)
                     red_add_f32x4(row_addr + 4 * k, *(rdQ[k + i] for i in range(4)))
             if const_expr(self.deterministic):
                 self._pass_turn(mSem, tile, h, m_block, tid)
+
+    def _tmem_chunk_load(self, t, rows, tid):
+        """(thread tid's partition of accumulator t's first _CHUNK columns, the 32x32b load, its
+        register fragment's shape): advance the partition's iterator by the column."""
+        chunk = cute.composition(t.layout, cute.make_layout((rows, _CHUNK)))
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t.iterator, chunk))
+        thr_load = load.get_slice(tid)
+        part = thr_load.partition_S(cute.make_tensor(t.iterator, chunk))
+        regs = thr_load.partition_D(cute.make_identity_tensor((rows, _CHUNK))).shape
+        return part, load, regs
+
+    def _dq_row(self, m_block, rank, tid):
+        """The query row of thread tid's dQ values (rank: the CTA's in its cluster)."""
+        return m_block * TILE_M + tid
+
+    def _dq_col0(self, tid):
+        """The first of thread tid's dq_cols dQ columns."""
+        return 0
 
     @cute.jit
     def _wait_turn(self, mSem, tile: _Tile, h, m_block, window_left, tid):

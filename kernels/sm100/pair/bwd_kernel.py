@@ -63,10 +63,9 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
                                                 TILE_N, Sm100BwdLayout, pair_aliases,
                                                 pair_registers)
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
-from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
+from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, st_shared_v4, swizzle_128b
 from torch_fa4.kernels.sm100.tmem import (fence_after_sync, fence_before_sync, release_pair_tmem,
                                           setup_pair_tmem, tmem_copy, umma)
-from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, key_tile_sequence, query_tiles_seeing
 
 _CHUNK = 32  # TMEM columns per tcgen05.ld/st (as the 1-CTA kernel)
 _P_COLS = _CHUNK // 2
@@ -107,7 +106,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         # half-row layout and P^T / dS^T in shared memory ("narrow")
         self.keys = self.tile_n = self.lay.keys
         self.narrow = self.keys < TILE_N
-        self.pair_n = 2 * self.keys
+        self.pair_n = self.mma_keys = 2 * self.keys
+        self.dq_cols = self.d // 2  # the half-row layout
         # D = Dv = 256: dS, P^T and dS^T over the step's Q and dO halves (bwd_config.pair_aliases)
         self.alias = pair_aliases(self.d, self.dv)
         self.registers = pair_registers(self.d, mods is not None)
@@ -327,7 +327,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
                     _set_registers(regs_dq)
-                self.pair_dq_role(acc, pipe_dq, gmem, tile, rank, tidx % 128)
+                self.dq_role(acc, pipe_dq, gmem, None, tile, scalars, tidx % 128, rank)
             else:
                 if const_expr(self.rebalance):
                     _set_registers(regs_other)
@@ -343,41 +343,27 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
 
             release_pair_tmem(tmem, warp_idx == MMA_WARP)
 
-    @cute.jit
-    def _tile(self, gmem, mCuQ, mCuK, mSeqUsedK, q_lists, n_block, hkv, b, scalars) -> _Tile:
-        """The 1-CTA kernel's bookkeeping, with the walk over the query tiles that see any key
-        of the pair's 256 (both CTAs walk the same steps)."""
-        mQ, mK = gmem[0], gmem[1]
-        window_left, window_right = scalars[3], scalars[4]
-        q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
-                                                                     self.varlen)
-        diag = seqlen_k - seqlen_q
-        n0 = n_block // 2 * self.pair_n
-        n1 = cutlass.min(n0 + self.pair_n, seqlen_k)
-        m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, TILE_M,
-                                       self.has_left, self.has_right)
-        if n0 >= seqlen_k:
-            n_m = Int32(0)
-        stat_off = q_off
-        if const_expr(self.varlen):  # bwd_row_stats.stat_row_offsets
-            stat_off = (q_off + b * TILE_M) // TILE_M * TILE_M
-        walk = DenseQWalk(m_lo, n_m, self.group)
-        return _Tile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, stat_off, walk)
+    def _first_key(self, n_block):
+        """The pair's first key (both CTAs walk the query tiles that see any of its keys)."""
+        return n_block // 2 * self.pair_n
 
-    def _tmem_tensors(self, tmem, cols, mmas):
-        """Each CTA's accumulator halves: S^T, dP^T (its keys x queries), dV, dK (its keys x head
-        dim) and dQ (its 64 queries x D, the half-row layout, over S^T's second half)."""
-        sdp_mma, dv_mma, dk_mma, dq_mma = mmas
+    def _tmem_chunk_load(self, t, rows, tid):
+        """As the 1-CTA kernel's, over TMEM lanes (the pair's accumulators are one CTA's half)."""
+        lanes = cute.make_layout((rows, _CHUNK), stride=(1 << 16, 1))  # (TMEM lane, column)
+        chunk = cute.make_tensor(t.iterator, lanes)
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, chunk)
+        thr_load = load.get_slice(tid)
+        part = thr_load.partition_S(chunk)
+        regs = thr_load.partition_D(cute.make_identity_tensor((rows, _CHUNK))).shape
+        return part, load, regs
 
-        def acc(mma, shape, col):
-            thr = mma.get_slice(0)
-            layout = thr.make_fragment_C(thr.partition_shape_C(shape)).layout
-            return cute.make_tensor(tmem + col, layout)
+    def _dq_row(self, m_block, rank, tid):
+        """dQ of the CTA's 64 queries: thread t holds query t % 64, D columns [D/2 (t // 64), +D/2)
+        (the half-row layout)."""
+        return m_block * TILE_M + rank * _HALF_M + tid % _HALF_M
 
-        pair_n = self.pair_n
-        return (acc(sdp_mma, (pair_n, TILE_M), cols["s"]), acc(sdp_mma, (pair_n, TILE_M), cols["dp"]),
-                acc(dv_mma, (pair_n, self.dv), cols["dv"]), acc(dk_mma, (pair_n, self.d), cols["dk"]),
-                acc(dq_mma, (TILE_M, self.d), cols["dq"]))
+    def _dq_col0(self, tid):
+        return tid // _HALF_M * self.dq_cols
 
     @cute.jit
     def _head_cols(self, t: cute.Tensor, h, b, off):
@@ -650,43 +636,3 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 if key < tile.rows_k:
                     gt = cute.local_tile(g, (self.keys, _CHUNK), (tile.n_block, col0 // _CHUNK + j))
                     cute.autovec_copy(r16, gt[t_key, None])
-
-    # ------------------------------------------------------------------ dQ warpgroup
-    @cute.jit
-    def pair_dq_role(self, acc, pipe_dq, gmem, tile: _Tile, rank, tid):
-        """dQ of the CTA's 64 queries: thread t reads query t % 64, D columns [D/2 (t // 64), +D/2)
-        (the half-row layout) and adds them into the fp32 buffer."""
-        tdQ = acc[4]
-        mdQacc = gmem[6]
-        half = self.d // 2
-        lanes = cute.make_layout((TILE_M, _CHUNK), stride=(1 << 16, 1))  # (TMEM lane, column)
-        chunk = cute.make_tensor(tdQ.iterator, lanes)
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, chunk)
-        thr_load = load.get_slice(tid)
-        tQt = thr_load.partition_S(chunk)
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
-        walk = tile.walk
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        cur_h, cur_m = walk.start()
-        for step in cutlass.range(walk.count, unroll=1):
-            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
-            cur_h, cur_m = walk.advance(cur_h, cur_m)
-            h = tile.hkv * self.group + h_local
-            pipe_dq.consumer_wait(dq_state)
-            fence_after_sync()
-            rdQ = cute.make_rmem_tensor(cute.make_layout(half), Float32)
-            for j in cutlass.range_constexpr(half // _CHUNK):
-                r = cute.make_rmem_tensor(regs, Float32)
-                cute.copy(load, cute.make_tensor(tQt.iterator + j * _CHUNK, tQt.layout), r)
-                cute.arch.fence_view_async_tmem_load()
-                for k in cutlass.range_constexpr(_CHUNK):
-                    rdQ[j * _CHUNK + k] = r[k]
-            fence_before_sync()
-            pipe_dq.consumer_release(dq_state)
-            dq_state.advance()
-            row = m_block * TILE_M + rank * _HALF_M + tid % _HALF_M
-            if row < tile.seqlen_q:
-                g = self._head_rows(mdQacc, h, tile.b, tile.q_off)
-                row_addr = (g.iterator + cute.crd2idx((row, tid // _HALF_M * half), g.layout)).toint()
-                for k in cutlass.range_constexpr(0, half, 4):
-                    red_add_f32x4(row_addr + 4 * k, *(rdQ[k + i] for i in range(4)))
