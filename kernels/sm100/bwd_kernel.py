@@ -419,10 +419,12 @@ class Sm100AttentionBackward(BwdScores):
 
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
-    def mma_role(self, mmas, smem_ops, tmem, tP_layout, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc,
+    def mma_role(self, mmas, smem_ops, tmem, a_ops, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc,
                  steps):
+        """smem_ops: sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS (dQ's A) and the class's own (here dS^T's
+        MN-major view); a_ops: where the A operands of dV and dK live (_mma_a_fragments)."""
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
-        sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS, sdSt = smem_ops
+        sK, sKt, sV, sQ, sQt, sdO, sdOt = smem_ops[:7]
         tS, tdP, tdV, tdK, tdQ = acc
         thr_sdp, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in mmas)
         tSrK = thr_sdp.make_fragment_A(sK)[None, None, None, 0]
@@ -431,13 +433,7 @@ class Sm100AttentionBackward(BwdScores):
         tSrdO = thr_sdp.make_fragment_B(sdO)
         tVrdO = thr_dv.make_fragment_B(sdOt)
         tKrQ = thr_dk.make_fragment_B(sQt)
-        tKrdS = thr_dk.make_fragment_A(sdS)[None, None, None, 0]
-        tQrdS = thr_dq.make_fragment_A(sdSt)[None, None, None, 0]
-        tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
-        # P^T: the 16-bit A operand of dV in TMEM over the first half of S^T's columns (addresses
-        # relative to column 0: the kernel allocates all 512 columns, whose base is lane 0, column 0)
-        tVrP = thr_dv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
-        tVrP = cute.make_tensor(tVrP.iterator + (Float32.width // self.dtype.width) * cols["s"], tVrP.layout)
+        tVrP, tKrdS, tQrdS, tQrK = self._mma_a_fragments((thr_dv, thr_dk, thr_dq), smem_ops, tmem, a_ops, cols)
         if steps > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             kv_state = pipeline.make_pipeline_state(Consumer, 1)
@@ -450,20 +446,42 @@ class Sm100AttentionBackward(BwdScores):
                 stage = q_state.index
                 pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns
                 fence_after_sync()
-                umma_batch([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
-                            Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
+                self._issue([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
+                             Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
-                pipe_s.producer_acquire(s_state)  # P^T in TMEM, dS^T in shared memory
+                pipe_s.producer_acquire(s_state)  # P^T, dS^T written
+                self._acquire_ds()
                 fence_after_sync()
-                umma_batch([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
-                            Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
-                            Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
+                self._issue([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
+                             Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
+                             Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
                 pipe_dq.producer_commit(dq_state)
                 dq_state.advance()
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
             pipe_acc.producer_commit(acc_state)
+
+    def _mma_a_fragments(self, thrs, smem_ops, tmem, tP_layout, cols):
+        """The MMA fragments of P^T (dV's A), dS^T (dK's A), dS (dQ's A) and K^T (dQ's B)."""
+        thr_dv, thr_dk, thr_dq = thrs
+        sKt, sdS, sdSt = smem_ops[1], smem_ops[7], smem_ops[8]
+        tKrdS = thr_dk.make_fragment_A(sdS)[None, None, None, 0]
+        tQrdS = thr_dq.make_fragment_A(sdSt)[None, None, None, 0]
+        tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
+        # P^T: the 16-bit A operand of dV in TMEM over the first half of S^T's columns (addresses
+        # relative to column 0: the kernel allocates all 512 columns, whose base is lane 0, column 0)
+        tVrP = thr_dv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
+        tVrP = cute.make_tensor(tVrP.iterator + (Float32.width // self.dtype.width) * cols["s"], tVrP.layout)
+        return tVrP, tKrdS, tQrdS, tQrK
+
+    def _issue(self, batch):
+        """Issue a batch of UMMAs (one elected region: umma_batch)."""
+        umma_batch(batch)
+
+    def _acquire_ds(self):
+        """Between the compute warps' release of P^T / dS^T and the MMAs reading them (the CTA
+        pair: the peer's dS stores)."""
 
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit

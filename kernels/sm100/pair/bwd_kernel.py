@@ -312,7 +312,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 if const_expr(self.narrow):
                     sP = storage.sP.get_tensor(tP_layout.outer, swizzle=tP_layout.inner)
                     sdSt = storage.sdSt.get_tensor(tdS_layout.outer, swizzle=tdS_layout.inner)
-            smem_ops = (sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS)
+            smem_ops = (sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS)
             stats = (storage.sLSE.get_tensor(cute.make_layout((TILE_M, 2))),
                      storage.sDp.get_tensor(cute.make_layout((TILE_M, 2))))
             cols = self.lay.columns()
@@ -336,7 +336,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                     # same value as `rank`, which ptxas does not see as warp-uniform (CUDA 12's then
                     # wraps every UMMA in a loop over the lanes)
                     if n_block % 2 == 0:
-                        self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc,
+                        self.mma_role(mmas, smem_ops, tmem, ((tP_layout, tdS_layout), (sP, sdSt)), acc,
                                            cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
                 elif warp_idx == LOAD_WARP:
                     self.pair_load_role(gmem, tmas, mmas, smem_ops, pipe_kv, pipe_q, tile, rank)
@@ -380,7 +380,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         mQ, mK, mV, mdO = gmem[0], gmem[1], gmem[2], gmem[3]
         mQt, mKt, mdOt = gmem[9], gmem[10], gmem[11]
         tma_Q, tma_K, tma_V, tma_dO, tma_Qt, tma_Kt, tma_dOt = tmas
-        sK, sV, sKt, sQ, sQt, sdO, sdOt, _ = smem_ops
+        sK, sKt, sV, sQ, sQt, sdO, sdOt, _ = smem_ops
         thr_sdp, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in mmas)
         d, dv = self.d, self.dv
         pair = tile.n_block // 2
@@ -436,24 +436,14 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             pipe_q.producer_tail(q_state)
 
     # ------------------------------------------------------------------ MMA warp (leader CTA)
-    @cute.jit
-    def pair_mma_role(self, mmas, smem_ops, tmem, tmem_a_layouts, smem_a, acc, cols, pipe_kv, pipe_q, pipe_s,
-                      pipe_dq, pipe_acc, steps):
-        sdp_mma, dv_mma, dk_mma, dq_mma = mmas
-        sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS = smem_ops
-        tP_layout, tdS_layout = tmem_a_layouts
-        tS, tdP, tdV, tdK, tdQ = acc
-        thr_sdp, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in mmas)
-        tSrK = thr_sdp.make_fragment_A(sK)[None, None, None, 0]
-        tSrV = thr_sdp.make_fragment_A(sV)[None, None, None, 0]
-        tSrQ = thr_sdp.make_fragment_B(sQ)
-        tSrdO = thr_sdp.make_fragment_B(sdO)
-        tVrdO = thr_dv.make_fragment_B(sdOt)
-        tKrQ = thr_dk.make_fragment_B(sQt)
-        tQrdS = thr_dq.make_fragment_A(sdS)[None, None, None, 0]
-        tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
-        # P^T and dS^T: 16-bit A operands in TMEM over S^T's and dP^T's first columns (addresses
-        # relative to column 0 of the 512-column allocation); narrow: from shared memory
+    def _mma_a_fragments(self, thrs, smem_ops, tmem, a_ops, cols):
+        """dS (dQ's A) and K^T (dQ's B) from shared memory; P^T and dS^T: 16-bit A operands in TMEM
+        over S^T's and dP^T's first columns (addresses relative to column 0 of the 512-column
+        allocation); narrow: from shared memory."""
+        thr_dv, thr_dk, thr_dq = thrs
+        (tP_layout, tdS_layout), smem_a = a_ops
+        tQrdS = thr_dq.make_fragment_A(smem_ops[7])[None, None, None, 0]
+        tQrK = thr_dq.make_fragment_B(smem_ops[1])[None, None, None, 0]
         if const_expr(self.narrow):
             tVrP = thr_dv.make_fragment_A(smem_a[0])[None, None, None, 0]
             tKrdS = thr_dk.make_fragment_A(smem_a[1])[None, None, None, 0]
@@ -463,34 +453,16 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             tVrP = cute.make_tensor(tVrP.iterator + per_col * cols["s"], tVrP.layout)
             tKrdS = thr_dk.make_fragment_A(cute.make_tensor(tmem, tdS_layout.outer))[None, None, None, 0]
             tKrdS = cute.make_tensor(tKrdS.iterator + per_col * cols["dp"], tKrdS.layout)
-        if steps > 0:
-            Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
-            kv_state = pipeline.make_pipeline_state(Consumer, 1)
-            q_state = pipeline.make_pipeline_state(Consumer, self.lay.stages)
-            s_state, dq_state, acc_state = (pipeline.make_pipeline_state(Producer, 1) for _ in range(3))
-            pipe_kv.consumer_wait(kv_state)
-            pipe_s.producer_acquire(s_state)
-            for i in cutlass.range(steps, unroll=1):
-                pipe_q.consumer_wait(q_state)
-                stage = q_state.index
-                pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns (both CTAs)
-                fence_after_sync()
-                umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False)
-                umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)
-                pipe_s.producer_commit(s_state)
-                s_state.advance()
-                pipe_s.producer_acquire(s_state)  # P^T, dS^T in TMEM, dS in both CTAs' shared memory
-                # the peer's dS stores were released at cluster scope: acquire them at that scope
-                cute.arch.fence_acq_rel_cluster()
-                fence_after_sync()
-                umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0)
-                umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0)
-                umma(dq_mma, tdQ, tQrdS, tQrK, False)
-                pipe_dq.producer_commit(dq_state)
-                dq_state.advance()
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-            pipe_acc.producer_commit(acc_state)
+        return tVrP, tKrdS, tQrdS, tQrK
+
+    def _issue(self, batch):
+        """One pair UMMA at a time (tmem.umma; the leader's MMA warp)."""
+        for m in batch:
+            umma(m.tiled_mma, m.acc, m.a, m.b, m.accumulate)
+
+    def _acquire_ds(self):
+        """The peer's dS stores were released at cluster scope: acquire them at that scope."""
+        cute.arch.fence_acq_rel_cluster()
 
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit
