@@ -567,24 +567,22 @@ class Sm100AttentionBackward(BwdScores):
 
     @cute.jit
     def dkdv_epilogue(self, tdV, tdK, pipe_acc, gmem, tile: _Tile, scale, tid):
-        """Key tid's rows of dV and dK (times the softmax scale) from TMEM to global memory; zeros
-        where the walk was empty (no query sees these keys)."""
+        """Thread tid's key row of dV and dK (times the softmax scale) from TMEM to global memory
+        (_acc_cols of each: here the whole row of key tid); zeros where the walk was empty (no
+        query sees these keys)."""
         mdK, mdV = gmem[7], gmem[8]
         steps = tile.walk.count
         if steps > 0:
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_acc.consumer_wait(acc_state)
             fence_after_sync()
-        key = tile.n_block * TILE_N + tid
+        key = self._epilogue_key(tile, tid)
         for t_acc, m_out, width, factor in ((tdV, mdV, self.dv, None), (tdK, mdK, self.d, scale)):
-            chunk = cute.composition(t_acc.layout, cute.make_layout((TILE_N, _CHUNK)))
-            load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t_acc.iterator, chunk))
-            thr_load = load.get_slice(tid)
-            tAt = thr_load.partition_S(cute.make_tensor(t_acc.iterator, chunk))
-            regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
-            g = cute.local_tile(self._head_rows(m_out, tile.hkv, tile.b, tile.k_off), (TILE_N, width),
-                                (tile.n_block, 0))
-            for j in cutlass.range_constexpr(width // _CHUNK):
+            cols = self._acc_cols(width)
+            col0 = self._acc_col0(cols, tid)
+            tAt, load, regs, thr_load = self._tmem_chunk_load(t_acc, TILE_N, tid)
+            g = self._epilogue_rows(m_out, tile, width)
+            for j in cutlass.range_constexpr(cols // _CHUNK):
                 r = cute.make_rmem_tensor(regs, Float32)
                 if steps > 0:
                     cute.copy(load, cute.make_tensor(tAt.iterator + j * _CHUNK, tAt.layout), r)
@@ -594,11 +592,33 @@ class Sm100AttentionBackward(BwdScores):
                 if const_expr(factor is not None):
                     for k in cutlass.range_constexpr(cute.size(r)):
                         r[k] = r[k] * factor
-                r16 = cute.make_rmem_tensor(r.layout, self.dtype)
-                r16.store(r.load().to(self.dtype))
-                tAg = thr_load.partition_D(cute.local_tile(g, (TILE_N, _CHUNK), (0, j)))
-                if key < tile.rows_k:
-                    cute.autovec_copy(r16, tAg)
+                self._store_acc_chunk(r, g, thr_load, j, col0, key, tile, tid)
+
+    def _epilogue_key(self, tile: _Tile, tid):
+        """The key of thread tid's dK / dV values."""
+        return tile.n_block * TILE_N + tid
+
+    def _acc_cols(self, width):
+        """The columns of a `width`-column dK / dV row one thread holds."""
+        return width
+
+    def _acc_col0(self, cols, tid):
+        """The first of those columns."""
+        return 0
+
+    def _epilogue_rows(self, m_out, tile: _Tile, width):
+        """What _store_acc_chunk writes into: here the key tile's rows of m_out."""
+        return cute.local_tile(self._head_rows(m_out, tile.hkv, tile.b, tile.k_off), (TILE_N, width),
+                               (tile.n_block, 0))
+
+    @cute.jit
+    def _store_acc_chunk(self, r, g, thr_load, j, col0, key, tile: _Tile, tid):
+        """Chunk j of thread tid's dK / dV values (fp32 registers r) as 16-bit values into g."""
+        r16 = cute.make_rmem_tensor(r.layout, self.dtype)
+        r16.store(r.load().to(self.dtype))
+        tAg = thr_load.partition_D(cute.local_tile(g, (TILE_N, _CHUNK), (0, j)))
+        if key < tile.rows_k:
+            cute.autovec_copy(r16, tAg)
 
     # ------------------------------------------------------------------ dQ warpgroup
     @cute.jit
@@ -609,7 +629,7 @@ class Sm100AttentionBackward(BwdScores):
         mdQacc = gmem[6]
         window_left = scalars[3]
         d = self.dq_cols
-        tQt, load, regs = self._tmem_chunk_load(tdQ, TILE_M, tid)
+        tQt, load, regs, _ = self._tmem_chunk_load(tdQ, TILE_M, tid)
         walk = tile.walk
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
@@ -644,13 +664,14 @@ class Sm100AttentionBackward(BwdScores):
 
     def _tmem_chunk_load(self, t, rows, tid):
         """(thread tid's partition of accumulator t's first _CHUNK columns, the 32x32b load, its
-        register fragment's shape): advance the partition's iterator by the column."""
+        register fragment's shape, the thread's slice of the load): advance the partition's
+        iterator by the column."""
         chunk = cute.composition(t.layout, cute.make_layout((rows, _CHUNK)))
         load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t.iterator, chunk))
         thr_load = load.get_slice(tid)
         part = thr_load.partition_S(cute.make_tensor(t.iterator, chunk))
         regs = thr_load.partition_D(cute.make_identity_tensor((rows, _CHUNK))).shape
-        return part, load, regs
+        return part, load, regs, thr_load
 
     def _dq_row(self, m_block, rank, tid):
         """The query row of thread tid's dQ values (rank: the CTA's in its cluster)."""

@@ -355,7 +355,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         thr_load = load.get_slice(tid)
         part = thr_load.partition_S(chunk)
         regs = thr_load.partition_D(cute.make_identity_tensor((rows, _CHUNK))).shape
-        return part, load, regs
+        return part, load, regs, thr_load
 
     def _dq_row(self, m_block, rank, tid):
         """dQ of the CTA's 64 queries: thread t holds query t % 64, D columns [D/2 (t // 64), +D/2)
@@ -569,42 +569,25 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             fence_before_sync()
             pipe_s.consumer_release(s_state)
             s_state.advance()
-        self.pair_dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+        self.dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+
+    def _epilogue_key(self, tile: _Tile, tid):
+        """Key tid; narrow (the half-row layout): key tid % 64, half the columns (_acc_cols)."""
+        return tile.n_block * self.keys + tid % self.keys
+
+    def _acc_cols(self, width):
+        return width // 2 if const_expr(self.narrow) else width
+
+    def _acc_col0(self, cols, tid):
+        return tid // self.keys * cols
+
+    def _epilogue_rows(self, m_out, tile: _Tile, width):
+        return self._head_rows(m_out, tile.hkv, tile.b, tile.k_off)
 
     @cute.jit
-    def pair_dkdv_epilogue(self, tdV, tdK, pipe_acc, gmem, tile: _Tile, scale, tid):
-        """This thread's key rows of dV and dK (times the softmax scale) from TMEM to global memory:
-        key tid, all columns; narrow (the half-row layout): key tid % 64, half the columns. Zeros
-        where the walk was empty (no query sees these keys)."""
-        mdK, mdV = gmem[7], gmem[8]
-        steps = tile.walk.count
-        if steps > 0:
-            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_acc.consumer_wait(acc_state)
-            fence_after_sync()
-        t_key = tid % self.keys
-        key = tile.n_block * self.keys + t_key
-        lanes = cute.make_layout((TILE_M, _CHUNK), stride=(1 << 16, 1))
-        for t_acc, m_out, width, factor in ((tdV, mdV, self.dv, None), (tdK, mdK, self.d, scale)):
-            cols = width // 2 if const_expr(self.narrow) else width  # columns this thread holds
-            col0 = tid // self.keys * cols
-            load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t_acc.iterator, lanes))
-            thr_load = load.get_slice(tid)
-            tAt = thr_load.partition_S(cute.make_tensor(t_acc.iterator, lanes))
-            regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
-            g = self._head_rows(m_out, tile.hkv, tile.b, tile.k_off)
-            for j in cutlass.range_constexpr(cols // _CHUNK):
-                r = cute.make_rmem_tensor(regs, Float32)
-                if steps > 0:
-                    cute.copy(load, cute.make_tensor(tAt.iterator + j * _CHUNK, tAt.layout), r)
-                    cute.arch.fence_view_async_tmem_load()
-                else:
-                    r.fill(0.0)
-                if const_expr(factor is not None):
-                    for k in cutlass.range_constexpr(cute.size(r)):
-                        r[k] = r[k] * factor
-                r16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
-                r16.store(cute.make_tensor(r.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                if key < tile.rows_k:
-                    gt = cute.local_tile(g, (self.keys, _CHUNK), (tile.n_block, col0 // _CHUNK + j))
-                    cute.autovec_copy(r16, gt[t_key, None])
+    def _store_acc_chunk(self, r, g, thr_load, j, col0, key, tile: _Tile, tid):
+        r16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
+        r16.store(cute.make_tensor(r.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+        if key < tile.rows_k:
+            gt = cute.local_tile(g, (self.keys, _CHUNK), (tile.n_block, col0 // _CHUNK + j))
+            cute.autovec_copy(r16, gt[tid % self.keys, None])
