@@ -485,31 +485,20 @@ class Sm100AttentionBackward(BwdScores):
 
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit
-    def compute_role(self, acc, sdS, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid):
+    def compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid, rank=0):
+        """smem_ds: the shared-memory tiles the step's dS values go to (_write_p_ds)."""
         tS, tdP, tdV, tdK, _ = acc
         mLSE2, mDpsum = gmem[4], gmem[5]
         sLSE, sDp = stats
         scale, scale_log2, softcap_val, window_left, window_right = scalars
-        chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _CHUNK)))
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tS.iterator, chunk))
-        thr_load = load.get_slice(tid)
-        tSt = thr_load.partition_S(cute.make_tensor(tS.iterator, chunk))
-        tdPt = thr_load.partition_S(cute.make_tensor(tdP.iterator, chunk))
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
-        # P^T: 16-bit values two per column over the first TILE_M / 2 columns of S^T
-        p_chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _P_COLS)))
-        store_p = tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS.iterator, p_chunk))
-        thr_store = store_p.get_slice(tid)
-        tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_chunk))
-        p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_N, _P_COLS))).shape
-        # dS^T's raw shared-memory address (the swizzle is applied per store: bwd_stores)
-        sdS_base = sdS.iterator.toint()
+        ctx = self._compute_setup(tS, tdP, smem_ds, rank, tid)
+        t_key, q_base, chunks, tSt, tdPt, load, regs = ctx[:7]
         row_layout = cute.make_layout((1, _CHUNK))
         # a chunk as BwdScores sees a fragment: element (0, c) is key +0, query +c from the
         # thread's origin (static offsets)
         c0 = cute.make_identity_tensor((1, _CHUNK))
         walk = tile.walk
-        key0 = tile.n_block * TILE_N
+        key0 = tile.n_block * self.tile_n
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(walk.count, unroll=1):
@@ -528,7 +517,7 @@ class Sm100AttentionBackward(BwdScores):
             cute.arch.barrier(barrier_id=_BAR_STATS, number_of_threads=128)
             pipe_s.consumer_wait(s_state)
             fence_after_sync()
-            for c in cutlass.range(TILE_M // _CHUNK, unroll=1):
+            for c in cutlass.range(chunks, unroll=1):
                 rS = cute.make_rmem_tensor(regs, Float32)
                 rdP = cute.make_rmem_tensor(regs, Float32)
                 cute.copy(load, cute.make_tensor(tSt.iterator + c * _CHUNK, tSt.layout), rS)
@@ -536,34 +525,67 @@ class Sm100AttentionBackward(BwdScores):
                 cute.arch.fence_view_async_tmem_load()  # registers valid only after wait::ld
                 S = cute.make_tensor(rS.iterator, row_layout)
                 dP = cute.make_tensor(rdP.iterator, row_layout)
-                t_q = c * _CHUNK
-                cS = (tid, t_q, t_q - tid, c0)
+                t_q = self._chunk_query(q_base, c)
+                cS = (t_key, t_q, t_q - t_key, c0)
                 at = (cS, sLSE, sDp, stage, row0, key0, tile.seqlen_q, tile.seqlen_k, tile.diag, window_left,
                       window_right, scale, scale_log2, softcap_val, mod_ctx)
                 self._p_and_ds(S, dP, at)
-                # P^T chunk (16-bit) over S^T's columns [16c, 16c + 16): read already (chunk c // 2)
-                rP = cute.make_rmem_tensor(p_regs, Float32)
-                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype),
-                                        cute.make_layout(_CHUNK))
-                rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
-                # dS^T chunk -> shared memory (key tid, queries 32c ..): 16-byte stores of 8
-                # queries each, at the tile's swizzled byte address
-                rdS16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
-                convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
-                rdS32 = cute.recast_tensor(rdS16, Int32)
-                for v in cutlass.range_constexpr(_CHUNK // 8):
-                    q = t_q + 8 * v
-                    elem = cute.crd2idx(((tid, q % 16), 0, q // 16, 0), sdS.layout)
-                    addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
-                    st_shared_v4(addr, *(rdS32[4 * v + i] for i in range(4)))
-            cute.arch.fence_view_async_tmem_store()
-            # the dS^T stores (generic proxy) before the MMA's reads (async proxy)
-            cute.arch.fence_proxy("async.shared", space="cta")
+                self._write_p_ds(rS, rdP, c, t_q, ctx)
+            self._release_p_ds()
             fence_before_sync()
             pipe_s.consumer_release(s_state)
             s_state.advance()
         self.dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+
+    def _compute_setup(self, tS, tdP, smem_ds, rank, tid):
+        """(thread tid's key, its first query, chunks per step, the S^T / dP^T partitions, their
+        32x32b load and register shape, then what _write_p_ds needs): key tid, all 128 queries."""
+        chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _CHUNK)))
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tS.iterator, chunk))
+        thr_load = load.get_slice(tid)
+        tSt = thr_load.partition_S(cute.make_tensor(tS.iterator, chunk))
+        tdPt = thr_load.partition_S(cute.make_tensor(tdP.iterator, chunk))
+        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
+        # P^T: 16-bit values two per column over the first TILE_M / 2 columns of S^T
+        p_chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _P_COLS)))
+        store_p = tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS.iterator, p_chunk))
+        thr_store = store_p.get_slice(tid)
+        tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_chunk))
+        p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_N, _P_COLS))).shape
+        # dS^T's raw shared-memory address (the swizzle is applied per store: bwd_stores)
+        sdS_base = smem_ds.iterator.toint()
+        return tid, 0, TILE_M // _CHUNK, tSt, tdPt, load, regs, store_p, tPt, p_regs, smem_ds, sdS_base
+
+    def _chunk_query(self, q_base, c):
+        """The first query of chunk c of the thread's queries."""
+        return c * _CHUNK
+
+    def _write_p_ds(self, rS, rdP, c, t_q, ctx):
+        """P^T (rS) and dS^T (rdP) of chunk c, queries t_q.. of key ctx[0], where the dV and dK MMAs
+        read them."""
+        tid = ctx[0]
+        store_p, tPt, p_regs, sdS, sdS_base = ctx[7:]
+        # P^T chunk (16-bit) over S^T's columns [16c, 16c + 16): read already (chunk c // 2)
+        rP = cute.make_rmem_tensor(p_regs, Float32)
+        rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
+        rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+        cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
+        # dS^T chunk -> shared memory (key tid, queries 32c ..): 16-byte stores of 8
+        # queries each, at the tile's swizzled byte address
+        rdS16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
+        convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
+        rdS32 = cute.recast_tensor(rdS16, Int32)
+        for v in range(_CHUNK // 8):
+            q = t_q + 8 * v
+            elem = cute.crd2idx(((tid, q % 16), 0, q // 16, 0), sdS.layout)
+            addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
+            st_shared_v4(addr, *(rdS32[4 * v + i] for i in range(4)))
+
+    def _release_p_ds(self):
+        """Order the step's P^T / dS^T writes before the MMAs' reads."""
+        cute.arch.fence_view_async_tmem_store()
+        # the dS^T stores (generic proxy) before the MMA's reads (async proxy)
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def dkdv_epilogue(self, tdV, tdK, pipe_acc, gmem, tile: _Tile, scale, tid):

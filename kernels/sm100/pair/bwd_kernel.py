@@ -64,8 +64,7 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
                                                 pair_registers)
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
 from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, st_shared_v4, swizzle_128b
-from torch_fa4.kernels.sm100.tmem import (fence_after_sync, fence_before_sync, release_pair_tmem,
-                                          setup_pair_tmem, tmem_copy, umma)
+from torch_fa4.kernels.sm100.tmem import release_pair_tmem, setup_pair_tmem, tmem_copy, umma
 
 _CHUNK = 32  # TMEM columns per tcgen05.ld/st (as the 1-CTA kernel)
 _P_COLS = _CHUNK // 2
@@ -322,8 +321,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
                     _set_registers(regs_compute)
-                self.pair_compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, rank,
-                                       scalars, (score_aux, mask_aux), tidx % 128)
+                self.compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, scalars,
+                                  (score_aux, mask_aux), tidx % 128, rank)
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
                     _set_registers(regs_dq)
@@ -465,16 +464,10 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         cute.arch.fence_acq_rel_cluster()
 
     # ------------------------------------------------------------------ compute warpgroup
-    @cute.jit
-    def pair_compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, rank, scalars, aux,
-                          tid):
-        tS, tdP, tdV, tdK, _ = acc
+    def _compute_setup(self, tS, tdP, smem_ds, rank, tid):
+        """Thread tid reads TMEM lane tid: key tid and all 128 queries; narrow (the half-row
+        layout): key tid % 64 and the 64 queries from (tid // 64) * 64."""
         sdS, sP, sdSt = smem_ds
-        mLSE2, mDpsum = gmem[4], gmem[5]
-        sLSE, sDp = stats
-        scale, scale_log2, softcap_val, window_left, window_right = scalars
-        # thread tid reads TMEM lane tid: key tid and all 128 queries; narrow (the half-row layout):
-        # key tid % 64 and the 64 queries from (tid // 64) * 64
         t_key = tid % self.keys
         q_base = tid // self.keys * _HALF_M
         chunks = (TILE_M if const_expr(not self.narrow) else _HALF_M) // _CHUNK
@@ -494,82 +487,58 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         # dS (dQ's A: 64 queries x the pair's keys per CTA): this thread's key among the pair's
         sdS_base = sdS.iterator.toint()
         pair_key = rank * self.keys + t_key
-        row_layout = cute.make_layout((1, _CHUNK))
-        c0 = cute.make_identity_tensor((1, _CHUNK))
-        walk = tile.walk
-        key0 = tile.n_block * self.keys
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        cur_h, cur_m = walk.start()
-        for step in cutlass.range(walk.count, unroll=1):
-            h_local, m_block, partial = walk.at(step, cur_h, cur_m)
-            cur_h, cur_m = walk.advance(cur_h, cur_m)
-            h = tile.hkv * self.group + h_local
-            row0 = m_block * TILE_M
-            mod_ctx = (tile.b, h, aux[0], aux[1], partial)
-            stage = step % 2
-            bi = 0 if const_expr(self.varlen) else tile.b
-            stat_row = tile.stat_off + row0 + tid
-            sLSE[tid, stage] = mLSE2[stat_row, h, bi]
-            sDp[tid, stage] = mDpsum[stat_row, h, bi]
-            cute.arch.barrier(barrier_id=_BAR_STATS, number_of_threads=128)
-            pipe_s.consumer_wait(s_state)
-            fence_after_sync()
-            for c in cutlass.range(chunks, unroll=1):
-                rS = cute.make_rmem_tensor(regs, Float32)
-                rdP = cute.make_rmem_tensor(regs, Float32)
-                cute.copy(load, cute.make_tensor(tSt.iterator + c * _CHUNK, tSt.layout), rS)
-                cute.copy(load, cute.make_tensor(tdPt.iterator + c * _CHUNK, tdPt.layout), rdP)
-                cute.arch.fence_view_async_tmem_load()
-                S = cute.make_tensor(rS.iterator, row_layout)
-                dP = cute.make_tensor(rdP.iterator, row_layout)
-                t_q = q_base + c * _CHUNK
-                cS = (t_key, t_q, t_q - t_key, c0)
-                at = (cS, sLSE, sDp, stage, row0, key0, tile.seqlen_q, tile.seqlen_k, tile.diag, window_left,
-                      window_right, scale, scale_log2, softcap_val, mod_ctx)
-                self._p_and_ds(S, dP, at)
-                rP = cute.make_rmem_tensor(p_regs, Float32)
-                as16 = lambda t: cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.dtype),  # noqa: E731
-                                                  cute.make_layout(_CHUNK))
-                rP16 = as16(rP)
-                rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                rdS = cute.make_rmem_tensor(p_regs, Float32)
-                rdS16 = as16(rdS)
-                convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
-                rP32 = cute.recast_tensor(rP16, Int32)
-                rdS32 = cute.recast_tensor(rdS16, Int32)
-                if const_expr(self.narrow):
-                    # P^T and dS^T rows (key t_key, 32 queries) into this CTA's tiles, 16 bytes per store
-                    for v in cutlass.range_constexpr(_CHUNK // 8):
-                        q = t_q + 8 * v
-                        elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sP.layout)
-                        off = swizzle_128b(elem * (self.dtype.width // 8))
-                        st_shared_v4(sP.iterator.toint() + off, *(rP32[4 * v + i] for i in range(4)))
-                        elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sdSt.layout)
-                        off = swizzle_128b(elem * (self.dtype.width // 8))
-                        st_shared_v4(sdSt.iterator.toint() + off, *(rdS32[4 * v + i] for i in range(4)))
-                else:
-                    # P^T and dS^T (16-bit) over the TMEM columns this chunk's loads have read
-                    cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
-                    cute.copy(store_p, rdS, cute.make_tensor(tdSt.iterator + c * _P_COLS, tdSt.layout))
-                # the same dS values into dQ's A of the CTA owning these queries (0-63: CTA 0,
-                # 64-127: CTA 1), 16 bytes of 8 queries per store
-                owner = t_q // _HALF_M
-                for v in cutlass.range_constexpr(_CHUNK // 8):
-                    q = t_q % _HALF_M + 8 * v
-                    elem = cute.crd2idx(((q, pair_key % 16), 0, pair_key // 16, 0), sdS.layout)
-                    addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
-                    st_cluster_v4(addr, owner, *(rdS32[4 * v + i] for i in range(4)))
-            if const_expr(not self.narrow):
-                cute.arch.fence_view_async_tmem_store()
-            # the dS stores (generic proxy, either CTA's shared memory) before the MMA's reads
-            cute.arch.fence_proxy("async.shared", space="cluster")
-            # and ordered, at cluster scope, before the arrive on the leader's barrier (a remote
-            # arrive releases at CTA scope only)
-            cute.arch.fence_acq_rel_cluster()
-            fence_before_sync()
-            pipe_s.consumer_release(s_state)
-            s_state.advance()
-        self.dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+        return (t_key, q_base, chunks, tSt, tdPt, load, regs, store_p, tPt, tdSt, p_regs, smem_ds, sdS_base,
+                pair_key)
+
+    def _chunk_query(self, q_base, c):
+        return q_base + c * _CHUNK
+
+    def _write_p_ds(self, rS, rdP, c, t_q, ctx):
+        """P^T and dS^T to TMEM (narrow: this CTA's shared memory), dS to the shared memory of the
+        CTA owning queries t_q.."""
+        t_key = ctx[0]
+        store_p, tPt, tdSt, p_regs, (sdS, sP, sdSt), sdS_base, pair_key = ctx[7:]
+        rP = cute.make_rmem_tensor(p_regs, Float32)
+        as16 = lambda t: cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.dtype),  # noqa: E731
+                                          cute.make_layout(_CHUNK))
+        rP16 = as16(rP)
+        rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+        rdS = cute.make_rmem_tensor(p_regs, Float32)
+        rdS16 = as16(rdS)
+        convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
+        rP32 = cute.recast_tensor(rP16, Int32)
+        rdS32 = cute.recast_tensor(rdS16, Int32)
+        if const_expr(self.narrow):
+            # P^T and dS^T rows (key t_key, 32 queries) into this CTA's tiles, 16 bytes per store
+            for v in range(_CHUNK // 8):
+                q = t_q + 8 * v
+                elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sP.layout)
+                off = swizzle_128b(elem * (self.dtype.width // 8))
+                st_shared_v4(sP.iterator.toint() + off, *(rP32[4 * v + i] for i in range(4)))
+                elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sdSt.layout)
+                off = swizzle_128b(elem * (self.dtype.width // 8))
+                st_shared_v4(sdSt.iterator.toint() + off, *(rdS32[4 * v + i] for i in range(4)))
+        else:
+            # P^T and dS^T (16-bit) over the TMEM columns this chunk's loads have read
+            cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
+            cute.copy(store_p, rdS, cute.make_tensor(tdSt.iterator + c * _P_COLS, tdSt.layout))
+        # the same dS values into dQ's A of the CTA owning these queries (0-63: CTA 0,
+        # 64-127: CTA 1), 16 bytes of 8 queries per store
+        owner = t_q // _HALF_M
+        for v in range(_CHUNK // 8):
+            q = t_q % _HALF_M + 8 * v
+            elem = cute.crd2idx(((q, pair_key % 16), 0, pair_key // 16, 0), sdS.layout)
+            addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
+            st_cluster_v4(addr, owner, *(rdS32[4 * v + i] for i in range(4)))
+
+    def _release_p_ds(self):
+        if const_expr(not self.narrow):
+            cute.arch.fence_view_async_tmem_store()
+        # the dS stores (generic proxy, either CTA's shared memory) before the MMA's reads
+        cute.arch.fence_proxy("async.shared", space="cluster")
+        # and ordered, at cluster scope, before the arrive on the leader's barrier (a remote
+        # arrive releases at CTA scope only)
+        cute.arch.fence_acq_rel_cluster()
 
     def _epilogue_key(self, tile: _Tile, tid):
         """Key tid; narrow (the half-row layout): key tid % 64, half the columns (_acc_cols)."""
