@@ -175,17 +175,8 @@ class Sm100AttentionBackward(BwdScores):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         q_lists = (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None
-        unit = cute.make_layout(1, stride=0)
-
-        def view(t, varlen_modes, dense_modes):  # sequence first, batch last (unit batch varlen)
-            if const_expr(self.varlen):
-                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
-            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
-
-        # (S, D, H, B) / varlen (T, D, H, 1)
-        mQ, mK, mV, mdO, mdK, mdV = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE2, mDpsum = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]  # (S, H, B) / (T, H, 1)
-        mdQacc = view(mdQacc, [1, 2, 0], [2, 3, 1, 0])  # (S, D, H, B) / (T, D, H, 1)
+        mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc = self._gmem_views(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc)
 
         dt, d, dv, stages = self.dtype, self.d, self.dv, self.lay.stages
         sdp_mma, dv_mma, dk_mma, dq_mma = self._mmas()
@@ -245,6 +236,21 @@ class Sm100AttentionBackward(BwdScores):
             (sdp_mma, dv_mma, dk_mma, dq_mma), (scale, scale_log2, softcap_val, window_left, window_right),
             bytes_kv, bytes_qdo, Storage, q_lists, score_aux, mask_aux,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _gmem_views(self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc):
+        """The kernel's views, sequence first, batch last (varlen: a unit batch): Q, K, V, dO, dK,
+        dV (S, D, H, B) / (T, D, H, 1), LSE2, dPsum (S, H, B) / (T, H, 1), the dQ buffer
+        (S, D, H, B) / (T, D, H, 1)."""
+        unit = cute.make_layout(1, stride=0)
+
+        def view(t, varlen_modes, dense_modes):
+            if const_expr(self.varlen):
+                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
+            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
+
+        rows = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        stats = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]
+        return (*rows, *stats, view(mdQacc, [1, 2, 0], [2, 3, 1, 0]))
 
     # ------------------------------------------------------------------ device side
     @cute.kernel

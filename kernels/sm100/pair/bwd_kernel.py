@@ -142,20 +142,11 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
     ):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
-        unit = cute.make_layout(1, stride=0)
-
-        def view(t, varlen_modes, dense_modes):  # sequence first, batch last (unit batch varlen)
-            if const_expr(self.varlen):
-                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
-            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
-
-        # (S, D, H, B) / varlen (T, D, H, 1); the transposed (D, S, H, B) views load the B halves
-        # split over the head dim
-        mQ, mK, mV, mdO, mdK, mdV = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc = self._gmem_views(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc)
+        # the transposed (D, S, H, B) views load the B halves split over the head dim
         mQt, mKt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, [1, 0, 2, 3]))
                           for t in (mQ, mK, mdO)]
-        mLSE2, mDpsum = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]
-        mdQacc = view(mdQacc, [1, 2, 0], [2, 3, 1, 0])
 
         dt, d, dv, stages = self.dtype, self.d, self.dv, self.lay.stages
         sdp_mma, dv_mma, dk_mma, dq_mma = self._mmas()
