@@ -274,18 +274,7 @@ class Sm100AttentionBackward(BwdScores):
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(Storage)
-            one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
-            pipe_kv = pipeline.PipelineTmaUmma.create(
-                num_stages=1, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
-            pipe_q = pipeline.PipelineTmaUmma.create(
-                num_stages=self.lay.stages, producer_group=one, consumer_group=one, tx_count=bytes_qdo,
-                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
-            pipe_s, pipe_dq, pipe_acc = (
-                pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=one, consumer_group=wg,
-                                                  barrier_storage=bar.data_ptr(), defer_sync=True)
-                for bar in (storage.mbar_s, storage.mbar_dq, storage.mbar_acc))
+            pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc = self._pipelines(storage, bytes_kv, bytes_qdo)
 
             tmem = setup_tmem(storage.tmem_base, warp_idx == MMA_WARP)
 
@@ -327,6 +316,27 @@ class Sm100AttentionBackward(BwdScores):
             cute.arch.sync_threads()
             if warp_idx == MMA_WARP:
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
+
+    def _pipelines(self, storage, bytes_kv, bytes_qdo, cluster=None, ctas=1):
+        """The kv, q, s, dq and acc pipelines over Storage's barriers (module docstring); the CTA
+        pair's span its cluster (`cluster`: its CTA layout), and the compute and dQ warpgroups of
+        its `ctas` CTAs arrive on the leader's s / dq barriers."""
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+        arrivals = pipeline.CooperativeGroup(pipeline.Agent.Thread, ctas * 128)
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            num_stages=1, producer_group=one, consumer_group=one, tx_count=bytes_kv,
+            barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            num_stages=self.lay.stages, producer_group=one, consumer_group=one, tx_count=bytes_qdo,
+            barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
+        pipe_s, pipe_dq, pipe_acc = (
+            pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=one, consumer_group=group,
+                                              barrier_storage=bar.data_ptr(), cta_layout_vmnk=cluster,
+                                              defer_sync=True)
+            for bar, group in ((storage.mbar_s, arrivals), (storage.mbar_dq, arrivals),
+                               (storage.mbar_acc, wg)))
+        return pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc
 
     @cute.jit
     def _tile(self, gmem, mCuQ, mCuK, mSeqUsedK, q_lists, n_block, hkv, b, scalars) -> _Tile:
@@ -439,7 +449,8 @@ class Sm100AttentionBackward(BwdScores):
         tSrdO = thr_sdp.make_fragment_B(sdO)
         tVrdO = thr_dv.make_fragment_B(sdOt)
         tKrQ = thr_dk.make_fragment_B(sQt)
-        tVrP, tKrdS, tQrdS, tQrK = self._mma_a_fragments((thr_dv, thr_dk, thr_dq), smem_ops, tmem, a_ops, cols)
+        tVrP, tKrdS, tQrdS, tQrK = self._mma_a_fragments((thr_dv, thr_dk, thr_dq), smem_ops, tmem, a_ops,
+                                                         cols)
         if steps > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             kv_state = pipeline.make_pipeline_state(Consumer, 1)
@@ -491,7 +502,8 @@ class Sm100AttentionBackward(BwdScores):
 
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit
-    def compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid, rank=0):
+    def compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid,
+                     rank=0):
         """smem_ds: the shared-memory tiles the step's dS values go to (_write_p_ds)."""
         tS, tdP, tdV, tdK, _ = acc
         mLSE2, mDpsum = gmem[4], gmem[5]

@@ -263,21 +263,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(Storage)
             cluster = cute.tiled_divide(cute.make_layout(_CLUSTER), (sdp_mma.thr_id.shape,))
-            one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
-            pair_wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 128)  # both CTAs arrive
-            pipe_kv = pipeline.PipelineTmaUmma.create(
-                num_stages=1, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-                barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
-            pipe_q = pipeline.PipelineTmaUmma.create(
-                num_stages=self.lay.stages, producer_group=one, consumer_group=one, tx_count=bytes_qdo,
-                barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
-            pipe_s, pipe_dq, pipe_acc = (
-                pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=one, consumer_group=group,
-                                                  barrier_storage=bar.data_ptr(), cta_layout_vmnk=cluster,
-                                                  defer_sync=True)
-                for bar, group in ((storage.mbar_s, pair_wg), (storage.mbar_dq, pair_wg),
-                                   (storage.mbar_acc, wg)))
+            pipes = self._pipelines(storage, bytes_kv, bytes_qdo, cluster, ctas=2)  # both CTAs arrive
+            pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc = pipes
 
             tmem = setup_pair_tmem(storage.tmem_base, warp_idx == MMA_WARP)
 
