@@ -463,16 +463,16 @@ class Sm100AttentionBackward(BwdScores):
                 stage = q_state.index
                 pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns
                 fence_after_sync()
-                self._issue([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
-                             Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
+                self._emit_ummas([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
+                                  Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
                 pipe_s.producer_acquire(s_state)  # P^T, dS^T written
                 self._acquire_ds()
                 fence_after_sync()
-                self._issue([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
-                             Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
-                             Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
+                self._emit_ummas([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
+                                  Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
+                                  Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
                 pipe_dq.producer_commit(dq_state)
                 dq_state.advance()
                 pipe_q.consumer_release(q_state)
@@ -492,8 +492,8 @@ class Sm100AttentionBackward(BwdScores):
         tVrP = cute.make_tensor(tVrP.iterator + (Float32.width // self.dtype.width) * cols["s"], tVrP.layout)
         return tVrP, tKrdS, tQrdS, tQrK
 
-    def _issue(self, batch):
-        """Issue a batch of UMMAs (one elected region: umma_batch)."""
+    def _emit_ummas(self, batch):
+        """Emit a batch of UMMAs (one elected region: umma_batch)."""
         umma_batch(batch)
 
     def _acquire_ds(self):

@@ -432,7 +432,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             tKrdS = cute.make_tensor(tKrdS.iterator + per_col * cols["dp"], tKrdS.layout)
         return tVrP, tKrdS, tQrdS, tQrK
 
-    def _issue(self, batch):
+    def _emit_ummas(self, batch):
         """One pair UMMA at a time (tmem.umma; the leader's MMA warp)."""
         for m in batch:
             umma(m.tiled_mma, m.acc, m.a, m.b, m.accumulate)
