@@ -115,6 +115,10 @@ class Sm100AttentionBackward(BwdScores):
         self.d, self.dv = c.head_dim, c.head_dim_v
         self.lay = self._layout(c)
         self.tile_m, self.tile_n = TILE_M, TILE_N
+        # keys an MMA's M spans (this CTA's; the CTA-pair subclass: the pair's), and the dQ columns
+        # one dQ thread holds (a whole row; the pair: half)
+        self.mma_keys = TILE_N
+        self.dq_cols = self.d
         self.group = c.group
         self.varlen, self.softcap, self.deterministic = c.varlen, c.softcap, c.deterministic
         self.has_right, self.has_left = c.has_right, c.has_left
@@ -171,17 +175,8 @@ class Sm100AttentionBackward(BwdScores):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
         q_lists = (mQNum, mQIdx, mFullQNum, mFullQIdx) if const_expr(self.sparse) else None
-        unit = cute.make_layout(1, stride=0)
-
-        def view(t, varlen_modes, dense_modes):  # sequence first, batch last (unit batch varlen)
-            if const_expr(self.varlen):
-                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
-            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
-
-        # (S, D, H, B) / varlen (T, D, H, 1)
-        mQ, mK, mV, mdO, mdK, mdV = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE2, mDpsum = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]  # (S, H, B) / (T, H, 1)
-        mdQacc = view(mdQacc, [1, 2, 0], [2, 3, 1, 0])  # (S, D, H, B) / (T, D, H, 1)
+        mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc = self._gmem_views(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc)
 
         dt, d, dv, stages = self.dtype, self.d, self.dv, self.lay.stages
         sdp_mma, dv_mma, dk_mma, dq_mma = self._mmas()
@@ -242,6 +237,21 @@ class Sm100AttentionBackward(BwdScores):
             bytes_kv, bytes_qdo, Storage, q_lists, score_aux, mask_aux,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
+    def _gmem_views(self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc):
+        """The kernel's views, sequence first, batch last (varlen: a unit batch): Q, K, V, dO, dK,
+        dV (S, D, H, B) / (T, D, H, 1), LSE2, dPsum (S, H, B) / (T, H, 1), the dQ buffer
+        (S, D, H, B) / (T, D, H, 1)."""
+        unit = cute.make_layout(1, stride=0)
+
+        def view(t, varlen_modes, dense_modes):
+            if const_expr(self.varlen):
+                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
+            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
+
+        rows = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        stats = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]
+        return (*rows, *stats, view(mdQacc, [1, 2, 0], [2, 3, 1, 0]))
+
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, gmem, tmas, mCuQ, mCuK, mSeqUsedK, mSem, layouts, mmas, scalars,
@@ -264,18 +274,7 @@ class Sm100AttentionBackward(BwdScores):
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(Storage)
-            one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
-            pipe_kv = pipeline.PipelineTmaUmma.create(
-                num_stages=1, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-                barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
-            pipe_q = pipeline.PipelineTmaUmma.create(
-                num_stages=self.lay.stages, producer_group=one, consumer_group=one, tx_count=bytes_qdo,
-                barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
-            pipe_s, pipe_dq, pipe_acc = (
-                pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=one, consumer_group=wg,
-                                                  barrier_storage=bar.data_ptr(), defer_sync=True)
-                for bar in (storage.mbar_s, storage.mbar_dq, storage.mbar_acc))
+            pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc = self._pipelines(storage, bytes_kv, bytes_qdo)
 
             tmem = setup_tmem(storage.tmem_base, warp_idx == MMA_WARP)
 
@@ -318,6 +317,27 @@ class Sm100AttentionBackward(BwdScores):
             if warp_idx == MMA_WARP:
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
+    def _pipelines(self, storage, bytes_kv, bytes_qdo, cluster=None, ctas=1):
+        """The kv, q, s, dq and acc pipelines over Storage's barriers (module docstring); the CTA
+        pair's span its cluster (`cluster`: its CTA layout), and the compute and dQ warpgroups of
+        its `ctas` CTAs arrive on the leader's s / dq barriers."""
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+        arrivals = pipeline.CooperativeGroup(pipeline.Agent.Thread, ctas * 128)
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            num_stages=1, producer_group=one, consumer_group=one, tx_count=bytes_kv,
+            barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            num_stages=self.lay.stages, producer_group=one, consumer_group=one, tx_count=bytes_qdo,
+            barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
+        pipe_s, pipe_dq, pipe_acc = (
+            pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=one, consumer_group=group,
+                                              barrier_storage=bar.data_ptr(), cta_layout_vmnk=cluster,
+                                              defer_sync=True)
+            for bar, group in ((storage.mbar_s, arrivals), (storage.mbar_dq, arrivals),
+                               (storage.mbar_acc, wg)))
+        return pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc
+
     @cute.jit
     def _tile(self, gmem, mCuQ, mCuK, mSeqUsedK, q_lists, n_block, hkv, b, scalars) -> _Tile:
         """The key tile's sequence bookkeeping and its walk over query tiles (as the sm90
@@ -327,8 +347,8 @@ class Sm100AttentionBackward(BwdScores):
         q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
                                                                      self.varlen)
         diag = seqlen_k - seqlen_q
-        n0 = n_block * TILE_N
-        n1 = cutlass.min(n0 + TILE_N, seqlen_k)
+        n0 = self._first_key(n_block)
+        n1 = cutlass.min(n0 + self.mma_keys, seqlen_k)
         m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, TILE_M,
                                        self.has_left, self.has_right)
         if n0 >= seqlen_k:
@@ -343,19 +363,25 @@ class Sm100AttentionBackward(BwdScores):
             walk = DenseQWalk(m_lo, n_m, self.group)
         return _Tile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, stat_off, walk)
 
+    def _first_key(self, n_block):
+        """The first key of the MMAs' key span (the walk sees any key of it)."""
+        return n_block * TILE_N
+
     def _tmem_tensors(self, tmem, cols, mmas):
         """Accumulators in TMEM: S^T, dP^T (keys x queries), dV, dK (keys x head dim), dQ (queries x
-        head dim, over S^T's columns)."""
+        head dim, at cols["dq"]: over S^T's columns). The CTA pair's are its halves of the pair's
+        (keys: the pair's)."""
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
+        keys = self.mma_keys
 
         def acc(mma, shape, col):
             thr = mma.get_slice(0)
             layout = thr.make_fragment_C(thr.partition_shape_C(shape)).layout
             return cute.make_tensor(tmem + col, layout)
 
-        return (acc(sdp_mma, (TILE_N, TILE_M), cols["s"]), acc(sdp_mma, (TILE_N, TILE_M), cols["dp"]),
-                acc(dv_mma, (TILE_N, self.dv), cols["dv"]), acc(dk_mma, (TILE_N, self.d), cols["dk"]),
-                acc(dq_mma, (TILE_M, self.d), cols["s"]))
+        return (acc(sdp_mma, (keys, TILE_M), cols["s"]), acc(sdp_mma, (keys, TILE_M), cols["dp"]),
+                acc(dv_mma, (keys, self.dv), cols["dv"]), acc(dk_mma, (keys, self.d), cols["dk"]),
+                acc(dq_mma, (TILE_M, self.d), cols["dq"]))
 
     @cute.jit
     def _head_rows(self, t: cute.Tensor, h, b, off):
@@ -409,10 +435,12 @@ class Sm100AttentionBackward(BwdScores):
 
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
-    def mma_role(self, mmas, smem_ops, tmem, tP_layout, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc,
+    def mma_role(self, mmas, smem_ops, tmem, a_ops, acc, cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc,
                  steps):
+        """smem_ops: sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS (dQ's A) and the class's own (here dS^T's
+        MN-major view); a_ops: where the A operands of dV and dK live (_mma_a_fragments)."""
         sdp_mma, dv_mma, dk_mma, dq_mma = mmas
-        sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS, sdSt = smem_ops
+        sK, sKt, sV, sQ, sQt, sdO, sdOt = smem_ops[:7]
         tS, tdP, tdV, tdK, tdQ = acc
         thr_sdp, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in mmas)
         tSrK = thr_sdp.make_fragment_A(sK)[None, None, None, 0]
@@ -421,13 +449,8 @@ class Sm100AttentionBackward(BwdScores):
         tSrdO = thr_sdp.make_fragment_B(sdO)
         tVrdO = thr_dv.make_fragment_B(sdOt)
         tKrQ = thr_dk.make_fragment_B(sQt)
-        tKrdS = thr_dk.make_fragment_A(sdS)[None, None, None, 0]
-        tQrdS = thr_dq.make_fragment_A(sdSt)[None, None, None, 0]
-        tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
-        # P^T: the 16-bit A operand of dV in TMEM over the first half of S^T's columns (addresses
-        # relative to column 0: the kernel allocates all 512 columns, whose base is lane 0, column 0)
-        tVrP = thr_dv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
-        tVrP = cute.make_tensor(tVrP.iterator + (Float32.width // self.dtype.width) * cols["s"], tVrP.layout)
+        tVrP, tKrdS, tQrdS, tQrK = self._mma_a_fragments((thr_dv, thr_dk, thr_dq), smem_ops, tmem, a_ops,
+                                                         cols)
         if steps > 0:
             Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
             kv_state = pipeline.make_pipeline_state(Consumer, 1)
@@ -440,48 +463,60 @@ class Sm100AttentionBackward(BwdScores):
                 stage = q_state.index
                 pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns
                 fence_after_sync()
-                umma_batch([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
-                            Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
+                self._emit_ummas([Umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False),
+                                  Umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)])
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
-                pipe_s.producer_acquire(s_state)  # P^T in TMEM, dS^T in shared memory
+                pipe_s.producer_acquire(s_state)  # P^T, dS^T written
+                self._acquire_ds()
                 fence_after_sync()
-                umma_batch([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
-                            Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
-                            Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
+                self._emit_ummas([Umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0),
+                                  Umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0),
+                                  Umma(dq_mma, tdQ, tQrdS, tQrK, False)])
                 pipe_dq.producer_commit(dq_state)
                 dq_state.advance()
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
             pipe_acc.producer_commit(acc_state)
 
+    def _mma_a_fragments(self, thrs, smem_ops, tmem, tP_layout, cols):
+        """The MMA fragments of P^T (dV's A), dS^T (dK's A), dS (dQ's A) and K^T (dQ's B)."""
+        thr_dv, thr_dk, thr_dq = thrs
+        sKt, sdS, sdSt = smem_ops[1], smem_ops[7], smem_ops[8]
+        tKrdS = thr_dk.make_fragment_A(sdS)[None, None, None, 0]
+        tQrdS = thr_dq.make_fragment_A(sdSt)[None, None, None, 0]
+        tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
+        # P^T: the 16-bit A operand of dV in TMEM over the first half of S^T's columns (addresses
+        # relative to column 0: the kernel allocates all 512 columns, whose base is lane 0, column 0)
+        tVrP = thr_dv.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
+        tVrP = cute.make_tensor(tVrP.iterator + (Float32.width // self.dtype.width) * cols["s"], tVrP.layout)
+        return tVrP, tKrdS, tQrdS, tQrK
+
+    def _emit_ummas(self, batch):
+        """Emit a batch of UMMAs (one elected region: umma_batch)."""
+        umma_batch(batch)
+
+    def _acquire_ds(self):
+        """Between the compute warps' release of P^T / dS^T and the MMAs reading them (the CTA
+        pair: the peer's dS stores)."""
+
     # ------------------------------------------------------------------ compute warpgroup
     @cute.jit
-    def compute_role(self, acc, sdS, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid):
+    def compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, scalars, aux, tid,
+                     rank=0):
+        """smem_ds: the shared-memory tiles the step's dS values go to (_write_p_ds)."""
         tS, tdP, tdV, tdK, _ = acc
         mLSE2, mDpsum = gmem[4], gmem[5]
         sLSE, sDp = stats
         scale, scale_log2, softcap_val, window_left, window_right = scalars
-        chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _CHUNK)))
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tS.iterator, chunk))
-        thr_load = load.get_slice(tid)
-        tSt = thr_load.partition_S(cute.make_tensor(tS.iterator, chunk))
-        tdPt = thr_load.partition_S(cute.make_tensor(tdP.iterator, chunk))
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
-        # P^T: 16-bit values two per column over the first TILE_M / 2 columns of S^T
-        p_chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _P_COLS)))
-        store_p = tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS.iterator, p_chunk))
-        thr_store = store_p.get_slice(tid)
-        tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_chunk))
-        p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_N, _P_COLS))).shape
-        # dS^T's raw shared-memory address (the swizzle is applied per store: bwd_stores)
-        sdS_base = sdS.iterator.toint()
+        ctx = self._compute_setup(tS, tdP, smem_ds, rank, tid)
+        t_key, q_base, chunks, tSt, tdPt, load, regs = ctx[:7]
         row_layout = cute.make_layout((1, _CHUNK))
         # a chunk as BwdScores sees a fragment: element (0, c) is key +0, query +c from the
         # thread's origin (static offsets)
         c0 = cute.make_identity_tensor((1, _CHUNK))
         walk = tile.walk
-        key0 = tile.n_block * TILE_N
+        key0 = tile.n_block * self.tile_n
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
         for step in cutlass.range(walk.count, unroll=1):
@@ -500,7 +535,7 @@ class Sm100AttentionBackward(BwdScores):
             cute.arch.barrier(barrier_id=_BAR_STATS, number_of_threads=128)
             pipe_s.consumer_wait(s_state)
             fence_after_sync()
-            for c in cutlass.range(TILE_M // _CHUNK, unroll=1):
+            for c in cutlass.range(chunks, unroll=1):
                 rS = cute.make_rmem_tensor(regs, Float32)
                 rdP = cute.make_rmem_tensor(regs, Float32)
                 cute.copy(load, cute.make_tensor(tSt.iterator + c * _CHUNK, tSt.layout), rS)
@@ -508,55 +543,86 @@ class Sm100AttentionBackward(BwdScores):
                 cute.arch.fence_view_async_tmem_load()  # registers valid only after wait::ld
                 S = cute.make_tensor(rS.iterator, row_layout)
                 dP = cute.make_tensor(rdP.iterator, row_layout)
-                t_q = c * _CHUNK
-                cS = (tid, t_q, t_q - tid, c0)
+                t_q = self._chunk_query(q_base, c)
+                cS = (t_key, t_q, t_q - t_key, c0)
                 at = (cS, sLSE, sDp, stage, row0, key0, tile.seqlen_q, tile.seqlen_k, tile.diag, window_left,
                       window_right, scale, scale_log2, softcap_val, mod_ctx)
                 self._p_and_ds(S, dP, at)
-                # P^T chunk (16-bit) over S^T's columns [16c, 16c + 16): read already (chunk c // 2)
-                rP = cute.make_rmem_tensor(p_regs, Float32)
-                rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype),
-                                        cute.make_layout(_CHUNK))
-                rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
-                # dS^T chunk -> shared memory (key tid, queries 32c ..): 16-byte stores of 8
-                # queries each, at the tile's swizzled byte address
-                rdS16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
-                convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
-                rdS32 = cute.recast_tensor(rdS16, Int32)
-                for v in cutlass.range_constexpr(_CHUNK // 8):
-                    q = t_q + 8 * v
-                    elem = cute.crd2idx(((tid, q % 16), 0, q // 16, 0), sdS.layout)
-                    addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
-                    st_shared_v4(addr, *(rdS32[4 * v + i] for i in range(4)))
-            cute.arch.fence_view_async_tmem_store()
-            # the dS^T stores (generic proxy) before the MMA's reads (async proxy)
-            cute.arch.fence_proxy("async.shared", space="cta")
+                self._write_p_ds(rS, rdP, c, t_q, ctx)
+            self._release_p_ds()
             fence_before_sync()
             pipe_s.consumer_release(s_state)
             s_state.advance()
         self.dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
 
+    def _compute_setup(self, tS, tdP, smem_ds, rank, tid):
+        """(thread tid's key, its first query, chunks per step, the S^T / dP^T partitions, their
+        32x32b load and register shape, then what _write_p_ds needs): key tid, all 128 queries."""
+        chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _CHUNK)))
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tS.iterator, chunk))
+        thr_load = load.get_slice(tid)
+        tSt = thr_load.partition_S(cute.make_tensor(tS.iterator, chunk))
+        tdPt = thr_load.partition_S(cute.make_tensor(tdP.iterator, chunk))
+        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
+        # P^T: 16-bit values two per column over the first TILE_M / 2 columns of S^T
+        p_chunk = cute.composition(tS.layout, cute.make_layout((TILE_N, _P_COLS)))
+        store_p = tmem_copy(St32x32bOp, Repetition.x16, cute.make_tensor(tS.iterator, p_chunk))
+        thr_store = store_p.get_slice(tid)
+        tPt = thr_store.partition_D(cute.make_tensor(tS.iterator, p_chunk))
+        p_regs = thr_store.partition_S(cute.make_identity_tensor((TILE_N, _P_COLS))).shape
+        # dS^T's raw shared-memory address (the swizzle is applied per store: bwd_stores)
+        sdS_base = smem_ds.iterator.toint()
+        return tid, 0, TILE_M // _CHUNK, tSt, tdPt, load, regs, store_p, tPt, p_regs, smem_ds, sdS_base
+
+    def _chunk_query(self, q_base, c):
+        """The first query of chunk c of the thread's queries."""
+        return c * _CHUNK
+
+    def _write_p_ds(self, rS, rdP, c, t_q, ctx):
+        """P^T (rS) and dS^T (rdP) of chunk c, queries t_q.. of key ctx[0], where the dV and dK MMAs
+        read them."""
+        tid = ctx[0]
+        store_p, tPt, p_regs, sdS, sdS_base = ctx[7:]
+        # P^T chunk (16-bit) over S^T's columns [16c, 16c + 16): read already (chunk c // 2)
+        rP = cute.make_rmem_tensor(p_regs, Float32)
+        rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(_CHUNK))
+        rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+        cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
+        # dS^T chunk -> shared memory (key tid, queries 32c ..): 16-byte stores of 8
+        # queries each, at the tile's swizzled byte address
+        rdS16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
+        convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
+        rdS32 = cute.recast_tensor(rdS16, Int32)
+        for v in range(_CHUNK // 8):
+            q = t_q + 8 * v
+            elem = cute.crd2idx(((tid, q % 16), 0, q // 16, 0), sdS.layout)
+            addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
+            st_shared_v4(addr, *(rdS32[4 * v + i] for i in range(4)))
+
+    def _release_p_ds(self):
+        """Order the step's P^T / dS^T writes before the MMAs' reads."""
+        cute.arch.fence_view_async_tmem_store()
+        # the dS^T stores (generic proxy) before the MMA's reads (async proxy)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
     @cute.jit
     def dkdv_epilogue(self, tdV, tdK, pipe_acc, gmem, tile: _Tile, scale, tid):
-        """Key tid's rows of dV and dK (times the softmax scale) from TMEM to global memory; zeros
-        where the walk was empty (no query sees these keys)."""
+        """Thread tid's key row of dV and dK (times the softmax scale) from TMEM to global memory
+        (_acc_cols of each: here the whole row of key tid); zeros where the walk was empty (no
+        query sees these keys)."""
         mdK, mdV = gmem[7], gmem[8]
         steps = tile.walk.count
         if steps > 0:
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_acc.consumer_wait(acc_state)
             fence_after_sync()
-        key = tile.n_block * TILE_N + tid
+        key = self._epilogue_key(tile, tid)
         for t_acc, m_out, width, factor in ((tdV, mdV, self.dv, None), (tdK, mdK, self.d, scale)):
-            chunk = cute.composition(t_acc.layout, cute.make_layout((TILE_N, _CHUNK)))
-            load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t_acc.iterator, chunk))
-            thr_load = load.get_slice(tid)
-            tAt = thr_load.partition_S(cute.make_tensor(t_acc.iterator, chunk))
-            regs = thr_load.partition_D(cute.make_identity_tensor((TILE_N, _CHUNK))).shape
-            g = cute.local_tile(self._head_rows(m_out, tile.hkv, tile.b, tile.k_off), (TILE_N, width),
-                                (tile.n_block, 0))
-            for j in cutlass.range_constexpr(width // _CHUNK):
+            cols = self._acc_cols(width)
+            col0 = self._acc_col0(cols, tid)
+            tAt, load, regs, thr_load = self._tmem_chunk_load(t_acc, TILE_N, tid)
+            g = self._epilogue_rows(m_out, tile, width)
+            for j in cutlass.range_constexpr(cols // _CHUNK):
                 r = cute.make_rmem_tensor(regs, Float32)
                 if steps > 0:
                     cute.copy(load, cute.make_tensor(tAt.iterator + j * _CHUNK, tAt.layout), r)
@@ -566,24 +632,44 @@ class Sm100AttentionBackward(BwdScores):
                 if const_expr(factor is not None):
                     for k in cutlass.range_constexpr(cute.size(r)):
                         r[k] = r[k] * factor
-                r16 = cute.make_rmem_tensor(r.layout, self.dtype)
-                r16.store(r.load().to(self.dtype))
-                tAg = thr_load.partition_D(cute.local_tile(g, (TILE_N, _CHUNK), (0, j)))
-                if key < tile.rows_k:
-                    cute.autovec_copy(r16, tAg)
+                self._store_acc_chunk(r, g, thr_load, j, col0, key, tile, tid)
+
+    def _epilogue_key(self, tile: _Tile, tid):
+        """The key of thread tid's dK / dV values."""
+        return tile.n_block * TILE_N + tid
+
+    def _acc_cols(self, width):
+        """The columns of a `width`-column dK / dV row one thread holds."""
+        return width
+
+    def _acc_col0(self, cols, tid):
+        """The first of those columns."""
+        return 0
+
+    def _epilogue_rows(self, m_out, tile: _Tile, width):
+        """What _store_acc_chunk writes into: here the key tile's rows of m_out."""
+        return cute.local_tile(self._head_rows(m_out, tile.hkv, tile.b, tile.k_off), (TILE_N, width),
+                               (tile.n_block, 0))
+
+    @cute.jit
+    def _store_acc_chunk(self, r, g, thr_load, j, col0, key, tile: _Tile, tid):
+        """Chunk j of thread tid's dK / dV values (fp32 registers r) as 16-bit values into g."""
+        r16 = cute.make_rmem_tensor(r.layout, self.dtype)
+        r16.store(r.load().to(self.dtype))
+        tAg = thr_load.partition_D(cute.local_tile(g, (TILE_N, _CHUNK), (0, j)))
+        if key < tile.rows_k:
+            cute.autovec_copy(r16, tAg)
 
     # ------------------------------------------------------------------ dQ warpgroup
     @cute.jit
-    def dq_role(self, acc, pipe_dq, gmem, mSem, tile: _Tile, scalars, tid):
+    def dq_role(self, acc, pipe_dq, gmem, mSem, tile: _Tile, scalars, tid, rank=0):
+        """dQ of a step from TMEM into the fp32 buffer: thread tid holds `dq_cols` columns of one
+        query row (_dq_origin: which; the whole row of query tid here)."""
         tdQ = acc[4]
         mdQacc = gmem[6]
         window_left = scalars[3]
-        d = self.d
-        chunk = cute.composition(tdQ.layout, cute.make_layout((TILE_M, _CHUNK)))
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(tdQ.iterator, chunk))
-        thr_load = load.get_slice(tid)
-        tQt = thr_load.partition_S(cute.make_tensor(tdQ.iterator, chunk))
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
+        d = self.dq_cols
+        tQt, load, regs, _ = self._tmem_chunk_load(tdQ, TILE_M, tid)
         walk = tile.walk
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         cur_h, cur_m = walk.start()
@@ -607,14 +693,33 @@ class Sm100AttentionBackward(BwdScores):
             dq_state.advance()
             if const_expr(self.deterministic):
                 self._wait_turn(mSem, tile, h, m_block, window_left, tid)
-            row = m_block * TILE_M + tid
+            row = self._dq_row(m_block, rank, tid)
             if row < tile.seqlen_q:
                 g = self._head_rows(mdQacc, h, tile.b, tile.q_off)
-                row_addr = (g.iterator + cute.crd2idx((row, 0), g.layout)).toint()
+                row_addr = (g.iterator + cute.crd2idx((row, self._dq_col0(tid)), g.layout)).toint()
                 for k in cutlass.range_constexpr(0, d, 4):  # (the buffer's rows are 16-byte aligned)
                     red_add_f32x4(row_addr + 4 * k, *(rdQ[k + i] for i in range(4)))
             if const_expr(self.deterministic):
                 self._pass_turn(mSem, tile, h, m_block, tid)
+
+    def _tmem_chunk_load(self, t, rows, tid):
+        """(thread tid's partition of accumulator t's first _CHUNK columns, the 32x32b load, its
+        register fragment's shape, the thread's slice of the load): advance the partition's
+        iterator by the column."""
+        chunk = cute.composition(t.layout, cute.make_layout((rows, _CHUNK)))
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t.iterator, chunk))
+        thr_load = load.get_slice(tid)
+        part = thr_load.partition_S(cute.make_tensor(t.iterator, chunk))
+        regs = thr_load.partition_D(cute.make_identity_tensor((rows, _CHUNK))).shape
+        return part, load, regs, thr_load
+
+    def _dq_row(self, m_block, rank, tid):
+        """The query row of thread tid's dQ values (rank: the CTA's in its cluster)."""
+        return m_block * TILE_M + tid
+
+    def _dq_col0(self, tid):
+        """The first of thread tid's dq_cols dQ columns."""
+        return 0
 
     @cute.jit
     def _wait_turn(self, mSem, tile: _Tile, h, m_block, window_left, tid):

@@ -63,10 +63,8 @@ from torch_fa4.kernels.sm100.bwd_config import (DQ_WARP0, LOAD_WARP, MMA_WARP, N
                                                 TILE_N, Sm100BwdLayout, pair_aliases,
                                                 pair_registers)
 from torch_fa4.kernels.sm100.bwd_kernel import SMEM_BYTES, Sm100AttentionBackward, _Tile
-from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, red_add_f32x4, st_shared_v4, swizzle_128b
-from torch_fa4.kernels.sm100.tmem import (fence_after_sync, fence_before_sync, release_pair_tmem,
-                                          setup_pair_tmem, tmem_copy, umma)
-from torch_fa4.kernels.sm90.bwd_q_walk import DenseQWalk, key_tile_sequence, query_tiles_seeing
+from torch_fa4.kernels.sm100.bwd_stores import SWIZZLE_128B, st_shared_v4, swizzle_128b
+from torch_fa4.kernels.sm100.tmem import release_pair_tmem, setup_pair_tmem, tmem_copy, umma
 
 _CHUNK = 32  # TMEM columns per tcgen05.ld/st (as the 1-CTA kernel)
 _P_COLS = _CHUNK // 2
@@ -107,7 +105,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         # half-row layout and P^T / dS^T in shared memory ("narrow")
         self.keys = self.tile_n = self.lay.keys
         self.narrow = self.keys < TILE_N
-        self.pair_n = 2 * self.keys
+        self.pair_n = self.mma_keys = 2 * self.keys
+        self.dq_cols = self.d // 2  # the half-row layout
         # D = Dv = 256: dS, P^T and dS^T over the step's Q and dO halves (bwd_config.pair_aliases)
         self.alias = pair_aliases(self.d, self.dv)
         self.registers = pair_registers(self.d, mods is not None)
@@ -143,20 +142,11 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
     ):
         aux = (aux0, aux1, aux2, aux3, aux4, aux5, aux6, aux7)[: self.num_aux]
         score_aux, mask_aux = aux[: self.num_score_aux], aux[self.num_score_aux:]
-        unit = cute.make_layout(1, stride=0)
-
-        def view(t, varlen_modes, dense_modes):  # sequence first, batch last (unit batch varlen)
-            if const_expr(self.varlen):
-                return cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, varlen_modes), unit))
-            return cute.make_tensor(t.iterator, cute.select(t.layout, dense_modes))
-
-        # (S, D, H, B) / varlen (T, D, H, 1); the transposed (D, S, H, B) views load the B halves
-        # split over the head dim
-        mQ, mK, mV, mdO, mdK, mdV = [view(t, [0, 2, 1], [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc = self._gmem_views(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDpsum, mdQacc)
+        # the transposed (D, S, H, B) views load the B halves split over the head dim
         mQt, mKt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, [1, 0, 2, 3]))
                           for t in (mQ, mK, mdO)]
-        mLSE2, mDpsum = [view(t, [1, 0], [2, 1, 0]) for t in (mLSE2, mDpsum)]
-        mdQacc = view(mdQacc, [1, 2, 0], [2, 3, 1, 0])
 
         dt, d, dv, stages = self.dtype, self.d, self.dv, self.lay.stages
         sdp_mma, dv_mma, dk_mma, dq_mma = self._mmas()
@@ -273,21 +263,8 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(Storage)
             cluster = cute.tiled_divide(cute.make_layout(_CLUSTER), (sdp_mma.thr_id.shape,))
-            one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
-            pair_wg = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 128)  # both CTAs arrive
-            pipe_kv = pipeline.PipelineTmaUmma.create(
-                num_stages=1, producer_group=one, consumer_group=one, tx_count=bytes_kv,
-                barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
-            pipe_q = pipeline.PipelineTmaUmma.create(
-                num_stages=self.lay.stages, producer_group=one, consumer_group=one, tx_count=bytes_qdo,
-                barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=cluster, defer_sync=True)
-            pipe_s, pipe_dq, pipe_acc = (
-                pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=one, consumer_group=group,
-                                                  barrier_storage=bar.data_ptr(), cta_layout_vmnk=cluster,
-                                                  defer_sync=True)
-                for bar, group in ((storage.mbar_s, pair_wg), (storage.mbar_dq, pair_wg),
-                                   (storage.mbar_acc, wg)))
+            pipes = self._pipelines(storage, bytes_kv, bytes_qdo, cluster, ctas=2)  # both CTAs arrive
+            pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc = pipes
 
             tmem = setup_pair_tmem(storage.tmem_base, warp_idx == MMA_WARP)
 
@@ -312,7 +289,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                 if const_expr(self.narrow):
                     sP = storage.sP.get_tensor(tP_layout.outer, swizzle=tP_layout.inner)
                     sdSt = storage.sdSt.get_tensor(tdS_layout.outer, swizzle=tdS_layout.inner)
-            smem_ops = (sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS)
+            smem_ops = (sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS)
             stats = (storage.sLSE.get_tensor(cute.make_layout((TILE_M, 2))),
                      storage.sDp.get_tensor(cute.make_layout((TILE_M, 2))))
             cols = self.lay.columns()
@@ -322,12 +299,12 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             if warp_idx < DQ_WARP0:
                 if const_expr(self.rebalance):
                     _set_registers(regs_compute)
-                self.pair_compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, rank,
-                                       scalars, (score_aux, mask_aux), tidx % 128)
+                self.compute_role(acc, (sdS, sP, sdSt), stats, pipe_s, pipe_acc, gmem, tile, scalars,
+                                  (score_aux, mask_aux), tidx % 128, rank)
             elif warp_idx < MMA_WARP:
                 if const_expr(self.rebalance):
                     _set_registers(regs_dq)
-                self.pair_dq_role(acc, pipe_dq, gmem, tile, rank, tidx % 128)
+                self.dq_role(acc, pipe_dq, gmem, None, tile, scalars, tidx % 128, rank)
             else:
                 if const_expr(self.rebalance):
                     _set_registers(regs_other)
@@ -336,48 +313,34 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
                     # same value as `rank`, which ptxas does not see as warp-uniform (CUDA 12's then
                     # wraps every UMMA in a loop over the lanes)
                     if n_block % 2 == 0:
-                        self.pair_mma_role(mmas, smem_ops, tmem, (tP_layout, tdS_layout), (sP, sdSt), acc,
+                        self.mma_role(mmas, smem_ops, tmem, ((tP_layout, tdS_layout), (sP, sdSt)), acc,
                                            cols, pipe_kv, pipe_q, pipe_s, pipe_dq, pipe_acc, steps)
                 elif warp_idx == LOAD_WARP:
                     self.pair_load_role(gmem, tmas, mmas, smem_ops, pipe_kv, pipe_q, tile, rank)
 
             release_pair_tmem(tmem, warp_idx == MMA_WARP)
 
-    @cute.jit
-    def _tile(self, gmem, mCuQ, mCuK, mSeqUsedK, q_lists, n_block, hkv, b, scalars) -> _Tile:
-        """The 1-CTA kernel's bookkeeping, with the walk over the query tiles that see any key
-        of the pair's 256 (both CTAs walk the same steps)."""
-        mQ, mK = gmem[0], gmem[1]
-        window_left, window_right = scalars[3], scalars[4]
-        q_off, k_off, seqlen_q, seqlen_k, rows_k = key_tile_sequence(mQ, mK, mCuQ, mCuK, mSeqUsedK, b,
-                                                                     self.varlen)
-        diag = seqlen_k - seqlen_q
-        n0 = n_block // 2 * self.pair_n
-        n1 = cutlass.min(n0 + self.pair_n, seqlen_k)
-        m_lo, n_m = query_tiles_seeing(n0, n1, seqlen_q, diag, window_left, window_right, TILE_M,
-                                       self.has_left, self.has_right)
-        if n0 >= seqlen_k:
-            n_m = Int32(0)
-        stat_off = q_off
-        if const_expr(self.varlen):  # bwd_row_stats.stat_row_offsets
-            stat_off = (q_off + b * TILE_M) // TILE_M * TILE_M
-        walk = DenseQWalk(m_lo, n_m, self.group)
-        return _Tile(n_block, hkv, b, q_off, k_off, seqlen_q, seqlen_k, rows_k, diag, stat_off, walk)
+    def _first_key(self, n_block):
+        """The pair's first key (both CTAs walk the query tiles that see any of its keys)."""
+        return n_block // 2 * self.pair_n
 
-    def _tmem_tensors(self, tmem, cols, mmas):
-        """Each CTA's accumulator halves: S^T, dP^T (its keys x queries), dV, dK (its keys x head
-        dim) and dQ (its 64 queries x D, the half-row layout, over S^T's second half)."""
-        sdp_mma, dv_mma, dk_mma, dq_mma = mmas
+    def _tmem_chunk_load(self, t, rows, tid):
+        """As the 1-CTA kernel's, over TMEM lanes (the pair's accumulators are one CTA's half)."""
+        lanes = cute.make_layout((rows, _CHUNK), stride=(1 << 16, 1))  # (TMEM lane, column)
+        chunk = cute.make_tensor(t.iterator, lanes)
+        load = tmem_copy(Ld32x32bOp, Repetition.x32, chunk)
+        thr_load = load.get_slice(tid)
+        part = thr_load.partition_S(chunk)
+        regs = thr_load.partition_D(cute.make_identity_tensor((rows, _CHUNK))).shape
+        return part, load, regs, thr_load
 
-        def acc(mma, shape, col):
-            thr = mma.get_slice(0)
-            layout = thr.make_fragment_C(thr.partition_shape_C(shape)).layout
-            return cute.make_tensor(tmem + col, layout)
+    def _dq_row(self, m_block, rank, tid):
+        """dQ of the CTA's 64 queries: thread t holds query t % 64, D columns [D/2 (t // 64), +D/2)
+        (the half-row layout)."""
+        return m_block * TILE_M + rank * _HALF_M + tid % _HALF_M
 
-        pair_n = self.pair_n
-        return (acc(sdp_mma, (pair_n, TILE_M), cols["s"]), acc(sdp_mma, (pair_n, TILE_M), cols["dp"]),
-                acc(dv_mma, (pair_n, self.dv), cols["dv"]), acc(dk_mma, (pair_n, self.d), cols["dk"]),
-                acc(dq_mma, (TILE_M, self.d), cols["dq"]))
+    def _dq_col0(self, tid):
+        return tid // _HALF_M * self.dq_cols
 
     @cute.jit
     def _head_cols(self, t: cute.Tensor, h, b, off):
@@ -394,7 +357,7 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         mQ, mK, mV, mdO = gmem[0], gmem[1], gmem[2], gmem[3]
         mQt, mKt, mdOt = gmem[9], gmem[10], gmem[11]
         tma_Q, tma_K, tma_V, tma_dO, tma_Qt, tma_Kt, tma_dOt = tmas
-        sK, sV, sKt, sQ, sQt, sdO, sdOt, _ = smem_ops
+        sK, sKt, sV, sQ, sQt, sdO, sdOt, _ = smem_ops
         thr_sdp, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in mmas)
         d, dv = self.d, self.dv
         pair = tile.n_block // 2
@@ -450,24 +413,14 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             pipe_q.producer_tail(q_state)
 
     # ------------------------------------------------------------------ MMA warp (leader CTA)
-    @cute.jit
-    def pair_mma_role(self, mmas, smem_ops, tmem, tmem_a_layouts, smem_a, acc, cols, pipe_kv, pipe_q, pipe_s,
-                      pipe_dq, pipe_acc, steps):
-        sdp_mma, dv_mma, dk_mma, dq_mma = mmas
-        sK, sV, sKt, sQ, sQt, sdO, sdOt, sdS = smem_ops
-        tP_layout, tdS_layout = tmem_a_layouts
-        tS, tdP, tdV, tdK, tdQ = acc
-        thr_sdp, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in mmas)
-        tSrK = thr_sdp.make_fragment_A(sK)[None, None, None, 0]
-        tSrV = thr_sdp.make_fragment_A(sV)[None, None, None, 0]
-        tSrQ = thr_sdp.make_fragment_B(sQ)
-        tSrdO = thr_sdp.make_fragment_B(sdO)
-        tVrdO = thr_dv.make_fragment_B(sdOt)
-        tKrQ = thr_dk.make_fragment_B(sQt)
-        tQrdS = thr_dq.make_fragment_A(sdS)[None, None, None, 0]
-        tQrK = thr_dq.make_fragment_B(sKt)[None, None, None, 0]
-        # P^T and dS^T: 16-bit A operands in TMEM over S^T's and dP^T's first columns (addresses
-        # relative to column 0 of the 512-column allocation); narrow: from shared memory
+    def _mma_a_fragments(self, thrs, smem_ops, tmem, a_ops, cols):
+        """dS (dQ's A) and K^T (dQ's B) from shared memory; P^T and dS^T: 16-bit A operands in TMEM
+        over S^T's and dP^T's first columns (addresses relative to column 0 of the 512-column
+        allocation); narrow: from shared memory."""
+        thr_dv, thr_dk, thr_dq = thrs
+        (tP_layout, tdS_layout), smem_a = a_ops
+        tQrdS = thr_dq.make_fragment_A(smem_ops[7])[None, None, None, 0]
+        tQrK = thr_dq.make_fragment_B(smem_ops[1])[None, None, None, 0]
         if const_expr(self.narrow):
             tVrP = thr_dv.make_fragment_A(smem_a[0])[None, None, None, 0]
             tKrdS = thr_dk.make_fragment_A(smem_a[1])[None, None, None, 0]
@@ -477,46 +430,22 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
             tVrP = cute.make_tensor(tVrP.iterator + per_col * cols["s"], tVrP.layout)
             tKrdS = thr_dk.make_fragment_A(cute.make_tensor(tmem, tdS_layout.outer))[None, None, None, 0]
             tKrdS = cute.make_tensor(tKrdS.iterator + per_col * cols["dp"], tKrdS.layout)
-        if steps > 0:
-            Consumer, Producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
-            kv_state = pipeline.make_pipeline_state(Consumer, 1)
-            q_state = pipeline.make_pipeline_state(Consumer, self.lay.stages)
-            s_state, dq_state, acc_state = (pipeline.make_pipeline_state(Producer, 1) for _ in range(3))
-            pipe_kv.consumer_wait(kv_state)
-            pipe_s.producer_acquire(s_state)
-            for i in cutlass.range(steps, unroll=1):
-                pipe_q.consumer_wait(q_state)
-                stage = q_state.index
-                pipe_dq.producer_acquire(dq_state)  # dQ_{i-1} read out of S^T's columns (both CTAs)
-                fence_after_sync()
-                umma(sdp_mma, tS, tSrK, tSrQ[None, None, None, stage], False)
-                umma(sdp_mma, tdP, tSrV, tSrdO[None, None, None, stage], False)
-                pipe_s.producer_commit(s_state)
-                s_state.advance()
-                pipe_s.producer_acquire(s_state)  # P^T, dS^T in TMEM, dS in both CTAs' shared memory
-                # the peer's dS stores were released at cluster scope: acquire them at that scope
-                cute.arch.fence_acq_rel_cluster()
-                fence_after_sync()
-                umma(dv_mma, tdV, tVrP, tVrdO[None, None, None, stage], i > 0)
-                umma(dk_mma, tdK, tKrdS, tKrQ[None, None, None, stage], i > 0)
-                umma(dq_mma, tdQ, tQrdS, tQrK, False)
-                pipe_dq.producer_commit(dq_state)
-                dq_state.advance()
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-            pipe_acc.producer_commit(acc_state)
+        return tVrP, tKrdS, tQrdS, tQrK
+
+    def _emit_ummas(self, batch):
+        """One pair UMMA at a time (tmem.umma; the leader's MMA warp)."""
+        for m in batch:
+            umma(m.tiled_mma, m.acc, m.a, m.b, m.accumulate)
+
+    def _acquire_ds(self):
+        """The peer's dS stores were released at cluster scope: acquire them at that scope."""
+        cute.arch.fence_acq_rel_cluster()
 
     # ------------------------------------------------------------------ compute warpgroup
-    @cute.jit
-    def pair_compute_role(self, acc, smem_ds, stats, pipe_s, pipe_acc, gmem, tile: _Tile, rank, scalars, aux,
-                          tid):
-        tS, tdP, tdV, tdK, _ = acc
+    def _compute_setup(self, tS, tdP, smem_ds, rank, tid):
+        """Thread tid reads TMEM lane tid: key tid and all 128 queries; narrow (the half-row
+        layout): key tid % 64 and the 64 queries from (tid // 64) * 64."""
         sdS, sP, sdSt = smem_ds
-        mLSE2, mDpsum = gmem[4], gmem[5]
-        sLSE, sDp = stats
-        scale, scale_log2, softcap_val, window_left, window_right = scalars
-        # thread tid reads TMEM lane tid: key tid and all 128 queries; narrow (the half-row layout):
-        # key tid % 64 and the 64 queries from (tid // 64) * 64
         t_key = tid % self.keys
         q_base = tid // self.keys * _HALF_M
         chunks = (TILE_M if const_expr(not self.narrow) else _HALF_M) // _CHUNK
@@ -536,157 +465,76 @@ class Sm100PairAttentionBackward(Sm100AttentionBackward):
         # dS (dQ's A: 64 queries x the pair's keys per CTA): this thread's key among the pair's
         sdS_base = sdS.iterator.toint()
         pair_key = rank * self.keys + t_key
-        row_layout = cute.make_layout((1, _CHUNK))
-        c0 = cute.make_identity_tensor((1, _CHUNK))
-        walk = tile.walk
-        key0 = tile.n_block * self.keys
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        cur_h, cur_m = walk.start()
-        for step in cutlass.range(walk.count, unroll=1):
-            h_local, m_block, partial = walk.at(step, cur_h, cur_m)
-            cur_h, cur_m = walk.advance(cur_h, cur_m)
-            h = tile.hkv * self.group + h_local
-            row0 = m_block * TILE_M
-            mod_ctx = (tile.b, h, aux[0], aux[1], partial)
-            stage = step % 2
-            bi = 0 if const_expr(self.varlen) else tile.b
-            stat_row = tile.stat_off + row0 + tid
-            sLSE[tid, stage] = mLSE2[stat_row, h, bi]
-            sDp[tid, stage] = mDpsum[stat_row, h, bi]
-            cute.arch.barrier(barrier_id=_BAR_STATS, number_of_threads=128)
-            pipe_s.consumer_wait(s_state)
-            fence_after_sync()
-            for c in cutlass.range(chunks, unroll=1):
-                rS = cute.make_rmem_tensor(regs, Float32)
-                rdP = cute.make_rmem_tensor(regs, Float32)
-                cute.copy(load, cute.make_tensor(tSt.iterator + c * _CHUNK, tSt.layout), rS)
-                cute.copy(load, cute.make_tensor(tdPt.iterator + c * _CHUNK, tdPt.layout), rdP)
-                cute.arch.fence_view_async_tmem_load()
-                S = cute.make_tensor(rS.iterator, row_layout)
-                dP = cute.make_tensor(rdP.iterator, row_layout)
-                t_q = q_base + c * _CHUNK
-                cS = (t_key, t_q, t_q - t_key, c0)
-                at = (cS, sLSE, sDp, stage, row0, key0, tile.seqlen_q, tile.seqlen_k, tile.diag, window_left,
-                      window_right, scale, scale_log2, softcap_val, mod_ctx)
-                self._p_and_ds(S, dP, at)
-                rP = cute.make_rmem_tensor(p_regs, Float32)
-                as16 = lambda t: cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.dtype),  # noqa: E731
-                                                  cute.make_layout(_CHUNK))
-                rP16 = as16(rP)
-                rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                rdS = cute.make_rmem_tensor(p_regs, Float32)
-                rdS16 = as16(rdS)
-                convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
-                rP32 = cute.recast_tensor(rP16, Int32)
-                rdS32 = cute.recast_tensor(rdS16, Int32)
-                if const_expr(self.narrow):
-                    # P^T and dS^T rows (key t_key, 32 queries) into this CTA's tiles, 16 bytes per store
-                    for v in cutlass.range_constexpr(_CHUNK // 8):
-                        q = t_q + 8 * v
-                        elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sP.layout)
-                        off = swizzle_128b(elem * (self.dtype.width // 8))
-                        st_shared_v4(sP.iterator.toint() + off, *(rP32[4 * v + i] for i in range(4)))
-                        elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sdSt.layout)
-                        off = swizzle_128b(elem * (self.dtype.width // 8))
-                        st_shared_v4(sdSt.iterator.toint() + off, *(rdS32[4 * v + i] for i in range(4)))
-                else:
-                    # P^T and dS^T (16-bit) over the TMEM columns this chunk's loads have read
-                    cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
-                    cute.copy(store_p, rdS, cute.make_tensor(tdSt.iterator + c * _P_COLS, tdSt.layout))
-                # the same dS values into dQ's A of the CTA owning these queries (0-63: CTA 0,
-                # 64-127: CTA 1), 16 bytes of 8 queries per store
-                owner = t_q // _HALF_M
-                for v in cutlass.range_constexpr(_CHUNK // 8):
-                    q = t_q % _HALF_M + 8 * v
-                    elem = cute.crd2idx(((q, pair_key % 16), 0, pair_key // 16, 0), sdS.layout)
-                    addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
-                    st_cluster_v4(addr, owner, *(rdS32[4 * v + i] for i in range(4)))
-            if const_expr(not self.narrow):
-                cute.arch.fence_view_async_tmem_store()
-            # the dS stores (generic proxy, either CTA's shared memory) before the MMA's reads
-            cute.arch.fence_proxy("async.shared", space="cluster")
-            # and ordered, at cluster scope, before the arrive on the leader's barrier (a remote
-            # arrive releases at CTA scope only)
-            cute.arch.fence_acq_rel_cluster()
-            fence_before_sync()
-            pipe_s.consumer_release(s_state)
-            s_state.advance()
-        self.pair_dkdv_epilogue(tdV, tdK, pipe_acc, gmem, tile, scale, tid)
+        return (t_key, q_base, chunks, tSt, tdPt, load, regs, store_p, tPt, tdSt, p_regs, smem_ds, sdS_base,
+                pair_key)
+
+    def _chunk_query(self, q_base, c):
+        return q_base + c * _CHUNK
+
+    def _write_p_ds(self, rS, rdP, c, t_q, ctx):
+        """P^T and dS^T to TMEM (narrow: this CTA's shared memory), dS to the shared memory of the
+        CTA owning queries t_q.."""
+        t_key = ctx[0]
+        store_p, tPt, tdSt, p_regs, (sdS, sP, sdSt), sdS_base, pair_key = ctx[7:]
+        rP = cute.make_rmem_tensor(p_regs, Float32)
+        as16 = lambda t: cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.dtype),  # noqa: E731
+                                          cute.make_layout(_CHUNK))
+        rP16 = as16(rP)
+        rP16.store(cute.make_tensor(rS.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+        rdS = cute.make_rmem_tensor(p_regs, Float32)
+        rdS16 = as16(rdS)
+        convert_pairs(cute.make_tensor(rdP.iterator, cute.make_layout(_CHUNK)), rdS16)
+        rP32 = cute.recast_tensor(rP16, Int32)
+        rdS32 = cute.recast_tensor(rdS16, Int32)
+        if const_expr(self.narrow):
+            # P^T and dS^T rows (key t_key, 32 queries) into this CTA's tiles, 16 bytes per store
+            for v in range(_CHUNK // 8):
+                q = t_q + 8 * v
+                elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sP.layout)
+                off = swizzle_128b(elem * (self.dtype.width // 8))
+                st_shared_v4(sP.iterator.toint() + off, *(rP32[4 * v + i] for i in range(4)))
+                elem = cute.crd2idx(((t_key, q % 16), 0, q // 16, 0), sdSt.layout)
+                off = swizzle_128b(elem * (self.dtype.width // 8))
+                st_shared_v4(sdSt.iterator.toint() + off, *(rdS32[4 * v + i] for i in range(4)))
+        else:
+            # P^T and dS^T (16-bit) over the TMEM columns this chunk's loads have read
+            cute.copy(store_p, rP, cute.make_tensor(tPt.iterator + c * _P_COLS, tPt.layout))
+            cute.copy(store_p, rdS, cute.make_tensor(tdSt.iterator + c * _P_COLS, tdSt.layout))
+        # the same dS values into dQ's A of the CTA owning these queries (0-63: CTA 0,
+        # 64-127: CTA 1), 16 bytes of 8 queries per store
+        owner = t_q // _HALF_M
+        for v in range(_CHUNK // 8):
+            q = t_q % _HALF_M + 8 * v
+            elem = cute.crd2idx(((q, pair_key % 16), 0, pair_key // 16, 0), sdS.layout)
+            addr = sdS_base + swizzle_128b(elem * (self.dtype.width // 8))
+            st_cluster_v4(addr, owner, *(rdS32[4 * v + i] for i in range(4)))
+
+    def _release_p_ds(self):
+        if const_expr(not self.narrow):
+            cute.arch.fence_view_async_tmem_store()
+        # the dS stores (generic proxy, either CTA's shared memory) before the MMA's reads
+        cute.arch.fence_proxy("async.shared", space="cluster")
+        # and ordered, at cluster scope, before the arrive on the leader's barrier (a remote
+        # arrive releases at CTA scope only)
+        cute.arch.fence_acq_rel_cluster()
+
+    def _epilogue_key(self, tile: _Tile, tid):
+        """Key tid; narrow (the half-row layout): key tid % 64, half the columns (_acc_cols)."""
+        return tile.n_block * self.keys + tid % self.keys
+
+    def _acc_cols(self, width):
+        return width // 2 if const_expr(self.narrow) else width
+
+    def _acc_col0(self, cols, tid):
+        return tid // self.keys * cols
+
+    def _epilogue_rows(self, m_out, tile: _Tile, width):
+        return self._head_rows(m_out, tile.hkv, tile.b, tile.k_off)
 
     @cute.jit
-    def pair_dkdv_epilogue(self, tdV, tdK, pipe_acc, gmem, tile: _Tile, scale, tid):
-        """This thread's key rows of dV and dK (times the softmax scale) from TMEM to global memory:
-        key tid, all columns; narrow (the half-row layout): key tid % 64, half the columns. Zeros
-        where the walk was empty (no query sees these keys)."""
-        mdK, mdV = gmem[7], gmem[8]
-        steps = tile.walk.count
-        if steps > 0:
-            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_acc.consumer_wait(acc_state)
-            fence_after_sync()
-        t_key = tid % self.keys
-        key = tile.n_block * self.keys + t_key
-        lanes = cute.make_layout((TILE_M, _CHUNK), stride=(1 << 16, 1))
-        for t_acc, m_out, width, factor in ((tdV, mdV, self.dv, None), (tdK, mdK, self.d, scale)):
-            cols = width // 2 if const_expr(self.narrow) else width  # columns this thread holds
-            col0 = tid // self.keys * cols
-            load = tmem_copy(Ld32x32bOp, Repetition.x32, cute.make_tensor(t_acc.iterator, lanes))
-            thr_load = load.get_slice(tid)
-            tAt = thr_load.partition_S(cute.make_tensor(t_acc.iterator, lanes))
-            regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
-            g = self._head_rows(m_out, tile.hkv, tile.b, tile.k_off)
-            for j in cutlass.range_constexpr(cols // _CHUNK):
-                r = cute.make_rmem_tensor(regs, Float32)
-                if steps > 0:
-                    cute.copy(load, cute.make_tensor(tAt.iterator + j * _CHUNK, tAt.layout), r)
-                    cute.arch.fence_view_async_tmem_load()
-                else:
-                    r.fill(0.0)
-                if const_expr(factor is not None):
-                    for k in cutlass.range_constexpr(cute.size(r)):
-                        r[k] = r[k] * factor
-                r16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
-                r16.store(cute.make_tensor(r.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
-                if key < tile.rows_k:
-                    gt = cute.local_tile(g, (self.keys, _CHUNK), (tile.n_block, col0 // _CHUNK + j))
-                    cute.autovec_copy(r16, gt[t_key, None])
-
-    # ------------------------------------------------------------------ dQ warpgroup
-    @cute.jit
-    def pair_dq_role(self, acc, pipe_dq, gmem, tile: _Tile, rank, tid):
-        """dQ of the CTA's 64 queries: thread t reads query t % 64, D columns [D/2 (t // 64), +D/2)
-        (the half-row layout) and adds them into the fp32 buffer."""
-        tdQ = acc[4]
-        mdQacc = gmem[6]
-        half = self.d // 2
-        lanes = cute.make_layout((TILE_M, _CHUNK), stride=(1 << 16, 1))  # (TMEM lane, column)
-        chunk = cute.make_tensor(tdQ.iterator, lanes)
-        load = tmem_copy(Ld32x32bOp, Repetition.x32, chunk)
-        thr_load = load.get_slice(tid)
-        tQt = thr_load.partition_S(chunk)
-        regs = thr_load.partition_D(cute.make_identity_tensor((TILE_M, _CHUNK))).shape
-        walk = tile.walk
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        cur_h, cur_m = walk.start()
-        for step in cutlass.range(walk.count, unroll=1):
-            h_local, m_block, _ = walk.at(step, cur_h, cur_m)
-            cur_h, cur_m = walk.advance(cur_h, cur_m)
-            h = tile.hkv * self.group + h_local
-            pipe_dq.consumer_wait(dq_state)
-            fence_after_sync()
-            rdQ = cute.make_rmem_tensor(cute.make_layout(half), Float32)
-            for j in cutlass.range_constexpr(half // _CHUNK):
-                r = cute.make_rmem_tensor(regs, Float32)
-                cute.copy(load, cute.make_tensor(tQt.iterator + j * _CHUNK, tQt.layout), r)
-                cute.arch.fence_view_async_tmem_load()
-                for k in cutlass.range_constexpr(_CHUNK):
-                    rdQ[j * _CHUNK + k] = r[k]
-            fence_before_sync()
-            pipe_dq.consumer_release(dq_state)
-            dq_state.advance()
-            row = m_block * TILE_M + rank * _HALF_M + tid % _HALF_M
-            if row < tile.seqlen_q:
-                g = self._head_rows(mdQacc, h, tile.b, tile.q_off)
-                row_addr = (g.iterator + cute.crd2idx((row, tid // _HALF_M * half), g.layout)).toint()
-                for k in cutlass.range_constexpr(0, half, 4):
-                    red_add_f32x4(row_addr + 4 * k, *(rdQ[k + i] for i in range(4)))
+    def _store_acc_chunk(self, r, g, thr_load, j, col0, key, tile: _Tile, tid):
+        r16 = cute.make_rmem_tensor(cute.make_layout(_CHUNK), self.dtype)
+        r16.store(cute.make_tensor(r.iterator, cute.make_layout(_CHUNK)).load().to(self.dtype))
+        if key < tile.rows_k:
+            gt = cute.local_tile(g, (self.keys, _CHUNK), (tile.n_block, col0 // _CHUNK + j))
+            cute.autovec_copy(r16, gt[tid % self.keys, None])
