@@ -137,7 +137,11 @@ def test_nonlinear_mod_and_negative_indices():
 
     out = torch_fa4.attention(q, k, v, score_mod=mod, causal=True)
     want, _ = naive_attention(q, k, v, score_mod=mod, causal=True, differentiable=True)
-    _grads_match(out, want, (q, k, v, gain, offs))
+    # offs[-1]'s gradient is a sum of sigmoid' (q - kv) terms of both signs over the causal rows, often
+    # a small difference of large ones: over 300 seeds the fp32 loads and arithmetic left it within
+    # 2e-5 of the oracle's in 296 and within 3.5e-4 in all (q, k, v: about 3e-8 in all); a wrong
+    # derivative is off by order 1
+    _grads_match(out, want, (q, k, v, gain, offs), tol=1e-3)
 
 
 @pytest.mark.parametrize("layout", ["varlen", "seqused"])
