@@ -53,3 +53,21 @@ def _no_launch_records_across_tests():
     if shape_memo is not None:
         shape_memo.clear_all()
     yield
+
+
+@pytest.fixture
+def op_args(monkeypatch):
+    """The torch_fa4::fwd op's arguments after q, k, v, one tuple per public call (the calls still
+    run): what the API turned the call's mods, block mask and flags into."""
+    from torch_fa4 import api
+
+    seen = []
+    real = api.ops.fwd_impl
+
+    def spy(q, k, v, *rest):
+        seen.append(rest)
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(api.ops, "fwd_impl", spy)
+    return seen
+

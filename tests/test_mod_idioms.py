@@ -84,19 +84,6 @@ def test_window_for(sq, sk, wl, wr, band, want):
     assert idioms.window_for(band, sq, sk, wl, wr) == want
 
 
-@pytest.fixture
-def op_args(monkeypatch):
-    seen = []
-    real = api.ops.fwd_impl
-
-    def spy(q, k, v, *rest):
-        seen.append(rest)
-        return real(q, k, v, *rest)
-
-    monkeypatch.setattr(api.ops, "fwd_impl", spy)
-    return seen
-
-
 def _qkv(sq=200, sk=200, dtype=torch.float32):
     q = torch.randn(2, sq, 4, 64, dtype=dtype)
     k, v = (torch.randn(2, sk, 2, 64, dtype=dtype) for _ in range(2))

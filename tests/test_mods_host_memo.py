@@ -33,20 +33,6 @@ def _forget_everything():
 
 
 @pytest.fixture
-def op_args(monkeypatch):
-    """The fwd op's arguments of each call (the call itself still runs)."""
-    seen = []
-    real = api.ops.fwd_impl
-
-    def spy(q, k, v, *rest):
-        seen.append(rest)
-        return real(q, k, v, *rest)
-
-    monkeypatch.setattr(api.ops, "fwd_impl", spy)
-    return seen
-
-
-@pytest.fixture
 def derivations(monkeypatch):
     """How many calls derived their mod arguments (missed call_memo's memo)."""
     seen = []
