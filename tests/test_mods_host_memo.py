@@ -89,6 +89,14 @@ def _document_causal(doc_ids):
     return document_causal
 
 
+def _document_call(doc_ids):
+    """A torch_fa4 block mask of causal documents `doc_ids` and a flex_attention call with it on
+    fresh q, k, v."""
+    bm = torch_fa4.create_block_mask(_document_causal(doc_ids), None, None, S, S, device="cpu")
+    q, k, v = _qkv()
+    return bm, lambda: torch_fa4.flex_attention(q, k, v, block_mask=bm)
+
+
 def _lists(bm_args):
     return [t.clone() for t in bm_args]
 
@@ -109,9 +117,7 @@ def test_repeated_call_is_a_hit_with_the_same_arguments(op_args, derivations):
 
 def test_captured_tensor_written_in_place(op_args):
     doc_ids = torch.arange(S) // DOC
-    bm = torch_fa4.create_block_mask(_document_causal(doc_ids), None, None, S, S, device="cpu")
-    q, k, v = _qkv()
-    call = lambda: torch_fa4.flex_attention(q, k, v, block_mask=bm)
+    bm, call = _document_call(doc_ids)
     before = _lists(_check_against_fresh(op_args, call)[4])
     doc_ids.copy_(torch.arange(S) // 256)  # documents on tile bounds: the diagonal tiles become full
     after = _check_against_fresh(op_args, call)[4]
@@ -120,9 +126,7 @@ def test_captured_tensor_written_in_place(op_args):
 
 def test_block_mask_written_in_place(op_args):
     doc_ids = torch.arange(S) // DOC
-    bm = torch_fa4.create_block_mask(_document_causal(doc_ids), None, None, S, S, device="cpu")
-    q, k, v = _qkv()
-    call = lambda: torch_fa4.flex_attention(q, k, v, block_mask=bm)
+    bm, call = _document_call(doc_ids)
     before = _lists(_check_against_fresh(op_args, call)[4])
     bm.kv_num_blocks[..., -1] = 0  # the last query tile loses its partial tiles
     after = _check_against_fresh(op_args, call)[4]
@@ -247,9 +251,7 @@ def test_entries_go_with_their_tensors():
 def test_inference_tensors_are_not_kept(op_args):
     with torch.inference_mode():
         doc_ids = torch.arange(S) // DOC
-        bm = torch_fa4.create_block_mask(_document_causal(doc_ids), None, None, S, S, device="cpu")
-        q, k, v = _qkv()
-        call = lambda: torch_fa4.flex_attention(q, k, v, block_mask=bm)
+        bm, call = _document_call(doc_ids)
         _check_against_fresh(op_args, call)
         assert len(call_memo.MOD_ARGUMENTS) == 0
 
